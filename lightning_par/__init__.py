@@ -1,0 +1,17 @@
+"""lightning_par: parallel training strategies for unmodified LightningModules.
+
+``import lightning_par`` registers the strategy names (``"zero1"``, ``"zero2"``, ``"zero3"``,
+``"zero3_offload"``, ...) so ``Trainer(strategy="zero3")`` works.
+"""
+
+from lightning_par.config import ParallelConfig, ParallelConfigError
+from lightning_par.precision import _connector
+from lightning_par.precision.parallel import ParallelPrecision
+from lightning_par.strategies import STRATEGY_NAMES, ParallelStrategy, register_strategies
+
+__version__ = "0.1.0"
+
+_connector.install()
+register_strategies()
+
+__all__ = ["STRATEGY_NAMES", "ParallelConfig", "ParallelConfigError", "ParallelPrecision", "ParallelStrategy"]

@@ -1,0 +1,187 @@
+"""Typed, validated configuration of a parallel layout.
+
+Validation happens here, once, before any process-group work (DESIGN.md, layer 1). Every error names the bad
+value and the fix. Static checks run in ``ParallelConfig.__post_init__``; checks that need the world size run in
+``ParallelConfig.resolve``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal, Optional, Union
+
+AXES = ("pp", "dp_replicate", "dp_shard", "ep", "tp")
+ZERO_STAGES = (0, 1, 2, 3)
+AC_MODES = (None, "full", "selective")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev")
+# Axes whose parallel code has landed. The others are accepted here so configs and recipes are stable, and are
+# rejected by `check_supported` until their issue lands.
+SUPPORTED_AXES = ("dp_replicate", "dp_shard")
+
+AUTO = -1  # a degree left for `resolve` to fill from the world size
+
+ACMode = Optional[Literal["full", "selective"]]
+
+
+class ParallelConfigError(ValueError):
+    """A parallel layout that cannot run; the message names the fix."""
+
+
+def _choices(n: int) -> str:
+    return "{" + ", ".join(str(d) for d in range(1, n + 1) if n % d == 0) + "}"
+
+
+@dataclasses.dataclass
+class ParallelConfig:
+    """Degrees of every mesh axis plus the techniques applied along them.
+
+    Args:
+        pp: pipeline-parallel degree (stages).
+        dp_replicate: data-parallel replicas that each hold a full copy of the (dp_shard-)sharded state (the
+            outer level of hybrid sharding).
+        dp_shard: data-parallel ranks that shard the state (ZeRO). ``-1`` means "whatever the world size leaves".
+        ep: expert-parallel degree, carved out of the data-parallel ranks (it does not multiply the world size).
+        tp: tensor-parallel degree (innermost axis).
+        zero_stage: 0 replicates everything (DDP), 1 shards optimizer state, 2 also gradients, 3 also parameters.
+        offload: keep sharded parameters and optimizer state in CPU memory between uses (needs ``zero_stage=3``).
+        activation_checkpointing: ``None``, ``"full"`` (every block) or ``"selective"`` (every ``ac_every``-th).
+        ac_every: the period of ``"selective"`` checkpointing.
+        sequence_parallel: shard norms/dropout along the sequence inside tensor-parallel regions.
+        pp_schedule: pipeline schedule name.
+        microbatches: pipeline microbatches per step (``None``: ``2 * pp``).
+        bucket_cap_mb: size of a gradient/parameter communication bucket for ZeRO stages 0-2.
+    """
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = AUTO
+    ep: int = 1
+    tp: int = 1
+    zero_stage: int = 0
+    offload: bool = False
+    activation_checkpointing: ACMode = None
+    ac_every: int = 2
+    sequence_parallel: bool = True
+    pp_schedule: str = "1f1b"
+    microbatches: Optional[int] = None
+    bucket_cap_mb: float = 25.0
+
+    def __post_init__(self) -> None:
+        for axis in AXES:
+            value = getattr(self, axis)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ParallelConfigError(f"{axis}={value!r} must be an int; pass e.g. {axis}=2")
+            if value < 1 and not (axis == "dp_shard" and value == AUTO):
+                hint = " or -1 (fill from the world size)" if axis == "dp_shard" else ""
+                raise ParallelConfigError(f"{axis}={value} must be a positive int{hint}")
+        if self.zero_stage not in ZERO_STAGES:
+            raise ParallelConfigError(
+                f"zero_stage={self.zero_stage!r} does not exist; choose one of {ZERO_STAGES} "
+                "(1: optimizer state, 2: + gradients, 3: + parameters sharded)"
+            )
+        if self.offload and self.zero_stage != 3:
+            raise ParallelConfigError(
+                f"offload=True needs zero_stage=3 (got {self.zero_stage}): only fully sharded parameters and "
+                "optimizer state are moved to CPU; use strategy='zero3_offload'"
+            )
+        if self.activation_checkpointing not in AC_MODES:
+            raise ParallelConfigError(
+                f"activation_checkpointing={self.activation_checkpointing!r} is unknown; choose None, 'full' or "
+                "'selective'"
+            )
+        if not isinstance(self.ac_every, int) or self.ac_every < 1:
+            raise ParallelConfigError(f"ac_every={self.ac_every!r} must be an int >= 1 (checkpoint every k-th block)")
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise ParallelConfigError(f"pp_schedule={self.pp_schedule!r} is unknown; choose one of {PP_SCHEDULES}")
+        if self.microbatches is not None and (not isinstance(self.microbatches, int) or self.microbatches < 1):
+            raise ParallelConfigError(f"microbatches={self.microbatches!r} must be a positive int or None")
+        if not self.bucket_cap_mb > 0:
+            raise ParallelConfigError(f"bucket_cap_mb={self.bucket_cap_mb} must be > 0 (25 is a good default)")
+        if self.pp > 1 and self.microbatches is not None and self.microbatches < self.pp:
+            raise ParallelConfigError(
+                f"microbatches={self.microbatches} < pp={self.pp} leaves stages idle; use microbatches >= {self.pp}"
+            )
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel size (replicate x shard); only meaningful after `resolve`."""
+        return self.dp_replicate * self.dp_shard
+
+    def resolve(self, world_size: int, devices_per_node: Optional[int] = None) -> "ParallelConfig":
+        """Return a copy with ``dp_shard`` filled in, checked against the world size.
+
+        Args:
+            world_size: number of processes in the job.
+            devices_per_node: processes per node; tensor parallelism must not span nodes.
+        """
+        if world_size < 1:
+            raise ParallelConfigError(f"world_size={world_size} must be >= 1")
+        fixed = self.pp * self.dp_replicate * self.tp
+        dp_shard = self.dp_shard
+        if dp_shard == AUTO:
+            if world_size % fixed:
+                raise ParallelConfigError(
+                    f"pp={self.pp} x dp_replicate={self.dp_replicate} x tp={self.tp} = {fixed} does not divide the "
+                    f"world size {world_size}; choose degrees whose product divides {world_size}"
+                )
+            dp_shard = world_size // fixed
+        total = fixed * dp_shard
+        if total != world_size:
+            raise ParallelConfigError(
+                f"pp={self.pp} x dp_replicate={self.dp_replicate} x dp_shard={dp_shard} x tp={self.tp} = {total} "
+                f"but the world size is {world_size}; set dp_shard=-1 to fill it, or change devices/num_nodes"
+            )
+        dp = self.dp_replicate * dp_shard
+        if dp % self.ep:
+            raise ParallelConfigError(
+                f"ep={self.ep} does not divide the data-parallel size {dp}; choose ep in {_choices(dp)}"
+            )
+        if devices_per_node is not None and self.tp > devices_per_node:
+            raise ParallelConfigError(
+                f"tp={self.tp} spans nodes ({devices_per_node} devices per node); choose tp in "
+                f"{_choices(devices_per_node)}"
+            )
+        if self.zero_stage == 0 and self.dp_shard not in (AUTO, 1) and dp_shard > 1 and self.dp_replicate > 1:
+            raise ParallelConfigError(
+                "hybrid sharding (dp_replicate > 1 and dp_shard > 1) needs zero_stage >= 1; with zero_stage=0 "
+                "every data-parallel rank is a replica: set dp_replicate=1"
+            )
+        return dataclasses.replace(self, dp_shard=dp_shard)
+
+    def check_supported(self) -> None:
+        """Reject axes whose implementation has not landed yet, naming what does work."""
+        for axis in AXES:
+            if axis not in SUPPORTED_AXES and getattr(self, axis) > 1:
+                raise NotImplementedError(
+                    f"{axis}={getattr(self, axis)} is not yet supported by lightning_par (only data parallelism: "
+                    f"dp_replicate x dp_shard with zero_stage 0-3); set {axis}=1"
+                )
+
+    def layout(self) -> dict[str, Union[int, str, bool, None]]:
+        """The resolved layout as a flat dict, for logs and the logger's config."""
+        return dataclasses.asdict(self)
+
+
+def split_world(dims: tuple[str, ...], world_size: int) -> dict[str, int]:
+    """Split ``world_size`` over the named dimensions as evenly as possible in powers of two.
+
+    The rule every registered name relies on (DESIGN.md, "Names"): factors of two go round-robin to the named
+    model dimensions in the order ``tp``, ``pp``, ``dp`` (tp first because it wants the fast intra-node links);
+    data parallel takes whatever is left over (including any odd factor). ``ep`` is carved out of the
+    data-parallel ranks and does not take a share.
+
+    Args:
+        dims: a subset of ``("pp", "tp", "dp")`` named by the strategy.
+        world_size: number of processes.
+
+    Returns:
+        degrees for ``pp``, ``tp`` and ``dp``.
+    """
+    order = [d for d in ("tp", "pp", "dp") if d in dims]
+    degrees = {"pp": 1, "tp": 1, "dp": 1}
+    twos = (world_size & -world_size).bit_length() - 1  # exponent of 2 in world_size
+    for i in range(twos if order else 0):
+        degrees[order[i % len(order)]] *= 2
+    degrees["dp"] *= world_size // math.prod(degrees.values())
+    return degrees

@@ -1,0 +1,10 @@
+"""Reference single-device models that the parallel strategies train unchanged.
+
+Nothing in this package imports from `lightning_par`: a model that needs the strategy code to run is not a
+reference.
+"""
+
+from .gpt import GPT
+from .llama import Llama
+
+__all__ = ["GPT", "Llama"]

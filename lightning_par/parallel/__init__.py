@@ -1,0 +1,1 @@
+"""Pure-torch parallel transforms, one file per technique; nothing here imports Lightning."""

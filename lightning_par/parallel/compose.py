@@ -1,0 +1,91 @@
+"""The one function that fixes the order in which parallel techniques are applied, and says why."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_par.config import ParallelConfig
+from lightning_par.mesh import dp_mesh
+from lightning_par.parallel.activation_checkpointing import apply_activation_checkpointing
+from lightning_par.parallel.zero import ReplicatedZero, apply_fsdp, sync_module_states
+from lightning_par.plans.trunk import find_trunk
+
+
+class StepRoot(nn.Module):
+    """A root module around the user's module whose forward the trainer redirects to ``training_step``.
+
+    FSDP2 gathers the root's own parameters and finalises gradient reduction from hooks on the root's
+    ``__call__``. Lightning calls ``training_step`` (not ``forward``), so without this root those hooks would not
+    fire. The user's module keeps its parameter names: it is ``self.module`` here and checkpoints use it directly.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+
+@dataclasses.dataclass
+class Parallelized:
+    """What `parallelize` built.
+
+    Args:
+        model: the module the trainer calls (the user's module, or a `StepRoot` around it).
+        zero: the ZeRO 0-2 engine that reduces gradients and shards the optimizer, or ``None`` under ZeRO-3.
+        checkpointed_blocks: indices of the trunk blocks under activation checkpointing.
+    """
+
+    model: nn.Module
+    zero: Optional[ReplicatedZero]
+    checkpointed_blocks: list[int]
+
+
+def parallelize(
+    module: nn.Module,
+    mesh: DeviceMesh,
+    config: ParallelConfig,
+    *,
+    param_dtype: Optional[torch.dtype] = None,
+    reduce_dtype: Optional[torch.dtype] = None,
+) -> Parallelized:
+    """Apply the configured parallelism to ``module`` in place.
+
+    Order: activation checkpointing first, then data-parallel sharding. FSDP2's hooks then sit outside the
+    recomputed region, so a block's parameters are gathered once for its backward, recomputation included
+    (the order torchtitan uses). Tensor, pipeline and expert parallelism will slot in before both: they change
+    which parameters exist on a rank, and ZeRO must shard what is left.
+
+    Args:
+        module: the user's model (a LightningModule), already in its training dtype.
+        mesh: the job's mesh from `lightning_par.mesh.build_mesh`.
+        config: a resolved config.
+        param_dtype: compute dtype for ZeRO-3 gathered parameters under mixed precision.
+        reduce_dtype: gradient reduction dtype under ZeRO-3.
+    """
+    config.check_supported()
+    trunk = find_trunk(module)
+    blocks = list(trunk.blocks) if trunk is not None else []
+    if config.activation_checkpointing is not None and trunk is None:
+        raise ValueError(
+            f"activation_checkpointing={config.activation_checkpointing!r} needs a trunk of repeated blocks "
+            "(an nn.ModuleList / Sequential / ModuleDict of >= 2 modules of one class); none was found in "
+            f"{type(module).__name__}; set activation_checkpointing=None"
+        )
+    sync_module_states(module, mesh["dp"])
+    checkpointed = apply_activation_checkpointing(blocks, config.activation_checkpointing, config.ac_every)
+    dmesh = dp_mesh(mesh)
+    if config.zero_stage == 3:
+        root = StepRoot(module)
+        apply_fsdp(
+            root, blocks, dmesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype, offload=config.offload
+        )
+        return Parallelized(root, None, checkpointed)
+    zero = ReplicatedZero(module, dmesh, config.zero_stage, config.bucket_cap_mb)
+    return Parallelized(module, zero, checkpointed)

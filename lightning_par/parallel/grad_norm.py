@@ -1,0 +1,69 @@
+"""Global gradient norm and clipping over sharded and replicated gradients.
+
+A gradient is a plain tensor (replicated on every rank) or a DTensor. A DTensor's local squared norm is summed
+over the mesh dims on which it is sharded and counted once over those on which it is replicated, so the result
+equals the single-process norm up to float summation order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
+
+
+def _local(g: torch.Tensor) -> torch.Tensor:
+    return g.to_local() if isinstance(g, DTensor) else g
+
+
+def global_grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
+    """L2 norm of all gradients of ``params`` across every shard (a replicated fp32 scalar on every rank).
+
+    Args:
+        params: parameters (plain or DTensor) whose ``.grad`` may be ``None``.
+    """
+    sums: dict[tuple[dist.ProcessGroup, ...], torch.Tensor] = {}
+    device = None
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        groups: tuple[dist.ProcessGroup, ...] = ()
+        if isinstance(g, DTensor):
+            mesh = g.device_mesh
+            groups = tuple(mesh.get_group(i) for i, pl in enumerate(g.placements) if not isinstance(pl, Replicate))
+        local = _local(g).detach().float()
+        device = local.device
+        sq = local.pow(2).sum()
+        sums[groups] = sums[groups] + sq if groups in sums else sq
+    if device is None:
+        return torch.zeros(())
+    total = torch.zeros((), device=device)
+    # Same parameters on every rank -> same keys in the same (insertion) order -> matching collectives.
+    for groups, sq in sums.items():
+        for group in groups:
+            dist.all_reduce(sq, group=group)
+        total += sq
+    return total.sqrt()
+
+
+@torch.no_grad()
+def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Scale all gradients so their global norm is at most ``max_norm``, as ``torch.nn.utils.clip_grad_norm_``.
+
+    Args:
+        params: parameters whose gradients are clipped in place.
+        max_norm: the largest allowed global L2 norm.
+
+    Returns:
+        the global norm before clipping.
+    """
+    params = list(params)
+    norm = global_grad_norm(params)
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for p in params:
+        if p.grad is not None:
+            _local(p.grad).mul_(coef.to(p.grad.dtype))
+    return norm

@@ -1,0 +1,61 @@
+"""Find the trunk of repeated blocks in a model the user wrote.
+
+The trunk is the container (``ModuleList``, ``Sequential`` or ``ModuleDict``) whose children are at least two
+modules of one class and that holds the most parameters among such containers. ZeRO-3 wraps each block as one
+communication unit, activation checkpointing recomputes whole blocks, and the pipeline cuts between blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+from torch import nn
+
+_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Trunk:
+    """The repeated blocks of a model.
+
+    Args:
+        path: qualified name of the container (``"transformer.h"``).
+        names: qualified names of the blocks, in execution order.
+        blocks: the block modules, in the same order.
+    """
+
+    path: str
+    names: tuple[str, ...]
+    blocks: tuple[nn.Module, ...]
+
+
+def _numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def find_trunk(model: nn.Module) -> Trunk | None:
+    """Return the model's trunk, or ``None`` when it has no container of >= 2 same-class blocks.
+
+    Args:
+        model: any module; it is only inspected.
+    """
+    best: tuple[int, Trunk] | None = None
+    for path, container in model.named_modules():
+        if not isinstance(container, _CONTAINERS):
+            continue
+        children = list(container.named_children())
+        if len(children) < 2:
+            continue
+        kinds = Counter(type(child) for _, child in children)
+        kind, count = kinds.most_common(1)[0]
+        # A trunk is made of one repeated block class (a final norm in a Sequential must not count).
+        if count < 2 or isinstance(children[0][1], _CONTAINERS):
+            continue
+        picked = [(name, child) for name, child in children if type(child) is kind]
+        prefix = f"{path}." if path else ""
+        trunk = Trunk(path, tuple(prefix + name for name, _ in picked), tuple(child for _, child in picked))
+        size = sum(_numel(child) for _, child in picked)
+        if best is None or size > best[0]:
+            best = (size, trunk)
+    return None if best is None else best[1]

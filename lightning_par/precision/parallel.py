@@ -1,0 +1,149 @@
+"""`Trainer(precision=...)` mapped onto the sharded world.
+
+| flag         | parameters (masters) | compute                 | gradients reduced in | scaler                 |
+|--------------|----------------------|-------------------------|----------------------|------------------------|
+| `32-true`    | fp32                 | fp32                    | fp32                 | -                      |
+| `bf16-mixed` | fp32                 | bf16 autocast           | fp32                 | -                      |
+| `16-mixed`   | fp32                 | fp16 autocast           | fp32                 | `ShardedGradScaler`    |
+| `bf16-true`  | bf16                 | bf16                    | bf16                 | -                      |
+
+Under ZeRO-3 the mixed modes also gather parameters in the low-precision dtype (FSDP2 `MixedPrecisionPolicy`),
+which halves all-gather traffic; the fp32 shards stay the master weights. Lightning turns `16-mixed` into
+`bf16-mixed` on CPU; our strategies keep real fp16 there (slow but correct), through `precision/_connector.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import contextmanager, nullcontext
+from typing import Any, Literal, Optional
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.plugins.precision import MixedPrecision
+from torch import nn
+from torch.distributed.tensor import DTensor
+from typing_extensions import override
+
+from lightning_par.parallel.grad_norm import clip_grad_norm
+
+PrecisionFlag = Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true"]
+SUPPORTED = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
+
+
+class ShardedGradScaler(torch.amp.GradScaler):
+    """A grad scaler whose inf/nan check sees every rank's gradient shards.
+
+    Each rank only holds some gradients (ZeRO-2/3 shards), so an overflow on one rank must skip the step on all:
+    the per-rank ``found_inf`` is all-reduced with MAX before ``step`` reads it.
+    """
+
+    @override
+    def _unscale_grads_(  # type: ignore[override]
+        self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
+    ) -> dict[torch.device, torch.Tensor]:
+        by_key: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                if not allow_fp16 and g.dtype == torch.float16:
+                    raise ValueError("Attempting to unscale FP16 gradients; keep fp32 master weights (16-mixed)")
+                by_key.setdefault((g.device, g.dtype), []).append(g)
+        total = torch.zeros_like(found_inf)
+        for (device, _), grads in by_key.items():
+            found = torch.zeros(1, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale.to(device))
+            total += found.to(total.device)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(total, op=dist.ReduceOp.MAX)
+        return {total.device: total}
+
+
+class ParallelPrecision(MixedPrecision):
+    """Precision plugin of `lightning_par.ParallelStrategy` for all four supported flags.
+
+    Args:
+        precision: one of ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``, ``"bf16-true"``.
+        device: ``"cpu"`` or ``"cuda"`` (the autocast device type).
+        scaler: a grad scaler for ``16-mixed``; default `ShardedGradScaler`.
+    """
+
+    def __init__(self, precision: str, device: str = "cpu", scaler: Optional[torch.amp.GradScaler] = None) -> None:
+        if precision not in SUPPORTED:
+            raise ValueError(
+                f"precision={precision!r} is not supported by lightning_par strategies; choose one of {SUPPORTED}"
+            )
+        if precision == "16-mixed" and scaler is None:
+            scaler = ShardedGradScaler(device)
+        self.precision = precision  # type: ignore[assignment]
+        self.device = device
+        self.scaler = scaler
+
+    @property
+    def mixed(self) -> bool:
+        """Whether compute runs in autocast over fp32 master weights."""
+        return self.precision in ("bf16-mixed", "16-mixed")
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype matmuls run in."""
+        return {"32-true": torch.float32, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(
+            self.precision, torch.bfloat16
+        )
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """The dtype parameters (and their master copies) are stored in."""
+        return torch.bfloat16 if self.precision == "bf16-true" else torch.float32
+
+    @override
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        return module.to(dtype=self.param_dtype) if self.precision == "bf16-true" else module
+
+    @contextmanager
+    def _default_dtype(self) -> Generator[None, None, None]:
+        if self.precision != "bf16-true":
+            yield
+            return
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            yield
+        finally:
+            torch.set_default_dtype(previous)
+
+    @override
+    @contextmanager
+    def tensor_init_context(self) -> Generator[None, None, None]:
+        with self._default_dtype():
+            yield
+
+    @override
+    @contextmanager
+    def module_init_context(self) -> Generator[None, None, None]:
+        with self._default_dtype():
+            yield
+
+    @override
+    @contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        ctx: Any = self.autocast_context_manager() if self.mixed else nullcontext()
+        with ctx:
+            yield
+
+    @override
+    def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:  # type: ignore[override]
+        clip_grad_norm(self.main_params(optimizer), clip_val)
+
+    @override
+    def convert_input(self, data: Any) -> Any:
+        if self.precision != "bf16-true":
+            return data
+        from lightning.fabric.utilities.apply_func import apply_to_collection
+
+        def _cast(t: torch.Tensor) -> torch.Tensor:
+            return t.to(torch.bfloat16) if torch.is_floating_point(t) else t
+
+        return apply_to_collection(data, torch.Tensor, _cast)

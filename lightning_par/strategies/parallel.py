@@ -1,0 +1,368 @@
+"""`ParallelStrategy`: the Lightning glue around `lightning_par.parallel`.
+
+It builds the mesh, calls `compose.parallelize`, reduces and logs over the right process groups, and delegates
+precision and sharded checkpoints to their modules. The parallel code itself lives in `parallel/`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Generator
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy as _LightningParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from typing_extensions import override
+
+from lightning_par.checkpoint.dcp import load_sharded, save_sharded, state_for
+from lightning_par.config import AUTO, ACMode, ParallelConfig, split_world
+from lightning_par.mesh import build_mesh
+from lightning_par.parallel.compose import Parallelized, parallelize
+from lightning_par.precision.parallel import ParallelPrecision
+
+log = logging.getLogger(__name__)
+
+
+class ParallelStrategy(_LightningParallelStrategy):
+    """One strategy for every combination of parallelism; `Trainer(strategy="zero2")` picks a preset of it.
+
+    Args:
+        pp, dp_replicate, dp_shard, ep, tp, zero_stage, offload, activation_checkpointing, ac_every,
+            sequence_parallel, pp_schedule, microbatches, bucket_cap_mb: see `lightning_par.config.ParallelConfig`.
+        auto_dims: for registered names: the dimensions (``"pp"``, ``"tp"``, ``"dp"``) whose degrees are split
+            from the world size at start-up by `lightning_par.config.split_world`; explicit degrees are used as
+            given when this is ``None``.
+        timeout_s: collective timeout in seconds; a rank stuck in a collective past this fails instead of
+            hanging.
+        process_group_backend: ``"gloo"`` / ``"nccl"``; default from the device.
+    """
+
+    def __init__(
+        self,
+        pp: int = 1,
+        dp_replicate: int = 1,
+        dp_shard: int = AUTO,
+        ep: int = 1,
+        tp: int = 1,
+        zero_stage: int = 0,
+        offload: bool = False,
+        activation_checkpointing: ACMode = None,
+        ac_every: int = 2,
+        sequence_parallel: bool = True,
+        pp_schedule: str = "1f1b",
+        microbatches: Optional[int] = None,
+        bucket_cap_mb: float = 25.0,
+        auto_dims: Optional[tuple[str, ...]] = None,
+        timeout_s: float = 600.0,
+        process_group_backend: Optional[str] = None,
+        accelerator: Optional[pl.accelerators.Accelerator] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        # Validated now, before any process exists; world-size checks follow in `setup_environment`.
+        self._config = ParallelConfig(
+            pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, ep=ep, tp=tp, zero_stage=zero_stage,
+            offload=offload, activation_checkpointing=activation_checkpointing, ac_every=ac_every,
+            sequence_parallel=sequence_parallel, pp_schedule=pp_schedule, microbatches=microbatches,
+            bucket_cap_mb=bucket_cap_mb,
+        )  # fmt: skip
+        self._config.check_supported()
+        for dim in auto_dims or ():
+            if dim in ("pp", "tp"):
+                axis = {"pp": "pipeline (pp)", "tp": "tensor (tp)"}[dim]
+                raise NotImplementedError(
+                    f"{axis} parallelism is not yet supported by lightning_par; use a data-parallel strategy "
+                    "(zero1, zero2, zero3, zero3_offload) until it lands"
+                )
+        self._auto_dims = auto_dims
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s={timeout_s} must be > 0 seconds (600 is the default)")
+        self._timeout = timedelta(seconds=timeout_s)
+        self._process_group_backend = process_group_backend
+        self._mesh: Optional[DeviceMesh] = None
+        self._parallel: Optional[Parallelized] = None
+        self._accumulating = False
+        self.num_nodes = 1
+
+    # ---- layout ----------------------------------------------------------------------------------------------
+    @property
+    def config(self) -> ParallelConfig:
+        """The configuration; resolved against the world size once processes exist."""
+        return self._config
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The job's mesh (axes ``pp``, ``dp_replicate``, ``dp_shard``, ``tp`` and flattened ``dp``)."""
+        if self._mesh is None:
+            raise RuntimeError("the device mesh exists only after the processes have started (setup_environment)")
+        return self._mesh
+
+    @property
+    def dp_size(self) -> int:
+        """Number of data-parallel ranks (ranks that see different batches)."""
+        return self.device_mesh["dp"].size()
+
+    @property
+    def parallel_layout(self) -> dict[str, Any]:
+        """The resolved layout, for logs and the logger's config."""
+        return {"world_size": self.world_size, "num_nodes": self.num_nodes, **self._config.layout()}
+
+    def precision_plugin_for(self, flag: str, device: str) -> Precision:
+        """The precision plugin Lightning should use for ``Trainer(precision=flag)`` (see precision/_connector)."""
+        return ParallelPrecision(str(flag), device)
+
+    @property
+    def _precision(self) -> ParallelPrecision:
+        plugin = self.precision_plugin
+        if not isinstance(plugin, ParallelPrecision):
+            raise TypeError(
+                f"{type(self).__name__} needs lightning_par's ParallelPrecision, got {type(plugin).__name__}; pass "
+                "Trainer(precision=...) instead of a precision plugin"
+            )
+        return plugin
+
+    # ---- processes -------------------------------------------------------------------------------------------
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Split batches over data-parallel ranks only: tensor/pipeline ranks of one replica see the same batch.
+        dp = self.device_mesh["dp"]
+        return {"num_replicas": dp.size(), "rank": dp.get_local_rank()}
+
+    @property
+    def is_distributed(self) -> bool:
+        """Lightning inserts a DistributedSampler only for strategies that say so (accelerator_connector)."""
+        return True
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self._setup_distributed()
+        config = self._config
+        if self._auto_dims is not None:
+            degrees = split_world(self._auto_dims, self.world_size)
+            config = ParallelConfig(**{**config.layout(), "pp": degrees["pp"], "tp": degrees["tp"], "dp_shard": AUTO})
+        self._config = config.resolve(self.world_size, devices_per_node=self.num_processes)
+        self._mesh = build_mesh(self._config, self.root_device.type)
+        rank_zero_only(log.info)(f"lightning_par layout: {self.parallel_layout}")
+
+    def _setup_distributed(self) -> None:
+        reset_seed()
+        self.set_world_ranks()
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = backend
+        assert self.cluster_environment is not None
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
+    # ---- model and optimizers --------------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        precision = self._precision
+        module = self.lightning_module
+        assert module is not None
+        if self._parallel is None:
+            module = precision.convert_module(module)
+            module.to(self.root_device)
+            low = precision.compute_dtype if precision.mixed else None
+            self._parallel = parallelize(
+                module, self.device_mesh, self._config, param_dtype=low, reduce_dtype=torch.float32 if low else None
+            )
+            self._set_metric_groups(module)
+        self.model = self._parallel.model
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    def _set_metric_groups(self, module: nn.Module) -> None:
+        # torchmetrics sync over the default (world) group unless told otherwise; they must reduce over
+        # data-parallel ranks only, or tensor/pipeline ranks would count the same samples twice.
+        from torchmetrics import Metric
+
+        group = self.device_mesh["dp"].get_group()
+        for m in module.modules():
+            if isinstance(m, Metric):
+                m.process_group = group
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        self._reset_optimizers_and_schedulers()
+        super().setup_optimizers(trainer)
+        zero = self._parallel.zero if self._parallel else None
+        if zero is not None:
+            for opt in self.optimizers:
+                zero.shard_optimizer(opt)
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        # Lightning enters this for the backward passes of gradient accumulation that precede a step.
+        self._accumulating = True
+        try:
+            yield
+        finally:
+            self._accumulating = False
+
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        zero = self._parallel.zero if self._parallel else None
+        if zero is not None and not self._accumulating:
+            zero.reduce_gradients()  # before on_before_optimizer_step and clipping see the gradients
+
+    # ---- collectives -----------------------------------------------------------------------------------------
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        if _distributed_is_initialized():
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    @override
+    def reduce(
+        self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[str, Any]] = "mean"
+    ) -> Union[Tensor, Any]:
+        # `self.log(sync_dist=True)` lands here: average over data-parallel ranks, not the whole world.
+        if not isinstance(tensor, Tensor):
+            return tensor
+        if group is None and self._mesh is not None:
+            group = self._mesh["dp"].get_group()
+        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+
+    # ---- checkpoints -----------------------------------------------------------------------------------------
+    def _optimizer_owners(self) -> list[tuple[nn.Module, torch.optim.Optimizer]]:
+        zero = self._parallel.zero if self._parallel else None
+        owner: nn.Module = self.lightning_module  # type: ignore[assignment]
+        if zero is not None and zero.stage >= 1:
+            owner = zero.masters_module()
+        return [(owner, o._optimizer if isinstance(o, LightningOptimizer) else o) for o in self.optimizers]
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(self.lightning_module)  # type: ignore[arg-type]
+
+    @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        for owner, opt in self._optimizer_owners():
+            if opt is inner:
+                return state_for(owner, [(owner, opt)])["optimizer_0"]
+        raise ValueError("optimizer_state() got an optimizer the strategy does not manage")
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Union[str, Path], storage_options: Optional[Any] = None
+    ) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} saves sharded folders itself; drop storage_options")
+        path = Path(self.broadcast(str(filepath)))
+        tensors = {"state_dict": checkpoint.pop("state_dict")}
+        for i, state in enumerate(checkpoint.pop("optimizer_states", [])):
+            tensors[f"optimizer_{i}"] = state
+        save_sharded(path, tensors, checkpoint, self.global_rank)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Union[str, Path], weights_only: Optional[bool] = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        assert self.lightning_module is not None
+        return load_sharded(
+            path, self.lightning_module, self._optimizer_owners(), strict=self.lightning_module.strict_loading
+        )
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        pass  # `load_checkpoint` already loaded the sharded weights in place
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        pass  # `load_checkpoint` already loaded the sharded optimizer state in place
+
+    @override
+    def remove_checkpoint(self, filepath: Union[str, Path]) -> None:
+        if self.is_global_zero:
+            import shutil
+
+            shutil.rmtree(filepath, ignore_errors=True)
+
+    @override
+    def teardown(self) -> None:
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()

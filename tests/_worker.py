@@ -1,0 +1,168 @@
+"""Train reference models under a strategy and dump what tests compare. Run under torchrun or as one process.
+
+``python tests/_worker.py SPEC.json``: SPEC has ``out`` (a .pt path written by global rank 0) and ``jobs``, a list
+of dicts (see `run_job`). All jobs run in this one process group, since a spawn costs seconds here. The process
+ends with barrier, destroy_process_group and ``os._exit`` (CPU_FACTS.md: avoids exit-time aborts).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+import torch
+
+torch.set_num_threads(1)
+
+import lightning as L  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+
+import lightning_par  # noqa: E402,F401  (registers the strategy names)
+from lightning_par.data import ByteTextDataModule  # noqa: E402
+from lightning_par.models import GPT, Llama  # noqa: E402
+from lightning_par.parallel.grad_norm import global_grad_norm  # noqa: E402
+
+MODELS = {
+    "gpt": lambda: GPT(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=32, lr=3e-3),
+    "llama": lambda: Llama(vocab_size=256, max_seq_len=32, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                           ffn_hidden=64, lr=3e-3),
+}  # fmt: skip
+
+
+def _local_bytes(tensors: Any) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        t = t.to_local() if isinstance(t, DTensor) else t
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+    return total
+
+
+class Recorder(L.Callback):
+    """Per-step loss (as logged, i.e. reduced over data-parallel ranks), grad norm and memory."""
+
+    def __init__(self, fail_at_step: int | None = None, fail_rank: int = 1) -> None:
+        self.losses: list[float] = []
+        self.local_losses: list[float] = []
+        self.grad_norms: list[float] = []
+        self.mem: dict[str, int] = {}
+        self.fail_at_step, self.fail_rank = fail_at_step, fail_rank
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self.fail_at_step is not None and batch_idx == self.fail_at_step and trainer.global_rank == self.fail_rank:
+            raise RuntimeError(f"injected failure on rank {trainer.global_rank} at batch {batch_idx}")
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: Any, optimizer: Any) -> None:
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        self.grad_norms.append(float(global_grad_norm(params)))
+        self.mem["grads"] = max(self.mem.get("grads", 0), _local_bytes(p.grad for p in params))
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.local_losses.append(float(outputs["loss"]))
+        self.losses.append(float(trainer.callback_metrics["train_loss"]))
+        self.mem["params"] = _local_bytes(pl_module.parameters())
+        self.mem["optim"] = _local_bytes(
+            v for opt in trainer.optimizers for s in opt.state.values() for v in s.values() if torch.is_tensor(v)
+        )
+
+
+def _full_params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in module.named_parameters():
+        t = p.full_tensor() if isinstance(p, DTensor) else p
+        out[name] = t.detach().float().cpu().clone()
+    return out
+
+
+def run_job(job: dict[str, Any]) -> dict[str, Any]:
+    """One fit. Keys: model, strategy (name or kwargs for ParallelStrategy), precision, steps, global_batch,
+    accumulate, clip, seed, devices, num_nodes, save (path), resume (path), fail_at_step, validate, predict."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    L.seed_everything(job.get("seed", 0), verbose=False)
+    model = MODELS[job.get("model", "gpt")]()
+    strategy: Any = job.get("strategy", "auto")
+    if isinstance(strategy, dict):
+        strategy = lightning_par.ParallelStrategy(**strategy)
+    dp = job.get("dp", world)
+    accumulate = job.get("accumulate", 1)
+    steps = job.get("steps", 3)
+    global_batch = job.get("global_batch", 8)
+    data = ByteTextDataModule(
+        seq_len=32, batch_size=global_batch // dp, num_samples=global_batch * accumulate * job.get("epoch_steps", steps),
+        seed=0,
+    )  # fmt: skip
+    if world == 1 and job.get("dist_order", True):
+        # Lightning always shuffles a distributed training loader (DistributedSampler(shuffle=True, seed=0)); at
+        # step k the ranks together read perm[k*B:(k+1)*B] of that permutation, so the one-process reference
+        # reads the same permutation in order and sees the same global batches.
+        data.setup()
+        order = data._train.order
+        data._train.order = order[torch.randperm(len(order), generator=torch.Generator().manual_seed(0))]
+    recorder = Recorder(job.get("fail_at_step"))
+    plugins = []
+    precision = job.get("precision", "32-true")
+    if job.get("lightning_fp16_reference"):
+        from lightning.pytorch.plugins.precision import MixedPrecision
+
+        plugins.append(MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu")))
+        precision = None
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=job.get("devices", world // job.get("num_nodes", 1)),
+        num_nodes=job.get("num_nodes", 1),
+        strategy=strategy,
+        precision=precision,
+        plugins=plugins or None,
+        max_steps=job.get("max_steps", steps),
+        accumulate_grad_batches=accumulate,
+        gradient_clip_val=job.get("clip"),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[recorder],
+        num_sanity_val_steps=0,
+        limit_val_batches=2,
+    )
+    trainer.fit(model, datamodule=data, ckpt_path=job.get("resume"))
+    if job.get("save"):
+        trainer.save_checkpoint(job["save"])
+    result: dict[str, Any] = {
+        "losses": recorder.losses,
+        "local_losses": recorder.local_losses,
+        "grad_norms": recorder.grad_norms,
+        "mem": recorder.mem,
+        "params": _full_params(model),
+        "layout": getattr(trainer.strategy, "parallel_layout", None),
+    }
+    if job.get("validate"):
+        result["val"] = {k: float(v) for k, v in trainer.validate(model, datamodule=data, verbose=False)[0].items()}
+    if job.get("predict"):
+        preds = trainer.predict(model, datamodule=data)
+        result["predict"] = [p.cpu() for p in preds] if preds is not None else None
+    return result
+
+
+def main() -> None:
+    spec = json.loads(open(sys.argv[1]).read())
+    results = [run_job(job) for job in spec["jobs"]]
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        torch.save(results, spec["out"])
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

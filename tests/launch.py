@@ -1,0 +1,38 @@
+"""Run `tests/_worker.py` jobs in 1 process or under torchrun, with a hard timeout (no test may hang)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+WORKER = Path(__file__).with_name("_worker.py")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def worker_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), WANDB_MODE="offline", PYTHONUNBUFFERED="1")
+    return env
+
+
+def run_jobs(tmp: Path, jobs: list[dict[str, Any]], nproc: int = 1, timeout: float = 240) -> list[dict[str, Any]]:
+    """Run ``jobs`` on ``nproc`` ranks and return rank 0's results; raise with the output on failure."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    out = tmp / f"result_{nproc}_{abs(hash(json.dumps(jobs, sort_keys=True)))}.pt"
+    spec = tmp / (out.stem + ".json")
+    spec.write_text(json.dumps({"out": str(out), "jobs": jobs}))
+    if nproc == 1:
+        cmd = [sys.executable, str(WORKER), str(spec)]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               str(WORKER), str(spec)]  # fmt: skip
+    proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=timeout, cwd=tmp)
+    if proc.returncode != 0 or not out.exists():
+        raise AssertionError(f"worker failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+    return torch.load(out, weights_only=False)

@@ -1,0 +1,201 @@
+"""ParallelismMonitor on one CPU process: exact memory counts, token accounting, the MFU formula, layout logging."""
+
+import csv
+import itertools
+from pathlib import Path
+from typing import Any, ClassVar
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import yaml
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_par.callbacks import ParallelismMonitor, peak_flops_for
+from lightning_par.callbacks import monitor as monitor_mod
+
+VOCAB, WIDTH, SEQ, BATCH = 32, 16, 8, 4
+
+
+class TinyLM(L.LightningModule):
+    def __init__(self, with_shape: bool = True) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, WIDTH)
+        self.fc = nn.Linear(WIDTH, WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB)
+        if with_shape:
+            self.n_layers, self.hidden_size, self.seq_len = 2, WIDTH, SEQ
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        logits = self.head(torch.relu(self.fc(self.emb(x))))
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+class LayoutStrategy(SingleDeviceStrategy):
+    """A one-device strategy that reports the attributes a data-parallel strategy would."""
+
+    dp_size = 4
+    global_param_count = 1000
+    parallel_layout: ClassVar[dict[str, int]] = {"dp_shard": 4, "tp": 1}
+
+
+def _loader() -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, VOCAB, (64, SEQ), generator=g)
+    return DataLoader(TensorDataset(x, x.roll(-1, dims=1)), batch_size=BATCH)
+
+
+def _fit(tmp_path: Path, cb: ParallelismMonitor, model: TinyLM | None = None, **trainer_kw: Any) -> TinyLM:
+    model = model or TinyLM()
+    kw: dict[str, Any] = {"accelerator": "cpu", "devices": 1, "max_steps": 4, "log_every_n_steps": 1}
+    kw.update(trainer_kw)
+    trainer = L.Trainer(
+        logger=CSVLogger(tmp_path, name="run"),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[cb],
+        **kw,
+    )
+    trainer.fit(model, _loader())
+    return model
+
+
+def _non_embedding(model: TinyLM) -> int:
+    return sum(p.numel() for p in itertools.chain(model.fc.parameters(), model.head.parameters()))
+
+
+def test_metrics_exact(tmp_path: Path) -> None:
+    cb = ParallelismMonitor(peak_flops=1e12)
+    model = _fit(tmp_path, cb)
+    m = cb.last_metrics
+    params = list(model.parameters())
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    assert m["mem/params_bytes"] == param_bytes
+    assert m["mem/grads_bytes"] == param_bytes
+    # AdamW: exp_avg and exp_avg_sq like each fp32 param, plus a 4-byte fp32 `step` tensor per param.
+    assert m["mem/optim_state_bytes"] == sum(2 * p.numel() * 4 + 4 for p in params)
+    assert m["mem/params_bytes_max_rank"] == param_bytes  # one rank: the max is its own value
+
+    n = _non_embedding(model)
+    assert cb.n_params == n and n < sum(p.numel() for p in params)
+    flops_per_token = 6 * n + 12 * 2 * WIDTH * SEQ
+    assert cb.flops_per_token == flops_per_token
+    assert 0 < m["perf/tokens_per_s"] < float("inf")
+    assert m["perf/mfu"] == pytest.approx(flops_per_token * m["perf/tokens_per_s"] / 1 / 1e12, rel=1e-12)
+    assert m["perf/model_tflops_per_s_per_device"] == pytest.approx(m["perf/mfu"], rel=1e-12)  # peak is 1 TFLOP/s
+    assert "mem/cuda_max_allocated_bytes" not in m
+
+    log_dir = Path(tmp_path, "run", "version_0")
+    hparams = yaml.safe_load((log_dir / "hparams.yaml").read_text())
+    assert hparams["parallel"] == {"strategy": "SingleDeviceStrategy", "world_size": 1}
+    rows = list(csv.DictReader((log_dir / "metrics.csv").open()))
+    logged = [r for r in rows if r.get("perf/tokens_per_s")]
+    assert [int(r["step"]) for r in logged] == [0, 1, 2, 3]  # one row per optimizer step
+    assert float(logged[-1]["mem/params_bytes"]) == param_bytes
+
+
+@pytest.mark.parametrize(("accumulate", "every"), [(1, 1), (2, 1), (1, 2), (2, 2)])
+def test_tokens_per_optimizer_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, accumulate: int, every: int
+) -> None:
+    tick = 0.25
+    clock = itertools.count()
+    # The monitor reads the clock once when timing starts and once per log, so each window lasts one tick.
+    monkeypatch.setattr(monitor_mod, "perf_counter", lambda: next(clock) * tick)
+    cb = ParallelismMonitor(log_every_n_steps=every, peak_flops=1e12)
+    _fit(tmp_path, cb, accumulate_grad_batches=accumulate)
+    assert cb.last_metrics["perf/tokens_per_s"] == BATCH * SEQ * accumulate * every / tick
+
+
+def test_strategy_attributes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = itertools.count()
+    monkeypatch.setattr(monitor_mod, "perf_counter", lambda: float(next(clock)))
+    cb = ParallelismMonitor(peak_flops=1e12)
+    _fit(tmp_path, cb, strategy=LayoutStrategy(torch.device("cpu")))
+    assert cb.last_metrics["perf/tokens_per_s"] == BATCH * SEQ * 4  # dp_size multiplies, world_size is 1
+    assert cb.n_params == 1000
+    hparams = yaml.safe_load(Path(tmp_path, "run", "version_0", "hparams.yaml").read_text())
+    assert hparams["parallel"] == {"dp_shard": 4, "tp": 1}
+
+
+def test_no_shape_no_peak(tmp_path: Path) -> None:
+    cb = ParallelismMonitor()
+    model = TinyLM(with_shape=False)
+    with pytest.warns(UserWarning, match="MFU counts only 6N"):
+        _fit(tmp_path, cb, model=model, max_steps=2)
+    assert cb.flops_per_token == 6 * _non_embedding(model)
+    assert "perf/mfu" not in cb.last_metrics  # CPU and no peak_flops: no MFU
+    tflops = cb.flops_per_token * cb.last_metrics["perf/tokens_per_s"] / 1e12
+    assert cb.last_metrics["perf/model_tflops_per_s_per_device"] == pytest.approx(tflops, rel=1e-12)
+
+
+def test_shape_overrides(tmp_path: Path) -> None:
+    cb = ParallelismMonitor(n_layers=3, hidden_size=5, seq_len=7)
+    model = _fit(tmp_path, cb, max_steps=1)
+    assert cb.flops_per_token == 6 * _non_embedding(model) + 12 * 3 * 5 * 7
+
+
+def test_peak_flops_table() -> None:
+    assert peak_flops_for("NVIDIA H100 80GB HBM3", "bf16-mixed") == 989.4e12
+    assert peak_flops_for("NVIDIA H100 PCIe", "16-mixed") == 756e12
+    assert peak_flops_for("NVIDIA H200", "bf16-true") == 989.4e12
+    assert peak_flops_for("NVIDIA A100-SXM4-80GB", "32-true") == 19.5e12
+    assert peak_flops_for("NVIDIA A100 80GB PCIe", "tf32") == 156e12
+    assert peak_flops_for("NVIDIA GeForce RTX 4090", "bf16-mixed") == 165.2e12
+    assert peak_flops_for("Tesla V100-SXM2-16GB", "16-mixed") == 125e12
+    assert peak_flops_for("Tesla V100-SXM2-16GB", "tf32") == 15.7e12  # no tf32 units: fp32 rate
+    assert peak_flops_for("Tesla V100-SXM2-16GB", "bf16-mixed") is None
+    assert peak_flops_for("NVIDIA RTX A1000", "bf16-mixed") is None  # not an A100
+    assert peak_flops_for("NVIDIA L40S", "bf16-mixed") is None  # not an L4
+    assert peak_flops_for("Some Future GPU", "bf16-mixed") is None
+    assert peak_flops_for("NVIDIA H100 80GB HBM3", "64-true") is None
+
+
+def test_bad_args_name_the_fix() -> None:
+    with pytest.raises(ValueError, match="pass None to use the Trainer's"):
+        ParallelismMonitor(log_every_n_steps=0)
+    with pytest.raises(ValueError, match="peak_flops=-1"):
+        ParallelismMonitor(peak_flops=-1)
+
+
+def test_local_bytes_dedupes_views() -> None:
+    flat = torch.zeros(10)  # a flat buffer and views of it, as ZeRO or DDP bucket views hold them: 40 bytes
+    assert monitor_mod._local_bytes([flat, flat[:5], flat.view(2, 5), None, torch.zeros(3, device="meta")]) == 40
+
+
+def test_dtensor_counts_local_shard(tmp_path: Path) -> None:
+    # One process posing as rank 0 of 2: a local shard of 10 floats of a global (20,) tensor.
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        shard = DTensor.from_local(
+            torch.zeros(10), mesh, [Shard(0)], run_check=False, shape=torch.Size([20]), stride=(1,)
+        )
+        assert shard.numel() == 20  # the global count, which the monitor's N relies on
+        assert monitor_mod._local_bytes([shard]) == 10 * 4
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on a lent GPU)")
+def test_cuda_peak_lookup(tmp_path: Path) -> None:
+    peak = peak_flops_for(torch.cuda.get_device_name(), "bf16-mixed")
+    cb = ParallelismMonitor()
+    _fit(tmp_path, cb, accelerator="cuda", precision="bf16-mixed", max_steps=2)
+    assert cb.peak_flops == peak  # bf16-mixed resolves through the same table
+    assert cb.last_metrics["mem/cuda_max_allocated_bytes"] >= cb.last_metrics["mem/params_bytes"]
+    if peak is not None:
+        expected = cb.flops_per_token * cb.last_metrics["perf/tokens_per_s"] / peak
+        assert cb.last_metrics["perf/mfu"] == pytest.approx(expected, rel=1e-12)
