@@ -108,7 +108,7 @@ class ParallelConfig:
         """Data-parallel size (replicate x shard); only meaningful after `resolve`."""
         return self.dp_replicate * self.dp_shard
 
-    def resolve(self, world_size: int, devices_per_node: Optional[int] = None) -> "ParallelConfig":
+    def resolve(self, world_size: int, devices_per_node: Optional[int] = None) -> ParallelConfig:
         """Return a copy with ``dp_shard`` filled in, checked against the world size.
 
         Args:

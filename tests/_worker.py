@@ -20,15 +20,27 @@ import lightning as L  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
-import lightning_par  # noqa: E402,F401  (registers the strategy names)
+import lightning_par  # noqa: E402  (registers the strategy names)
 from lightning_par.data import ByteTextDataModule  # noqa: E402
 from lightning_par.models import GPT, Llama  # noqa: E402
 from lightning_par.parallel.grad_norm import global_grad_norm  # noqa: E402
+
+
+class SGDGPT(GPT):
+    """The GPT with SGD + momentum: parameter updates are linear in the gradients, unlike Adam's (see tests)."""
+
+    def configure_optimizers(self) -> Any:
+        decay = [p for p in self.parameters() if p.dim() >= 2]
+        rest = [p for p in self.parameters() if p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}]
+        return torch.optim.SGD(groups, lr=0.5, momentum=0.9)
+
 
 MODELS = {
     "gpt": lambda: GPT(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=32, lr=3e-3),
     "llama": lambda: Llama(vocab_size=256, max_seq_len=32, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
                            ffn_hidden=64, lr=3e-3),
+    "gpt_sgd": lambda: SGDGPT(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=32),
 }  # fmt: skip
 
 
@@ -52,6 +64,7 @@ class Recorder(L.Callback):
         self.losses: list[float] = []
         self.local_losses: list[float] = []
         self.grad_norms: list[float] = []
+        self.batch_heads: list[list[int]] = []
         self.mem: dict[str, int] = {}
         self.fail_at_step, self.fail_rank = fail_at_step, fail_rank
 
@@ -59,17 +72,24 @@ class Recorder(L.Callback):
         if self.fail_at_step is not None and batch_idx == self.fail_at_step and trainer.global_rank == self.fail_rank:
             raise RuntimeError(f"injected failure on rank {trainer.global_rank} at batch {batch_idx}")
 
+    def on_after_backward(self, trainer: L.Trainer, pl_module: Any) -> None:
+        # Gradient memory as backward leaves it: full gradients on the model (ZeRO 0/1) and/or gradient shards on
+        # the optimizer's sharded masters (ZeRO 2/3).
+        held = [p.grad for p in pl_module.parameters()]
+        held += [p.grad for opt in trainer.optimizers for g in opt.param_groups for p in g["params"]]
+        self.mem["grads"] = max(self.mem.get("grads", 0), _local_bytes(held))
+
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: Any, optimizer: Any) -> None:
         params = [p for g in optimizer.param_groups for p in g["params"]]
         self.grad_norms.append(float(global_grad_norm(params)))
-        self.mem["grads"] = max(self.mem.get("grads", 0), _local_bytes(p.grad for p in params))
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.batch_heads.append(batch[0][:, 0].tolist())
         self.local_losses.append(float(outputs["loss"]))
         self.losses.append(float(trainer.callback_metrics["train_loss"]))
         self.mem["params"] = _local_bytes(pl_module.parameters())
         self.mem["optim"] = _local_bytes(
-            v for opt in trainer.optimizers for s in opt.state.values() for v in s.values() if torch.is_tensor(v)
+            v for opt in trainer.optimizers for s in opt.state.values() for k, v in s.items() if k != "step"
         )
 
 
@@ -79,6 +99,16 @@ def _full_params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
         t = p.full_tensor() if isinstance(p, DTensor) else p
         out[name] = t.detach().float().cpu().clone()
     return out
+
+
+def _checkpoint_callbacks(job: dict[str, Any]) -> list[L.Callback]:
+    if not job.get("ckpt_dir"):
+        return []
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    # One checkpoint per epoch, written at the epoch's end so the loop state says "epoch finished".
+    return [ModelCheckpoint(dirpath=job["ckpt_dir"], filename="{epoch}", save_top_k=-1, every_n_epochs=1,
+                            save_on_train_epoch_end=True)]  # fmt: skip
 
 
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
@@ -94,10 +124,8 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     accumulate = job.get("accumulate", 1)
     steps = job.get("steps", 3)
     global_batch = job.get("global_batch", 8)
-    data = ByteTextDataModule(
-        seq_len=32, batch_size=global_batch // dp, num_samples=global_batch * accumulate * job.get("epoch_steps", steps),
-        seed=0,
-    )  # fmt: skip
+    samples = global_batch * accumulate * job.get("epoch_steps", steps)
+    data = ByteTextDataModule(seq_len=32, batch_size=global_batch // dp, num_samples=samples, seed=0)
     if world == 1 and job.get("dist_order", True):
         # Lightning always shuffles a distributed training loader (DistributedSampler(shuffle=True, seed=0)); at
         # step k the ranks together read perm[k*B:(k+1)*B] of that permutation, so the one-process reference
@@ -124,18 +152,26 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         accumulate_grad_batches=accumulate,
         gradient_clip_val=job.get("clip"),
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=bool(job.get("ckpt_dir")),
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[recorder],
+        callbacks=[recorder, *_checkpoint_callbacks(job)],
         num_sanity_val_steps=0,
         limit_val_batches=2,
     )
     trainer.fit(model, datamodule=data, ckpt_path=job.get("resume"))
     if job.get("save"):
         trainer.save_checkpoint(job["save"])
+    mem_all: list[Any] = [recorder.mem]
+    if dist.is_initialized():
+        mem_all = [None] * dist.get_world_size()
+        dist.all_gather_object(mem_all, recorder.mem)
     result: dict[str, Any] = {
+        "mem_all": mem_all,
+        "total_param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "param_shapes": {n: tuple(p.shape) for n, p in model.named_parameters()},
         "losses": recorder.losses,
+        "batch_heads": recorder.batch_heads,
         "local_losses": recorder.local_losses,
         "grad_norms": recorder.grad_norms,
         "mem": recorder.mem,

@@ -126,9 +126,10 @@ class GPT(CausalLM):
         self.n_layers = n_layer
         self.hidden_size = n_embd
         self.seq_len = block_size
+        wte = nn.Embedding(vocab_size, n_embd)
         self.transformer = nn.ModuleDict(
             {
-                "wte": nn.Embedding(vocab_size, n_embd),
+                "wte": wte,
                 "wpe": nn.Embedding(block_size, n_embd),
                 "drop": nn.Dropout(dropout),
                 "h": nn.ModuleList(Block(n_embd, n_head, dropout, bias) for _ in range(n_layer)),
@@ -137,7 +138,7 @@ class GPT(CausalLM):
         )
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
         if tie_weights:
-            self.transformer.wte.weight = self.lm_head.weight
+            wte.weight = self.lm_head.weight
         self.init_weights()
 
     @torch.no_grad()
@@ -150,7 +151,7 @@ class GPT(CausalLM):
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
-                if getattr(module, "bias", None) is not None:
+                if isinstance(module, nn.Linear) and module.bias is not None:
                     nn.init.zeros_(module.bias)
             elif isinstance(module, nn.LayerNorm):
                 module.reset_parameters()

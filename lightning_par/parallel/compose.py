@@ -83,9 +83,7 @@ def parallelize(
     dmesh = dp_mesh(mesh)
     if config.zero_stage == 3:
         root = StepRoot(module)
-        apply_fsdp(
-            root, blocks, dmesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype, offload=config.offload
-        )
+        apply_fsdp(root, blocks, dmesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype, offload=config.offload)
         return Parallelized(root, None, checkpointed)
     zero = ReplicatedZero(module, dmesh, config.zero_stage, config.bucket_cap_mb)
     return Parallelized(module, zero, checkpointed)

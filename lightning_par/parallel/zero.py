@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from typing import Optional
+from typing import Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
+
+# torch 2.13 renamed the flat-tensor collectives; older releases only have the *_tensor names.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def apply_fsdp(
@@ -120,9 +124,7 @@ class _Bucket:
 
     def shard_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Views of this rank's shards inside a buffer of ``shard_numel`` elements."""
-        return [
-            flat[off : off + math.prod(shape)].view(shape) for off, shape in zip(self.offsets, self.local)
-        ]
+        return [flat[off : off + math.prod(shape)].view(shape) for off, shape in zip(self.offsets, self.local)]
 
 
 class ReplicatedZero:
@@ -267,19 +269,19 @@ class ReplicatedZero:
         dtype = bucket.params[0].dtype
         packed = bucket.pack(grads, self.world, dtype)
         out = torch.empty(bucket.shard_numel, dtype=dtype, device=packed.device)
-        dist.reduce_scatter_tensor(out, packed.view(-1), group=self.shard_group)
+        _reduce_scatter(out, packed.view(-1), group=self.shard_group)
         if self.mesh.size(0) > 1:
             dist.all_reduce(out, group=self.replicate_group)
         out.div_(self.dp)
         for p, shard in zip(bucket.params, bucket.shard_views(out)):
             p.grad = None  # the full gradient is not needed again: this is where ZeRO saves gradient memory
-            master = self.masters[p]
+            master = cast(DTensor, self.masters[p])
             if master.grad is None:
                 master.grad = DTensor.from_local(
                     shard, self.mesh, master.placements, shape=master.shape, stride=master.stride()
                 )
             else:
-                master.grad.to_local().add_(shard)
+                cast(DTensor, master.grad).to_local().add_(shard)
 
     # ---- parameters ------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -288,10 +290,10 @@ class ReplicatedZero:
         for bucket in self.buckets:
             dtype = bucket.params[0].dtype
             send = torch.zeros(bucket.shard_numel, dtype=dtype, device=bucket.params[0].device)
-            for view, m in zip(bucket.shard_views(send), (self.masters[p] for p in bucket.params)):
-                view.copy_(m.to_local())
+            for view, p in zip(bucket.shard_views(send), bucket.params):
+                view.copy_(cast(DTensor, self.masters[p]).to_local())
             recv = torch.empty(self.world, bucket.shard_numel, dtype=dtype, device=send.device)
-            dist.all_gather_into_tensor(recv.view(-1), send, group=self.shard_group)
+            _all_gather(recv.view(-1), send, group=self.shard_group)
             for p, off, chunk in zip(bucket.params, bucket.offsets, bucket.chunks):
                 p.data.view(-1).copy_(recv[:, off : off + chunk].reshape(-1)[: p.numel()])
 

@@ -53,7 +53,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
                 by_key.setdefault((g.device, g.dtype), []).append(g)
         total = torch.zeros_like(found_inf)
         for (device, _), grads in by_key.items():
-            found = torch.zeros(1, device=device)
+            found = torch.zeros_like(total, device=device)
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale.to(device))
             total += found.to(total.device)
         if dist.is_available() and dist.is_initialized():

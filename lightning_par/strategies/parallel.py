@@ -6,6 +6,7 @@ precision and sharded checkpoints to their modules. The parallel code itself liv
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Generator
 from contextlib import contextmanager
@@ -17,7 +18,6 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
@@ -28,6 +28,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy as _LightningParallelStrategy
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor, nn
@@ -196,7 +197,7 @@ class ParallelStrategy(_LightningParallelStrategy):
         config = self._config
         if self._auto_dims is not None:
             degrees = split_world(self._auto_dims, self.world_size)
-            config = ParallelConfig(**{**config.layout(), "pp": degrees["pp"], "tp": degrees["tp"], "dp_shard": AUTO})
+            config = dataclasses.replace(config, pp=degrees["pp"], tp=degrees["tp"], dp_shard=AUTO)
         self._config = config.resolve(self.world_size, devices_per_node=self.num_processes)
         self._mesh = build_mesh(self._config, self.root_device.type)
         rank_zero_only(log.info)(f"lightning_par layout: {self.parallel_layout}")
@@ -214,7 +215,7 @@ class ParallelStrategy(_LightningParallelStrategy):
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank
+        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
 
     # ---- model and optimizers --------------------------------------------------------------------------------
     @override
@@ -225,7 +226,7 @@ class ParallelStrategy(_LightningParallelStrategy):
         module = self.lightning_module
         assert module is not None
         if self._parallel is None:
-            module = precision.convert_module(module)
+            precision.convert_module(module)  # in place (bf16-true casts the parameters)
             module.to(self.root_device)
             low = precision.compute_dtype if precision.mixed else None
             self._parallel = parallelize(
