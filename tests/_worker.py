@@ -36,10 +36,20 @@ class SGDGPT(GPT):
         return torch.optim.SGD(groups, lr=0.5, momentum=0.9)
 
 
+class FailingGPT(GPT):
+    """Raises in training_step on global rank 1 at batch 1: a user bug on one rank only."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        if self.global_rank == 1 and batch_idx == 1:
+            raise RuntimeError("injected failure in training_step on rank 1")
+        return super().training_step(batch, batch_idx)
+
+
 MODELS = {
     "gpt": lambda: GPT(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=32, lr=3e-3),
     "llama": lambda: Llama(vocab_size=256, max_seq_len=32, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
                            ffn_hidden=64, lr=3e-3),
+    "gpt_fail": lambda: FailingGPT(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=32),
     "gpt_sgd": lambda: SGDGPT(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=32),
 }  # fmt: skip
 
@@ -114,7 +124,8 @@ def _checkpoint_callbacks(job: dict[str, Any]) -> list[L.Callback]:
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
     """One fit. Keys: model, strategy (name or kwargs for ParallelStrategy), precision, steps, global_batch,
     accumulate, clip, seed, devices, num_nodes, save (path), resume (path), fail_at_step, validate, predict."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    # Under torchrun WORLD_SIZE is set; when Lightning starts the processes itself the job states it.
+    world = job.get("world") or int(os.environ.get("WORLD_SIZE", "1"))
     L.seed_everything(job.get("seed", 0), verbose=False)
     model = MODELS[job.get("model", "gpt")]()
     strategy: Any = job.get("strategy", "auto")
@@ -126,7 +137,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     global_batch = job.get("global_batch", 8)
     samples = global_batch * accumulate * job.get("epoch_steps", steps)
     data = ByteTextDataModule(seq_len=32, batch_size=global_batch // dp, num_samples=samples, seed=0)
-    if world == 1 and job.get("dist_order", True):
+    if world == 1:
         # Lightning always shuffles a distributed training loader (DistributedSampler(shuffle=True, seed=0)); at
         # step k the ranks together read perm[k*B:(k+1)*B] of that permutation, so the one-process reference
         # reads the same permutation in order and sees the same global batches.
@@ -189,7 +200,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
 def main() -> None:
     spec = json.loads(open(sys.argv[1]).read())
     results = [run_job(job) for job in spec["jobs"]]
-    rank = int(os.environ.get("RANK", "0"))
+    rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
         torch.save(results, spec["out"])
     if dist.is_initialized():

@@ -1,0 +1,224 @@
+"""Communication bytes per optimizer step of ZeRO stages 0-3, counted, against the ZeRO paper's formulas.
+
+Launch:
+
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 benchmarks/bench_comm_bytes.py [--quick]
+
+Every collective is counted by wrapping the Python entry points it goes through: the ``torch.distributed`` module
+attributes (what Lightning and FSDP2's ``_fsdp_collectives`` look up at call time), the same names in
+``distributed_c10d`` (what object collectives call internally) and the two names `lightning_par.parallel.zero`
+bound at import. Lightning's own ``ddp`` is not counted: its all-reduces are issued from C++ (the DDP reducer).
+
+Convention, "bytes on the wire per rank" for ring algorithms over n ranks: an all-reduce of B bytes moves
+2B(n-1)/n, a reduce-scatter of a B-byte input B(n-1)/n, an all-gather producing B bytes B(n-1)/n, a broadcast of
+B bytes B(n-1)/n (averaged over ranks). The paper (Rajbhandari et al., arXiv 1910.02054, section 7) gives per step
+DDP 2Psi, ZeRO-1/2 2Psi, ZeRO-3 3Psi, each times (n-1)/n, with Psi the parameter bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import logging
+import math
+import os
+import sys
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+torch.set_num_threads(1)
+
+import lightning as L  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.distributed.distributed_c10d as c10d  # noqa: E402
+
+import lightning_par  # noqa: E402
+import lightning_par.parallel.zero as zero_mod  # noqa: E402
+from lightning_par.data import ByteTextDataModule  # noqa: E402
+from lightning_par.models import GPT  # noqa: E402
+
+SMALL = 1024  # bytes: collectives below this are scalars (loss logging, control), reported apart from the traffic
+
+
+def _nbytes(t: Any) -> int:
+    ts = t if isinstance(t, (list, tuple)) else [t]
+    return sum(x.numel() * x.element_size() for x in ts)
+
+
+# kind, which argument holds the payload B, and the ring-algorithm factor applied to B * (n-1)/n.
+_SPECS: dict[str, tuple[str, str, int]] = {
+    "all_reduce": ("all_reduce", "tensor", 2),
+    "reduce_scatter_tensor": ("reduce_scatter", "input", 1),
+    "reduce_scatter_single": ("reduce_scatter", "input", 1),
+    "reduce_scatter": ("reduce_scatter", "input_list", 1),
+    "all_gather_into_tensor": ("all_gather", "output_tensor", 1),
+    "all_gather_single": ("all_gather", "output_tensor", 1),
+    "all_gather": ("all_gather", "tensor_list", 1),
+    "broadcast": ("broadcast", "tensor", 1),
+    "barrier": ("barrier", "", 0),
+}
+
+
+class CommCounter:
+    """Sums wire bytes and calls per (phase, kind, small) while installed; nested calls count once (outermost)."""
+
+    def __init__(self) -> None:
+        self.phase = "setup"
+        self.bytes: dict[tuple[str, str, bool], float] = defaultdict(float)
+        self.calls: dict[tuple[str, str, bool], int] = defaultdict(int)
+        self._depth = 0
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def _wrap(self, name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
+        kind, arg, factor = _SPECS[name]
+        sig = inspect.signature(orig)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if self._depth == 0:
+                bound = sig.bind(*args, **kwargs)
+                n = dist.get_world_size(bound.arguments.get("group"))
+                payload = _nbytes(bound.arguments[arg]) if arg else 0
+                key = (self.phase, kind, payload < SMALL)
+                self.bytes[key] += factor * payload * (n - 1) / n
+                self.calls[key] += 1
+            self._depth += 1
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                self._depth -= 1
+
+        return counted
+
+    def install(self) -> None:
+        for module in (dist, c10d):
+            for name in _SPECS:
+                if hasattr(module, name):
+                    self._patch(module, name, self._wrap(name, getattr(module, name)))
+        # zero.py bound these at import time; patching `dist` alone would miss every ZeRO-1/2 bucket.
+        for name in ("_reduce_scatter", "_all_gather"):
+            orig = getattr(zero_mod, name)
+            self._patch(zero_mod, name, self._wrap(orig.__name__, orig))
+
+    def _patch(self, module: Any, name: str, fn: Any) -> None:
+        self._saved.append((module, name, getattr(module, name)))
+        setattr(module, name, fn)
+
+    def uninstall(self) -> None:
+        for module, name, orig in reversed(self._saved):
+            setattr(module, name, orig)
+        self._saved.clear()
+
+
+class PhaseTagger(L.Callback):
+    """Tags collectives with the optimizer step they belong to; the first step (lazy init) is warm-up."""
+
+    def __init__(self, counter: CommCounter) -> None:
+        self.counter = counter
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.counter.phase = "warmup" if batch_idx == 0 else "step"
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.counter.phase = "between"
+
+
+def psi(model: torch.nn.Module, n: int, prefix: str = "") -> tuple[int, int]:
+    """(Psi, Psi padded to ceil(d0/n) rows per rank) in bytes, over fp32 parameters whose name starts with prefix."""
+    plain = padded = 0
+    for name, p in model.named_parameters():
+        if name.startswith(prefix):
+            row = p.numel() // p.shape[0]
+            plain += p.numel() * p.element_size()
+            padded += math.ceil(p.shape[0] / n) * n * row * p.element_size()
+    return plain, padded
+
+
+def run(stage: int, precision: str, args: argparse.Namespace) -> CommCounter:
+    """One fit of ``args.steps`` steps (+1 warm-up) counted from construction to the end."""
+    L.seed_everything(0, verbose=False)
+    world = int(os.environ["WORLD_SIZE"])  # set by torchrun; the process group starts inside the first fit
+    model = GPT(vocab_size=256, block_size=args.block_size, n_layer=args.layers, n_head=4, n_embd=args.embd)
+    counter = CommCounter()
+    counter.install()
+    try:
+        trainer = L.Trainer(
+            accelerator="cpu", devices=world, strategy=lightning_par.ParallelStrategy(zero_stage=stage),
+            precision=precision, max_steps=args.steps + 1, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+            callbacks=[PhaseTagger(counter)],
+        )  # fmt: skip
+        data = ByteTextDataModule(seq_len=args.seq, batch_size=args.batch, num_samples=(args.steps + 1) * 2 * world)
+        trainer.fit(model, datamodule=data)
+    finally:
+        counter.uninstall()
+    return counter
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smoke run: tiny model, 1 counted step")
+    parser.add_argument("--steps", type=int, default=3, help="counted steps (after 1 warm-up step)")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--embd", type=int, default=256)
+    parser.add_argument("--seq", type=int, default=128)
+    # 129 rows of position embedding: one parameter whose dim 0 does not divide by 2, so padding shows up.
+    parser.add_argument("--block-size", type=int, default=129)
+    parser.add_argument("--batch", type=int, default=2, help="per-rank batch (bytes do not depend on it)")
+    args = parser.parse_args()
+    logging.getLogger("lightning").setLevel(logging.WARNING)  # keep the tables readable
+    if args.quick:
+        args.steps, args.layers, args.embd, args.seq, args.block_size = 1, 2, 64, 32, 33
+    runs = [(0, "32-true"), (1, "32-true"), (2, "32-true"), (3, "32-true"), (3, "bf16-mixed")]
+    counters = [run(stage, precision, args) for stage, precision in runs]
+    n = dist.get_world_size()
+    if dist.get_rank() == 0:
+        ref = GPT(vocab_size=256, block_size=args.block_size, n_layer=args.layers, n_head=4, n_embd=args.embd)
+        p, p_pad = psi(ref, n)
+        _, blocks_pad = psi(ref, n, "transformer.h.")
+        f = (n - 1) / n
+        print(f"\nGPT n_layer={args.layers} n_embd={args.embd} block_size={args.block_size}, n={n} ranks: "
+              f"Psi = {p:,} B, padded to ceil(d0/n) rows {p_pad:,} B (blocks {blocks_pad:,} B)\n")  # fmt: skip
+        paper = {0: 2 * p * f, 1: 2 * p * f, 2: 2 * p * f, 3: 3 * p * f}
+        # What our layout should move: DDP's flat all-reduce is unpadded; shards are padded; FSDP2 re-gathers the
+        # blocks for backward but not the root (reshard_after_forward=False); bf16-mixed gathers in bf16 and
+        # reduce-scatters in fp32.
+        layout = {
+            (0, "32-true"): 2 * p * f,
+            (1, "32-true"): 2 * p_pad * f,
+            (2, "32-true"): 2 * p_pad * f,
+            (3, "32-true"): (2 * p_pad + blocks_pad) * f,
+            (3, "bf16-mixed"): ((p_pad + blocks_pad) / 2 + p_pad) * f,
+        }
+        kinds = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+        print("| stage | precision | " + " | ".join(kinds) + " | total | paper | measured/paper | our layout | "
+              "measured/layout | scalar colls/step | setup (once) |")  # fmt: skip
+        print("|---|---|" + "---|" * (len(kinds) + 7))
+        for (stage, precision), c in zip(runs, counters):
+            per = {k: c.bytes[("step", k, False)] / args.steps for k in kinds}
+            total = sum(per.values())
+            small = sum(v for (ph, _, s), v in c.calls.items() if ph == "step" and s) / args.steps
+            small_b = sum(v for (ph, _, s), v in c.bytes.items() if ph == "step" and s) / args.steps
+            setup = sum(v for (ph, _, _), v in c.bytes.items() if ph == "setup")  # initial broadcast etc.
+            ncalls = {k: c.calls[("step", k, False)] / args.steps for k in kinds}
+            cells = " | ".join(f"{per[k] / 2**20:.3f} MiB ({ncalls[k]:.0f})" for k in kinds)
+            print(f"| zero{stage} | {precision} | {cells} | {total / 2**20:.3f} MiB | {paper[stage] / 2**20:.3f} MiB"
+                  f" | {total / paper[stage]:.4f} | {layout[(stage, precision)] / 2**20:.3f} MiB"
+                  f" | {total / layout[(stage, precision)]:.4f} | {small:.0f} ({small_b:.0f} B)"
+                  f" | {setup / 2**20:.3f} MiB |")  # fmt: skip
+        print("\nPer kind: MiB on the wire per rank per step (collective calls per step).")
+        print("\nscalar collectives per step, by kind (calls):")
+        for (stage, precision), c in zip(runs, counters):
+            kinds_small = {k: v / args.steps for (ph, k, s), v in c.calls.items() if ph == "step" and s}
+            print(f"  zero{stage} {precision}: {kinds_small}")
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # CPU_FACTS.md: avoids the rare abort at interpreter exit
+
+
+if __name__ == "__main__":
+    main()

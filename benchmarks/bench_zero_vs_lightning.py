@@ -1,0 +1,158 @@
+"""Step time of lightning_par's ZeRO strategies against Lightning's nearest built-in strategies.
+
+Launch (2 ranks on 2 CPU cores, one thread each so the ranks do not fight over cores):
+
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 benchmarks/bench_zero_vs_lightning.py [--quick]
+
+Pairs (ours vs theirs):
+- ``zero1`` vs ``ddp``: ZeRO-1 moves DDP's bytes (reduce-scatter + all-gather = one all-reduce) and adds a sharded
+  optimizer, so DDP is the bar.
+- ``zero2`` vs ``ddp``: Lightning's ``deepspeed_stage_2`` refuses a CPU accelerator (docs/benchmarks.md).
+- ``zero3`` vs ``ModelParallelStrategy`` + the standard FSDP2 recipe (`FSDP2GPT.configure_model`).
+
+Every config runs once per round, in one process group, with a fresh Trainer; the order flips every round (ABBA) so
+drift (thermal, page cache, other tenants) hits both sides of a pair alike. A hand-run benchmark, not a test: it
+asserts nothing about time. Results and their interpretation: docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+torch.set_num_threads(1)  # before any op: one core per rank
+
+import lightning as L  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
+from torch.distributed.fsdp import fully_shard  # noqa: E402
+
+import lightning_par  # noqa: E402, F401  (registers "zero1", "zero2", "zero3")
+from lightning_par.data import ByteTextDataModule  # noqa: E402
+from lightning_par.models import GPT  # noqa: E402
+
+
+class FSDP2GPT(GPT):
+    """The GPT sharded the way Lightning documents FSDP2 under `ModelParallelStrategy`: each block, then the root."""
+
+    def configure_model(self) -> None:
+        mesh = self.device_mesh["data_parallel"]
+        for block in self.transformer["h"]:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self, mesh=mesh)  # the root owns embeddings, ln_f and lm_head
+
+
+class StepTimer(L.Callback):
+    """Wall time of each optimizer step (one batch, no accumulation), warm-up steps skipped."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup = warmup
+        self.times: list[float] = []
+        self._t0 = 0.0
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self._t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx >= self.warmup:
+            self.times.append(time.perf_counter() - self._t0)
+
+
+def _configs(model_kwargs: dict[str, Any]) -> dict[str, Callable[[], tuple[Any, L.LightningModule]]]:
+    """Name -> factory of (strategy, model); a fresh pair per run, so no state leaks between runs."""
+    return {
+        "ddp": lambda: ("ddp", GPT(**model_kwargs)),
+        "zero1": lambda: ("zero1", GPT(**model_kwargs)),
+        "zero2": lambda: ("zero2", GPT(**model_kwargs)),
+        "lightning_fsdp2": lambda: (ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+                                    FSDP2GPT(**model_kwargs)),
+        "zero3": lambda: ("zero3", GPT(**model_kwargs)),
+    }  # fmt: skip
+
+
+PAIRS = [("zero1", "ddp"), ("zero2", "ddp"), ("zero3", "lightning_fsdp2")]
+
+
+def run_once(name: str, factory: Callable[[], tuple[Any, L.LightningModule]], args: argparse.Namespace) -> float:
+    """One fresh Trainer.fit; returns this rank's median step time in seconds."""
+    L.seed_everything(0, verbose=False)
+    strategy, model = factory()
+    steps = args.warmup + args.steps
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    data = ByteTextDataModule(seq_len=args.seq, batch_size=args.batch, num_samples=steps * args.batch * world)
+    timer = StepTimer(args.warmup)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[timer],
+    )
+    trainer.fit(model, datamodule=data)
+    if len(timer.times) != args.steps:
+        raise RuntimeError(f"{name}: timed {len(timer.times)} steps, expected {args.steps}; raise num_samples")
+    return statistics.median(timer.times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smoke run: tiny model, 1 round, 2 timed steps")
+    parser.add_argument("--rounds", type=int, default=6, help="even, so ABBA order balances")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=12, help="timed steps per run")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--embd", type=int, default=256)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=8, help="per-rank batch")
+    args = parser.parse_args()
+    logging.getLogger("lightning").setLevel(logging.WARNING)  # keep the tables readable
+    if args.quick:
+        args.rounds, args.warmup, args.steps, args.layers, args.embd, args.seq = 1, 1, 2, 2, 64, 32
+    model_kwargs = dict(vocab_size=256, block_size=args.seq, n_layer=args.layers, n_head=4, n_embd=args.embd)
+    configs = _configs(model_kwargs)
+    order = list(configs)
+    medians: dict[str, list[float]] = {name: [] for name in configs}
+    start = time.perf_counter()
+    for r in range(args.rounds):
+        # ABBA: reversing every other round cancels a linear drift for every pair, not only the adjacent ones.
+        for name in order if r % 2 == 0 else order[::-1]:
+            medians[name].append(run_once(name, configs[name], args))
+    elapsed = time.perf_counter() - start
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0:
+        n_params = sum(p.numel() for p in GPT(**model_kwargs).parameters())
+        print(f"\nGPT n_layer={args.layers} n_embd={args.embd} seq={args.seq} per-rank batch={args.batch}, "
+              f"{n_params / 1e6:.2f} M params; {args.rounds} rounds x {args.steps} timed steps "
+              f"(+{args.warmup} warm-up); benchmark took {elapsed:.0f} s\n")  # fmt: skip
+        print("| ours | ms/step (median) | Lightning | ms/step (median) | ours/theirs | per-round ratios |")
+        print("|---|---|---|---|---|---|")
+        for ours, theirs in PAIRS:
+            a, b = statistics.median(medians[ours]), statistics.median(medians[theirs])
+            per_round = ", ".join(f"{x / y:.3f}" for x, y in zip(medians[ours], medians[theirs]))
+            print(f"| {ours} | {a * 1e3:.1f} | {theirs} | {b * 1e3:.1f} | {a / b:.3f} | {per_round} |")
+    # Clean exit (CPU_FACTS.md): barrier, destroy, flush, then _exit avoids the rare abort at interpreter exit.
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

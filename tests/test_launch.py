@@ -1,0 +1,129 @@
+"""Launching: Lightning's own process launcher, torchrun across 2 "nodes" on loopback, SLURM's environment, and a
+failing rank that must end the whole job with its own error instead of hanging."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from launch import WORKER, run_jobs, worker_env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spec(tmp: Path, jobs: list[dict]) -> tuple[Path, Path]:
+    out, spec = tmp / "out.pt", tmp / "spec.json"
+    spec.write_text(json.dumps({"out": str(out), "jobs": jobs}))
+    return out, spec
+
+
+def _communicate(procs: list[subprocess.Popen], timeout: float) -> list[str]:
+    try:
+        return [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:  # never leave a rank behind, whatever failed
+            if p.poll() is None:
+                p.kill()
+
+
+def _rel(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+def test_lightning_starts_the_processes_itself(tmp_path, references):
+    # Plain `python script.py` with Trainer(devices=2): Lightning re-runs the script for rank 1.
+    out, spec = _spec(tmp_path, [{"model": "gpt", "strategy": "zero2", "devices": 2, "world": 2}])
+    proc = subprocess.run([sys.executable, str(WORKER), str(spec)], env=worker_env(), cwd=tmp_path,
+                          capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = torch.load(out, weights_only=False)[0]
+    assert got["layout"]["world_size"] == 2 and got["layout"]["dp_shard"] == 2
+    assert _rel(got["losses"], references["gpt"]["losses"]) < 1e-5
+
+
+def test_torchrun_two_nodes_with_hybrid_sharding(tmp_path, references):
+    """2 nodes x 2 processes over loopback (torchrun --nnodes 2), ZeRO-3 across all 4 ranks and HSDP."""
+    jobs = [
+        {"model": "gpt", "strategy": "zero3", "num_nodes": 2},
+        {"model": "gpt", "strategy": {"zero_stage": 3, "dp_replicate": 2}, "num_nodes": 2},
+        {"model": "gpt", "strategy": {"zero_stage": 2, "dp_replicate": 2}, "num_nodes": 2},
+        {"model": "gpt_sgd", "strategy": {"zero_stage": 1, "dp_replicate": 2}, "num_nodes": 2},
+    ]
+    out, spec = _spec(tmp_path, jobs)
+    port = _free_port()
+    procs = []
+    for node in range(2):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}",
+               "--nproc-per-node=2", "--master-addr=127.0.0.1", f"--master-port={port}", str(WORKER), str(spec)]
+        procs.append(subprocess.Popen(cmd, env=worker_env(), cwd=tmp_path, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))  # fmt: skip
+    logs = _communicate(procs, timeout=300)
+    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+    results = torch.load(out, weights_only=False)
+    layouts = [r["layout"] for r in results]
+    assert [(lay["num_nodes"], lay["world_size"], lay["dp_replicate"], lay["dp_shard"]) for lay in layouts] == [
+        (2, 4, 1, 4), (2, 4, 2, 2), (2, 4, 2, 2), (2, 4, 2, 2),
+    ]  # fmt: skip
+    for r in results[:3]:
+        assert _rel(r["losses"], references["gpt"]["losses"]) < 1e-5
+        for k, v in references["gpt"]["params"].items():
+            torch.testing.assert_close(r["params"][k], v, rtol=1e-5, atol=3e-5)
+    sgd = results[3]
+    assert _rel(sgd["losses"], references["gpt_sgd"]["losses"]) < 1e-5
+    for k, v in references["gpt_sgd"]["params"].items():
+        torch.testing.assert_close(sgd["params"][k], v, rtol=1e-5, atol=1e-7)
+    # HSDP: optimizer state is sharded over dp_shard=2 only, so each rank holds half of it (not a quarter).
+    optim = [m["optim"] for m in results[1]["mem_all"]]
+    psi = results[1]["total_param_bytes"]
+    assert optim[0] + optim[1] == 2 * psi and optim[0:2] == optim[2:4]
+
+
+def test_slurm_environment_is_detected(tmp_path, references):
+    """What `srun --ntasks-per-node 2` sets up, without srun: Lightning's SLURMEnvironment picks it up."""
+    out, spec = _spec(tmp_path, [{"model": "gpt", "strategy": "zero1", "devices": 2, "world": 2}])
+    procs = []
+    job_id = str(10000 + _free_port() % 1000)  # Lightning derives MASTER_PORT from the job id
+    for rank in range(2):
+        env = worker_env()
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+            env.pop(key, None)
+        env.update(SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2", SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank),
+                   SLURM_NODEID="0", SLURM_NODELIST="127.0.0.1", SLURM_JOB_NAME="lp-test",
+                   SLURM_JOB_ID=job_id)  # fmt: skip
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(spec)], env=env, cwd=tmp_path,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))  # fmt: skip
+    logs = _communicate(procs, timeout=240)
+    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+    got = torch.load(out, weights_only=False)[0]
+    assert _rel(got["losses"], references["gpt"]["losses"]) < 1e-5
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "lightning"])
+def test_a_failing_rank_ends_the_job_with_its_error(tmp_path, launcher):
+    job = {"model": "gpt_fail", "strategy": {"zero_stage": 2, "timeout_s": 60}, "steps": 5}
+    if launcher == "lightning":
+        job.update(devices=2, world=2)
+    out, spec = _spec(tmp_path, [job])
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(WORKER),
+               str(spec)]  # fmt: skip
+    else:
+        cmd = [sys.executable, str(WORKER), str(spec)]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, env=worker_env(), cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0
+    assert "injected failure in training_step on rank 1" in proc.stdout + proc.stderr
+    assert not out.exists()
+    # Ended by the failure, not by the 60 s collective timeout.
+    assert elapsed < 55, elapsed
