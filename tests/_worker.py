@@ -189,6 +189,12 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         "params": _full_params(model),
         "layout": getattr(trainer.strategy, "parallel_layout", None),
     }
+    if isinstance(trainer.strategy, lightning_par.ParallelStrategy):
+        from torchmetrics import Metric
+
+        dp_group = trainer.strategy.device_mesh["dp"].get_group()
+        metrics = [m for m in model.modules() if isinstance(m, Metric)]
+        result["metric_groups_dp"] = bool(metrics) and all(m.process_group is dp_group for m in metrics)
     if job.get("validate"):
         result["val"] = {k: float(v) for k, v in trainer.validate(model, datamodule=data, verbose=False)[0].items()}
     if job.get("predict"):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import WORKER, run_jobs, worker_env
+from launch import WORKER, worker_env
 
 
 def _free_port() -> int:
@@ -63,8 +63,18 @@ def test_torchrun_two_nodes_with_hybrid_sharding(tmp_path, references):
     port = _free_port()
     procs = []
     for node in range(2):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}",
-               "--nproc-per-node=2", "--master-addr=127.0.0.1", f"--master-port={port}", str(WORKER), str(spec)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=2",
+            f"--node-rank={node}",
+            "--nproc-per-node=2",
+            "--master-addr=127.0.0.1",
+            f"--master-port={port}",
+            str(WORKER),
+            str(spec),
+        ]
         procs.append(subprocess.Popen(cmd, env=worker_env(), cwd=tmp_path, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))  # fmt: skip
     logs = _communicate(procs, timeout=300)

@@ -91,6 +91,8 @@ def test_accumulation_clipping_validation_predict(run, references):
     assert got["val"]["val_loss"] == pytest.approx(ref["val"]["val_loss"], rel=1e-5)
     assert got["val"]["val_acc"] == pytest.approx(ref["val"]["val_acc"], rel=1e-5)
     assert got["predict"] is not None and len(got["predict"]) > 0
+    # torchmetrics sync over the data-parallel group (the strategy sets it; the value above shows it reduces).
+    assert got["metric_groups_dp"] is True
 
 
 @pytest.mark.parametrize("precision", ["bf16_mixed", "16_mixed", "bf16_true"])

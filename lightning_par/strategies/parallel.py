@@ -7,7 +7,6 @@ precision and sharded checkpoints to their modules. The parallel code itself liv
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -30,7 +29,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy as _LightningParallelStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
@@ -40,8 +39,6 @@ from lightning_par.config import AUTO, ACMode, ParallelConfig, split_world
 from lightning_par.mesh import build_mesh
 from lightning_par.parallel.compose import Parallelized, parallelize
 from lightning_par.precision.parallel import ParallelPrecision
-
-log = logging.getLogger(__name__)
 
 
 class ParallelStrategy(_LightningParallelStrategy):
@@ -200,7 +197,12 @@ class ParallelStrategy(_LightningParallelStrategy):
             config = dataclasses.replace(config, pp=degrees["pp"], tp=degrees["tp"], dp_shard=AUTO)
         self._config = config.resolve(self.world_size, devices_per_node=self.num_processes)
         self._mesh = build_mesh(self._config, self.root_device.type)
-        rank_zero_only(log.info)(f"lightning_par layout: {self.parallel_layout}")
+        c = self._config
+        rank_zero_info(
+            f"lightning_par layout: world {self.world_size} = pp {c.pp} x dp_replicate {c.dp_replicate} x dp_shard "
+            f"{c.dp_shard} x tp {c.tp} (ep {c.ep}); zero_stage {c.zero_stage}, offload {c.offload}, activation "
+            f"checkpointing {c.activation_checkpointing}"
+        )
 
     def _setup_distributed(self) -> None:
         reset_seed()
