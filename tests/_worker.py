@@ -169,6 +169,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         callbacks=[recorder, *_checkpoint_callbacks(job)],
         num_sanity_val_steps=0,
         limit_val_batches=2,
+        limit_test_batches=2,
     )
     trainer.fit(model, datamodule=data, ckpt_path=job.get("resume"))
     if job.get("save"):
@@ -197,6 +198,8 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         result["metric_groups_dp"] = bool(metrics) and all(m.process_group is dp_group for m in metrics)
     if job.get("validate"):
         result["val"] = {k: float(v) for k, v in trainer.validate(model, datamodule=data, verbose=False)[0].items()}
+    if job.get("test"):
+        result["test"] = {k: float(v) for k, v in trainer.test(model, datamodule=data, verbose=False)[0].items()}
     if job.get("predict"):
         preds = trainer.predict(model, datamodule=data)
         result["predict"] = [p.cpu() for p in preds] if preds is not None else None
