@@ -136,7 +136,7 @@ def psi(model: torch.nn.Module, n: int, prefix: str = "") -> tuple[int, int]:
     return plain, padded
 
 
-def run(stage: int, precision: str, args: argparse.Namespace) -> CommCounter:
+def run(stage: int, precision: Any, args: argparse.Namespace) -> CommCounter:
     """One fit of ``args.steps`` steps (+1 warm-up) counted from construction to the end."""
     L.seed_everything(0, verbose=False)
     world = int(os.environ["WORLD_SIZE"])  # set by torchrun; the process group starts inside the first fit
@@ -168,7 +168,8 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=129)
     parser.add_argument("--batch", type=int, default=2, help="per-rank batch (bytes do not depend on it)")
     args = parser.parse_args()
-    logging.getLogger("lightning").setLevel(logging.WARNING)  # keep the tables readable
+    for name in ("lightning.pytorch", "lightning.fabric", "lightning_par"):
+        logging.getLogger(name).setLevel(logging.WARNING)  # keep the tables readable
     if args.quick:
         args.steps, args.layers, args.embd, args.seq, args.block_size = 1, 2, 64, 32, 33
     runs = [(0, "32-true"), (1, "32-true"), (2, "32-true"), (3, "32-true"), (3, "bf16-mixed")]
