@@ -4,10 +4,11 @@ Launch:
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 benchmarks/bench_comm_bytes.py [--quick]
 
-Every collective is counted by wrapping the Python entry points it goes through: the ``torch.distributed`` module
-attributes (what Lightning and FSDP2's ``_fsdp_collectives`` look up at call time), the same names in
-``distributed_c10d`` (what object collectives call internally) and the two names `lightning_par.parallel.zero`
-bound at import. Lightning's own ``ddp`` is not counted: its all-reduces are issued from C++ (the DDP reducer).
+Every collective is counted by wrapping the Python entry points it goes through: the ``torch.distributed``
+module attributes (what Lightning and FSDP2's ``_fsdp_collectives`` look up at call time), the same names in
+``distributed_c10d`` (what object collectives call internally) and the two names
+`lightning_par.parallel.zero_replicated` bound at import. Lightning's own ``ddp`` is not counted: its
+all-reduces are issued from C++ (the DDP reducer).
 
 Convention, "bytes on the wire per rank" for ring algorithms over n ranks: an all-reduce of B bytes moves
 2B(n-1)/n, a reduce-scatter of a B-byte input B(n-1)/n, an all-gather producing B bytes B(n-1)/n, a broadcast of
@@ -36,7 +37,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.distributed.distributed_c10d as c10d  # noqa: E402
 
 import lightning_par  # noqa: E402
-import lightning_par.parallel.zero as zero_mod  # noqa: E402
+import lightning_par.parallel.zero_replicated as zero_mod  # noqa: E402
 from lightning_par.data import ByteTextDataModule  # noqa: E402
 from lightning_par.models import GPT  # noqa: E402
 

@@ -7,6 +7,8 @@ code never has to assume a 1-D mesh. ``ep`` is carved out of the data-parallel r
 
 from __future__ import annotations
 
+import dataclasses
+
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_par.config import ParallelConfig
@@ -14,23 +16,30 @@ from lightning_par.config import ParallelConfig
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
-def build_mesh(config: ParallelConfig, device_type: str) -> DeviceMesh:
-    """Build the job's mesh from a resolved config.
+@dataclasses.dataclass(frozen=True)
+class ParallelMesh:
+    """The job's meshes.
+
+    Args:
+        root: the 4-D mesh named by `MESH_AXES`.
+        dp: all data-parallel ranks of this rank's replica group as one flat axis (loss averaging, the sampler,
+            metrics); kept here because torch deprecates slicing a flattened axis back out of the root.
+        dp_2d: the (``dp_replicate``, ``dp_shard``) sub-mesh ZeRO shards over (HSDP when both are > 1).
+    """
+
+    root: DeviceMesh
+    dp: DeviceMesh
+    dp_2d: DeviceMesh
+
+
+def build_mesh(config: ParallelConfig, device_type: str) -> ParallelMesh:
+    """Build the job's meshes from a resolved config.
 
     Args:
         config: a config returned by `ParallelConfig.resolve` (no ``-1`` degrees left).
         device_type: ``"cpu"`` or ``"cuda"``.
-
-    Returns:
-        a 4-D mesh named by `MESH_AXES`, plus the flattened ``dp`` axis (``dp_replicate`` x ``dp_shard``).
     """
     shape = tuple(getattr(config, axis) for axis in MESH_AXES)
-    mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES)
-    # One "dp" axis for collectives that span all data-parallel ranks (loss averaging, the sampler).
-    mesh[("dp_replicate", "dp_shard")]._flatten("dp")
-    return mesh
-
-
-def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The 2-D (``dp_replicate``, ``dp_shard``) sub-mesh that ZeRO shards over (HSDP when both are > 1)."""
-    return mesh[("dp_replicate", "dp_shard")]
+    root = init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES)
+    dp_2d = root[("dp_replicate", "dp_shard")]
+    return ParallelMesh(root=root, dp=dp_2d._flatten("dp"), dp_2d=dp_2d)

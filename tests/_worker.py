@@ -83,15 +83,16 @@ class Recorder(L.Callback):
             raise RuntimeError(f"injected failure on rank {trainer.global_rank} at batch {batch_idx}")
 
     def on_after_backward(self, trainer: L.Trainer, pl_module: Any) -> None:
-        # Gradient memory as backward leaves it: full gradients on the model (ZeRO 0/1) and/or gradient shards on
-        # the optimizer's sharded masters (ZeRO 2/3).
-        held = [p.grad for p in pl_module.parameters()]
-        held += [p.grad for opt in trainer.optimizers for g in opt.param_groups for p in g["params"]]
-        self.mem["grads"] = max(self.mem.get("grads", 0), _local_bytes(held))
+        # What backward leaves on the model's own parameters: full gradients (ZeRO 0/1), none (ZeRO-2 reduced and
+        # freed them bucket by bucket), or gradient shards (ZeRO-3, whose parameters are shards).
+        held = _local_bytes(p.grad for p in pl_module.parameters())
+        self.mem["model_grads_after_backward"] = max(self.mem.get("model_grads_after_backward", 0), held)
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: Any, optimizer: Any) -> None:
         params = [p for g in optimizer.param_groups for p in g["params"]]
         self.grad_norms.append(float(global_grad_norm(params)))
+        # The gradients the optimizer steps on: full (ZeRO-0) or this rank's shards (ZeRO 1-3).
+        self.mem["grads"] = max(self.mem.get("grads", 0), _local_bytes(p.grad for p in params))
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.batch_heads.append(batch[0][:, 0].tolist())
@@ -193,7 +194,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     if isinstance(trainer.strategy, lightning_par.ParallelStrategy):
         from torchmetrics import Metric
 
-        dp_group = trainer.strategy.device_mesh["dp"].get_group()
+        dp_group = trainer.strategy.meshes.dp.get_group()
         metrics = [m for m in model.modules() if isinstance(m, Metric)]
         result["metric_groups_dp"] = bool(metrics) and all(m.process_group is dp_group for m in metrics)
     if job.get("validate"):

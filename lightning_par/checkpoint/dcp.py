@@ -9,10 +9,11 @@ complete: everything is written to ``<path>.tmp`` and renamed by rank 0 after al
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 META = "meta.pt"
 
@@ -61,23 +63,61 @@ def save_sharded(path: Path, tensors: dict[str, Any], meta: dict[str, Any], rank
     _barrier()
 
 
-def state_for(module: nn.Module, optimizers: Sequence[tuple[nn.Module, torch.optim.Optimizer]]) -> dict[str, Any]:
+# Wraps an optimizer-state tensor of the named parameter into the DTensor it is a shard of (or returns it as is).
+Distribute = Callable[[str, Any], Any]
+
+
+@dataclasses.dataclass
+class OptimizerEntry:
+    """An optimizer and how to name and place its state.
+
+    Args:
+        owner: the module whose parameters (and their names) the optimizer holds.
+        optimizer: the optimizer.
+        distribute: for optimizers over plain local shards (ZeRO 1-2): wraps each state tensor as its DTensor.
+    """
+
+    owner: nn.Module
+    optimizer: torch.optim.Optimizer
+    distribute: Optional[Distribute] = None
+
+
+def optimizer_state(entry: OptimizerEntry) -> dict[str, Any]:
+    """The optimizer's state keyed by parameter name, sharded tensors as DTensors."""
+    sd: dict[str, Any] = dict(get_optimizer_state_dict(entry.owner, entry.optimizer))
+    wrap = entry.distribute
+    if wrap is not None:
+        # New dicts: the inner ones may be the optimizer's live state, which must stay plain tensors.
+        sd["state"] = {name: {k: wrap(str(name), v) for k, v in st.items()} for name, st in sd["state"].items()}
+    return sd
+
+
+def _localize(sd: dict[str, Any]) -> dict[str, Any]:
+    local = dict(sd)
+    local["state"] = {
+        name: {k: v.to_local() if isinstance(v, DTensor) else v for k, v in st.items()}
+        for name, st in sd["state"].items()
+    }
+    return local
+
+
+def state_for(module: nn.Module, optimizers: Sequence[OptimizerEntry]) -> dict[str, Any]:
     """Name-keyed (sharded) state of a model and its optimizers, in the layout `save_sharded` writes.
 
     Args:
         module: the model whose parameter names key the state.
-        optimizers: pairs of (module whose parameters the optimizer holds, optimizer).
+        optimizers: the optimizers with their owners.
     """
     state: dict[str, Any] = {"state_dict": get_model_state_dict(module)}
-    for i, (owner, opt) in enumerate(optimizers):
-        state[f"optimizer_{i}"] = get_optimizer_state_dict(owner, opt)
+    for i, entry in enumerate(optimizers):
+        state[f"optimizer_{i}"] = optimizer_state(entry)
     return state
 
 
 def load_sharded(
     path: Path,
     module: nn.Module,
-    optimizers: Sequence[tuple[nn.Module, torch.optim.Optimizer]],
+    optimizers: Sequence[OptimizerEntry],
     strict: bool = True,
 ) -> dict[str, Any]:
     """Load a folder written by `save_sharded` into ``module`` and ``optimizers`` in place.
@@ -96,13 +136,14 @@ def load_sharded(
             f"{path} is not a lightning_par checkpoint folder (expected .metadata and {META} inside); pass the "
             "folder that trainer.save_checkpoint wrote"
         )
-    for _, opt in optimizers:
-        _init_optim_state(opt)  # DCP loads into existing tensors, so the state must exist first
+    for entry in optimizers:
+        _init_optim_state(entry.optimizer)  # DCP loads into existing tensors, so the state must exist first
     state = state_for(module, optimizers)
     dcp.load(state, checkpoint_id=path)
     set_model_state_dict(module, state["state_dict"], options=_options(strict))
-    for i, (owner, opt) in enumerate(optimizers):
-        set_optimizer_state_dict(owner, opt, state[f"optimizer_{i}"])
+    for i, entry in enumerate(optimizers):
+        sd = state[f"optimizer_{i}"]
+        set_optimizer_state_dict(entry.owner, entry.optimizer, _localize(sd) if entry.distribute else sd)
     return torch.load(path / META, weights_only=True, map_location="cpu")
 
 

@@ -7,12 +7,12 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_par.config import ParallelConfig
-from lightning_par.mesh import dp_mesh
+from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel.activation_checkpointing import apply_activation_checkpointing
-from lightning_par.parallel.zero import ReplicatedZero, apply_fsdp, sync_module_states
+from lightning_par.parallel.zero import apply_fsdp, sync_module_states
+from lightning_par.parallel.zero_replicated import ReplicatedZero
 from lightning_par.plans.trunk import find_trunk
 
 
@@ -49,7 +49,7 @@ class Parallelized:
 
 def parallelize(
     module: nn.Module,
-    mesh: DeviceMesh,
+    mesh: ParallelMesh,
     config: ParallelConfig,
     *,
     param_dtype: Optional[torch.dtype] = None,
@@ -64,7 +64,7 @@ def parallelize(
 
     Args:
         module: the user's model (a LightningModule), already in its training dtype.
-        mesh: the job's mesh from `lightning_par.mesh.build_mesh`.
+        mesh: the job's meshes from `lightning_par.mesh.build_mesh`.
         config: a resolved config.
         param_dtype: compute dtype for ZeRO-3 gathered parameters under mixed precision.
         reduce_dtype: gradient reduction dtype under ZeRO-3.
@@ -78,12 +78,11 @@ def parallelize(
             "(an nn.ModuleList / Sequential / ModuleDict of >= 2 modules of one class); none was found in "
             f"{type(module).__name__}; set activation_checkpointing=None"
         )
-    sync_module_states(module, mesh["dp"])
+    sync_module_states(module, mesh.dp)
     checkpointed = apply_activation_checkpointing(blocks, config.activation_checkpointing, config.ac_every)
-    dmesh = dp_mesh(mesh)
     if config.zero_stage == 3:
         root = StepRoot(module)
-        apply_fsdp(root, blocks, dmesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype, offload=config.offload)
+        apply_fsdp(root, blocks, mesh.dp_2d, param_dtype=param_dtype, reduce_dtype=reduce_dtype, offload=config.offload)
         return Parallelized(root, None, checkpointed)
-    zero = ReplicatedZero(module, dmesh, config.zero_stage, config.bucket_cap_mb)
+    zero = ReplicatedZero(module, mesh.dp_2d, config.zero_stage, config.bucket_cap_mb)
     return Parallelized(module, zero, checkpointed)

@@ -1,8 +1,8 @@
 """Global gradient norm and clipping over sharded and replicated gradients.
 
-A gradient is a plain tensor (replicated on every rank) or a DTensor. A DTensor's local squared norm is summed
-over the mesh dims on which it is sharded and counted once over those on which it is replicated, so the result
-equals the single-process norm up to float summation order.
+A gradient is a DTensor, a plain tensor marked as a shard (`mark_sharded`), or a plain replicated tensor. A
+sharded gradient's local squared norm is summed over the groups it is sharded over and counted once over those
+it is replicated on, so the result equals the single-process norm up to float summation order.
 """
 
 from __future__ import annotations
@@ -12,6 +12,21 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
+
+# Attribute set on plain tensors that hold one shard of a larger parameter (ZeRO 1-2 masters): the groups they are
+# sharded over. (An attribute, not a WeakKeyDictionary: that compares tensors with `==`.) Every other plain
+# tensor is taken as replicated.
+_SHARD_GROUPS = "_lp_shard_groups"
+
+
+def mark_sharded(param: torch.Tensor, groups: tuple[dist.ProcessGroup, ...]) -> None:
+    """Declare that the plain tensor ``param`` (and its gradient) is one shard over ``groups``.
+
+    Args:
+        param: a parameter holding this rank's slice of a larger parameter.
+        groups: the process groups whose ranks hold the other slices.
+    """
+    setattr(param, _SHARD_GROUPS, groups)
 
 
 def _local(g: torch.Tensor) -> torch.Tensor:
@@ -30,7 +45,7 @@ def global_grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
         g = p.grad
         if g is None:
             continue
-        groups: tuple[dist.ProcessGroup, ...] = ()
+        groups: tuple[dist.ProcessGroup, ...] = getattr(p, _SHARD_GROUPS, ())
         if isinstance(g, DTensor):
             mesh = g.device_mesh
             groups = tuple(mesh.get_group(i) for i, pl in enumerate(g.placements) if not isinstance(pl, Replicate))

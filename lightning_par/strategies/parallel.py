@@ -34,9 +34,9 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
-from lightning_par.checkpoint.dcp import load_sharded, save_sharded, state_for
+from lightning_par.checkpoint.dcp import OptimizerEntry, load_sharded, optimizer_state, save_sharded
 from lightning_par.config import AUTO, ACMode, ParallelConfig, split_world
-from lightning_par.mesh import build_mesh
+from lightning_par.mesh import ParallelMesh, build_mesh
 from lightning_par.parallel.compose import Parallelized, parallelize
 from lightning_par.precision.parallel import ParallelPrecision
 
@@ -106,7 +106,7 @@ class ParallelStrategy(_LightningParallelStrategy):
             raise ValueError(f"timeout_s={timeout_s} must be > 0 seconds (600 is the default)")
         self._timeout = timedelta(seconds=timeout_s)
         self._process_group_backend = process_group_backend
-        self._mesh: Optional[DeviceMesh] = None
+        self._mesh: Optional[ParallelMesh] = None
         self._parallel: Optional[Parallelized] = None
         self._accumulating = False
         self.num_nodes = 1
@@ -118,16 +118,21 @@ class ParallelStrategy(_LightningParallelStrategy):
         return self._config
 
     @property
-    def device_mesh(self) -> DeviceMesh:
-        """The job's mesh (axes ``pp``, ``dp_replicate``, ``dp_shard``, ``tp`` and flattened ``dp``)."""
+    def meshes(self) -> ParallelMesh:
+        """The job's meshes: the root mesh, the flattened ``dp`` axis and the 2-D data-parallel mesh."""
         if self._mesh is None:
             raise RuntimeError("the device mesh exists only after the processes have started (setup_environment)")
         return self._mesh
 
     @property
+    def device_mesh(self) -> DeviceMesh:
+        """The job's root mesh (axes ``pp``, ``dp_replicate``, ``dp_shard``, ``tp``)."""
+        return self.meshes.root
+
+    @property
     def dp_size(self) -> int:
         """Number of data-parallel ranks (ranks that see different batches)."""
-        return self.device_mesh["dp"].size()
+        return self.meshes.dp.size()
 
     @property
     def parallel_layout(self) -> dict[str, Any]:
@@ -163,7 +168,7 @@ class ParallelStrategy(_LightningParallelStrategy):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Split batches over data-parallel ranks only: tensor/pipeline ranks of one replica see the same batch.
-        dp = self.device_mesh["dp"]
+        dp = self.meshes.dp
         return {"num_replicas": dp.size(), "rank": dp.get_local_rank()}
 
     @property
@@ -232,7 +237,7 @@ class ParallelStrategy(_LightningParallelStrategy):
             module.to(self.root_device)
             low = precision.compute_dtype if precision.mixed else None
             self._parallel = parallelize(
-                module, self.device_mesh, self._config, param_dtype=low, reduce_dtype=torch.float32 if low else None
+                module, self.meshes, self._config, param_dtype=low, reduce_dtype=torch.float32 if low else None
             )
             self._set_metric_groups(module)
         self.model = self._parallel.model
@@ -246,7 +251,7 @@ class ParallelStrategy(_LightningParallelStrategy):
         # data-parallel ranks only, or tensor/pipeline ranks would count the same samples twice.
         from torchmetrics import Metric
 
-        group = self.device_mesh["dp"].get_group()
+        group = self.meshes.dp.get_group()
         for m in module.modules():
             if isinstance(m, Metric):
                 m.process_group = group
@@ -303,16 +308,20 @@ class ParallelStrategy(_LightningParallelStrategy):
         if not isinstance(tensor, Tensor):
             return tensor
         if group is None and self._mesh is not None:
-            group = self._mesh["dp"].get_group()
+            group = self._mesh.dp.get_group()
         return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 
     # ---- checkpoints -----------------------------------------------------------------------------------------
-    def _optimizer_owners(self) -> list[tuple[nn.Module, torch.optim.Optimizer]]:
+    def _optimizer_entries(self) -> list[OptimizerEntry]:
         zero = self._parallel.zero if self._parallel else None
         owner: nn.Module = self.lightning_module  # type: ignore[assignment]
+        distribute = None
         if zero is not None and zero.stage >= 1:
-            owner = zero.masters_module()
-        return [(owner, o._optimizer if isinstance(o, LightningOptimizer) else o) for o in self.optimizers]
+            owner, distribute = zero.masters_module(), zero.distribute_state
+        return [
+            OptimizerEntry(owner, o._optimizer if isinstance(o, LightningOptimizer) else o, distribute)
+            for o in self.optimizers
+        ]
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -323,9 +332,9 @@ class ParallelStrategy(_LightningParallelStrategy):
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        for owner, opt in self._optimizer_owners():
-            if opt is inner:
-                return state_for(owner, [(owner, opt)])["optimizer_0"]
+        for entry in self._optimizer_entries():
+            if entry.optimizer is inner:
+                return optimizer_state(entry)
         raise ValueError("optimizer_state() got an optimizer the strategy does not manage")
 
     @override
@@ -345,7 +354,7 @@ class ParallelStrategy(_LightningParallelStrategy):
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.lightning_module is not None
         return load_sharded(
-            path, self.lightning_module, self._optimizer_owners(), strict=self.lightning_module.strict_loading
+            path, self.lightning_module, self._optimizer_entries(), strict=self.lightning_module.strict_loading
         )
 
     @override

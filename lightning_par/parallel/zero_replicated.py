@@ -1,0 +1,273 @@
+"""The ZeRO stage 0-2 engine over replicated parameters (see `lightning_par.parallel.zero` for the stages).
+
+Gradients are packed into buckets laid out rank-major (rank j's shards of every parameter contiguous, the layout
+FSDP2 uses) so one reduce-scatter per bucket hands each rank its shard. The optimizer runs on plain "master"
+tensors that are views into this rank's rows of each parameter; after its step the shards are all-gathered back.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from lightning_par.parallel.grad_norm import mark_sharded
+
+# torch 2.13 renamed the flat-tensor collectives; older releases only have the *_tensor names.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+# DDP's choice: a small first bucket so the first reduction starts early in backward and overlaps the rest.
+_FIRST_BUCKET_MB = 1.0
+# Stage-2 reductions in flight during backward; each holds a packed bucket, so this bounds the extra memory.
+_MAX_INFLIGHT = 2
+
+
+class _Bucket:
+    """Parameters reduced with one collective; rank j's shards of all of them are contiguous in the buffer."""
+
+    def __init__(self, params: list[nn.Parameter], world: int, rank: int) -> None:
+        self.params = params
+        self.offsets: list[int] = []
+        self.chunks: list[int] = []  # padded shard numel per parameter
+        self.local: list[tuple[int, ...]] = []  # this rank's shard shape per parameter
+        self.starts: list[int] = []  # this rank's first row per parameter
+        size = 0
+        for p in params:
+            rows = p.shape[0]
+            chunk_rows = math.ceil(rows / world)
+            row_numel = p.numel() // rows if rows else 0
+            local_rows = max(0, min(rows - rank * chunk_rows, chunk_rows))
+            self.offsets.append(size)
+            self.chunks.append(chunk_rows * row_numel)
+            self.local.append((local_rows, *p.shape[1:]))
+            self.starts.append(min(rank * chunk_rows, rows))
+            size += chunk_rows * row_numel
+        self.shard_numel = size
+        self.ready = 0
+
+    def pack(self, tensors: Iterable[Optional[torch.Tensor]], world: int, dtype: torch.dtype) -> torch.Tensor:
+        """Lay out full tensors rank-major: [rank 0's shards | rank 1's shards | ...]."""
+        buf = torch.zeros(world, self.shard_numel, dtype=dtype, device=self.params[0].device)
+        for t, off, chunk in zip(tensors, self.offsets, self.chunks):
+            if t is None or chunk == 0:
+                continue  # an unused parameter contributes a zero gradient
+            flat = t.reshape(-1)
+            if flat.numel() != world * chunk:
+                flat = torch.nn.functional.pad(flat, (0, world * chunk - flat.numel()))
+            buf[:, off : off + chunk].copy_(flat.view(world, chunk))
+        return buf
+
+    def shard_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Views of this rank's shards inside a buffer of ``shard_numel`` elements."""
+        return [flat[off : off + math.prod(shape)].view(shape) for off, shape in zip(self.offsets, self.local)]
+
+
+class ReplicatedZero:
+    """Gradient reduction and optimizer sharding for ZeRO stages 0, 1 and 2 over replicated parameters.
+
+    Args:
+        module: the model; its trainable parameters must not change after construction.
+        mesh: the 2-D (``dp_replicate``, ``dp_shard``) mesh. Gradients are reduce-scattered (stage 0:
+            all-reduced) over ``dp_shard`` and all-reduced over ``dp_replicate``.
+        stage: 0, 1 or 2.
+        bucket_cap_mb: the largest bucket; one collective per bucket.
+    """
+
+    def __init__(self, module: nn.Module, mesh: DeviceMesh, stage: int, bucket_cap_mb: float = 25.0) -> None:
+        if stage not in (0, 1, 2):
+            raise ValueError(f"ReplicatedZero handles stages 0-2, got {stage}; stage 3 is `apply_fsdp`")
+        self.stage = stage
+        self.mesh = mesh
+        self.shard_group = mesh.get_group("dp_shard")
+        self.replicate_group = mesh.get_group("dp_replicate")
+        self.world = mesh.size(1)
+        self.rank = mesh.get_local_rank("dp_shard")
+        self.dp = mesh.size()
+        self.names: dict[nn.Parameter, str] = {}
+        for name, p in module.named_parameters():
+            if not p.requires_grad:
+                continue
+            if p.dim() == 0:
+                raise ValueError(
+                    f"parameter {name} is a 0-dim scalar, which ZeRO cannot shard along dim 0; store it with "
+                    "shape (1,) instead"
+                )
+            self.names[p] = name
+        self.buckets = self._make_buckets(list(self.names), bucket_cap_mb)
+        self.masters: dict[nn.Parameter, nn.Parameter] = {}
+        self._full_of: dict[str, nn.Parameter] = {}
+        if stage >= 1:
+            for bucket in self.buckets:
+                for p, shape, start in zip(bucket.params, bucket.local, bucket.starts):
+                    # A view: the optimizer's in-place update writes straight into the full weights.
+                    master = nn.Parameter(p.data.narrow(0, start, shape[0]))
+                    mark_sharded(master, (self.shard_group,))
+                    self.masters[p] = master
+                    self._full_of[self.names[p]] = p
+        self._pending: list[tuple[Any, _Bucket, torch.Tensor]] = []
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        if stage == 2:
+            self._bucket_of = {p: b for b in self.buckets for p in b.params}
+            for p in self.names:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+
+    def _make_buckets(self, params: list[nn.Parameter], cap_mb: float) -> list[_Bucket]:
+        # Reverse order: gradients become ready roughly back to front, so stage-2 buckets fill early.
+        buckets: list[_Bucket] = []
+        current: list[nn.Parameter] = []
+        nbytes = 0
+        for p in reversed(params):
+            cap = min(cap_mb, _FIRST_BUCKET_MB) if not buckets else cap_mb
+            if current and (nbytes + p.numel() * p.element_size() > cap * 2**20 or p.dtype != current[0].dtype):
+                buckets.append(_Bucket(current, self.world, self.rank))
+                current, nbytes = [], 0
+            current.append(p)
+            nbytes += p.numel() * p.element_size()
+        if current:
+            buckets.append(_Bucket(current, self.world, self.rank))
+        return buckets
+
+    # ---- optimizer -------------------------------------------------------------------------------------------
+    def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Point ``optimizer`` (built over the model's parameters) at the sharded masters, in place.
+
+        In place, so LR schedulers that hold the optimizer keep working. Stage 0 leaves it alone.
+        """
+        if self.stage == 0:
+            return
+        if optimizer.state:
+            raise RuntimeError("shard the optimizer before its first step (its state would be full-size)")
+        for group in optimizer.param_groups:
+            missing = [p for p in group["params"] if p not in self.masters and p.requires_grad]
+            if missing:
+                raise ValueError(
+                    f"the optimizer holds {len(missing)} parameter(s) that are not trainable parameters of the "
+                    "LightningModule; build the optimizer from self.parameters() in configure_optimizers"
+                )
+            group["params"] = [self.masters.get(p, p) for p in group["params"]]
+        optimizer.register_step_post_hook(lambda *_: self.gather_params())
+
+    def masters_module(self) -> nn.Module:
+        """A module tree holding the masters under the original parameter names.
+
+        ``torch.distributed.checkpoint.state_dict`` keys optimizer state by the names of the module that owns
+        the optimizer's parameters; this gives the sharded optimizer the same keys as FSDP2's.
+        """
+        root = nn.Module()
+        for p, master in self.masters.items():
+            *path, leaf = self.names[p].split(".")
+            owner = root
+            for part in path:
+                if not hasattr(owner, part):
+                    owner.add_module(part, nn.Module())
+                owner = getattr(owner, part)
+            owner.register_parameter(leaf, master)
+        return root
+
+    def distribute_state(self, name: str, value: Any) -> Any:
+        """Wrap a master's optimizer-state tensor as the ``Shard(0)`` DTensor of the full parameter, for DCP.
+
+        Tensors shaped like the shard (``exp_avg``, momentum, ...) are sharded; scalars (``step``) are not.
+        """
+        full = self._full_of.get(name)
+        if full is None or not isinstance(value, torch.Tensor) or value.dim() == 0:
+            return value
+        master = self.masters[full]
+        if value.shape != master.shape:
+            return value
+        return DTensor.from_local(
+            value, self.mesh, (Replicate(), Shard(0)), shape=full.shape, stride=full.stride(), run_check=False
+        )
+
+    # ---- gradients -------------------------------------------------------------------------------------------
+    def reduce_gradients(self) -> None:
+        """Finish the gradient reduction of one optimizer step (after the last backward of accumulation)."""
+        if self.stage == 2:
+            for bucket in self.buckets:
+                if bucket.ready:  # unused parameters never fired their hook: flush with zeros for them
+                    self._launch(bucket)
+            self._drain(0)
+            return
+        for bucket in self.buckets:
+            if self.stage == 0:
+                self._all_reduce(bucket)
+            else:
+                self._launch(bucket)
+        self._drain(0)
+
+    def _on_grad_ready(self, p: torch.Tensor) -> None:
+        bucket = self._bucket_of[p]  # type: ignore[index]
+        bucket.ready += 1
+        if bucket.ready == len(bucket.params):
+            self._launch(bucket)
+            self._drain(_MAX_INFLIGHT)
+
+    def _all_reduce(self, bucket: _Bucket) -> None:
+        grads = [p.grad for p in bucket.params]
+        if all(g is None for g in grads):
+            return
+        flat = torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for g, p in zip(grads, bucket.params)])
+        dist.all_reduce(flat, group=self.shard_group)
+        if self.mesh.size(0) > 1:
+            dist.all_reduce(flat, group=self.replicate_group)
+        flat.div_(self.dp)
+        offset = 0
+        for p in bucket.params:
+            p.grad = flat[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+
+    def _launch(self, bucket: _Bucket) -> None:
+        """Pack the bucket's gradients, free them, and start the reduce-scatter without waiting for it."""
+        bucket.ready = 0
+        dtype = bucket.params[0].dtype
+        packed = bucket.pack([p.grad for p in bucket.params], self.world, dtype)
+        for p in bucket.params:
+            p.grad = None  # the full gradient is not needed again: this is where ZeRO saves gradient memory
+        out = torch.empty(bucket.shard_numel, dtype=dtype, device=packed.device)
+        work = _reduce_scatter(out, packed.view(-1), group=self.shard_group, async_op=True)
+        self._pending.append((work, bucket, out))
+
+    def _drain(self, keep: int) -> None:
+        """Wait for reductions in flight until at most ``keep`` remain, and hand their shards to the masters."""
+        while len(self._pending) > keep:
+            work, bucket, out = self._pending.pop(0)
+            work.wait()
+            if self.mesh.size(0) > 1:
+                dist.all_reduce(out, group=self.replicate_group)
+            out.div_(self.dp)
+            for p, shard in zip(bucket.params, bucket.shard_views(out)):
+                master = self.masters[p]
+                if master.grad is None:
+                    master.grad = shard
+                else:
+                    master.grad.add_(shard)
+
+    # ---- parameters ------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def gather_params(self) -> None:
+        """All-gather the updated shards so every rank holds the full parameters again."""
+        inflight = []
+        for bucket in self.buckets:
+            dtype = bucket.params[0].dtype
+            send = torch.zeros(bucket.shard_numel, dtype=dtype, device=bucket.params[0].device)
+            for view, p in zip(bucket.shard_views(send), bucket.params):
+                view.copy_(self.masters[p])
+            recv = torch.empty(self.world, bucket.shard_numel, dtype=dtype, device=send.device)
+            inflight.append((_all_gather(recv.view(-1), send, group=self.shard_group, async_op=True), bucket, recv))
+        for work, bucket, recv in inflight:
+            work.wait()
+            for p, off, chunk in zip(bucket.params, bucket.offsets, bucket.chunks):
+                p.data.view(-1).copy_(recv[:, off : off + chunk].reshape(-1)[: p.numel()])
+
+    def remove_hooks(self) -> None:
+        """Detach the stage-2 gradient hooks."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
