@@ -197,6 +197,13 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         dp_group = trainer.strategy.meshes.dp.get_group()
         metrics = [m for m in model.modules() if isinstance(m, Metric)]
         result["metric_groups_dp"] = bool(metrics) and all(m.process_group is dp_group for m in metrics)
+        # Which FSDP2 offload policy each sharded unit got (a private attribute, read only by this test).
+        from torch.distributed.fsdp import FSDPModule
+
+        units = [m for m in trainer.strategy.model.modules() if isinstance(m, FSDPModule)]
+        groups = [m._get_fsdp_state()._fsdp_param_group for m in units]  # type: ignore[operator]
+        result["fsdp_units"] = len(units)
+        result["offload_policies"] = sorted({type(g.offload_policy).__name__ for g in groups if g is not None})
     if job.get("validate"):
         result["val"] = {k: float(v) for k, v in trainer.validate(model, datamodule=data, verbose=False)[0].items()}
     if job.get("test"):

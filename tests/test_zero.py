@@ -127,6 +127,17 @@ def test_resume_continues_the_same_run(run):
     _params_close(resumed["params"], full["params"], rtol=1e-5, atol=0.01 * LR)
 
 
+def test_sharding_units(run):
+    name, results, _ = run
+    got = results[0]
+    if name.startswith("zero3"):
+        assert got["fsdp_units"] == 2 + 1  # one per trunk block (n_layer=2) and the root
+        expected = "CPUOffloadPolicy" if name.endswith("offload") else "OffloadPolicy"
+        assert got["offload_policies"] == [expected]
+    else:
+        assert got["fsdp_units"] == 0
+
+
 def test_checkpoint_is_sharded_and_keyed_by_parameter_names(run):
     from torch.distributed.checkpoint import FileSystemReader
 
