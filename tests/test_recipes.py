@@ -39,6 +39,7 @@ def test_recipe_parses_and_builds(recipe: Path, tmp_path, monkeypatch):
     assert command.startswith("# ") and f"recipes/{recipe.name}" in command, "a recipe opens with its launch command"
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setattr(sys, "argv", ["lightning-par"])  # not pytest's own arguments
     cli = build_cli(["--config", str(recipe)], run=False)
     strategy = cli.trainer.strategy
     assert isinstance(strategy, lightning_par.ParallelStrategy)
