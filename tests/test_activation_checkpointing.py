@@ -80,3 +80,9 @@ def test_trunk_detection():
     seq = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
     assert find_trunk(seq).names == ("0", "1")  # the final norm is not a block
     assert find_trunk(torch.nn.Linear(3, 3)) is None
+    # Large vocabulary, small width: the two embeddings outweigh the blocks but are not the trunk.
+    wide_vocab = GPT(n_layer=2, n_embd=64, vocab_size=32000, block_size=512)
+    emb = sum(p.numel() for p in wide_vocab.transformer.wte.parameters())
+    emb += sum(p.numel() for p in wide_vocab.transformer.wpe.parameters())
+    assert emb > sum(p.numel() for p in wide_vocab.transformer.h.parameters())
+    assert find_trunk(wide_vocab).path == "transformer.h"

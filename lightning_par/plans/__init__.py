@@ -1,5 +1,28 @@
-"""Model introspection without process groups: find the trunk of repeated blocks (more plans land later)."""
+"""Model introspection without process groups: the trunk of repeated blocks and a tensor-parallel plan for them."""
 
+from lightning_par.plans.tp import (
+    STYLES,
+    HeadInfo,
+    MLPInfo,
+    ModuleShape,
+    TPPlan,
+    TPPlanError,
+    format_plan,
+    infer_tp_plan,
+    validate_tp,
+)
 from lightning_par.plans.trunk import Trunk, find_trunk
 
-__all__ = ["Trunk", "find_trunk"]
+__all__ = [
+    "STYLES",
+    "HeadInfo",
+    "MLPInfo",
+    "ModuleShape",
+    "TPPlan",
+    "TPPlanError",
+    "Trunk",
+    "find_trunk",
+    "format_plan",
+    "infer_tp_plan",
+    "validate_tp",
+]

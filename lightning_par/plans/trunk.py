@@ -1,7 +1,9 @@
 """Find the trunk of repeated blocks in a model the user wrote.
 
 The trunk is the container (``ModuleList``, ``Sequential`` or ``ModuleDict``) whose children are at least two
-modules of one class and that holds the most parameters among such containers. ZeRO-3 wraps each block as one
+modules of one class and that holds the most parameters among such containers. Containers of composite blocks
+win over containers of leaf modules: the token and position embeddings of a small-width, large-vocabulary model
+are two ``nn.Embedding``s that can outweigh every transformer block together. ZeRO-3 wraps each block as one
 communication unit, activation checkpointing recomputes whole blocks, and the pipeline cuts between blocks.
 """
 
@@ -40,7 +42,7 @@ def find_trunk(model: nn.Module) -> Trunk | None:
     Args:
         model: any module; it is only inspected.
     """
-    best: tuple[int, Trunk] | None = None
+    best: tuple[tuple[bool, int], Trunk] | None = None
     for path, container in model.named_modules():
         if not isinstance(container, _CONTAINERS):
             continue
@@ -55,7 +57,8 @@ def find_trunk(model: nn.Module) -> Trunk | None:
         picked = [(name, child) for name, child in children if type(child) is kind]
         prefix = f"{path}." if path else ""
         trunk = Trunk(path, tuple(prefix + name for name, _ in picked), tuple(child for _, child in picked))
-        size = sum(_numel(child) for _, child in picked)
-        if best is None or size > best[0]:
-            best = (size, trunk)
+        composite = any(True for _ in picked[0][1].children())
+        score = (composite, sum(_numel(child) for _, child in picked))
+        if best is None or score > best[0]:
+            best = (score, trunk)
     return None if best is None else best[1]

@@ -1,0 +1,126 @@
+"""The probe behind `lightning_par.plans.tp`: one tiny forward pass that records who reads whom in block 0.
+
+Hooks on block 0's Linears record, for each Linear's input, the nearest block-0 Linear outputs it was computed
+from (walking the autograd graph back to the block input). Pairing column- and row-parallel Linears from that
+relation is exact where call order alone is not (parallel attention + MLP, adapters on the residual). When the
+forward fails, `_registration_order` guesses the same relation from module registration order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclasses.dataclass
+class _Trace:
+    order: list[str]  # block-relative names (then outer names) in first-call or registration order
+    producers: dict[str, set[str]]  # module -> block Linears whose outputs reach its input through non-Linear ops
+    in_width: dict[str, int]
+    hidden: int
+    outer: list[str]  # outer Linears/Embeddings/norms; those before index `marker` run before the trunk
+    marker: int
+
+
+def _is_norm(m: nn.Module) -> bool:
+    return isinstance(m, (nn.LayerNorm, nn.RMSNorm)) or ("norm" in type(m).__name__.lower() and not any(m.children()))
+
+
+def _norm_size(m: nn.Module) -> int:
+    w = getattr(m, "weight", None)
+    if isinstance(w, torch.Tensor) and w.dim() >= 1:
+        return int(w.shape[-1])
+    shape = getattr(m, "normalized_shape", None)
+    return int(shape[-1]) if isinstance(shape, (tuple, list)) and shape else 0
+
+
+def _walk(node: Any, outs: dict[Any, str], stop: set[Any]) -> set[str]:
+    """Linears whose outputs reach `node` without passing another Linear (or the block input)."""
+    found: set[str] = set()
+    seen: set[Any] = set()
+    stack = [node]
+    while stack and len(seen) < 100_000:  # a side input with a long history (an encoder output) stops here
+        n = stack.pop()
+        if n is None or n in seen:
+            continue
+        seen.add(n)
+        if n in outs:
+            found.add(outs[n])
+        elif n not in stop:
+            stack.extend(f for f, _ in n.next_functions)
+    return found
+
+
+def _trace(
+    model: nn.Module, block: nn.Module, inner: dict[str, nn.Module], outer: dict[str, nn.Module]
+) -> _Trace | str:
+    """Run the model once on token 0 with hooks on block 0: who reads whom, call order; or why it failed."""
+    tr = _Trace([], {}, {}, 0, [], -1)
+    outs: dict[Any, str] = {}
+    stop: set[Any] = set()
+
+    def on_block(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        x = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        if tr.marker < 0 and x is not None:
+            tr.hidden, tr.marker = int(x.shape[-1]), len(tr.outer)
+            stop.add(x.grad_fn)
+
+    def pre(name: str) -> Any:
+        def hook(mod: nn.Module, args: tuple[Any, ...]) -> None:
+            if name not in tr.producers and args and isinstance(args[0], torch.Tensor):
+                tr.producers[name] = _walk(args[0].grad_fn, outs, stop)
+                tr.in_width[name] = int(args[0].shape[-1])
+
+        return hook
+
+    def post(name: str, order: list[str]) -> Any:
+        def hook(mod: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+            if name not in order:
+                order.append(name)
+                if isinstance(mod, nn.Linear) and isinstance(out, torch.Tensor) and out.grad_fn is not None:
+                    outs[out.grad_fn] = name
+
+        return hook
+
+    handles = [block.register_forward_pre_hook(on_block, with_kwargs=True)]
+    for name, m in inner.items():
+        handles += [m.register_forward_pre_hook(pre(name)), m.register_forward_hook(post(name, tr.order))]
+    handles += [m.register_forward_hook(post(name, tr.outer)) for name, m in outer.items()]
+    modes = {m: m.training for m in model.modules()}
+    param = next(model.parameters(), None)
+    try:
+        model.eval()  # no dropout: the probe must not draw from the user's RNG streams
+        with torch.enable_grad():
+            model(torch.zeros((1, 8), dtype=torch.long, device=param.device if param is not None else None))
+    except Exception as err:
+        return f"{type(err).__name__}: {err}"
+    finally:
+        for h in handles:
+            h.remove()
+        for m, mode in modes.items():
+            m.training = mode
+    if tr.marker < 0 or not outs:
+        return "the first block never ran, or no Linear output carried an autograd graph"
+    return tr
+
+
+def _registration_order(inner: dict[str, nn.Module], outer: list[str], marker: int) -> _Trace:
+    """Guess pairs without a forward pass: per submodule, the last Linear back to E reads the earlier ones."""
+    lin = {n: m for n, m in inner.items() if isinstance(m, nn.Linear)}
+    sizes = [_norm_size(m) for n, m in inner.items() if "." not in n and _is_norm(m)]
+    hidden = Counter(sizes or [m.in_features for m in lin.values()] or [0]).most_common(1)[0][0]
+    producers: dict[str, set[str]] = {}
+    groups: dict[str, list[str]] = {}
+    for n in lin:
+        groups.setdefault(n.split(".")[0] if "." in n else "", []).append(n)
+    for members in groups.values():
+        outs = [n for n in members if lin[n].out_features == hidden]
+        strict = [n for n in outs if lin[n].in_features != hidden]
+        # Two Linears back to E from a wider input both get producers, so the pairing step calls them rivals.
+        for o in strict or outs[-1:]:
+            producers[o] = {n for n in members[: members.index(o)] if lin[n].in_features == hidden}
+    return _Trace(list(inner), producers, {}, hidden, outer, marker)
