@@ -3,11 +3,15 @@
 ``lightning-par fit --config recipes/demo.yaml``. Any LightningModule / LightningDataModule can be named in a
 recipe with ``class_path``; strategies are either a registered name (``strategy: zero2``) or
 ``class_path: lightning_par.ParallelStrategy`` with explicit degrees.
+
+``lightning-par consolidate CKPT_DIR OUT`` writes a sharded checkpoint folder as one plain Lightning checkpoint
+file (`lightning_par.checkpoint.consolidate`).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any, Optional
 
 from lightning.pytorch.cli import LightningCLI
@@ -35,6 +39,11 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True) -> LightningCL
 
 def main() -> None:
     """Entry point of the ``lightning-par`` console script."""
+    if len(sys.argv) > 1 and sys.argv[1] == "consolidate":  # not a LightningCLI subcommand: no trainer, no model
+        from lightning_par.checkpoint.consolidate import main as consolidate_main
+
+        consolidate_main(sys.argv[2:])
+        return
     build_cli()
 
 

@@ -51,6 +51,8 @@ MODELS = {
                            ffn_hidden=64, lr=3e-3),
     "gpt_fail": lambda: FailingGPT(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=32),
     "gpt_sgd": lambda: SGDGPT(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=32),
+    # Dims 258, 34 not divisible by 4: uneven shards (ceil(d0/n) rows, the last rank short), as real vocabularies.
+    "gpt_uneven": lambda: GPT(vocab_size=258, block_size=34, n_layer=2, n_head=4, n_embd=36, lr=3e-3),
 }  # fmt: skip
 
 
@@ -104,6 +106,27 @@ class Recorder(L.Callback):
         )
 
 
+class OptimizerRecorder(L.Callback):
+    """The first optimizer's state when training starts (after any resume), full tensors keyed by parameter name."""
+
+    def __init__(self) -> None:
+        self.state: dict[str, dict[str, Any]] = {}
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        opt = trainer.optimizers[0]
+        if isinstance(trainer.strategy, lightning_par.ParallelStrategy):
+            named = trainer.strategy.optimizer_state(opt)["state"]  # sharded tensors as DTensors
+        else:
+            names = {p: n for n, p in pl_module.named_parameters()}
+            named = {names[p]: s for p, s in opt.state.items()}
+        # full_tensor() is a collective: every rank walks the same names in the same order.
+        self.state = {
+            name: {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().float().cpu().clone()
+                   for k, v in st.items()}
+            for name, st in named.items()
+        }  # fmt: skip
+
+
 def _full_params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     out = {}
     for name, p in module.named_parameters():
@@ -124,7 +147,9 @@ def _checkpoint_callbacks(job: dict[str, Any]) -> list[L.Callback]:
 
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
     """One fit. Keys: model, strategy (name or kwargs for ParallelStrategy), precision, steps, global_batch,
-    accumulate, clip, seed, devices, num_nodes, save (path), resume (path), fail_at_step, validate, predict."""
+    accumulate, clip, seed, devices, num_nodes, save (path), resume (path), fail_at_step, validate, predict,
+    record_optim (the optimizer state at train start, after a resume), expect_error (return the fit's exception
+    as ``error`` instead of failing the spawn)."""
     # Under torchrun WORLD_SIZE is set; when Lightning starts the processes itself the job states it.
     world = job.get("world") or int(os.environ.get("WORLD_SIZE", "1"))
     L.seed_everything(job.get("seed", 0), verbose=False)
@@ -146,6 +171,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         order = data._train.order
         data._train.order = order[torch.randperm(len(order), generator=torch.Generator().manual_seed(0))]
     recorder = Recorder(job.get("fail_at_step"))
+    optim_recorder = OptimizerRecorder()
     plugins = []
     precision = job.get("precision", "32-true")
     if job.get("lightning_fp16_reference"):
@@ -167,11 +193,17 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         enable_checkpointing=bool(job.get("ckpt_dir")),
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[recorder, *_checkpoint_callbacks(job)],
+        callbacks=[recorder, *_checkpoint_callbacks(job), *([optim_recorder] if job.get("record_optim") else [])],
         num_sanity_val_steps=0,
         limit_val_batches=2,
         limit_test_batches=2,
     )
+    if job.get("expect_error"):
+        try:
+            trainer.fit(model, datamodule=data, ckpt_path=job.get("resume"))
+        except Exception as err:
+            return {"error": f"{type(err).__name__}: {err}", "losses": recorder.losses}
+        return {"error": None, "losses": recorder.losses}
     trainer.fit(model, datamodule=data, ckpt_path=job.get("resume"))
     if job.get("save"):
         trainer.save_checkpoint(job["save"])
@@ -190,6 +222,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         "mem": recorder.mem,
         "params": _full_params(model),
         "layout": getattr(trainer.strategy, "parallel_layout", None),
+        "optim_at_start": optim_recorder.state,
     }
     if isinstance(trainer.strategy, lightning_par.ParallelStrategy):
         from torchmetrics import Metric

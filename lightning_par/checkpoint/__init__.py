@@ -1,5 +1,14 @@
 """Sharded distributed checkpoints (DCP), keyed by the original parameter names."""
 
+from lightning_par.checkpoint.consolidate import consolidate, load_full_state
 from lightning_par.checkpoint.dcp import load_sharded, save_sharded
+from lightning_par.checkpoint.reader import CheckpointError, CheckpointNotFoundError
 
-__all__ = ["load_sharded", "save_sharded"]
+__all__ = [
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "consolidate",
+    "load_full_state",
+    "load_sharded",
+    "save_sharded",
+]

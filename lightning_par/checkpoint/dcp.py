@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-META = "meta.pt"
+from lightning_par.checkpoint.reader import META, load_tensors, read_index, read_meta
 
 
 def _barrier() -> None:
@@ -131,20 +131,18 @@ def load_sharded(
     Returns:
         the non-tensor rest of the checkpoint (``meta.pt``).
     """
-    if not (path / ".metadata").is_file() or not (path / META).is_file():
-        raise FileNotFoundError(
-            f"{path} is not a lightning_par checkpoint folder (expected .metadata and {META} inside); pass the "
-            "folder that trainer.save_checkpoint wrote"
-        )
+    # Every file against the index, then keys and shapes, before anything is modified (reader.py).
+    index = read_index(path)
+    meta = read_meta(path)
     for entry in optimizers:
         _init_optim_state(entry.optimizer)  # DCP loads into existing tensors, so the state must exist first
     state = state_for(module, optimizers)
-    dcp.load(state, checkpoint_id=path)
+    load_tensors(path, index, state, strict=strict)
     set_model_state_dict(module, state["state_dict"], options=_options(strict))
     for i, entry in enumerate(optimizers):
         sd = state[f"optimizer_{i}"]
         set_optimizer_state_dict(entry.owner, entry.optimizer, _localize(sd) if entry.distribute else sd)
-    return torch.load(path / META, weights_only=True, map_location="cpu")
+    return meta
 
 
 def _options(strict: bool) -> Any:

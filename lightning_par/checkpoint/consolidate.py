@@ -1,0 +1,163 @@
+"""Turn a sharded checkpoint folder into one plain Lightning checkpoint file that needs no lightning_par to load.
+
+``lightning-par consolidate CKPT_DIR OUT`` (or `consolidate`) writes ``OUT``: Lightning's checkpoint dict with
+full tensors (``state_dict`` keyed by the original names, ``optimizer_states`` in torch's own id-keyed format,
+loops, schedulers, ``hyper_parameters``), so ``MyModule.load_from_checkpoint(OUT)`` and
+``Trainer(...).fit(model, ckpt_path=OUT)`` work on one device. With the ``safetensors`` package installed it also
+writes the weights alone to ``OUT.safetensors``.
+
+It runs in one process with no process group, and holds the whole model and optimizer state in memory at once
+(about 3x the fp32 weights for Adam): run it on a machine with that much RAM, not inside every rank of a job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from lightning_par.checkpoint.reader import CheckpointError, SafeLoadPlanner, read_index, read_meta, safe_load
+
+
+def _slot(node: Any, key: Any, default: Any) -> Any:
+    if isinstance(node, list):
+        node.extend([None] * (key + 1 - len(node)))
+        if node[key] is None:
+            node[key] = default
+        return node[key]
+    return node.setdefault(key, default)
+
+
+def _unflatten(flat: dict[str, Any], paths: dict[str, tuple[Any, ...]]) -> dict[str, Any]:
+    # DCP records each flat key's path; an int step is a list index (``param_groups.0.lr``).
+    root: dict[str, Any] = {}
+    for key, value in flat.items():
+        path = paths.get(key, (key,))
+        node: Any = root
+        for part, nxt in itertools.pairwise(path):
+            node = _slot(node, part, [] if isinstance(nxt, int) else {})
+        _slot(node, path[-1], None)
+        node[path[-1]] = value
+    return root
+
+
+def load_full_state(ckpt_dir: Union[str, Path]) -> dict[str, Any]:
+    """Read a sharded checkpoint folder into one process as full tensors, keyed by the original names.
+
+    Args:
+        ckpt_dir: the folder written by ``trainer.save_checkpoint`` / ``ModelCheckpoint`` under ParallelStrategy.
+
+    Returns:
+        ``meta.pt``'s entries plus ``state_dict`` (name -> tensor) and ``optimizer_<i>``
+        (``{"state": {name: {...}}, "param_groups": [{..., "params": [names]}]}``).
+    """
+    path = Path(ckpt_dir)
+    index = read_index(path)
+    meta = read_meta(path)
+    flat: dict[str, Any] = {
+        key: torch.empty(md.size, dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata) else None
+        for key, md in index.state_dict_metadata.items()
+    }
+    # The keys above are already DCP's flat keys, and bytes must land in this very dict: no flattening; `_unflatten`
+    # restores the nesting.
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message=".*load in a single process")
+        safe_load(flat, path, SafeLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False), no_dist=True)
+    paths = index.planner_data if isinstance(index.planner_data, dict) else {}
+    return {**meta, **_unflatten(flat, paths)}
+
+
+def to_torch_optimizer_state(state: dict[str, Any]) -> dict[str, Any]:
+    """A name-keyed optimizer state (`load_full_state`'s ``optimizer_<i>``) in ``Optimizer.state_dict()`` format.
+
+    torch numbers parameters in the order of the param groups; the saved groups list the names in that order, so
+    the same optimizer built over the plain model (same ``configure_optimizers``) loads it.
+
+    Args:
+        state: ``{"state": {name: {...}}, "param_groups": [{..., "params": [names]}]}``.
+    """
+    ids: dict[str, int] = {}
+    groups = []
+    for group in state["param_groups"]:
+        groups.append({**group, "params": [ids.setdefault(name, len(ids)) for name in group["params"]]})
+    return {
+        "state": {ids[name]: s for name, s in state.get("state", {}).items() if name in ids},
+        "param_groups": groups,
+    }
+
+
+def consolidate(
+    ckpt_dir: Union[str, Path], out_file: Union[str, Path], safetensors: Optional[bool] = None
+) -> list[Path]:
+    """Write a sharded checkpoint folder as one plain Lightning checkpoint file.
+
+    Args:
+        ckpt_dir: the sharded folder.
+        out_file: the file to write (``torch.save`` format, loadable with ``weights_only=True``).
+        safetensors: also write the weights to ``<out_file>.safetensors``. ``None``: if the ``safetensors``
+            package is installed; ``True`` raises when it is not.
+
+    Returns:
+        the files written: ``out_file``, then ``<out_file>.safetensors`` if it was written.
+    """
+    save_file = _safetensors_writer(required=bool(safetensors)) if safetensors is not False else None
+    state = load_full_state(ckpt_dir)
+    optimizers = sorted((k for k in state if k.startswith("optimizer_")), key=lambda k: int(k.split("_")[1]))
+    checkpoint = {k: v for k, v in state.items() if k not in optimizers}
+    checkpoint.setdefault("state_dict", {})
+    if optimizers:
+        checkpoint["optimizer_states"] = [to_torch_optimizer_state(state[k]) for k in optimizers]
+    out = Path(out_file)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(checkpoint, out)
+    written = [out]
+    if save_file is not None:
+        weights = out.with_name(out.name + ".safetensors")
+        save_file(
+            {k: v.contiguous() for k, v in checkpoint["state_dict"].items() if isinstance(v, torch.Tensor)},
+            str(weights),
+        )
+        written.append(weights)
+    return written
+
+
+def _safetensors_writer(required: bool) -> Optional[Callable[..., None]]:
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        if required:
+            raise ImportError(
+                "writing OUT.safetensors needs the safetensors package; pip install safetensors, or pass "
+                "--no-safetensors"
+            ) from None
+        return None
+    return save_file
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """``lightning-par consolidate CKPT_DIR OUT [--safetensors | --no-safetensors]``."""
+    parser = argparse.ArgumentParser(
+        prog="lightning-par consolidate",
+        description="Write a sharded lightning_par checkpoint folder as one plain Lightning checkpoint file.",
+    )
+    parser.add_argument("ckpt_dir", help="checkpoint folder written under ParallelStrategy")
+    parser.add_argument("out", help="file to write; loads with MyModule.load_from_checkpoint(OUT)")
+    parser.add_argument(
+        "--safetensors",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also write OUT.safetensors with the weights (default: if the safetensors package is installed)",
+    )
+    args = parser.parse_args(argv)
+    try:
+        written = consolidate(args.ckpt_dir, args.out, safetensors=args.safetensors)
+    except (CheckpointError, ImportError) as err:
+        parser.exit(2, f"lightning-par consolidate: error: {err}\n")
+    note = "" if len(written) > 1 else " (no .safetensors: the safetensors package is not installed, or turned off)"
+    print("wrote " + " and ".join(map(str, written)) + note)

@@ -1,0 +1,400 @@
+"""Sharded checkpoints: resume on another layout, consolidate to one plain Lightning file, fail clearly when broken.
+
+Resume test design (as `test_zero._resume_jobs`): one step per epoch over a fixed set of samples (the whole set is
+one global batch), a checkpoint folder written by ModelCheckpoint at each epoch end, and a resume from the one after
+step 2 on another layout (world size, ZeRO stage, or one process) for steps 3-4. Every step then sees the same
+samples whatever the layout, so the resumed losses and parameters must equal those of the uninterrupted run on the
+writing layout, up to float summation order. Tolerances as in test_zero.py: losses 1e-5 relative; parameters after
+SGD 1e-5 relative / 1e-7 absolute; after AdamW an absolute 1% of the learning rate. The optimizer state found at
+the start of the resumed run must equal the checkpoint's bit for bit (a reset Adam would pass a loose loss check).
+
+Spawns (each costs seconds): 2 ranks (writers, resumes on 2 ranks), 4 ranks (2->4 resumes, 4-rank writers),
+2 ranks (4->2 resumes), 1 process (2->1 with ParallelStrategy), then the consolidate CLI and a plain Lightning
+process that cannot import lightning_par's strategies.
+"""
+
+from __future__ import annotations
+
+import pickle
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from launch import ROOT, run_jobs, worker_env
+
+LR = 3e-3  # the AdamW GPT's learning rate in _worker.MODELS
+GPT_KWARGS = {"vocab_size": 256, "block_size": 32, "n_layer": 2, "n_head": 4, "n_embd": 32, "lr": LR}
+
+# Writers: (model, ranks, strategy). Each trains 4 one-step epochs and keeps every epoch's checkpoint.
+WRITERS: list[tuple[str, int, Any]] = [
+    ("gpt", 2, "zero1"),
+    ("gpt", 2, "zero2"),
+    ("gpt", 2, "zero3"),
+    ("gpt_sgd", 2, "zero1"),
+    ("gpt_sgd", 2, "zero3"),
+    ("gpt", 2, {"zero_stage": 0}),
+    ("gpt_uneven", 2, "zero2"),
+    ("gpt", 4, "zero3"),
+    ("gpt_sgd", 4, "zero2"),
+    ("gpt_uneven", 4, "zero1"),
+]
+# Resumes: name -> (model, writer's (ranks, strategy), reader's (ranks, strategy)). "uneven": dims 258 and 34 do not
+# divide by 4, so shards differ in rows across ranks (as real vocabularies do).
+RESUMES: dict[str, tuple[str, tuple[int, Any], tuple[int, Any]]] = {
+    "2_zero1_to_2_zero3": ("gpt", (2, "zero1"), (2, "zero3")),
+    "2_zero3_to_2_zero1": ("gpt", (2, "zero3"), (2, "zero1")),
+    "2_zero2_to_2_zero3_offload": ("gpt", (2, "zero2"), (2, "zero3_offload")),
+    "sgd_2_zero1_to_2_zero3": ("gpt_sgd", (2, "zero1"), (2, "zero3")),
+    "2_zero3_to_4_zero3": ("gpt", (2, "zero3"), (4, "zero3")),
+    "2_zero1_to_4_zero2": ("gpt", (2, "zero1"), (4, "zero2")),
+    "sgd_2_zero3_to_4_zero1": ("gpt_sgd", (2, "zero3"), (4, "zero1")),
+    "2_zero0_to_4_zero3": ("gpt", (2, {"zero_stage": 0}), (4, "zero3")),
+    "uneven_2_zero2_to_4_zero3": ("gpt_uneven", (2, "zero2"), (4, "zero3")),
+    "4_zero3_to_2_zero1": ("gpt", (4, "zero3"), (2, "zero1")),
+    "uneven_4_zero1_to_2_zero2": ("gpt_uneven", (4, "zero1"), (2, "zero2")),
+    "sgd_4_zero2_to_2_zero3": ("gpt_sgd", (4, "zero2"), (2, "zero3")),
+    "2_zero3_to_1_zero3": ("gpt", (2, "zero3"), (1, {"zero_stage": 3})),
+    "sgd_2_zero1_to_1_zero1": ("gpt_sgd", (2, "zero1"), (1, {"zero_stage": 1})),
+}
+BASE = {"epoch_steps": 1, "max_steps": 4}
+
+
+def _key(model: str, ranks: int, strategy: Any) -> str:
+    return f"{model}_{ranks}_{strategy if isinstance(strategy, str) else 'zero' + str(strategy['zero_stage'])}"
+
+
+def _ckpt(root: Path, model: str, ranks: int, strategy: Any, epoch: int = 1) -> Path:
+    return root / _key(model, ranks, strategy) / f"epoch={epoch}.ckpt"
+
+
+def _rel(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+def _params_close(got: dict, ref: dict, model: str) -> None:
+    rtol, atol = (1e-5, 1e-7) if model == "gpt_sgd" else (1e-5, 0.01 * LR)
+    assert got.keys() == ref.keys()
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=rtol, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("ckpt")
+    root = tmp / "ckpts"
+    out: dict[str, Any] = {"root": root}
+
+    def writers(ranks: int) -> list[tuple[str, dict]]:
+        return [
+            (_key(m, n, s), {**BASE, "model": m, "strategy": s, "ckpt_dir": str(root / _key(m, n, s))})
+            for m, n, s in WRITERS
+            if n == ranks
+        ]
+
+    def resumes(src_ranks: int, dst_ranks: int) -> list[tuple[str, dict]]:
+        return [
+            (name, {**BASE, "model": m, "strategy": dst[1], "resume": str(_ckpt(root, m, *src)), "record_optim": True})
+            for name, (m, src, dst) in RESUMES.items()
+            if src[0] == src_ranks and dst[0] == dst_ranks
+        ]
+
+    def spawn(name: str, ranks: int, jobs: list[tuple[str, dict]]) -> None:
+        results = run_jobs(tmp / name, [job for _, job in jobs], nproc=ranks, timeout=300)
+        out.update(zip([key for key, _ in jobs], results))
+
+    spawn("s1", 2, writers(2) + resumes(2, 2))
+    spawn("s2", 4, resumes(2, 4) + writers(4))
+    # A resume from a truncated copy must fail on every rank before the first step, and not hang.
+    bad = tmp / "truncated.ckpt"
+    shutil.copytree(_ckpt(root, "gpt", 2, "zero3"), bad)
+    data = (bad / "__1_0.distcp").read_bytes()
+    (bad / "__1_0.distcp").write_bytes(data[: len(data) // 2])
+    failing = {**BASE, "model": "gpt", "strategy": "zero3", "resume": str(bad), "expect_error": True}
+    spawn("s3", 2, [*resumes(4, 2), ("truncated_2_ranks", failing)])
+    # A different model (Llama) resumed from the GPT checkpoint, in one process under ParallelStrategy.
+    foreign = {**BASE, "model": "llama", "strategy": {"zero_stage": 3}, "expect_error": True}
+    foreign["resume"] = str(_ckpt(root, "gpt", 2, "zero3"))
+    spawn("s4", 1, [*resumes(2, 1), ("foreign_1_rank", foreign)])
+    return out
+
+
+# ---- 1. resume on another layout --------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", list(RESUMES))
+def test_resume_on_another_layout_continues_the_run(runs, case):
+    from lightning_par.checkpoint import load_full_state
+
+    model, src, dst = RESUMES[case]
+    full, resumed = runs[_key(model, *src)], runs[case]
+    assert len(full["losses"]) == 4 and len(resumed["losses"]) == 2
+    assert resumed["layout"]["world_size"] == dst[0]
+    assert _rel(resumed["losses"], full["losses"][2:]) < 1e-5
+    _params_close(resumed["params"], full["params"], model)
+    # The optimizer state the resumed run starts from is the checkpoint's, resharded: moments and step counts.
+    saved = load_full_state(_ckpt(runs["root"], model, *src))["optimizer_0"]["state"]
+    got = resumed["optim_at_start"]
+    assert got.keys() == saved.keys() == full["params"].keys()
+    for name, state in saved.items():
+        assert got[name].keys() == state.keys()
+        for k, v in state.items():
+            assert torch.equal(got[name][k], v.float()), (name, k)
+    moments = [v for st in saved.values() for k, v in st.items() if k in ("exp_avg", "momentum_buffer")]
+    assert all(v.abs().sum() > 0 for v in moments[:3])  # a real state, not zeros
+    if model != "gpt_sgd":  # AdamW
+        assert all(float(st["step"]) == 2 for st in saved.values())
+
+
+def test_checkpoint_folders_have_one_data_file_per_writing_rank(runs):
+    for model, ranks, strategy in WRITERS:
+        files = sorted(p.name for p in _ckpt(runs["root"], model, ranks, strategy).glob("*.distcp"))
+        assert files == [f"__{r}_0.distcp" for r in range(ranks)]
+
+
+# ---- 2. consolidation to one plain Lightning file ----------------------------------------------------------------
+# Runs without lightning_par's package __init__ (which imports and registers the strategies): a stub package with
+# the same path lets `lightning_par.models` / `.data` (plain Lightning code) import, and nothing else.
+PLAIN = r"""
+import sys, types
+import torch
+torch.set_num_threads(1)
+root, weights_file, resume_file, out = sys.argv[1:5]
+stub = types.ModuleType("lightning_par")
+stub.__path__ = [root + "/lightning_par"]
+sys.modules["lightning_par"] = stub
+import lightning as L
+from lightning_par.data import ByteTextDataModule
+from lightning_par.models import GPT
+
+weights = {k: v.clone() for k, v in GPT.load_from_checkpoint(weights_file, map_location="cpu").state_dict().items()}
+
+class Record(L.Callback):
+    losses, optim = [], {}
+    def on_train_start(self, trainer, pl_module):
+        names = {p: n for n, p in pl_module.named_parameters()}
+        opt = trainer.optimizers[0]
+        Record.optim = {names[p]: {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()}
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        Record.losses.append(float(outputs["loss"]))
+
+model = GPT.load_from_checkpoint(resume_file, map_location="cpu")
+data = ByteTextDataModule(seq_len=32, batch_size=8, num_samples=8, seed=0)
+trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=4, logger=False, enable_checkpointing=False,
+                    enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                    limit_val_batches=0, callbacks=[Record()])
+trainer.fit(model, datamodule=data, ckpt_path=resume_file)
+leaked = sorted(m for m in sys.modules if m.startswith("lightning_par.") and m.split(".")[1] not in ("models", "data"))
+params = {n: p.detach().clone() for n, p in model.named_parameters()}
+torch.save({"weights": weights, "losses": Record.losses, "optim": Record.optim, "params": params, "leaked": leaked,
+            "strategy": type(trainer.strategy).__name__}, out)
+"""
+
+
+@pytest.fixture(scope="module")
+def plain(runs, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Consolidate the 2-rank ZeRO-3 checkpoints (epoch 1 with the CLI, the last in-process) and use them plainly."""
+    from lightning_par.checkpoint import consolidate
+
+    tmp = tmp_path_factory.mktemp("plain")
+    resume_file, weights_file = tmp / "epoch1.ckpt", tmp / "epoch3.ckpt"
+    cli = [sys.executable, "-m", "lightning_par.cli", "consolidate", str(_ckpt(runs["root"], "gpt", 2, "zero3"))]
+    proc = subprocess.run([*cli, str(resume_file)], env=worker_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert f"wrote {resume_file}" in proc.stdout
+    written = consolidate(_ckpt(runs["root"], "gpt", 2, "zero3", epoch=3), weights_file)
+    script = tmp / "plain.py"
+    script.write_text(PLAIN)
+    result = tmp / "plain.pt"
+    args = [sys.executable, str(script), str(ROOT), str(weights_file), str(resume_file), str(result)]
+    proc = subprocess.run(args, env=worker_env(), capture_output=True, text=True, timeout=180, cwd=tmp)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return {"written": written, "resume_file": resume_file, **torch.load(result)}
+
+
+def test_consolidated_file_loads_in_plain_lightning_without_the_strategies(runs, plain):
+    full = runs[_key("gpt", 2, "zero3")]
+    assert plain["leaked"] == [] and plain["strategy"] == "SingleDeviceStrategy"
+    # GPT.load_from_checkpoint of the last epoch's file: exactly the run's gathered parameters.
+    assert plain["weights"].keys() == full["params"].keys()
+    for name, value in full["params"].items():
+        assert torch.equal(plain["weights"][name], value), name
+
+
+def test_plain_lightning_resumes_from_the_consolidated_file_with_its_optimizer_state(runs, plain):
+    from lightning_par.checkpoint import load_full_state
+
+    full = runs[_key("gpt", 2, "zero3")]
+    saved = load_full_state(_ckpt(runs["root"], "gpt", 2, "zero3"))["optimizer_0"]["state"]
+    assert plain["optim"].keys() == saved.keys()
+    for name, state in saved.items():
+        for k, v in state.items():
+            assert torch.equal(plain["optim"][name][k], v), (name, k)
+    assert _rel(plain["losses"], full["losses"][2:]) < 1e-5
+    _params_close({n: p.float() for n, p in plain["params"].items()}, full["params"], "gpt")
+
+
+def test_consolidated_file_is_a_regular_lightning_checkpoint(plain):
+    ckpt = torch.load(plain["resume_file"], weights_only=True)
+    for key in ("state_dict", "optimizer_states", "lr_schedulers", "loops", "hyper_parameters", "epoch"):
+        assert key in ckpt, key
+    assert ckpt["pytorch-lightning_version"] and ckpt["global_step"] == 2
+    (opt,) = ckpt["optimizer_states"]
+    ids = [i for group in opt["param_groups"] for i in group["params"]]
+    assert ids == list(range(len(ckpt["state_dict"]))) and sorted(opt["state"]) == ids
+    assert not any(k.startswith("optimizer_") and k != "optimizer_states" for k in ckpt)
+
+
+def test_safetensors_weights(plain):
+    out = plain["written"][0]
+    try:
+        from safetensors.torch import load_file
+    except ImportError:
+        assert plain["written"] == [out]  # skipped quietly, as documented
+        pytest.skip("the safetensors package is not installed (it is no dependency of lightning_par)")
+    assert plain["written"] == [out, out.with_name(out.name + ".safetensors")]
+    weights = load_file(str(plain["written"][1]))
+    ref = torch.load(out, weights_only=True)["state_dict"]
+    assert weights.keys() == ref.keys() and all(torch.equal(weights[k], ref[k]) for k in ref)
+
+
+# ---- 3. bad checkpoints fail clearly, before training ------------------------------------------------------------
+def test_bad_checkpoints_fail_before_the_first_step_on_every_rank(runs):
+    truncated = runs["truncated_2_ranks"]
+    assert truncated["losses"] == [] and "CheckpointError" in truncated["error"]
+    assert "__1_0.distcp is truncated" in truncated["error"]
+    foreign = runs["foreign_1_rank"]
+    assert foreign["losses"] == [] and "does not match the model" in foreign["error"]
+    assert "missing from the checkpoint" in foreign["error"] and "unexpected key(s)" in foreign["error"]
+
+
+@pytest.fixture
+def good(runs, tmp_path: Path) -> Path:
+    copy = tmp_path / "epoch=1.ckpt"
+    shutil.copytree(_ckpt(runs["root"], "gpt", 2, "zero3"), copy)
+    return copy
+
+
+def _load(path: Path, strict: bool = True, **model: Any) -> torch.nn.Module:
+    from lightning_par.checkpoint import load_sharded
+    from lightning_par.models import GPT
+
+    module = GPT(**{**GPT_KWARGS, **model})
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*load in a single process")  # DCP with no process group
+        load_sharded(path, module, [], strict=strict)
+    return module
+
+
+def _truncate(file: Path) -> None:
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda p: _truncate(p / "__0_0.distcp"), "__0_0.distcp is truncated: "),
+        (lambda p: (p / "__1_0.distcp").unlink(), "__1_0.distcp is missing: the index .metadata lists 2 data files"),
+        (lambda p: (p / "meta.pt").unlink(), "meta.pt is missing"),
+        (lambda p: (p / ".metadata").unlink(), ".metadata is missing"),
+        (lambda p: _truncate(p / ".metadata"), ".metadata is corrupt or truncated"),
+        (lambda p: _truncate(p / "meta.pt"), "meta.pt is corrupt or truncated"),
+    ],
+    ids=["truncated_shard", "missing_shard", "missing_meta", "missing_index", "truncated_index", "truncated_meta"],
+)
+def test_damaged_folder_names_the_file(good, damage, message):
+    from lightning_par.checkpoint import CheckpointError
+
+    damage(good)
+    with pytest.raises(CheckpointError, match="copy the whole folder again") as err:
+        _load(good)
+    assert message in str(err.value) and str(good) in str(err.value)
+
+
+def test_other_model_lists_keys_and_shapes(good):
+    from lightning_par.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match=r"shape mismatch\(es\): state_dict.transformer.wte.weight: checkpoint "
+                       r"\(256, 32\) vs model \(256, 48\)"):  # fmt: skip
+        _load(good, n_embd=48)
+    with pytest.raises(
+        CheckpointError, match=r"12 model key\(s\) missing from the checkpoint: state_dict.transformer.h.2"
+    ):
+        _load(good, n_layer=3)
+    with pytest.raises(CheckpointError, match=r"12 unexpected key\(s\) in the checkpoint: state_dict.transformer.h.1"):
+        _load(good, n_layer=1)
+    # strict_loading=False: the missing block keeps its initialisation, the rest is loaded.
+    with pytest.warns(UserWarning, match=r"strict_loading=False: 12 model key\(s\) not in checkpoint"):
+        module = _load(good, strict=False, n_layer=3)
+    ref = _load(good)
+    assert torch.equal(module.transformer.h[1].mlp.c_fc.weight, ref.transformer.h[1].mlp.c_fc.weight)
+
+
+def test_plain_file_or_parent_folder_is_refused(good, tmp_path):
+    from lightning_par.checkpoint import CheckpointError, consolidate
+
+    file = tmp_path / "single.ckpt"
+    consolidate(good, file)
+    with pytest.raises(CheckpointError, match=r"single.ckpt is a file, not a folder"):
+        _load(file)
+    with pytest.raises(CheckpointError, match=r"is a folder of checkpoints \(epoch=1.ckpt\), not a checkpoint"):
+        _load(tmp_path)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        _load(tmp_path / "nothing")
+
+
+class _Touch:
+    """Unpickles to a call that creates a file: stands for arbitrary code in a crafted checkpoint."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> Any:
+        return (Path.touch, (self.marker,))
+
+
+def test_index_that_names_code_is_refused(good, tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from lightning_par.checkpoint import CheckpointError
+
+    marker = tmp_path / "ran"
+    index = FileSystemReader(str(good)).read_metadata()
+    index.storage_meta.modules = [_Touch(marker)]
+    (good / ".metadata").write_bytes(pickle.dumps(index))
+    FileSystemReader(str(good)).read_metadata()  # DCP's own reader unpickles it: the code runs
+    assert marker.exists()
+    marker.unlink()
+    with pytest.raises(CheckpointError, match="names code to run"):
+        _load(good)
+    assert not marker.exists()
+
+
+def test_non_tensor_value_that_names_code_is_refused(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from lightning_par.checkpoint import CheckpointError, load_full_state
+
+    marker, folder = tmp_path / "ran", tmp_path / "crafted.ckpt"
+    groups = [{"params": ["w"], "lr": 0.1, "evil": _Touch(marker)}]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"state_dict": {"w": torch.zeros(2)}, "optimizer_0": {"state": {}, "param_groups": groups}},
+                 checkpoint_id=folder, no_dist=True)  # fmt: skip
+    torch.save({"epoch": 0}, folder / "meta.pt")
+    with pytest.raises(CheckpointError, match="refuses: corrupt bytes, or an object that would run code"):
+        load_full_state(folder)
+    assert not marker.exists()
+
+
+def test_cli_reports_a_bad_folder_without_a_traceback(tmp_path, monkeypatch, capsys):
+    from lightning_par.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["lightning-par", "consolidate", str(tmp_path / "none"), str(tmp_path / "o")])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "lightning-par consolidate: error: checkpoint" in err and "does not exist" in err
