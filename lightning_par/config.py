@@ -13,7 +13,7 @@ from typing import Literal, Optional, Union
 
 AXES = ("pp", "dp_replicate", "dp_shard", "ep", "tp")
 ZERO_STAGES = (0, 1, 2, 3)
-AC_MODES = (None, "full", "selective")
+AC_MODES = (None, "full", "selective", "selective_op", "offload")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev")
 # Axes whose parallel code has landed. The others are accepted here so configs and recipes are stable, and are
 # rejected by `check_supported` until their issue lands.
@@ -21,7 +21,7 @@ SUPPORTED_AXES = ("dp_replicate", "dp_shard")
 
 AUTO = -1  # a degree left for `resolve` to fill from the world size
 
-ACMode = Optional[Literal["full", "selective"]]
+ACMode = Optional[Literal["full", "selective", "selective_op", "offload"]]
 
 
 class ParallelConfigError(ValueError):
@@ -45,8 +45,11 @@ class ParallelConfig:
         tp: tensor-parallel degree (innermost axis).
         zero_stage: 0 replicates everything (DDP), 1 shards optimizer state, 2 also gradients, 3 also parameters.
         offload: keep sharded parameters and optimizer state in CPU memory between uses (needs ``zero_stage=3``).
-        activation_checkpointing: ``None``, ``"full"`` (every block) or ``"selective"`` (every ``ac_every``-th).
-        ac_every: the period of ``"selective"`` checkpointing.
+        activation_checkpointing: ``None``, ``"full"`` (recompute every block), ``"selective"`` (every
+            ``ac_every``-th block), ``"selective_op"`` (every block, but keep matmul and attention outputs) or
+            ``"offload"`` (keep every block's saved activations in CPU memory); see
+            `lightning_par.parallel.activation_checkpointing`.
+        ac_every: the period of ``"selective"`` checkpointing; other modes reject a value other than 2.
         sequence_parallel: shard norms/dropout along the sequence inside tensor-parallel regions.
         pp_schedule: pipeline schedule name.
         microbatches: pipeline microbatches per step (``None``: ``2 * pp``).
@@ -85,13 +88,20 @@ class ParallelConfig:
                 f"offload=True needs zero_stage=3 (got {self.zero_stage}): only fully sharded parameters and "
                 "optimizer state are moved to CPU; use strategy='zero3_offload'"
             )
-        if self.activation_checkpointing not in AC_MODES:
+        if isinstance(self.activation_checkpointing, bool) or self.activation_checkpointing not in AC_MODES:
             raise ParallelConfigError(
-                f"activation_checkpointing={self.activation_checkpointing!r} is unknown; choose None, 'full' or "
-                "'selective'"
+                f"activation_checkpointing={self.activation_checkpointing!r} is unknown; choose None, 'full' "
+                "(recompute every block), 'selective' (every ac_every-th block), 'selective_op' (keep matmul and "
+                "attention outputs, recompute the rest) or 'offload' (saved activations in CPU memory)"
             )
-        if not isinstance(self.ac_every, int) or self.ac_every < 1:
+        if not isinstance(self.ac_every, int) or isinstance(self.ac_every, bool) or self.ac_every < 1:
             raise ParallelConfigError(f"ac_every={self.ac_every!r} must be an int >= 1 (checkpoint every k-th block)")
+        if self.ac_every != 2 and self.activation_checkpointing != "selective":
+            # 2 is the default, so only a value someone chose is caught: it would otherwise be silently ignored.
+            raise ParallelConfigError(
+                f"ac_every={self.ac_every} only applies to activation_checkpointing='selective' (got "
+                f"{self.activation_checkpointing!r}); use activation_checkpointing='selective' or drop ac_every"
+            )
         if self.pp_schedule not in PP_SCHEDULES:
             raise ParallelConfigError(f"pp_schedule={self.pp_schedule!r} is unknown; choose one of {PP_SCHEDULES}")
         if self.microbatches is not None and (not isinstance(self.microbatches, int) or self.microbatches < 1):

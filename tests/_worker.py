@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -106,6 +111,28 @@ class Recorder(L.Callback):
         )
 
 
+class CheckpointRecorder(L.Callback):
+    """The step a run starts at (after any resume), full parameters after each step, and how many steps ended
+    while an asynchronous save was being written."""
+
+    def __init__(self, record_params: bool) -> None:
+        self.start_step = -1
+        self.record_params = record_params
+        self.step_params: dict[int, dict[str, torch.Tensor]] = {}
+        self.steps_while_writing = 0
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        self.start_step = trainer.global_step
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        # Runs before ModelCheckpoint's hook (Lightning puts checkpoint callbacks last): a save in flight now is one
+        # started at an earlier step.
+        if getattr(trainer.strategy, "checkpoint_in_flight", None) is not None:
+            self.steps_while_writing += 1
+        if self.record_params:
+            self.step_params[trainer.global_step] = _full_params(pl_module)
+
+
 class OptimizerRecorder(L.Callback):
     """The first optimizer's state when training starts (after any resume), full tensors keyed by parameter name."""
 
@@ -135,10 +162,70 @@ def _full_params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def _first_attempt() -> bool:
+    # torchrun counts restarts of the whole job (--max-restarts); 0 or unset on the first attempt.
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+
+
+def _sigkill() -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class SigKill(L.Callback):
+    """SIGKILLs global rank ``rank`` when global step ``step`` is about to start, on torchrun's first attempt only."""
+
+    def __init__(self, step: int, rank: int) -> None:
+        self.step, self.rank = step, rank
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == self.step and trainer.global_rank == self.rank and _first_attempt():
+            _sigkill()
+
+
+@contextmanager
+def _patch_checkpoint_writes(job: dict[str, Any]) -> Iterator[None]:
+    """Test hooks in DCP's file writer (the data files of every save, sync or async, in whichever thread):
+    ``slow_write_s`` sleeps before each write; ``sigkill_in_save: {"nth": n, "rank": r}`` SIGKILLs rank r right
+    after its data file of the n-th save was written (before the index), on torchrun's first attempt only."""
+    slow, kill = job.get("slow_write_s"), job.get("sigkill_in_save")
+    rank = int(os.environ.get("RANK", "0"))
+    if not slow and not (kill and kill["rank"] == rank and _first_attempt()):
+        yield
+        return
+    from torch.distributed.checkpoint.filesystem import _FileSystemWriter
+
+    original = _FileSystemWriter.write_data
+    calls = [0]
+
+    def write_data(self: Any, plan: Any, planner: Any) -> Any:
+        if slow:
+            time.sleep(slow)
+        written = original(self, plan, planner)
+        calls[0] += 1
+        if kill and calls[0] == kill["nth"]:
+            written.wait()
+            _sigkill()
+        return written
+
+    _FileSystemWriter.write_data = write_data  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        _FileSystemWriter.write_data = original  # type: ignore[method-assign]
+
+
 def _checkpoint_callbacks(job: dict[str, Any]) -> list[L.Callback]:
     if not job.get("ckpt_dir"):
         return []
     from lightning.pytorch.callbacks import ModelCheckpoint
+
+    if job.get("ckpt_every_n_steps"):
+        # Keep the newest `save_top_k` by step (and last.ckpt with save_last), written after every n-th step.
+        return [ModelCheckpoint(dirpath=job["ckpt_dir"], filename="{step}", monitor="step", mode="max",
+                                every_n_train_steps=job["ckpt_every_n_steps"], save_top_k=job.get("save_top_k", -1),
+                                save_last=job.get("save_last", False))]  # fmt: skip
 
     # One checkpoint per epoch, written at the epoch's end so the loop state says "epoch finished".
     return [ModelCheckpoint(dirpath=job["ckpt_dir"], filename="{epoch}", save_top_k=-1, every_n_epochs=1,
@@ -150,6 +237,9 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     accumulate, clip, seed, devices, num_nodes, save (path), resume (path), fail_at_step, validate, predict,
     record_optim (the optimizer state at train start, after a resume), expect_error (return the fit's exception
     as ``error`` instead of failing the spawn)."""
+    # Checkpoint options: ckpt_every_n_steps, save_top_k, save_last (see _checkpoint_callbacks); resume "last"
+    # (Lightning's) or "latest" (lightning_par.checkpoint.latest(ckpt_dir)); sigkill_at_step {"step", "rank"};
+    # sigkill_in_save {"nth", "rank"}; slow_write_s; record_step_params; limit_val_batches.
     # Under torchrun WORLD_SIZE is set; when Lightning starts the processes itself the job states it.
     world = job.get("world") or int(os.environ.get("WORLD_SIZE", "1"))
     L.seed_everything(job.get("seed", 0), verbose=False)
@@ -172,6 +262,16 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         data._train.order = order[torch.randperm(len(order), generator=torch.Generator().manual_seed(0))]
     recorder = Recorder(job.get("fail_at_step"))
     optim_recorder = OptimizerRecorder()
+    ckpt_recorder = CheckpointRecorder(bool(job.get("record_step_params")))
+    extra: list[L.Callback] = [ckpt_recorder, *([optim_recorder] if job.get("record_optim") else [])]
+    if job.get("sigkill_at_step"):
+        extra.append(SigKill(**job["sigkill_at_step"]))
+    ckpt_dir = job.get("ckpt_dir")
+    listing_before = sorted(os.listdir(ckpt_dir)) if ckpt_dir and os.path.isdir(ckpt_dir) else []
+    found = lightning_par.checkpoint.latest(ckpt_dir) if ckpt_dir else None
+    resume = job.get("resume")
+    if resume == "latest":
+        resume = str(found) if found else None
     plugins = []
     precision = job.get("precision", "32-true")
     if job.get("lightning_fp16_reference"):
@@ -193,18 +293,20 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         enable_checkpointing=bool(job.get("ckpt_dir")),
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[recorder, *_checkpoint_callbacks(job), *([optim_recorder] if job.get("record_optim") else [])],
+        callbacks=[recorder, *_checkpoint_callbacks(job), *extra],
         num_sanity_val_steps=0,
-        limit_val_batches=2,
+        limit_val_batches=job.get("limit_val_batches", 2),
         limit_test_batches=2,
     )
     if job.get("expect_error"):
         try:
-            trainer.fit(model, datamodule=data, ckpt_path=job.get("resume"))
+            with _patch_checkpoint_writes(job):
+                trainer.fit(model, datamodule=data, ckpt_path=resume)
         except Exception as err:
             return {"error": f"{type(err).__name__}: {err}", "losses": recorder.losses}
         return {"error": None, "losses": recorder.losses}
-    trainer.fit(model, datamodule=data, ckpt_path=job.get("resume"))
+    with _patch_checkpoint_writes(job):
+        trainer.fit(model, datamodule=data, ckpt_path=resume)
     if job.get("save"):
         trainer.save_checkpoint(job["save"])
     mem_all: list[Any] = [recorder.mem]
@@ -223,6 +325,14 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         "params": _full_params(model),
         "layout": getattr(trainer.strategy, "parallel_layout", None),
         "optim_at_start": optim_recorder.state,
+        "start_step": ckpt_recorder.start_step,
+        "step_params": ckpt_recorder.step_params,
+        "steps_while_writing": ckpt_recorder.steps_while_writing,
+        "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        "ckpt_listing_before": listing_before,
+        "latest_before": found.name if found else None,
+        "ckpt_listing_after": sorted(os.listdir(ckpt_dir)) if ckpt_dir and os.path.isdir(ckpt_dir) else [],
+        "resumed_from": Path(trainer.ckpt_path).name if trainer.ckpt_path else None,
     }
     if isinstance(trainer.strategy, lightning_par.ParallelStrategy):
         from torchmetrics import Metric

@@ -3,11 +3,13 @@
 from lightning_par.checkpoint.consolidate import consolidate, load_full_state
 from lightning_par.checkpoint.dcp import load_sharded, save_sharded
 from lightning_par.checkpoint.reader import CheckpointError, CheckpointNotFoundError
+from lightning_par.checkpoint.recovery import latest
 
 __all__ = [
     "CheckpointError",
     "CheckpointNotFoundError",
     "consolidate",
+    "latest",
     "load_full_state",
     "load_sharded",
     "save_sharded",

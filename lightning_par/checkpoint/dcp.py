@@ -4,12 +4,15 @@ Layout of ``<path>/``: DCP's ``.metadata`` and one ``__<rank>_0.distcp`` per wri
 (``state_dict``) and each optimizer (``optimizer_<i>``) keyed by the original parameter names; plus ``meta.pt``,
 the rest of Lightning's checkpoint (loops, callbacks, schedulers, scaler), written by rank 0 and loaded with
 ``weights_only=True``. Replicated tensors are written once (DCP de-duplicates them). A folder appears only when
-complete: everything is written to ``<path>.tmp`` and renamed by rank 0 after all ranks finished.
+complete: everything is written to ``<path>.tmp`` and renamed by rank 0 after all ranks finished (`commit`).
+`async_save.py` writes the same layout in the background.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import os
 import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -36,6 +39,64 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def tmp_path(path: Path) -> Path:
+    """Where the checkpoint ``path`` is written until it is complete."""
+    return path.with_name(path.name + ".tmp")
+
+
+def prepare_tmp(path: Path, rank: int) -> Path:
+    """Rank 0 empties ``<path>.tmp`` (left over by an interrupted save) and creates it; then all ranks meet.
+
+    Args:
+        path: the checkpoint folder (same on every rank).
+        rank: this process's global rank.
+
+    Returns:
+        the ``.tmp`` folder to write into.
+    """
+    tmp = tmp_path(path)
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()
+    return tmp
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    # renameat2(RENAME_EXCHANGE) swaps two directory entries in one step (Linux >= 3.15; not every filesystem).
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd = -100
+    return fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) == 0
+
+
+def commit(tmp: Path, path: Path) -> None:
+    """Rank 0, once every rank's data and the index are in ``tmp``: make it the checkpoint ``path``.
+
+    An existing ``path`` is replaced so that a complete checkpoint is under that name at every moment where the
+    filesystem allows (an atomic exchange of the two folders); elsewhere the old one is moved to ``<path>.old``
+    first, and a crash between the two renames leaves no ``path``, only the complete ``.old`` and ``.tmp``.
+
+    Args:
+        tmp: the complete folder written by `prepare_tmp` and DCP.
+        path: the checkpoint's real name.
+    """
+    if path.exists() and _exchange(tmp, path):
+        shutil.rmtree(tmp, ignore_errors=True)  # now the previous checkpoint
+        return
+    old = path.with_name(path.name + ".old")
+    if path.exists():
+        path.rename(old)  # keep the previous checkpoint until the new one is in place
+    tmp.rename(path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def save_sharded(path: Path, tensors: dict[str, Any], meta: dict[str, Any], rank: int) -> None:
     """Write ``tensors`` with DCP and ``meta`` with ``torch.save`` into the folder ``path``, atomically.
 
@@ -45,21 +106,13 @@ def save_sharded(path: Path, tensors: dict[str, Any], meta: dict[str, Any], rank
         meta: the non-tensor rest of the checkpoint, saved by rank 0.
         rank: this process's global rank.
     """
-    tmp = path.with_name(path.name + ".tmp")
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    _barrier()
+    tmp = prepare_tmp(path, rank)
     dcp.save(tensors, checkpoint_id=tmp)
     if rank == 0:
         torch.save(meta, tmp / META)
     _barrier()
     if rank == 0:
-        old = path.with_name(path.name + ".old")
-        if path.exists():
-            path.rename(old)  # keep the previous checkpoint until the new one is in place
-        tmp.rename(path)
-        shutil.rmtree(old, ignore_errors=True)
+        commit(tmp, path)
     _barrier()
 
 

@@ -1,8 +1,21 @@
-"""Activation checkpointing of whole blocks: recompute a block's forward in backward instead of storing it.
+"""Activation checkpointing of trunk blocks: trade recomputation (or host memory) for activation memory.
 
-Costs one extra forward of each checkpointed block (~33% more compute when all are) and saves the block's
-internal activations; only its input is kept. The block's ``forward`` is replaced on the instance rather than
-wrapping the module, so parameter names (and therefore checkpoints) do not change.
+Modes, per block:
+
+- ``"full"``: recompute the whole block in backward; only its input is kept. One extra forward of every block
+  (~33% more compute).
+- ``"selective"``: the same for every k-th block only (less memory saved, less recomputation).
+- ``"selective_op"``: op-level selective checkpointing (the policy of torchtitan's op-level SAC): every block is
+  checkpointed, but the outputs of matmuls and attention are saved; only the cheap element-wise ops (norms,
+  activations, rotary embeddings, residual adds) are recomputed. Memory between "none" and "full", almost no
+  extra FLOPs.
+- ``"offload"``: nothing is recomputed; the tensors a block saves for backward are copied to CPU memory in
+  forward and back in backward (`torch.autograd.graph.save_on_cpu`). On CPU-only hosts the "copy" returns the
+  same tensor: the mode runs but saves nothing.
+
+The block's ``forward`` is replaced on the instance rather than wrapping the module, so parameter names (and
+therefore checkpoints) do not change, and hooks registered on the module (FSDP2's) stay outside the wrapped
+region.
 """
 
 from __future__ import annotations
@@ -11,8 +24,51 @@ import functools
 from collections.abc import Sequence
 from typing import Any, Optional
 
+import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.autograd.graph import save_on_cpu
+from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+MODES = ("full", "selective", "selective_op", "offload")
+
+
+def _ops(*names: str, namespace: Any = torch.ops.aten) -> frozenset[Any]:
+    # Build-dependent kernels (cuDNN, fused-overrideable attention) may be missing from a torch build.
+    return frozenset(getattr(namespace, n).default for n in names if hasattr(namespace, n))
+
+
+# Ops whose outputs "selective_op" keeps: the ones whose recomputation costs FLOPs. They are what reaches the
+# dispatcher: aten.linear and aten.matmul are CompositeImplicitAutograd and arrive here as mm / addmm / bmm, and
+# F.scaled_dot_product_attention as the kernel it picked (on CPU, _scaled_dot_product_flash_attention_for_cpu;
+# the math fallback used with dropout or odd masks arrives as bmm + softmax). The reduce-scatter is tensor
+# parallelism's output collective: recomputing it would repeat communication. torchtitan's list is the same
+# except that it also recomputes every second mm to save more memory.
+SAVE_OPS = _ops(
+    "mm",
+    "addmm",
+    "bmm",
+    "baddbmm",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_fused_attention_overrideable",
+) | _ops("reduce_scatter_tensor", namespace=torch.ops._c10d_functional)
+
+
+def op_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """The ``"selective_op"`` policy for `torch.utils.checkpoint.create_selective_checkpoint_contexts`.
+
+    Args:
+        ctx: the `SelectiveCheckpointContext` (unused: the decision depends on the op only).
+        op: the aten op about to be saved or recomputed.
+        args, kwargs: the op's arguments (unused).
+
+    Returns:
+        ``MUST_SAVE`` for matmuls, attention and reduce-scatter (`SAVE_OPS`), ``PREFER_RECOMPUTE`` otherwise.
+    """
+    return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _checkpointed(forward: Any, *args: Any, **kwargs: Any) -> Any:
@@ -20,28 +76,68 @@ def _checkpointed(forward: Any, *args: Any, **kwargs: Any) -> Any:
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
+def _sac_contexts() -> tuple[Any, Any]:
+    # A fresh pair per call: the pair holds this forward's saved outputs until its backward.
+    return create_selective_checkpoint_contexts(op_policy)
+
+
+def _checkpointed_op_level(forward: Any, *args: Any, **kwargs: Any) -> Any:
+    # Saved outputs must not be modified in place afterwards (torch checks it and raises in backward).
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=_sac_contexts, **kwargs)
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    if isinstance(t, DTensor):
+        with torch.no_grad():  # a pack hook must not record autograd history
+            t = t.to_local()
+    return t.untyped_storage().data_ptr()
+
+
+def _offloaded(block: nn.Module, forward: Any, *args: Any, **kwargs: Any) -> Any:
+    # Tensors that share storage with a parameter (the weights a matmul saves; under ZeRO-3 the gathered parameters,
+    # which FSDP2 registers on the block for its forward) stay where they are: copying them out and back every step
+    # would cost transfers and free nothing. Pinned host memory makes the copies asynchronous; pinning needs CUDA.
+    keep = {_storage_ptr(p) for p in block.parameters()} - {0}
+    hooks = save_on_cpu(pin_memory=torch.cuda.is_available())
+    to_cpu = hooks.pack_hook
+
+    def pack(t: torch.Tensor) -> Any:
+        return (t.device, t) if _storage_ptr(t) in keep else to_cpu(t)
+
+    hooks.pack_hook = pack
+    with hooks:
+        return forward(*args, **kwargs)
+
+
 def apply_activation_checkpointing(blocks: Sequence[nn.Module], mode: Optional[str], every: int = 2) -> list[int]:
-    """Checkpoint ``blocks`` in place.
+    """Checkpoint (or offload the activations of) ``blocks`` in place.
 
     Args:
         blocks: the trunk's blocks in order.
-        mode: ``None`` (nothing), ``"full"`` (every block) or ``"selective"`` (every ``every``-th block, starting
-            with the first).
-        every: the period for ``"selective"``.
+        mode: ``None`` (nothing), ``"full"`` (every block), ``"selective"`` (every ``every``-th block, starting
+            with the first), ``"selective_op"`` (every block, keeping matmul and attention outputs) or
+            ``"offload"`` (every block's saved tensors in CPU memory).
+        every: the period for ``"selective"``; ignored by the other modes.
 
     Returns:
-        indices of the checkpointed blocks.
+        indices of the blocks the mode was applied to.
     """
     if mode is None:
         return []
-    if mode not in ("full", "selective"):
-        raise ValueError(f"activation checkpointing mode {mode!r} is unknown; choose 'full' or 'selective'")
-    period = 1 if mode == "full" else every
+    if mode not in MODES:
+        raise ValueError(f"activation checkpointing mode {mode!r} is unknown; choose None or one of {MODES}")
+    period = every if mode == "selective" else 1
     picked = [i for i in range(len(blocks)) if i % period == 0]
     for i in picked:
         block = blocks[i]
-        if getattr(block, "_lp_checkpointed", False):
+        if getattr(block, "_lp_checkpointed", None):
             continue
-        block.forward = functools.partial(_checkpointed, block.forward)  # type: ignore[method-assign]
-        block._lp_checkpointed = True  # type: ignore[assignment]
+        if mode == "offload":
+            wrapped = functools.partial(_offloaded, block, block.forward)
+        elif mode == "selective_op":
+            wrapped = functools.partial(_checkpointed_op_level, block.forward)
+        else:
+            wrapped = functools.partial(_checkpointed, block.forward)
+        block.forward = wrapped  # type: ignore[method-assign]
+        block._lp_checkpointed = mode  # type: ignore[assignment]
     return picked

@@ -7,6 +7,9 @@ precision and sharded checkpoints to their modules. The parallel code itself liv
 from __future__ import annotations
 
 import dataclasses
+import shutil
+import sys
+import warnings
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -34,7 +37,8 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
-from lightning_par.checkpoint.dcp import OptimizerEntry, load_sharded, optimizer_state, save_sharded
+from lightning_par.checkpoint.async_save import AsyncSaver
+from lightning_par.checkpoint.dcp import OptimizerEntry, load_sharded, optimizer_state, save_sharded, tmp_path
 from lightning_par.config import AUTO, ACMode, ParallelConfig, split_world
 from lightning_par.mesh import ParallelMesh, build_mesh
 from lightning_par.parallel.compose import Parallelized, parallelize
@@ -53,6 +57,11 @@ class ParallelStrategy(_LightningParallelStrategy):
         timeout_s: collective timeout in seconds; a rank stuck in a collective past this fails instead of
             hanging.
         process_group_backend: ``"gloo"`` / ``"nccl"``; default from the device.
+        async_save: checkpoints saved during ``fit`` are written in the background: ``save_checkpoint`` returns
+            once the state is copied to CPU memory, and training goes on while the copy is written. A checkpoint
+            folder still appears under its name only when complete; at most one save is in flight, and the end
+            of training waits for the last. Costs a CPU copy of this rank's checkpoint state, kept from the first
+            save to the end of ``fit``. See docs/checkpointing.md.
     """
 
     def __init__(
@@ -73,6 +82,7 @@ class ParallelStrategy(_LightningParallelStrategy):
         auto_dims: Optional[tuple[str, ...]] = None,
         timeout_s: float = 600.0,
         process_group_backend: Optional[str] = None,
+        async_save: bool = False,
         accelerator: Optional[pl.accelerators.Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -106,6 +116,8 @@ class ParallelStrategy(_LightningParallelStrategy):
             raise ValueError(f"timeout_s={timeout_s} must be > 0 seconds (600 is the default)")
         self._timeout = timedelta(seconds=timeout_s)
         self._process_group_backend = process_group_backend
+        self._async_saver = AsyncSaver(self._timeout) if async_save else None
+        self._saving_async = False  # between on_train_start and on_train_end: other saves are synchronous
         self._mesh: Optional[ParallelMesh] = None
         self._parallel: Optional[Parallelized] = None
         self._accumulating = False
@@ -337,6 +349,32 @@ class ParallelStrategy(_LightningParallelStrategy):
                 return optimizer_state(entry)
         raise ValueError("optimizer_state() got an optimizer the strategy does not manage")
 
+    @property
+    def checkpoint_in_flight(self) -> Optional[Path]:
+        """The checkpoint being written in the background (``async_save=True``) on this rank, or ``None``."""
+        return self._async_saver.in_flight if self._async_saver is not None else None
+
+    def wait_for_checkpoint(self) -> None:
+        """Wait until the checkpoint being written in the background, if any, is complete under its name.
+
+        Raises:
+            CheckpointError: that save failed.
+        """
+        if self._async_saver is not None:
+            self._async_saver.wait()
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self._saving_async = self._async_saver is not None
+
+    @override
+    def on_train_end(self) -> None:
+        # After every callback's on_train_end; a save in on_fit_end (after this) is synchronous.
+        self._saving_async = False
+        self.wait_for_checkpoint()
+        super().on_train_end()
+
     @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Union[str, Path], storage_options: Optional[Any] = None
@@ -347,10 +385,15 @@ class ParallelStrategy(_LightningParallelStrategy):
         tensors = {"state_dict": checkpoint.pop("state_dict")}
         for i, state in enumerate(checkpoint.pop("optimizer_states", [])):
             tensors[f"optimizer_{i}"] = state
+        if self._async_saver is not None and self._saving_async:
+            self._async_saver.save(path, tensors, checkpoint, self.global_rank)
+            return
+        self.wait_for_checkpoint()
         save_sharded(path, tensors, checkpoint, self.global_rank)
 
     @override
     def load_checkpoint(self, checkpoint_path: Union[str, Path], weights_only: Optional[bool] = None) -> dict[str, Any]:
+        self.wait_for_checkpoint()  # it may be the one being written
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.lightning_module is not None
         return load_sharded(
@@ -368,13 +411,25 @@ class ParallelStrategy(_LightningParallelStrategy):
     @override
     def remove_checkpoint(self, filepath: Union[str, Path]) -> None:
         if self.is_global_zero:
-            import shutil
-
-            shutil.rmtree(filepath, ignore_errors=True)
+            path = Path(filepath)
+            if self.checkpoint_in_flight == path:
+                self.wait_for_checkpoint()  # rank 0 commits in the writer thread: delete only after the rename
+            shutil.rmtree(path, ignore_errors=True)
+            shutil.rmtree(tmp_path(path), ignore_errors=True)  # a save of it that was interrupted
 
     @override
     def teardown(self) -> None:
         assert self.cluster_environment is not None and self.accelerator is not None
+        self._saving_async = False
+        propagating = sys.exc_info()[0] is not None  # Lightning tears down inside `except` when fit failed
+        try:
+            if self._async_saver is not None:
+                # Waits for the last save (on_train_end did not run if fit failed), then frees the staging buffers.
+                self._async_saver.release()
+        except Exception as err:
+            if not propagating:
+                raise
+            warnings.warn(str(err), stacklevel=2)  # do not replace the exception that ended fit
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
