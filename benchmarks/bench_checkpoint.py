@@ -22,7 +22,6 @@ import logging
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -34,6 +33,7 @@ torch.set_num_threads(1)  # before any op: one core per rank
 
 import lightning as L  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from _common import clean_exit  # noqa: E402  (benchmarks/ is on the path when run as a script)
 
 import lightning_par  # noqa: E402
 from lightning_par.data import ByteTextDataModule  # noqa: E402
@@ -177,11 +177,7 @@ def main() -> None:
                   f"{sync[0]['shared_bytes'] / 1024:.0f} | {_ms(idle)} | {_ms(writing)} |")  # fmt: skip
         if not args.dir:
             shutil.rmtree(folder, ignore_errors=True)
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    clean_exit()
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ import inspect
 import logging
 import math
 import os
-import sys
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -35,6 +34,7 @@ torch.set_num_threads(1)
 import lightning as L  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.distributed_c10d as c10d  # noqa: E402
+from _common import clean_exit  # noqa: E402  (benchmarks/ is on the path when run as a script)
 
 import lightning_par  # noqa: E402
 import lightning_par.parallel.zero_replicated as zero_mod  # noqa: E402
@@ -215,11 +215,7 @@ def main() -> None:
         for (stage, precision), c in zip(runs, counters):
             kinds_small = {k: v / args.steps for (ph, k, s), v in c.calls.items() if ph == "step" and s}
             print(f"  zero{stage} {precision}: {kinds_small}")
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # CPU_FACTS.md: avoids the rare abort at interpreter exit
+    clean_exit()
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ import argparse
 import logging
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from typing import Any, cast
@@ -33,6 +32,7 @@ torch.set_num_threads(1)  # before any op: one core per rank
 
 import lightning as L  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from _common import clean_exit  # noqa: E402  (benchmarks/ is on the path when run as a script)
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
@@ -165,13 +165,7 @@ def main() -> None:
             mid = statistics.median(rounds)
             print(f"| {ours} | {a * 1e3:.1f} | {theirs} | {b * 1e3:.1f} | {a / b:.3f} | {mid:.3f} "
                   f"[{min(rounds):.3f}, {max(rounds):.3f}] | {fastest[ours] / fastest[theirs]:.3f} |")  # fmt: skip
-    # Clean exit (CPU_FACTS.md): barrier, destroy, flush, then _exit avoids the rare abort at interpreter exit.
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    clean_exit()
 
 
 if __name__ == "__main__":
