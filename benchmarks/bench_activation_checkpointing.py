@@ -27,7 +27,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Optional
 
 if os.environ.get("MALLOC_MMAP_THRESHOLD_") != "131072":
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"
@@ -37,13 +37,10 @@ import torch
 
 torch.set_num_threads(1)
 
-from torch.multiprocessing.reductions import StorageWeakRef  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-from torch.utils._pytree import tree_leaves  # noqa: E402
-
 from lightning_par.models import GPT, Llama  # noqa: E402
 from lightning_par.parallel.activation_checkpointing import apply_activation_checkpointing  # noqa: E402
 from lightning_par.plans.trunk import find_trunk  # noqa: E402
+from lightning_par.utils import LiveStorageBytes  # noqa: E402
 
 POLICIES: dict[str, Optional[str]] = {
     "none": None,
@@ -53,30 +50,6 @@ POLICIES: dict[str, Optional[str]] = {
     "offload": "offload",
 }
 MiB = 2**20
-
-
-class LiveBytes(TorchDispatchMode):
-    """Bytes of live tensor storages created under the mode, and their peak at op boundaries."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
-        self.peak = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        # Outputs that share an input's storage (views, in-place ops: a parameter's .t()) allocate nothing.
-        inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in inputs:
-                storage = t.untyped_storage()
-                self.live.setdefault(storage._cdata, (StorageWeakRef(storage), storage.nbytes()))
-        self.peak = max(self.peak, self.now())
-        return out
-
-    def now(self) -> int:
-        self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
-        return sum(n for _, n in self.live.values())
 
 
 def _status(field: str) -> int:
@@ -115,7 +88,7 @@ class Run:
 
     def memory(self) -> tuple[int, int]:
         """(held after forward, peak live during forward + backward), in bytes."""
-        with LiveBytes() as live:
+        with LiveStorageBytes() as live:
             loss = self.loss()
             held = live.now()
             loss.backward()

@@ -33,11 +33,11 @@ torch.set_num_threads(1)  # before any op: one core per rank
 
 import lightning as L  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from _common import clean_exit  # noqa: E402  (benchmarks/ is on the path when run as a script)
 
 import lightning_par  # noqa: E402
 from lightning_par.data import ByteTextDataModule  # noqa: E402
 from lightning_par.models import GPT  # noqa: E402
+from lightning_par.utils import clean_exit  # noqa: E402
 
 STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
 

@@ -34,12 +34,12 @@ torch.set_num_threads(1)
 import lightning as L  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.distributed_c10d as c10d  # noqa: E402
-from _common import clean_exit  # noqa: E402  (benchmarks/ is on the path when run as a script)
 
 import lightning_par  # noqa: E402
 import lightning_par.parallel.zero_replicated as zero_mod  # noqa: E402
 from lightning_par.data import ByteTextDataModule  # noqa: E402
 from lightning_par.models import GPT  # noqa: E402
+from lightning_par.utils import clean_exit  # noqa: E402
 
 SMALL = 1024  # bytes: collectives below this are scalars (loss logging, control), reported apart from the traffic
 

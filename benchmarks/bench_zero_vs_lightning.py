@@ -32,7 +32,6 @@ torch.set_num_threads(1)  # before any op: one core per rank
 
 import lightning as L  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from _common import clean_exit  # noqa: E402  (benchmarks/ is on the path when run as a script)
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
@@ -40,6 +39,7 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 import lightning_par  # noqa: E402  (registers "zero1", "zero2", "zero3")
 from lightning_par.data import ByteTextDataModule  # noqa: E402
 from lightning_par.models import GPT  # noqa: E402
+from lightning_par.utils import clean_exit  # noqa: E402
 
 
 class FSDP2GPT(GPT):

@@ -29,6 +29,7 @@ import lightning_par  # noqa: E402  (registers the strategy names)
 from lightning_par.data import ByteTextDataModule  # noqa: E402
 from lightning_par.models import GPT, Llama  # noqa: E402
 from lightning_par.parallel.grad_norm import global_grad_norm  # noqa: E402
+from lightning_par.utils import clean_exit  # noqa: E402
 
 
 class SGDGPT(GPT):
@@ -363,12 +364,7 @@ def main() -> None:
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
         torch.save(results, spec["out"])
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    clean_exit()
 
 
 if __name__ == "__main__":

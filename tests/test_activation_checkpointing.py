@@ -8,14 +8,12 @@ from typing import Any, Optional
 import pytest
 import torch
 from launch import run_jobs
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from lightning_par.models import GPT, Llama
 from lightning_par.parallel import activation_checkpointing as ac
 from lightning_par.parallel.activation_checkpointing import apply_activation_checkpointing
 from lightning_par.plans.trunk import find_trunk
+from lightning_par.utils import LiveStorageBytes
 
 MODELS = {
     "gpt": lambda: GPT(n_layer=4, n_embd=64, block_size=64),
@@ -66,32 +64,6 @@ def test_checkpointing_recomputes_blocks_and_keeps_gradients(make, mode, expecte
     assert calls == [21 if i in recomputed else 11 for i in range(4)]
 
 
-class _LiveBytes(TorchDispatchMode):
-    """Bytes of the tensor storages created under this mode that are still alive when asked.
-
-    Entered around a forward, `live` afterwards is the activation memory the step holds until backward: saved
-    tensors, the inputs a checkpoint keeps, and the outputs op-level checkpointing caches. It sees every op,
-    including those inside checkpointed regions; parameters (created before) are not counted.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.storages: dict[int, tuple[StorageWeakRef, int]] = {}
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        # Outputs that share an input's storage (views, in-place ops: a parameter's .t()) allocate nothing.
-        inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in inputs:
-                storage = t.untyped_storage()
-                self.storages.setdefault(storage._cdata, (StorageWeakRef(storage), storage.nbytes()))
-        return out
-
-    def live(self) -> int:
-        return sum(n for ref, n in self.storages.values() if not ref.expired())
-
-
 def _held_after_forward(name: str, mode: Optional[str]) -> tuple[int, int]:
     """(bytes held after forward, bytes an outer saved_tensors_hooks sees) for a model under ``mode``."""
     torch.manual_seed(0)
@@ -105,9 +77,9 @@ def _held_after_forward(name: str, mode: Optional[str]) -> tuple[int, int]:
         hooked += t.numel() * t.element_size()
         return t
 
-    with _LiveBytes() as live, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with LiveStorageBytes() as live, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten())
-    held = live.live()
+    held = live.now()
     loss.backward()  # the held tensors were in use
     return held, hooked
 

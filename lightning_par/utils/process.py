@@ -1,4 +1,4 @@
-"""Shared by the benchmark scripts (run as `torchrun ... benchmarks/<script>.py`, so this directory is on the path)."""
+"""Ending a worker process of a multi-rank job."""
 
 from __future__ import annotations
 
@@ -8,15 +8,18 @@ import sys
 import torch.distributed as dist
 
 
-def clean_exit() -> None:
-    """End a rank: barrier, destroy the process group, flush, then `os._exit(0)`.
+def clean_exit(code: int = 0) -> None:
+    """End a rank: barrier, destroy the process group, flush, then `os._exit(code)`.
 
     CPU_FACTS.md: gloo ranks sometimes abort at interpreter exit after the work is done ("terminate called
     without an active exception"); leaving through `os._exit` after an orderly teardown avoided it in 46 of 46 runs.
+
+    Args:
+        code: the process exit status.
     """
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
