@@ -17,7 +17,7 @@ AC_MODES = (None, "full", "selective", "selective_op", "offload")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev")
 # Axes whose parallel code has landed. The others are accepted here so configs and recipes are stable, and are
 # rejected by `check_supported` until their issue lands.
-SUPPORTED_AXES = ("dp_replicate", "dp_shard")
+SUPPORTED_AXES = ("dp_replicate", "dp_shard", "tp")
 
 AUTO = -1  # a degree left for `resolve` to fill from the world size
 
@@ -50,7 +50,8 @@ class ParallelConfig:
             ``"offload"`` (keep every block's saved activations in CPU memory); see
             `lightning_par.parallel.activation_checkpointing`.
         ac_every: the period of ``"selective"`` checkpointing; other modes reject a value other than 2.
-        sequence_parallel: shard norms/dropout along the sequence inside tensor-parallel regions.
+        sequence_parallel: split the residual stream (norms, dropout, residual adds) along the sequence between
+            tensor-parallel regions; ``None`` (default): wherever it is exact for the model, ``True``: required.
         pp_schedule: pipeline schedule name.
         microbatches: pipeline microbatches per step (``None``: ``2 * pp``).
         bucket_cap_mb: size of a gradient/parameter communication bucket for ZeRO stages 0-2.
@@ -65,7 +66,7 @@ class ParallelConfig:
     offload: bool = False
     activation_checkpointing: ACMode = None
     ac_every: int = 2
-    sequence_parallel: bool = True
+    sequence_parallel: Optional[bool] = None
     pp_schedule: str = "1f1b"
     microbatches: Optional[int] = None
     bucket_cap_mb: float = 25.0
@@ -101,6 +102,10 @@ class ParallelConfig:
             raise ParallelConfigError(
                 f"ac_every={self.ac_every} only applies to activation_checkpointing='selective' (got "
                 f"{self.activation_checkpointing!r}); use activation_checkpointing='selective' or drop ac_every"
+            )
+        if self.sequence_parallel not in (None, True, False):
+            raise ParallelConfigError(
+                f"sequence_parallel={self.sequence_parallel!r} must be None (wherever exact), True or False"
             )
         if self.pp_schedule not in PP_SCHEDULES:
             raise ParallelConfigError(f"pp_schedule={self.pp_schedule!r} is unknown; choose one of {PP_SCHEDULES}")
@@ -164,8 +169,8 @@ class ParallelConfig:
         for axis in AXES:
             if axis not in SUPPORTED_AXES and getattr(self, axis) > 1:
                 raise NotImplementedError(
-                    f"{axis}={getattr(self, axis)} is not yet supported by lightning_par (only data parallelism: "
-                    f"dp_replicate x dp_shard with zero_stage 0-3); set {axis}=1"
+                    f"{axis}={getattr(self, axis)} is not yet supported by lightning_par (supported: data "
+                    f"parallelism dp_replicate x dp_shard with zero_stage 0-3, and tensor parallelism tp); set {axis}=1"
                 )
 
     def layout(self) -> dict[str, Union[int, str, bool, None]]:

@@ -25,11 +25,16 @@ class ParallelMesh:
         dp: all data-parallel ranks of this rank's replica group as one flat axis (loss averaging, the sampler,
             metrics); kept here because torch deprecates slicing a flattened axis back out of the root.
         dp_2d: the (``dp_replicate``, ``dp_shard``) sub-mesh ZeRO shards over (HSDP when both are > 1).
+        tp: the 1-D tensor-parallel axis.
+        dp_tp: the (``dp_replicate``, ``dp_shard``, ``tp``) sub-mesh: where ZeRO 1-2 describe the optimizer
+            state of tensor-parallel parameters, and FSDP2 meets tensor parallelism.
     """
 
     root: DeviceMesh
     dp: DeviceMesh
     dp_2d: DeviceMesh
+    tp: DeviceMesh
+    dp_tp: DeviceMesh
 
 
 def build_mesh(config: ParallelConfig, device_type: str) -> ParallelMesh:
@@ -42,4 +47,5 @@ def build_mesh(config: ParallelConfig, device_type: str) -> ParallelMesh:
     shape = tuple(getattr(config, axis) for axis in MESH_AXES)
     root = init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES)
     dp_2d = root[("dp_replicate", "dp_shard")]
-    return ParallelMesh(root=root, dp=dp_2d._flatten("dp"), dp_2d=dp_2d)
+    dp_tp = root[("dp_replicate", "dp_shard", "tp")]
+    return ParallelMesh(root=root, dp=dp_2d._flatten("dp"), dp_2d=dp_2d, tp=root["tp"], dp_tp=dp_tp)

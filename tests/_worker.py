@@ -26,6 +26,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 import lightning_par  # noqa: E402  (registers the strategy names)
+from lightning_par.checkpoint import full_tensor  # noqa: E402
 from lightning_par.data import ByteTextDataModule  # noqa: E402
 from lightning_par.models import GPT, Llama  # noqa: E402
 from lightning_par.parallel.grad_norm import global_grad_norm  # noqa: E402
@@ -59,7 +60,15 @@ MODELS = {
     "gpt_sgd": lambda: SGDGPT(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=32),
     # Dims 258, 34 not divisible by 4: uneven shards (ceil(d0/n) rows, the last rank short), as real vocabularies.
     "gpt_uneven": lambda: GPT(vocab_size=258, block_size=34, n_layer=2, n_head=4, n_embd=36, lr=3e-3),
+    "hf_llama": lambda: _hf_models().HFLlama(),
+    "gpt_3heads": lambda: GPT(vocab_size=256, block_size=32, n_layer=2, n_head=3, n_embd=24),  # tp=2 cannot split
 }  # fmt: skip
+
+
+def _hf_models() -> Any:
+    import _hf_models  # test-only: needs transformers
+
+    return _hf_models
 
 
 def _local_bytes(tensors: Any) -> int:
@@ -149,8 +158,7 @@ class OptimizerRecorder(L.Callback):
             named = {names[p]: s for p, s in opt.state.items()}
         # full_tensor() is a collective: every rank walks the same names in the same order.
         self.state = {
-            name: {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().float().cpu().clone()
-                   for k, v in st.items()}
+            name: {k: full_tensor(v).detach().float().cpu().clone() for k, v in st.items()}
             for name, st in named.items()
         }  # fmt: skip
 
@@ -158,8 +166,7 @@ class OptimizerRecorder(L.Callback):
 def _full_params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     out = {}
     for name, p in module.named_parameters():
-        t = p.full_tensor() if isinstance(p, DTensor) else p
-        out[name] = t.detach().float().cpu().clone()
+        out[name] = full_tensor(p).detach().float().cpu().clone()
     return out
 
 

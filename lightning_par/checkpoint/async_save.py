@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_par.checkpoint.dcp import commit, prepare_tmp, tmp_path
 from lightning_par.checkpoint.reader import META, CheckpointError
+from lightning_par.checkpoint.strided import canonicalize
 
 
 @dataclasses.dataclass
@@ -158,6 +159,7 @@ class AsyncSaver:
         tmp = prepare_tmp(path, rank)
         if rank == 0:
             torch.save(meta, tmp / META)  # small; written now, so it is the state at this call
+        tensors = canonicalize(tensors)[0]  # collectives: here, on the training thread and default group
         written: Any = dcp.async_save(
             tensors, checkpoint_id=tmp, process_group=group, no_dist=group is None, async_stager=self._stager
         )

@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from lightning_par.checkpoint.reader import META, load_tensors, read_index, read_meta
+from lightning_par.checkpoint.strided import canonicalize, restore
 
 
 def _barrier() -> None:
@@ -107,7 +108,7 @@ def save_sharded(path: Path, tensors: dict[str, Any], meta: dict[str, Any], rank
         rank: this process's global rank.
     """
     tmp = prepare_tmp(path, rank)
-    dcp.save(tensors, checkpoint_id=tmp)
+    dcp.save(canonicalize(tensors)[0], checkpoint_id=tmp)
     if rank == 0:
         torch.save(meta, tmp / META)
     _barrier()
@@ -190,7 +191,9 @@ def load_sharded(
     for entry in optimizers:
         _init_optim_state(entry.optimizer)  # DCP loads into existing tensors, so the state must exist first
     state = state_for(module, optimizers)
-    load_tensors(path, index, state, strict=strict)
+    canonical, swaps = canonicalize(state)  # fused tensor-parallel tensors are stored whole (strided.py)
+    load_tensors(path, index, canonical, strict=strict)
+    restore(swaps)
     set_model_state_dict(module, state["state_dict"], options=_options(strict))
     for i, entry in enumerate(optimizers):
         sd = state[f"optimizer_{i}"]

@@ -47,6 +47,9 @@ def global_grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
             continue
         groups: tuple[dist.ProcessGroup, ...] = getattr(p, _SHARD_GROUPS, ())
         if isinstance(g, DTensor):
+            if any(pl.is_partial() for pl in g.placements):
+                # Unreduced (a replicated parameter used on sequence shards): reduce first, its norm is of the sum.
+                g = g.redistribute(g.device_mesh, [Replicate() if pl.is_partial() else pl for pl in g.placements])
             mesh = g.device_mesh
             groups = tuple(mesh.get_group(i) for i, pl in enumerate(g.placements) if not isinstance(pl, Replicate))
         local = _local(g).detach().float()

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from lightning_par.parallel.grad_norm import mark_sharded
 
@@ -29,6 +30,38 @@ _FIRST_BUCKET_MB = 1.0
 _MAX_INFLIGHT = 2
 
 
+def _data(p: torch.Tensor) -> torch.Tensor:
+    """The storage this rank holds: a tensor-parallel DTensor's local shard, or the plain tensor itself."""
+    return p.detach().to_local() if isinstance(p, DTensor) else p.data  # type: ignore[attr-defined]
+
+
+def _grad(p: torch.Tensor) -> Optional[torch.Tensor]:
+    g = p.grad
+    if isinstance(g, DTensor):
+        if g.placements != p.placements:  # type: ignore[attr-defined]
+            # A replicated parameter used on sequence shards (a norm under sequence parallelism) gets a Partial
+            # gradient: each tp rank holds the sum over its own tokens. Reduce it over tp before anything else.
+            g = g.redistribute(g.device_mesh, p.placements)  # type: ignore[attr-defined]
+        return g.to_local()
+    return g
+
+
+def _tp_groups(p: torch.Tensor) -> tuple[dist.ProcessGroup, ...]:
+    """The tensor-parallel group a DTensor parameter is split over (for the global gradient norm), if any."""
+    if isinstance(p, DTensor) and any(not isinstance(pl, Replicate) for pl in p.placements):
+        return (p.device_mesh.get_group(),)
+    return ()
+
+
+def _set_grad(p: torch.Tensor, local: torch.Tensor) -> None:
+    if isinstance(p, DTensor):
+        p.grad = DTensor.from_local(
+            local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False
+        )
+    else:
+        p.grad = local
+
+
 class _Bucket:
     """Parameters reduced with one collective; rank j's shards of all of them are contiguous in the buffer."""
 
@@ -39,7 +72,8 @@ class _Bucket:
         self.local: list[tuple[int, ...]] = []  # this rank's shard shape per parameter
         self.starts: list[int] = []  # this rank's first row per parameter
         size = 0
-        for p in params:
+        self.data = [_data(p) for p in params]  # under tensor parallelism: the tp-local shards
+        for p in self.data:
             rows = p.shape[0]
             chunk_rows = math.ceil(rows / world)
             row_numel = p.numel() // rows if rows else 0
@@ -54,7 +88,7 @@ class _Bucket:
 
     def pack(self, tensors: Iterable[Optional[torch.Tensor]], world: int, dtype: torch.dtype) -> torch.Tensor:
         """Lay out full tensors rank-major: [rank 0's shards | rank 1's shards | ...]."""
-        buf = torch.zeros(world, self.shard_numel, dtype=dtype, device=self.params[0].device)
+        buf = torch.zeros(world, self.shard_numel, dtype=dtype, device=self.data[0].device)
         for t, off, chunk in zip(tensors, self.offsets, self.chunks):
             if t is None or chunk == 0:
                 continue  # an unused parameter contributes a zero gradient
@@ -78,9 +112,19 @@ class ReplicatedZero:
             all-reduced) over ``dp_shard`` and all-reduced over ``dp_replicate``.
         stage: 0, 1 or 2.
         bucket_cap_mb: the largest bucket; one collective per bucket.
+        state_mesh: under tensor parallelism, the 3-D (``dp_replicate``, ``dp_shard``, ``tp``) mesh that
+            optimizer state is described on for checkpoints; parameters are then DTensors on its ``tp`` axis and
+            this engine works on their local shards.
     """
 
-    def __init__(self, module: nn.Module, mesh: DeviceMesh, stage: int, bucket_cap_mb: float = 25.0) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        mesh: DeviceMesh,
+        stage: int,
+        bucket_cap_mb: float = 25.0,
+        state_mesh: Optional[DeviceMesh] = None,
+    ) -> None:
         if stage not in (0, 1, 2):
             raise ValueError(f"ReplicatedZero handles stages 0-2, got {stage}; stage 3 is `apply_fsdp`")
         self.stage = stage
@@ -90,6 +134,7 @@ class ReplicatedZero:
         self.world = mesh.size(1)
         self.rank = mesh.get_local_rank("dp_shard")
         self.dp = mesh.size()
+        self.state_mesh = state_mesh
         self.names: dict[nn.Parameter, str] = {}
         for name, p in module.named_parameters():
             if not p.requires_grad:
@@ -107,8 +152,8 @@ class ReplicatedZero:
             for bucket in self.buckets:
                 for p, shape, start in zip(bucket.params, bucket.local, bucket.starts):
                     # A view: the optimizer's in-place update writes straight into the full weights.
-                    master = nn.Parameter(p.data.narrow(0, start, shape[0]))
-                    mark_sharded(master, (self.shard_group,))
+                    master = nn.Parameter(_data(p).narrow(0, start, shape[0]))
+                    mark_sharded(master, (self.shard_group, *_tp_groups(p)))
                     self.masters[p] = master
                     self._full_of[self.names[p]] = p
         self._pending: list[tuple[Any, _Bucket, torch.Tensor]] = []
@@ -125,11 +170,12 @@ class ReplicatedZero:
         nbytes = 0
         for p in reversed(params):
             cap = min(cap_mb, _FIRST_BUCKET_MB) if not buckets else cap_mb
-            if current and (nbytes + p.numel() * p.element_size() > cap * 2**20 or p.dtype != current[0].dtype):
+            local = _data(p)
+            if current and (nbytes + local.numel() * local.element_size() > cap * 2**20 or p.dtype != current[0].dtype):
                 buckets.append(_Bucket(current, self.world, self.rank))
                 current, nbytes = [], 0
             current.append(p)
-            nbytes += p.numel() * p.element_size()
+            nbytes += local.numel() * local.element_size()
         if current:
             buckets.append(_Bucket(current, self.world, self.rank))
         return buckets
@@ -182,6 +228,23 @@ class ReplicatedZero:
         master = self.masters[full]
         if value.shape != master.shape:
             return value
+        if isinstance(full, DTensor):
+            if self.state_mesh is None:
+                raise ValueError("tensor-parallel parameters need state_mesh to describe their optimizer state")
+            tp_placement = full.placements[0]
+            # Rows of the tp-local shard: for a row-split (Shard(0)) parameter that is a strided shard of the full
+            # one, as FSDP2 describes 2-D sharding; a fused parameter's layout is canonicalized when saved.
+            rows: Placement = Shard(0)
+            if type(tp_placement) is Shard and tp_placement.dim == 0:
+                rows = _StridedShard(0, split_factor=full.device_mesh.size())
+            return DTensor.from_local(
+                value,
+                self.state_mesh,
+                (Replicate(), rows, tp_placement),
+                shape=full.shape,
+                stride=full.stride(),
+                run_check=False,
+            )
         return DTensor.from_local(
             value, self.mesh, (Replicate(), Shard(0)), shape=full.shape, stride=full.stride(), run_check=False
         )
@@ -210,24 +273,24 @@ class ReplicatedZero:
             self._drain(_MAX_INFLIGHT)
 
     def _all_reduce(self, bucket: _Bucket) -> None:
-        grads = [p.grad for p in bucket.params]
+        grads = [_grad(p) for p in bucket.params]
         if all(g is None for g in grads):
             return
-        flat = torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for g, p in zip(grads, bucket.params)])
+        flat = torch.cat([(torch.zeros_like(d) if g is None else g).reshape(-1) for g, d in zip(grads, bucket.data)])
         dist.all_reduce(flat, group=self.shard_group)
         if self.mesh.size(0) > 1:
             dist.all_reduce(flat, group=self.replicate_group)
         flat.div_(self.dp)
         offset = 0
-        for p in bucket.params:
-            p.grad = flat[offset : offset + p.numel()].view_as(p)
-            offset += p.numel()
+        for p, d in zip(bucket.params, bucket.data):
+            _set_grad(p, flat[offset : offset + d.numel()].view_as(d))
+            offset += d.numel()
 
     def _launch(self, bucket: _Bucket) -> None:
         """Pack the bucket's gradients, free them, and start the reduce-scatter without waiting for it."""
         bucket.ready = 0
         dtype = bucket.params[0].dtype
-        packed = bucket.pack([p.grad for p in bucket.params], self.world, dtype)
+        packed = bucket.pack([_grad(p) for p in bucket.params], self.world, dtype)
         for p in bucket.params:
             p.grad = None  # the full gradient is not needed again: this is where ZeRO saves gradient memory
         out = torch.empty(bucket.shard_numel, dtype=dtype, device=packed.device)
@@ -256,15 +319,15 @@ class ReplicatedZero:
         inflight = []
         for bucket in self.buckets:
             dtype = bucket.params[0].dtype
-            send = torch.zeros(bucket.shard_numel, dtype=dtype, device=bucket.params[0].device)
+            send = torch.zeros(bucket.shard_numel, dtype=dtype, device=bucket.data[0].device)
             for view, p in zip(bucket.shard_views(send), bucket.params):
                 view.copy_(self.masters[p])
             recv = torch.empty(self.world, bucket.shard_numel, dtype=dtype, device=send.device)
             inflight.append((_all_gather(recv.view(-1), send, group=self.shard_group, async_op=True), bucket, recv))
         for work, bucket, recv in inflight:
             work.wait()
-            for p, off, chunk in zip(bucket.params, bucket.offsets, bucket.chunks):
-                p.data.view(-1).copy_(recv[:, off : off + chunk].reshape(-1)[: p.numel()])
+            for d, off, chunk in zip(bucket.data, bucket.offsets, bucket.chunks):
+                d.view(-1).copy_(recv[:, off : off + chunk].reshape(-1)[: d.numel()])
 
     def remove_hooks(self) -> None:
         """Detach the stage-2 gradient hooks."""

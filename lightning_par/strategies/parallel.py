@@ -62,6 +62,9 @@ class ParallelStrategy(_LightningParallelStrategy):
             folder still appears under its name only when complete; at most one save is in flight, and the end
             of training waits for the last. Costs a CPU copy of this rank's checkpoint state, kept from the first
             save to the end of ``fit``. See docs/checkpointing.md.
+        tp_plan: overrides of the inferred tensor-parallel plan: module-name patterns (``*`` for the block index)
+            to styles (``colwise``, ``rowwise``, ``colwise_fused_qkv``, ``sequence_parallel``, ``replicate``);
+            print the inferred plan with ``lightning-par plan``. See docs/tensor_parallel.md.
     """
 
     def __init__(
@@ -75,7 +78,7 @@ class ParallelStrategy(_LightningParallelStrategy):
         offload: bool = False,
         activation_checkpointing: ACMode = None,
         ac_every: int = 2,
-        sequence_parallel: bool = True,
+        sequence_parallel: Optional[bool] = None,
         pp_schedule: str = "1f1b",
         microbatches: Optional[int] = None,
         bucket_cap_mb: float = 25.0,
@@ -83,6 +86,7 @@ class ParallelStrategy(_LightningParallelStrategy):
         timeout_s: float = 600.0,
         process_group_backend: Optional[str] = None,
         async_save: bool = False,
+        tp_plan: Optional[dict[str, str]] = None,
         accelerator: Optional[pl.accelerators.Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -104,13 +108,12 @@ class ParallelStrategy(_LightningParallelStrategy):
             bucket_cap_mb=bucket_cap_mb,
         )  # fmt: skip
         self._config.check_supported()
-        for dim in auto_dims or ():
-            if dim in ("pp", "tp"):
-                axis = {"pp": "pipeline (pp)", "tp": "tensor (tp)"}[dim]
-                raise NotImplementedError(
-                    f"{axis} parallelism is not yet supported by lightning_par; use a data-parallel strategy "
-                    "(zero1, zero2, zero3, zero3_offload) until it lands"
-                )
+        if "pp" in (auto_dims or ()):
+            raise NotImplementedError(
+                "pipeline (pp) parallelism is not yet supported by lightning_par; use a data-parallel or tensor-"
+                "parallel strategy (zero1, zero2, zero3, zero3_offload, tp, tp_zero1/2/3) until it lands"
+            )
+        self._tp_plan = dict(tp_plan) if tp_plan else None
         self._auto_dims = auto_dims
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s} must be > 0 seconds (600 is the default)")
@@ -249,7 +252,12 @@ class ParallelStrategy(_LightningParallelStrategy):
             module.to(self.root_device)
             low = precision.compute_dtype if precision.mixed else None
             self._parallel = parallelize(
-                module, self.meshes, self._config, param_dtype=low, reduce_dtype=torch.float32 if low else None
+                module,
+                self.meshes,
+                self._config,
+                param_dtype=low,
+                reduce_dtype=torch.float32 if low else None,
+                tp_plan=self._tp_plan,
             )
             self._set_metric_groups(module)
         self.model = self._parallel.model

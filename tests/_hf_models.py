@@ -1,0 +1,45 @@
+"""A LightningModule wrapping a Hugging Face Llama built from a config: a model lightning_par did not write.
+
+Plain user code: nothing here knows about the strategies. No weights are downloaded (the model is initialised
+from the config), so this runs offline.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+class HFLlama(L.LightningModule):
+    """``LlamaForCausalLM`` (GQA: 4 query heads, 2 key/value heads; SwiGLU; RMSNorm; rotary) on byte tokens."""
+
+    def __init__(self, lr: float = 3e-3) -> None:
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(
+            vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, attn_implementation="eager",
+        )  # fmt: skip
+        self.model = LlamaForCausalLM(config)
+        self.lr = lr
+
+    def forward(self, idx: Tensor) -> Tensor:
+        return self.model(input_ids=idx).logits
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self(x).flatten(0, 1).float(), y.flatten())
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x).flatten(0, 1).float(), y.flatten()), sync_dist=True)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
