@@ -6,6 +6,9 @@ recipe with ``class_path``; strategies are either a registered name (``strategy:
 
 ``lightning-par consolidate CKPT_DIR OUT`` writes a sharded checkpoint folder as one plain Lightning checkpoint
 file (`lightning_par.checkpoint.consolidate`).
+
+``lightning-par plan --config RECIPE`` prints the tensor-parallel plan inferred for the recipe's model (with the
+strategy's ``tp_plan`` overrides applied, and checked against its ``tp`` when that is set), without training.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Any, Optional
 
 from lightning.pytorch.cli import LightningCLI
 
-import lightning_par  # noqa: F401  (registers the strategy names)
+import lightning_par  # registers the strategy names
 
 
 def _default_wandb_mode() -> None:
@@ -37,12 +40,38 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True) -> LightningCL
     return LightningCLI(args=args, run=run, **kwargs)
 
 
+def print_plan(args: list[str]) -> str:
+    """Build the recipe's model and strategy (no processes, no training) and return its tensor-parallel plan.
+
+    Args:
+        args: LightningCLI arguments without a subcommand, e.g. ``["--config", "recipes/tp.yaml"]``.
+
+    Raises:
+        TPPlanError: the plan cannot be inferred, or the strategy's tp does not divide what it must.
+    """
+    from lightning_par.plans import format_plan, infer_tp_plan, validate_tp
+
+    cli = build_cli(args, run=False)
+    strategy = cli.trainer.strategy
+    overrides = getattr(strategy, "_tp_plan", None)
+    plan = infer_tp_plan(cli.model, overrides=overrides)
+    text = format_plan(plan)
+    tp = strategy.config.tp if isinstance(strategy, lightning_par.ParallelStrategy) else 1
+    if tp > 1:
+        validate_tp(plan, tp)
+        text += f"\nvalid for tp={tp}"
+    return text
+
+
 def main() -> None:
     """Entry point of the ``lightning-par`` console script."""
     if len(sys.argv) > 1 and sys.argv[1] == "consolidate":  # not a LightningCLI subcommand: no trainer, no model
         from lightning_par.checkpoint.consolidate import main as consolidate_main
 
         consolidate_main(sys.argv[2:])
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "plan":
+        print(print_plan(sys.argv[2:]))
         return
     build_cli()
 

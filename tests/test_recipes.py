@@ -14,13 +14,15 @@ import lightning_par
 from lightning_par.cli import build_cli
 
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
-EXPECTED = {  # recipe -> (zero_stage, offload, dp_replicate)
-    "demo": (2, False, 1),
-    "zero1": (1, False, 1),
-    "zero2": (2, False, 1),
-    "zero3": (3, False, 1),
-    "zero3_offload": (3, True, 1),
-    "hybrid_zero3": (3, False, 2),
+EXPECTED = {  # recipe -> (zero_stage, offload, dp_replicate, tp)
+    "demo": (2, False, 1, 1),
+    "zero1": (1, False, 1, 1),
+    "zero2": (2, False, 1, 1),
+    "zero3": (3, False, 1, 1),
+    "zero3_offload": (3, True, 1, 1),
+    "hybrid_zero3": (3, False, 2, 1),
+    "tp": (0, False, 1, 2),
+    "tp_zero3": (3, False, 1, 2),
 }
 
 
@@ -43,10 +45,8 @@ def test_recipe_parses_and_builds(recipe: Path, tmp_path, monkeypatch):
     cli = build_cli(["--config", str(recipe)], run=False)
     strategy = cli.trainer.strategy
     assert isinstance(strategy, lightning_par.ParallelStrategy)
-    stage, offload, replicate = EXPECTED[recipe.stem]
-    assert (strategy.config.zero_stage, strategy.config.offload, strategy.config.dp_replicate) == (
-        stage, offload, replicate,
-    )  # fmt: skip
+    c = strategy.config
+    assert (c.zero_stage, c.offload, c.dp_replicate, c.tp) == EXPECTED[recipe.stem]
     assert type(cli.model).__module__.startswith("lightning_par.models")
     assert type(cli.datamodule).__name__ == "ByteTextDataModule"
     assert isinstance(cli.trainer.precision_plugin, lightning_par.ParallelPrecision)
@@ -66,3 +66,14 @@ def test_demo_command_trains_and_logs_to_wandb_offline(tmp_path):
     assert len(runs) == 1, os.listdir(tmp_path)
     assert list(runs[0].glob("run-*.wandb")), "the offline run has its log file"
     assert "lightning_par layout: world 2 = pp 1 x dp_replicate 1 x dp_shard 2 x tp 1" in proc.stdout + proc.stderr
+
+
+def test_plan_command_prints_the_inferred_plan(tmp_path):
+    """``lightning-par plan --config recipes/tp.yaml``: the real console entry point, no processes started."""
+    cmd = [sys.executable, "-m", "lightning_par.cli", "plan", "--config", str(ROOT / "recipes" / "tp.yaml")]
+    proc = subprocess.run(cmd, env=worker_env(), cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "transformer.h.*.attn.c_attn" in out and "colwise_fused_qkv" in out
+    assert "transformer.h.*.mlp.c_proj" in out and "rowwise" in out
+    assert "n_heads=4 n_kv_heads=4" in out and "valid for tp=2" in out
