@@ -178,7 +178,7 @@ class ParallelConfig:
         return dataclasses.asdict(self)
 
 
-def split_world(dims: tuple[str, ...], world_size: int) -> dict[str, int]:
+def split_world(dims: tuple[str, ...], world_size: int, tp_cap: Optional[int] = None) -> dict[str, int]:
     """Split ``world_size`` over the named dimensions as evenly as possible in powers of two.
 
     The rule every registered name relies on (DESIGN.md, "Names"): factors of two go round-robin to the named
@@ -189,6 +189,7 @@ def split_world(dims: tuple[str, ...], world_size: int) -> dict[str, int]:
     Args:
         dims: a subset of ``("pp", "tp", "dp")`` named by the strategy.
         world_size: number of processes.
+        tp_cap: devices per node: tp never grows past it (tp must not span nodes); its share goes on round-robin.
 
     Returns:
         degrees for ``pp``, ``tp`` and ``dp``.
@@ -196,7 +197,15 @@ def split_world(dims: tuple[str, ...], world_size: int) -> dict[str, int]:
     order = [d for d in ("tp", "pp", "dp") if d in dims]
     degrees = {"pp": 1, "tp": 1, "dp": 1}
     twos = (world_size & -world_size).bit_length() - 1  # exponent of 2 in world_size
-    for i in range(twos if order else 0):
-        degrees[order[i % len(order)]] *= 2
+    turn = 0
+    for _ in range(twos if order else 0):
+        dim = order[turn % len(order)]
+        if dim == "tp" and tp_cap is not None and degrees["tp"] * 2 > tp_cap:
+            order.remove("tp")  # tp is as large as a node allows; the rest goes to the other dimensions
+            if not order:
+                break
+            dim = order[turn % len(order)]
+        degrees[dim] *= 2
+        turn += 1
     degrees["dp"] *= world_size // math.prod(degrees.values())
     return degrees

@@ -143,3 +143,11 @@ def test_registered_names_build_the_strategy(name):
     assert strategy.config.zero_stage == int(name[4])
     assert strategy.config.offload == name.endswith("offload")
     assert isinstance(trainer.precision_plugin, lightning_par.ParallelPrecision)
+
+
+def test_tp_from_a_name_never_spans_nodes():
+    # "tp" on 2 nodes x 2 devices: tp takes what one node has, data parallel the rest (DESIGN.md, "Names").
+    assert split_world(("tp",), 4, tp_cap=2) == {"tp": 2, "pp": 1, "dp": 2}
+    assert split_world(("tp", "dp"), 8, tp_cap=2) == {"tp": 2, "pp": 1, "dp": 4}
+    assert split_world(("pp", "tp"), 16, tp_cap=2) == {"tp": 2, "pp": 8, "dp": 1}
+    assert split_world(("tp",), 4, tp_cap=4) == {"tp": 4, "pp": 1, "dp": 1}

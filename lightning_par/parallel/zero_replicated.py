@@ -273,6 +273,13 @@ class ReplicatedZero:
             self._drain(_MAX_INFLIGHT)
 
     def _all_reduce(self, bucket: _Bucket) -> None:
+        if self.dp == 1:
+            # Nothing to average (tensor parallelism alone): only settle Partial tensor-parallel gradients.
+            for p in bucket.params:
+                g = p.grad
+                if isinstance(g, DTensor) and g.placements != p.placements:  # type: ignore[attr-defined]
+                    p.grad = g.redistribute(g.device_mesh, p.placements)  # type: ignore[attr-defined]
+            return
         grads = [_grad(p) for p in bucket.params]
         if all(g is None for g in grads):
             return

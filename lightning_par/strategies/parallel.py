@@ -213,7 +213,7 @@ class ParallelStrategy(_LightningParallelStrategy):
         self._setup_distributed()
         config = self._config
         if self._auto_dims is not None:
-            degrees = split_world(self._auto_dims, self.world_size)
+            degrees = split_world(self._auto_dims, self.world_size, tp_cap=self.num_processes)
             config = dataclasses.replace(config, pp=degrees["pp"], tp=degrees["tp"], dp_shard=AUTO)
         self._config = config.resolve(self.world_size, devices_per_node=self.num_processes)
         self._mesh = build_mesh(self._config, self.root_device.type)
