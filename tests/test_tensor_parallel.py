@@ -40,8 +40,11 @@ RUNS: dict[str, dict[str, Any]] = {
         "nproc": 2, "strategy": "tp", "dp": 1,
         "jobs": [*JOBS, "hf_llama", "gpt_bf16_mixed", "llama_bf16_mixed", "gpt_16_mixed", "gpt_bf16_true"],
         "sp_off": True, "ckpt": ("zero2", 2),
+        "variants": {"ac_full": {"tp": 2, "activation_checkpointing": "full"},
+                     "ac_selective_op": {"tp": 2, "activation_checkpointing": "selective_op"}},
     },
-    "tp_zero3": {"nproc": 4, "strategy": "tp_zero3", "dp": 2, "jobs": [*JOBS, "hf_llama"], "ckpt": ("zero3", 4)},
+    "tp_zero3": {"nproc": 4, "strategy": "tp_zero3", "dp": 2, "jobs": [*JOBS, "hf_llama"], "ckpt": ("zero3", 4),
+                 "variants": {"offload": {"tp": 2, "zero_stage": 3, "offload": True}}},
     "tp_zero1": {"nproc": 4, "strategy": "tp_zero1", "dp": 2, "jobs": ["gpt_sgd", "llama"], "ckpt": ("tp_zero3", 2)},
     "tp_zero2": {"nproc": 4, "strategy": "tp_zero2", "dp": 2, "jobs": ["gpt", "gpt_sgd"]},
 }  # fmt: skip
@@ -66,12 +69,16 @@ def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     if spec.get("sp_off"):
         jobs.append({"model": "llama", "strategy": {"tp": 2, "sequence_parallel": False}, "dp": 1})
         jobs.append({"model": "gpt_3heads", "strategy": "tp", "dp": 1, "expect_error": True})
+    variants = spec.get("variants", {})
+    jobs += [{"model": "gpt", "strategy": kw, "dp": spec["dp"]} for kw in variants.values()]
     if "ckpt" in spec:
         jobs += _ckpt_jobs(spec["strategy"], spec["dp"], *spec["ckpt"], str(tmp / "ckpts"))
     results = run_jobs(tmp, jobs, nproc=spec["nproc"], timeout=420)
     out = dict(zip(spec["jobs"], results))
     if spec.get("sp_off"):
         out["llama_sp_off"], out["bad_tp"] = results[len(spec["jobs"]) : len(spec["jobs"]) + 2]
+    start = len(spec["jobs"]) + (2 if spec.get("sp_off") else 0)
+    out.update(zip(variants, results[start : start + len(variants)]))
     if "ckpt" in spec:
         out["ckpt_full"], out["ckpt_resumed"] = results[-2:]
     return name, out
@@ -180,3 +187,13 @@ def test_per_rank_parameter_bytes(run):
         n = t.numel() * 4 // (tp if _gpt_split_over_tp(k) else 1)
         expected += n // dp if name == "tp_zero3" else n  # ZeRO 1-2 keep full (tp-local) parameters
     assert got["mem"]["params"] == expected
+
+
+def test_activation_checkpointing_and_offload_compose_with_tp(run, references):
+    name, out = run
+    variants = RUNS[name].get("variants", {})
+    assert variants or name in ("tp_zero1", "tp_zero2")
+    for key in variants:  # full / selective_op recomputation under tp; ZeRO-3 CPU offload of tp shards
+        got, ref = out[key], references["gpt"]
+        assert _rel(got["losses"], ref["losses"]) < 1e-5, key
+        _params_close(got["params"], ref["params"], rtol=1e-5, atol=0.02 * LR)
