@@ -13,11 +13,13 @@ from typing import Any, Optional, Union
 import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ParallelStrategy as _LightningParallelStrategy
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from torch import nn
 from typing_extensions import override
 
 from lightning_par.checkpoint.async_save import AsyncSaver
 from lightning_par.checkpoint.dcp import OptimizerEntry, load_sharded, optimizer_state, save_sharded, tmp_path
+from lightning_par.checkpoint.resume_state import KEY, ResumeState
 from lightning_par.parallel.compose import Parallelized
 
 
@@ -31,6 +33,25 @@ class CheckpointingMixin(_LightningParallelStrategy):
     _parallel: Optional[Parallelized]
     _async_saver: Optional[AsyncSaver]
     _saving_async: bool
+    _resume: Optional[ResumeState] = None
+
+    # ---- deterministic resume (checkpoint/resume_state.py) ---------------------------------------------------
+    @property
+    def _resume_state(self) -> ResumeState:
+        if self._resume is None:
+            self._resume = ResumeState()
+        return self._resume
+
+    @property
+    def _attached_trainer(self) -> Any:
+        return getattr(self.lightning_module, "_trainer", None)
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        trainer = self._attached_trainer
+        if trainer is not None and trainer.state.stage == RunningStage.TRAINING:
+            self._resume_state.install(dataloader, lambda: trainer.current_epoch)
+        return super().process_dataloader(dataloader)
 
     # ---- checkpoints -----------------------------------------------------------------------------------------
     def _optimizer_entries(self) -> list[OptimizerEntry]:
@@ -76,6 +97,8 @@ class CheckpointingMixin(_LightningParallelStrategy):
     def on_train_start(self) -> None:
         super().on_train_start()
         self._saving_async = self._async_saver is not None
+        # Last of the on_train_start hooks: after the resumed epoch's iterator drew its seed, before the first step.
+        self._resume_state.restore_rng(self._attached_trainer, self.root_device)
 
     @override
     def on_train_end(self) -> None:
@@ -94,20 +117,26 @@ class CheckpointingMixin(_LightningParallelStrategy):
         tensors = {"state_dict": checkpoint.pop("state_dict")}
         for i, state in enumerate(checkpoint.pop("optimizer_states", [])):
             tensors[f"optimizer_{i}"] = state
+        checkpoint[KEY] = self._resume_state.checkpoint_state(self._attached_trainer, self.world_size)
+        local = self._resume_state.rank_state(self._attached_trainer, self.root_device)
         if self._async_saver is not None and self._saving_async:
-            self._async_saver.save(path, tensors, checkpoint, self.global_rank)
+            self._async_saver.save(path, tensors, checkpoint, self.global_rank, local)
             return
         self.wait_for_checkpoint()
-        save_sharded(path, tensors, checkpoint, self.global_rank)
+        save_sharded(path, tensors, checkpoint, self.global_rank, local)
 
     @override
     def load_checkpoint(self, checkpoint_path: Union[str, Path], weights_only: Optional[bool] = None) -> dict[str, Any]:
         self.wait_for_checkpoint()  # it may be the one being written
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.lightning_module is not None
-        return load_sharded(
+        meta = load_sharded(
             path, self.lightning_module, self._optimizer_entries(), strict=self.lightning_module.strict_loading
         )
+        trainer = self._attached_trainer
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            self._resume_state.loaded(path, meta, self.global_rank, self.world_size)
+        return meta
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
