@@ -5,15 +5,17 @@ What an uninterrupted run would do next depends on three things besides the mode
 - **Which samples come next.** Lightning shuffles a distributed training loader with a `DistributedSampler` whose
   order is a function of (seed, epoch) only, but on resume it restarts a plain `DataLoader` at the start of the
   epoch (so a mid-epoch resume trains on the epoch's first batches again), and from an epoch-end checkpoint of a
-  ``max_steps`` run it runs an empty epoch first, so the next real epoch is shuffled with seed + epoch + 1 (its
-  ``set_epoch`` argument counts that empty epoch). `ResumableSampler` replaces the sampler inside the loader's
-  `BatchSampler`: its order is the same `DistributedSampler` order, for the epoch ``trainer.current_epoch``
-  (which does not count the empty epoch), and the first pass after a resume skips the samples already consumed.
-- **The random numbers.** Dropout and anything else random draw from the global torch (and CUDA) generator; the
-  DataLoader draws one number from it each time an epoch's iterator is created; Python's `random` and NumPy may be
-  used by user code. Each rank's generators are saved (ranks may differ: user code may seed per rank) and restored
-  on the same rank at ``on_train_start``, after Lightning created the resumed epoch's iterator (whose draw the
-  uninterrupted run made before the checkpoint) and before the first step.
+  ``max_steps`` run it first re-enters the finished epoch (a pass that trains nothing when validation ran at its
+  end, one batch when none did: docs/checkpointing.md), which its ``set_epoch`` argument counts, so the next epoch
+  is shuffled with seed + epoch + 1. `ResumableSampler` replaces the sampler inside the loader's `BatchSampler`:
+  the same `DistributedSampler` order, for the epoch ``trainer.current_epoch`` (which does not count that pass),
+  and the first pass after a resume skips the samples already consumed.
+- **The random numbers.** Dropout and anything else random draw from the global torch (and CUDA) generator;
+  Python's `random` and NumPy may be used by user code. Each rank's generators are saved (ranks may differ: user
+  code may seed per rank) and restored on the same rank at ``on_train_start``, just before the first step. A
+  DataLoader also draws its workers' base seed each time an epoch's iterator is created, and a resumed run creates
+  its first iterator before or after that point depending on where the checkpoint was taken, so `install` gives
+  training loaders a generator of their own for that draw, saved and restored with the rest.
 - The rest (loops, LR schedulers, grad scaler) is Lightning's own checkpoint state.
 
 **Another world size.** The data position is stored as the number of samples of the epoch's order consumed by all
@@ -36,6 +38,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from lightning.fabric.utilities.types import _Stateful
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Sampler
 
 from lightning_par.checkpoint.dcp import rank_file
@@ -138,7 +141,8 @@ def install(dataloader: object, epoch_fn: Callable[[], int]) -> Optional[Resumab
 
     Only a `DataLoader` whose torch `BatchSampler` draws from a plain `DistributedSampler` (what Lightning inserts
     for a sequential or random sampler) qualifies: its order depends only on (seed, epoch). A loader with its own
-    batch sampler, a wrapped custom sampler or an iterable dataset is left as it is (it resumes as under Lightning).
+    batch sampler, a wrapped custom sampler, an iterable dataset, or one with Lightning's ``state_dict`` /
+    ``load_state_dict`` protocol is left as it is (it resumes as under Lightning).
 
     Args:
         dataloader: a training loader after Lightning inserted its sampler.
@@ -147,8 +151,8 @@ def install(dataloader: object, epoch_fn: Callable[[], int]) -> Optional[Resumab
     Returns:
         the installed sampler, or ``None``.
     """
-    if not isinstance(dataloader, DataLoader):
-        return None
+    if not isinstance(dataloader, DataLoader) or isinstance(dataloader, _Stateful):
+        return None  # a stateful loader (torchdata's StatefulDataLoader) is restored by Lightning itself
     batches = dataloader.batch_sampler
     if type(batches) is not BatchSampler or type(batches.sampler) is not DistributedSampler:
         return None
