@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import sys
 import time
@@ -17,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 torch.set_num_threads(1)
@@ -52,12 +54,26 @@ class FailingGPT(GPT):
         return super().training_step(batch, batch_idx)
 
 
+class DropoutGPT(GPT):
+    """The GPT with dropout 0.1, so the losses depend on the torch RNG; each step also draws from Python's `random`
+    and NumPy's global generator (recorded in `draws`), so a resume must restore those too."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(dropout=0.1, **kwargs)
+        self.draws: list[tuple[float, float]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        self.draws.append((random.random(), float(np.random.rand())))
+        return super().training_step(batch, batch_idx)
+
+
 MODELS = {
     "gpt": lambda: GPT(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=32, lr=3e-3),
     "llama": lambda: Llama(vocab_size=256, max_seq_len=32, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
                            ffn_hidden=64, lr=3e-3),
     "gpt_fail": lambda: FailingGPT(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=32),
     "gpt_sgd": lambda: SGDGPT(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=32),
+    "gpt_dropout": lambda: DropoutGPT(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=32, lr=3e-3),
     # Dims 258, 34 not divisible by 4: uneven shards (ceil(d0/n) rows, the last rank short), as real vocabularies.
     "gpt_uneven": lambda: GPT(vocab_size=258, block_size=34, n_layer=2, n_head=4, n_embd=36, lr=3e-3),
     "hf_llama": lambda: _hf_models().HFLlama(),
@@ -119,6 +135,16 @@ class Recorder(L.Callback):
         self.mem["optim"] = _local_bytes(
             v for opt in trainer.optimizers for s in opt.state.values() for k, v in s.items() if k != "step"
         )
+
+
+class RankSeed(L.Callback):
+    """Gives every rank its own RNG streams (Lightning's strategy setup seeds all ranks alike), once the process
+    group exists; a resume then restores each rank's saved streams at train start."""
+
+    def setup(self, trainer: L.Trainer, pl_module: Any, stage: str) -> None:
+        torch.manual_seed(1000 + trainer.global_rank)
+        random.seed(2000 + trainer.global_rank)
+        np.random.seed(3000 + trainer.global_rank)
 
 
 class CheckpointRecorder(L.Callback):
@@ -231,9 +257,13 @@ def _checkpoint_callbacks(job: dict[str, Any]) -> list[L.Callback]:
 
     if job.get("ckpt_every_n_steps"):
         # Keep the newest `save_top_k` by step (and last.ckpt with save_last), written after every n-th step.
-        return [ModelCheckpoint(dirpath=job["ckpt_dir"], filename="{step}", monitor="step", mode="max",
-                                every_n_train_steps=job["ckpt_every_n_steps"], save_top_k=job.get("save_top_k", -1),
-                                save_last=job.get("save_last", False))]  # fmt: skip
+        steps = [ModelCheckpoint(dirpath=job["ckpt_dir"], filename="{step}", monitor="step", mode="max",
+                                 every_n_train_steps=job["ckpt_every_n_steps"], save_top_k=job.get("save_top_k", -1),
+                                 save_last=job.get("save_last", False))]  # fmt: skip
+        if job.get("ckpt_epoch_end_dir"):  # also one per epoch, written at the epoch's end (on_train_epoch_end)
+            steps.append(ModelCheckpoint(dirpath=job["ckpt_epoch_end_dir"], filename="{epoch}", save_top_k=-1,
+                                         every_n_epochs=1, save_on_train_epoch_end=True))  # fmt: skip
+        return steps
 
     # One checkpoint per epoch, written at the epoch's end so the loop state says "epoch finished".
     return [ModelCheckpoint(dirpath=job["ckpt_dir"], filename="{epoch}", save_top_k=-1, every_n_epochs=1,
@@ -247,7 +277,8 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     as ``error`` instead of failing the spawn)."""
     # Checkpoint options: ckpt_every_n_steps, save_top_k, save_last (see _checkpoint_callbacks); resume "last"
     # (Lightning's) or "latest" (lightning_par.checkpoint.latest(ckpt_dir)); sigkill_at_step {"step", "rank"};
-    # sigkill_in_save {"nth", "rank"}; slow_write_s; record_step_params; limit_val_batches.
+    # sigkill_in_save {"nth", "rank"}; slow_write_s; record_step_params; limit_val_batches; ckpt_epoch_end_dir (also
+    # an epoch-end checkpoint per epoch there); rank_seed (per-rank RNG seeds).
     # Under torchrun WORLD_SIZE is set; when Lightning starts the processes itself the job states it.
     world = job.get("world") or int(os.environ.get("WORLD_SIZE", "1"))
     L.seed_everything(job.get("seed", 0), verbose=False)
@@ -274,6 +305,8 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     extra: list[L.Callback] = [ckpt_recorder, *([optim_recorder] if job.get("record_optim") else [])]
     if job.get("sigkill_at_step"):
         extra.append(SigKill(**job["sigkill_at_step"]))
+    if job.get("rank_seed"):
+        extra.append(RankSeed())
     ckpt_dir = job.get("ckpt_dir")
     listing_before = sorted(os.listdir(ckpt_dir)) if ckpt_dir and os.path.isdir(ckpt_dir) else []
     found = lightning_par.checkpoint.latest(ckpt_dir) if ckpt_dir else None
@@ -295,6 +328,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         precision=precision,
         plugins=plugins or None,
         max_steps=job.get("max_steps", steps),
+        max_epochs=job.get("max_epochs"),
         accumulate_grad_batches=accumulate,
         gradient_clip_val=job.get("clip"),
         logger=False,
@@ -341,6 +375,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         "latest_before": found.name if found else None,
         "ckpt_listing_after": sorted(os.listdir(ckpt_dir)) if ckpt_dir and os.path.isdir(ckpt_dir) else [],
         "resumed_from": Path(trainer.ckpt_path).name if trainer.ckpt_path else None,
+        "draws": getattr(model, "draws", None),
     }
     if isinstance(trainer.strategy, lightning_par.ParallelStrategy):
         from torchmetrics import Metric

@@ -31,8 +31,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
-from lightning_par.checkpoint.dcp import commit, prepare_tmp, tmp_path
-from lightning_par.checkpoint.reader import META, CheckpointError
+from lightning_par.checkpoint.dcp import commit, prepare_tmp, tmp_path, write_small
+from lightning_par.checkpoint.reader import CheckpointError
 from lightning_par.checkpoint.strided import canonicalize
 
 
@@ -144,7 +144,14 @@ class AsyncSaver:
             self._group = dist.new_group(backend="gloo", timeout=self._timeout)
         return self._group
 
-    def save(self, path: Path, tensors: dict[str, Any], meta: dict[str, Any], rank: int) -> None:
+    def save(
+        self,
+        path: Path,
+        tensors: dict[str, Any],
+        meta: dict[str, Any],
+        rank: int,
+        local: Optional[dict[str, Any]] = None,
+    ) -> None:
         """Start writing a checkpoint; returns once the state is copied. Called by every rank, in the same order.
 
         Args:
@@ -153,12 +160,12 @@ class AsyncSaver:
                 returns, so the caller may change them afterwards.
             meta: the non-tensor rest of the checkpoint, saved by rank 0 before this returns.
             rank: this process's global rank.
+            local: this rank's own non-tensor state, saved by every rank before this returns.
         """
         self.wait()  # at most one save in flight
         group = self._checkpoint_group()
         tmp = prepare_tmp(path, rank)
-        if rank == 0:
-            torch.save(meta, tmp / META)  # small; written now, so it is the state at this call
+        write_small(tmp, meta, local, rank)  # small; written now, so it is the state at this call
         tensors = canonicalize(tensors)[0]  # collectives: here, on the training thread and default group
         written: Any = dcp.async_save(
             tensors, checkpoint_id=tmp, process_group=group, no_dist=group is None, async_stager=self._stager

@@ -2,10 +2,11 @@
 
 Layout of ``<path>/``: DCP's ``.metadata`` and one ``__<rank>_0.distcp`` per writing rank, holding the model
 (``state_dict``) and each optimizer (``optimizer_<i>``) keyed by the original parameter names; plus ``meta.pt``,
-the rest of Lightning's checkpoint (loops, callbacks, schedulers, scaler), written by rank 0 and loaded with
-``weights_only=True``. Replicated tensors are written once (DCP de-duplicates them). A folder appears only when
-complete: everything is written to ``<path>.tmp`` and renamed by rank 0 after all ranks finished (`commit`).
-`async_save.py` writes the same layout in the background.
+the rest of Lightning's checkpoint (loops, callbacks, schedulers, scaler, data position), written by rank 0, and
+``rank_<r>.pt``, each rank's RNG states (`resume_state.py`), both loaded with ``weights_only=True``. Replicated
+tensors are written once (DCP de-duplicates them). A folder appears only when complete: everything is written to
+``<path>.tmp`` and renamed by rank 0 after all ranks finished (`commit`). `async_save.py` writes the same layout
+in the background.
 """
 
 from __future__ import annotations
@@ -98,7 +99,22 @@ def commit(tmp: Path, path: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def save_sharded(path: Path, tensors: dict[str, Any], meta: dict[str, Any], rank: int) -> None:
+def rank_file(rank: int) -> str:
+    """Name of the file in a checkpoint folder holding ``rank``'s own non-tensor state (its RNG states)."""
+    return f"rank_{rank}.pt"
+
+
+def write_small(tmp: Path, meta: dict[str, Any], local: Optional[dict[str, Any]], rank: int) -> None:
+    """Rank 0 writes ``meta`` as ``meta.pt``; every rank writes its ``local`` state as ``rank_<rank>.pt``."""
+    if rank == 0:
+        torch.save(meta, tmp / META)
+    if local is not None:
+        torch.save(local, tmp / rank_file(rank))
+
+
+def save_sharded(
+    path: Path, tensors: dict[str, Any], meta: dict[str, Any], rank: int, local: Optional[dict[str, Any]] = None
+) -> None:
     """Write ``tensors`` with DCP and ``meta`` with ``torch.save`` into the folder ``path``, atomically.
 
     Args:
@@ -106,11 +122,11 @@ def save_sharded(path: Path, tensors: dict[str, Any], meta: dict[str, Any], rank
         tensors: ``{"state_dict": ..., "optimizer_0": ...}`` with plain or DTensor values.
         meta: the non-tensor rest of the checkpoint, saved by rank 0.
         rank: this process's global rank.
+        local: this rank's own non-tensor state (its RNG states), saved by every rank as ``rank_<rank>.pt``.
     """
     tmp = prepare_tmp(path, rank)
     dcp.save(canonicalize(tensors)[0], checkpoint_id=tmp)
-    if rank == 0:
-        torch.save(meta, tmp / META)
+    write_small(tmp, meta, local, rank)
     _barrier()
     if rank == 0:
         commit(tmp, path)

@@ -7,13 +7,11 @@ precision and sharded checkpoints to their modules. The parallel code itself liv
 from __future__ import annotations
 
 import dataclasses
-import shutil
 import sys
 import warnings
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
@@ -27,7 +25,6 @@ from lightning.fabric.utilities.distributed import (
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy as _LightningParallelStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
@@ -38,14 +35,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from lightning_par.checkpoint.async_save import AsyncSaver
-from lightning_par.checkpoint.dcp import OptimizerEntry, load_sharded, optimizer_state, save_sharded, tmp_path
 from lightning_par.config import AUTO, ACMode, ParallelConfig, split_world
 from lightning_par.mesh import ParallelMesh, build_mesh
 from lightning_par.parallel.compose import Parallelized, parallelize
 from lightning_par.precision.parallel import ParallelPrecision
+from lightning_par.strategies._checkpointing import CheckpointingMixin
 
 
-class ParallelStrategy(_LightningParallelStrategy):
+class ParallelStrategy(CheckpointingMixin, _LightningParallelStrategy):
     """One strategy for every combination of parallelism; `Trainer(strategy="zero2")` picks a preset of it.
 
     Args:
@@ -330,100 +327,6 @@ class ParallelStrategy(_LightningParallelStrategy):
         if group is None and self._mesh is not None:
             group = self._mesh.dp.get_group()
         return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-
-    # ---- checkpoints -----------------------------------------------------------------------------------------
-    def _optimizer_entries(self) -> list[OptimizerEntry]:
-        zero = self._parallel.zero if self._parallel else None
-        owner: nn.Module = self.lightning_module  # type: ignore[assignment]
-        distribute = None
-        if zero is not None and zero.stage >= 1:
-            owner, distribute = zero.masters_module(), zero.distribute_state
-        return [
-            OptimizerEntry(owner, o._optimizer if isinstance(o, LightningOptimizer) else o, distribute)
-            for o in self.optimizers
-        ]
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-        return get_model_state_dict(self.lightning_module)  # type: ignore[arg-type]
-
-    @override
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        for entry in self._optimizer_entries():
-            if entry.optimizer is inner:
-                return optimizer_state(entry)
-        raise ValueError("optimizer_state() got an optimizer the strategy does not manage")
-
-    @property
-    def checkpoint_in_flight(self) -> Optional[Path]:
-        """The checkpoint being written in the background (``async_save=True``) on this rank, or ``None``."""
-        return self._async_saver.in_flight if self._async_saver is not None else None
-
-    def wait_for_checkpoint(self) -> None:
-        """Wait until the checkpoint being written in the background, if any, is complete under its name.
-
-        Raises:
-            CheckpointError: that save failed.
-        """
-        if self._async_saver is not None:
-            self._async_saver.wait()
-
-    @override
-    def on_train_start(self) -> None:
-        super().on_train_start()
-        self._saving_async = self._async_saver is not None
-
-    @override
-    def on_train_end(self) -> None:
-        # After every callback's on_train_end; a save in on_fit_end (after this) is synchronous.
-        self._saving_async = False
-        self.wait_for_checkpoint()
-        super().on_train_end()
-
-    @override
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: Union[str, Path], storage_options: Optional[Any] = None
-    ) -> None:
-        if storage_options is not None:
-            raise TypeError(f"{type(self).__name__} saves sharded folders itself; drop storage_options")
-        path = Path(self.broadcast(str(filepath)))
-        tensors = {"state_dict": checkpoint.pop("state_dict")}
-        for i, state in enumerate(checkpoint.pop("optimizer_states", [])):
-            tensors[f"optimizer_{i}"] = state
-        if self._async_saver is not None and self._saving_async:
-            self._async_saver.save(path, tensors, checkpoint, self.global_rank)
-            return
-        self.wait_for_checkpoint()
-        save_sharded(path, tensors, checkpoint, self.global_rank)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Union[str, Path], weights_only: Optional[bool] = None) -> dict[str, Any]:
-        self.wait_for_checkpoint()  # it may be the one being written
-        path = Path(self.broadcast(str(checkpoint_path)))
-        assert self.lightning_module is not None
-        return load_sharded(
-            path, self.lightning_module, self._optimizer_entries(), strict=self.lightning_module.strict_loading
-        )
-
-    @override
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        pass  # `load_checkpoint` already loaded the sharded weights in place
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        pass  # `load_checkpoint` already loaded the sharded optimizer state in place
-
-    @override
-    def remove_checkpoint(self, filepath: Union[str, Path]) -> None:
-        if self.is_global_zero:
-            path = Path(filepath)
-            if self.checkpoint_in_flight == path:
-                self.wait_for_checkpoint()  # rank 0 commits in the writer thread: delete only after the rename
-            shutil.rmtree(path, ignore_errors=True)
-            shutil.rmtree(tmp_path(path), ignore_errors=True)  # a save of it that was interrupted
 
     @override
     def teardown(self) -> None:

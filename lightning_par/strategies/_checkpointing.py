@@ -1,0 +1,156 @@
+"""Sharded checkpoints for `ParallelStrategy`: the Lightning hooks that save, load and remove DCP folders.
+
+A mixin, so that the strategy's own file keeps the layout, process and collective glue; the checkpoint format and
+its readers live in `lightning_par.checkpoint`.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies import ParallelStrategy as _LightningParallelStrategy
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from torch import nn
+from typing_extensions import override
+
+from lightning_par.checkpoint.async_save import AsyncSaver
+from lightning_par.checkpoint.dcp import OptimizerEntry, load_sharded, optimizer_state, save_sharded, tmp_path
+from lightning_par.checkpoint.resume_state import KEY, ResumeState
+from lightning_par.parallel.compose import Parallelized
+
+
+class CheckpointingMixin(_LightningParallelStrategy):
+    """Save, load and remove sharded checkpoint folders (`ParallelStrategy` inherits it before Lightning's base).
+
+    Uses the strategy's ``_parallel`` (for the ZeRO engine that owns the optimizer's parameters), ``_async_saver``
+    and ``_saving_async`` (see `ParallelStrategy`'s ``async_save``).
+    """
+
+    _parallel: Optional[Parallelized]
+    _async_saver: Optional[AsyncSaver]
+    _saving_async: bool
+    _resume: Optional[ResumeState] = None
+
+    # ---- deterministic resume (checkpoint/resume_state.py) ---------------------------------------------------
+    @property
+    def _resume_state(self) -> ResumeState:
+        if self._resume is None:
+            self._resume = ResumeState()
+        return self._resume
+
+    @property
+    def _attached_trainer(self) -> Any:
+        return getattr(self.lightning_module, "_trainer", None)
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        trainer = self._attached_trainer
+        if trainer is not None and trainer.state.stage == RunningStage.TRAINING:
+            self._resume_state.install(dataloader, lambda: trainer.current_epoch)
+        return super().process_dataloader(dataloader)
+
+    # ---- checkpoints -----------------------------------------------------------------------------------------
+    def _optimizer_entries(self) -> list[OptimizerEntry]:
+        zero = self._parallel.zero if self._parallel else None
+        owner: nn.Module = self.lightning_module  # type: ignore[assignment]
+        distribute = None
+        if zero is not None and zero.stage >= 1:
+            owner, distribute = zero.masters_module(), zero.distribute_state
+        return [
+            OptimizerEntry(owner, o._optimizer if isinstance(o, LightningOptimizer) else o, distribute)
+            for o in self.optimizers
+        ]
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(self.lightning_module)  # type: ignore[arg-type]
+
+    @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        for entry in self._optimizer_entries():
+            if entry.optimizer is inner:
+                return optimizer_state(entry)
+        raise ValueError("optimizer_state() got an optimizer the strategy does not manage")
+
+    @property
+    def checkpoint_in_flight(self) -> Optional[Path]:
+        """The checkpoint being written in the background (``async_save=True``) on this rank, or ``None``."""
+        return self._async_saver.in_flight if self._async_saver is not None else None
+
+    def wait_for_checkpoint(self) -> None:
+        """Wait until the checkpoint being written in the background, if any, is complete under its name.
+
+        Raises:
+            CheckpointError: that save failed.
+        """
+        if self._async_saver is not None:
+            self._async_saver.wait()
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self._saving_async = self._async_saver is not None
+        # Last of the on_train_start hooks: after the resumed epoch's iterator drew its seed, before the first step.
+        self._resume_state.restore_rng(self._attached_trainer, self.root_device)
+
+    @override
+    def on_train_end(self) -> None:
+        # After every callback's on_train_end; a save in on_fit_end (after this) is synchronous.
+        self._saving_async = False
+        self.wait_for_checkpoint()
+        super().on_train_end()
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Union[str, Path], storage_options: Optional[Any] = None
+    ) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} saves sharded folders itself; drop storage_options")
+        path = Path(self.broadcast(str(filepath)))
+        tensors = {"state_dict": checkpoint.pop("state_dict")}
+        for i, state in enumerate(checkpoint.pop("optimizer_states", [])):
+            tensors[f"optimizer_{i}"] = state
+        checkpoint[KEY] = self._resume_state.checkpoint_state(self._attached_trainer, self.world_size)
+        local = self._resume_state.rank_state(self._attached_trainer, self.root_device)
+        if self._async_saver is not None and self._saving_async:
+            self._async_saver.save(path, tensors, checkpoint, self.global_rank, local)
+            return
+        self.wait_for_checkpoint()
+        save_sharded(path, tensors, checkpoint, self.global_rank, local)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Union[str, Path], weights_only: Optional[bool] = None) -> dict[str, Any]:
+        self.wait_for_checkpoint()  # it may be the one being written
+        path = Path(self.broadcast(str(checkpoint_path)))
+        assert self.lightning_module is not None
+        meta = load_sharded(
+            path, self.lightning_module, self._optimizer_entries(), strict=self.lightning_module.strict_loading
+        )
+        trainer = self._attached_trainer
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            self._resume_state.loaded(path, meta, self.global_rank, self.world_size)
+        return meta
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        pass  # `load_checkpoint` already loaded the sharded weights in place
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        pass  # `load_checkpoint` already loaded the sharded optimizer state in place
+
+    @override
+    def remove_checkpoint(self, filepath: Union[str, Path]) -> None:
+        if self.is_global_zero:
+            path = Path(filepath)
+            if self.checkpoint_in_flight == path:
+                self.wait_for_checkpoint()  # rank 0 commits in the writer thread: delete only after the rename
+            shutil.rmtree(path, ignore_errors=True)
+            shutil.rmtree(tmp_path(path), ignore_errors=True)  # a save of it that was interrupted
