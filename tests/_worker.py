@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 
 import lightning_par  # noqa: E402  (registers the strategy names)
 from lightning_par.data import ByteTextDataModule  # noqa: E402
-from lightning_par.models import GPT, Llama  # noqa: E402
+from lightning_par.models import GPT, Llama, MoEGPT  # noqa: E402
 from lightning_par.parallel.grad_norm import global_grad_norm  # noqa: E402
 from lightning_par.utils import clean_exit  # noqa: E402
 
@@ -51,6 +51,14 @@ class FailingGPT(GPT):
         return super().training_step(batch, batch_idx)
 
 
+class SGDMoEGPT(MoEGPT):
+    """The MoE-GPT with SGD + momentum (updates linear in the gradients; see SGDGPT)."""
+
+    configure_optimizers = SGDGPT.configure_optimizers
+
+
+_MOE = dict(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=32, n_experts=4, top_k=2)
+
 MODELS = {
     "gpt": lambda: GPT(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=32, lr=3e-3),
     "llama": lambda: Llama(vocab_size=256, max_seq_len=32, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -59,6 +67,10 @@ MODELS = {
     "gpt_sgd": lambda: SGDGPT(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=32),
     # Dims 258, 34 not divisible by 4: uneven shards (ceil(d0/n) rows, the last rank short), as real vocabularies.
     "gpt_uneven": lambda: GPT(vocab_size=258, block_size=34, n_layer=2, n_head=4, n_embd=36, lr=3e-3),
+    # MoE-GPT: dropless, and with capacity factor 0.75 (a quarter of the assignments or more are dropped).
+    "moe_gpt": lambda: MoEGPT(**_MOE, lr=3e-3),
+    "moe_gpt_sgd": lambda: SGDMoEGPT(**_MOE),
+    "moe_gpt_cap_sgd": lambda: SGDMoEGPT(**_MOE, capacity_factor=0.75),
 }  # fmt: skip
 
 
@@ -110,6 +122,63 @@ class Recorder(L.Callback):
         self.mem["optim"] = _local_bytes(
             v for opt in trainer.optimizers for s in opt.state.values() for k, v in s.items() if k != "step"
         )
+
+
+class RoutingRecorder(L.Callback):
+    """Per step and MoE layer: router logits, chosen experts and kept (within capacity) flags of the step's tokens,
+    in global batch order (rank r's local sample i is global sample i * dp + r under the DistributedSampler)."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, torch.Tensor]] = []
+        self._logits: list[torch.Tensor] = []
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        for moe in pl_module._moe_layers():
+            moe.router.register_forward_hook(lambda _m, _a, out: self._logits.append(out.detach().float().clone()))
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self._logits.clear()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        b = batch[0].shape[0]
+        step = {}
+        for i, moe in enumerate(pl_module._moe_layers()):
+            for key, t in (("logits", self._logits[i]), ("expert", moe.stats["expert_index"]),
+                           ("kept", moe.stats["kept"])):  # fmt: skip
+                step[f"{i}.{key}"] = t.reshape(b, -1, t.shape[-1]).cpu().clone()
+            step[f"{i}.tokens_per_expert"] = moe.stats["tokens_per_expert"].cpu().clone()
+        self.steps.append(step)
+
+    def global_order(self) -> list[dict[str, torch.Tensor]]:
+        if not dist.is_initialized():
+            return self.steps
+        parts: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, self.steps)
+        out = []
+        for k, step in enumerate(parts[0]):
+            merged = {}
+            for key, t in step.items():
+                if key.endswith("tokens_per_expert"):
+                    merged[key] = t
+                    continue
+                # Interleave samples: global i*dp + r <- rank r's i (dp = world here: no tp/pp under moe tests).
+                stacked = torch.stack([p[k][key] for p in parts], dim=1)  # [b, dp, ...]
+                merged[key] = stacked.flatten(0, 1)
+            out.append(merged)
+        return out
+
+
+def _gather_experts(trainer: L.Trainer, model: torch.nn.Module, params: dict[str, torch.Tensor]) -> None:
+    """Replace the local expert shards in ``params`` by the full stacked weights (all-gathered over ep)."""
+    experts = getattr(getattr(trainer.strategy, "_parallel", None), "experts", None)
+    if experts is None or experts.mesh is None:
+        return
+    group = experts.mesh.ep.get_group()
+    names = {p: n for n, p in model.named_parameters()}
+    for p in experts.params:
+        parts = [torch.empty_like(p) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, p.detach().contiguous(), group=group)
+        params[names[p]] = torch.cat(parts).float().cpu()
 
 
 class CheckpointRecorder(L.Callback):
@@ -264,7 +333,10 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     recorder = Recorder(job.get("fail_at_step"))
     optim_recorder = OptimizerRecorder()
     ckpt_recorder = CheckpointRecorder(bool(job.get("record_step_params")))
+    routing = RoutingRecorder()
     extra: list[L.Callback] = [ckpt_recorder, *([optim_recorder] if job.get("record_optim") else [])]
+    if isinstance(model, MoEGPT):
+        extra.append(routing)
     if job.get("sigkill_at_step"):
         extra.append(SigKill(**job["sigkill_at_step"]))
     ckpt_dir = job.get("ckpt_dir")
@@ -310,10 +382,13 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         trainer.fit(model, datamodule=data, ckpt_path=resume)
     if job.get("save"):
         trainer.save_checkpoint(job["save"])
+    recorder.mem["expert_param_bytes"] = _local_bytes(p for n, p in model.named_parameters() if ".experts." in n)
     mem_all: list[Any] = [recorder.mem]
     if dist.is_initialized():
         mem_all = [None] * dist.get_world_size()
         dist.all_gather_object(mem_all, recorder.mem)
+    params = _full_params(model)
+    _gather_experts(trainer, model, params)
     result: dict[str, Any] = {
         "mem_all": mem_all,
         "total_param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
@@ -323,7 +398,8 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         "local_losses": recorder.local_losses,
         "grad_norms": recorder.grad_norms,
         "mem": recorder.mem,
-        "params": _full_params(model),
+        "params": params,
+        "routing": routing.global_order() if isinstance(model, MoEGPT) else None,
         "layout": getattr(trainer.strategy, "parallel_layout", None),
         "optim_at_start": optim_recorder.state,
         "start_step": ckpt_recorder.start_step,

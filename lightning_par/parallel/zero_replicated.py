@@ -78,9 +78,18 @@ class ReplicatedZero:
             all-reduced) over ``dp_shard`` and all-reduced over ``dp_replicate``.
         stage: 0, 1 or 2.
         bucket_cap_mb: the largest bucket; one collective per bucket.
+        exclude: parameters another engine reduces (expert shards under expert parallelism); they stay in the
+            optimizer unsharded.
     """
 
-    def __init__(self, module: nn.Module, mesh: DeviceMesh, stage: int, bucket_cap_mb: float = 25.0) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        mesh: DeviceMesh,
+        stage: int,
+        bucket_cap_mb: float = 25.0,
+        exclude: Iterable[nn.Parameter] = (),
+    ) -> None:
         if stage not in (0, 1, 2):
             raise ValueError(f"ReplicatedZero handles stages 0-2, got {stage}; stage 3 is `apply_fsdp`")
         self.stage = stage
@@ -91,8 +100,9 @@ class ReplicatedZero:
         self.rank = mesh.get_local_rank("dp_shard")
         self.dp = mesh.size()
         self.names: dict[nn.Parameter, str] = {}
+        self.excluded = set(exclude)
         for name, p in module.named_parameters():
-            if not p.requires_grad:
+            if not p.requires_grad or p in self.excluded:
                 continue
             if p.dim() == 0:
                 raise ValueError(
@@ -145,7 +155,7 @@ class ReplicatedZero:
         if optimizer.state:
             raise RuntimeError("shard the optimizer before its first step (its state would be full-size)")
         for group in optimizer.param_groups:
-            missing = [p for p in group["params"] if p not in self.masters and p.requires_grad]
+            missing = [p for p in group["params"] if p not in self.masters and p not in self.excluded and p.requires_grad]
             if missing:
                 raise ValueError(
                     f"the optimizer holds {len(missing)} parameter(s) that are not trainable parameters of the "
