@@ -161,13 +161,13 @@ class ParallelConfig:
 
     def check_supported(self) -> None:
         """Reject axes whose implementation has not landed yet, naming what does work."""
+        self.check_expert_parallel()
         for axis in AXES:
             if axis not in SUPPORTED_AXES and getattr(self, axis) > 1:
                 raise NotImplementedError(
                     f"{axis}={getattr(self, axis)} is not yet supported by lightning_par (only data parallelism: "
                     f"dp_replicate x dp_shard with zero_stage 0-3); set {axis}=1"
                 )
-        self.check_expert_parallel()
 
     def check_expert_parallel(self) -> None:
         """Reject combinations of expert parallelism (``ep > 1``) that are not implemented, with the reason."""

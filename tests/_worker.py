@@ -71,6 +71,7 @@ MODELS = {
     "moe_gpt": lambda: MoEGPT(**_MOE, lr=3e-3),
     "moe_gpt_sgd": lambda: SGDMoEGPT(**_MOE),
     "moe_gpt_cap_sgd": lambda: SGDMoEGPT(**_MOE, capacity_factor=0.75),
+    "moe_gpt_3experts": lambda: MoEGPT(**{**_MOE, "n_experts": 3}),
 }  # fmt: skip
 
 
@@ -410,6 +411,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         "latest_before": found.name if found else None,
         "ckpt_listing_after": sorted(os.listdir(ckpt_dir)) if ckpt_dir and os.path.isdir(ckpt_dir) else [],
         "resumed_from": Path(trainer.ckpt_path).name if trainer.ckpt_path else None,
+        "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
     }
     if isinstance(trainer.strategy, lightning_par.ParallelStrategy):
         from torchmetrics import Metric

@@ -246,6 +246,8 @@ class ParallelStrategy(_LightningParallelStrategy):
         precision = self._precision
         module = self.lightning_module
         assert module is not None
+        if trainer.checkpoint_callbacks:
+            self._check_checkpointable()  # before training, not at the first save
         if self._parallel is None:
             precision.convert_module(module)  # in place (bf16-true casts the parameters)
             module.to(self.root_device)
@@ -329,6 +331,14 @@ class ParallelStrategy(_LightningParallelStrategy):
         return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 
     # ---- checkpoints -----------------------------------------------------------------------------------------
+    def _check_checkpointable(self) -> None:
+        if self._config.ep > 1:
+            # Expert shards are plain local tensors: DCP would take them for replicated and keep rank 0's only.
+            raise NotImplementedError(
+                f"sharded checkpoints of expert-parallel models (ep={self._config.ep}) are not supported yet; pass "
+                "Trainer(enable_checkpointing=False), or train with ep=1 (e.g. strategy='zero2') to checkpoint"
+            )
+
     def _optimizer_entries(self) -> list[OptimizerEntry]:
         zero = self._parallel.zero if self._parallel else None
         owner: nn.Module = self.lightning_module  # type: ignore[assignment]
@@ -386,6 +396,7 @@ class ParallelStrategy(_LightningParallelStrategy):
     ) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} saves sharded folders itself; drop storage_options")
+        self._check_checkpointable()
         path = Path(self.broadcast(str(filepath)))
         tensors = {"state_dict": checkpoint.pop("state_dict")}
         for i, state in enumerate(checkpoint.pop("optimizer_states", [])):
@@ -398,6 +409,7 @@ class ParallelStrategy(_LightningParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Union[str, Path], weights_only: Optional[bool] = None) -> dict[str, Any]:
+        self._check_checkpointable()
         self.wait_for_checkpoint()  # it may be the one being written
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.lightning_module is not None
