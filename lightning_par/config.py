@@ -174,7 +174,9 @@ class ParallelConfig:
         if self.ep > 1:
             reason = expert_parallel_conflict(self.tp > 1, self.pp > 1, self.zero_stage)
             if reason:
-                raise NotImplementedError(f"ep={self.ep} with tp={self.tp}, pp={self.pp}, zero_stage={self.zero_stage}: {reason}")
+                raise NotImplementedError(
+                    f"ep={self.ep} with tp={self.tp}, pp={self.pp}, zero_stage={self.zero_stage}: {reason}"
+                )
 
     def layout(self) -> dict[str, Union[int, str, bool, None]]:
         """The resolved layout as a flat dict, for logs and the logger's config."""

@@ -173,5 +173,7 @@ def test_strategy_names_and_rejected_combinations():
     with pytest.raises(NotImplementedError, match="ZeRO-3 under expert parallelism"):
         ParallelConfig(ep=2, zero_stage=3).check_supported()
     ParallelConfig(ep=2, zero_stage=2).check_supported()
-    with pytest.raises(ParallelConfigError, match=r"ep=3 does not divide the data-parallel size 4; choose ep in \{1, 2, 4\}"):
+    with pytest.raises(
+        ParallelConfigError, match=r"ep=3 does not divide the data-parallel size 4; choose ep in \{1, 2, 4\}"
+    ):
         ParallelConfig(ep=3).resolve(4)

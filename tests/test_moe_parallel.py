@@ -73,14 +73,18 @@ def _check(got: dict[str, Any], ref: dict[str, Any], sgd: bool, ep: int) -> None
     assert got["params"].keys() == ref["params"].keys()
     for k in ref["params"]:
         rtol, atol = (1e-5, 1e-7) if sgd else (1e-5, 0.01 * LR)
-        torch.testing.assert_close(got["params"][k], ref["params"][k], rtol=rtol, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
+        torch.testing.assert_close(
+            got["params"][k], ref["params"][k], rtol=rtol, atol=atol, msg=lambda m, k=k: f"{k}: {m}"
+        )
     # Routing, step by step, token by token, in global batch order.
     assert len(got["routing"]) == len(ref["routing"]) == n
     for step, (g, r) in enumerate(zip(got["routing"], ref["routing"])):
         assert g.keys() == r.keys()
         for key in r:
             if key.endswith("logits"):
-                torch.testing.assert_close(g[key], r[key], rtol=1e-5, atol=1e-6, msg=lambda m, s=step, k=key: f"{s} {k}: {m}")
+                torch.testing.assert_close(
+                    g[key], r[key], rtol=1e-5, atol=1e-6, msg=lambda m, s=step, k=key: f"{s} {k}: {m}"
+                )
             else:  # chosen experts, kept flags, token counts: exactly equal
                 assert torch.equal(g[key], r[key]), (step, key)
     # Each rank holds E/ep of the expert weights.

@@ -80,17 +80,12 @@ class MoEGPT(GPT):
                          warmup_steps, max_steps, betas)  # fmt: skip
         self.save_hyperparameters()
         hidden = expert_hidden or 4 * n_embd
-        blocks = [
-            MoEBlock(
-                n_embd,
-                n_head,
-                MoE(n_embd, hidden, n_experts, top_k, capacity_factor, aux_loss_coef=aux_loss_coef,
-                    z_loss_coef=z_loss_coef, router_jitter=router_jitter),  # fmt: skip
-                dropout,
-                bias,
-            )
-            for _ in range(n_layer)
-        ]
+
+        def moe() -> MoE:
+            return MoE(n_embd, hidden, n_experts, top_k, capacity_factor, aux_loss_coef=aux_loss_coef,
+                       z_loss_coef=z_loss_coef, router_jitter=router_jitter)  # fmt: skip
+
+        blocks = [MoEBlock(n_embd, n_head, moe(), dropout, bias) for _ in range(n_layer)]
         self.transformer["h"] = nn.ModuleList(blocks)
         self.init_weights()
 

@@ -3,6 +3,6 @@
 Nothing here imports from the rest of `lightning_par`, so reference models may import this package alone.
 """
 
-from lightning_par.nn.moe import MoE, Experts, moe_loss
+from lightning_par.nn.moe import Experts, MoE, moe_loss
 
 __all__ = ["Experts", "MoE", "moe_loss"]

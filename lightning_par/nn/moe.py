@@ -37,6 +37,7 @@ the experts module sees a contiguous slice with no renumbering.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Optional
 
 import torch
@@ -44,7 +45,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-_ACTIVATIONS = {"gelu": F.gelu, "silu": F.silu, "relu": F.relu}
+_ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {"gelu": F.gelu, "silu": F.silu, "relu": F.relu}
 
 
 class Experts(nn.Module):

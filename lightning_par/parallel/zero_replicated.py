@@ -155,7 +155,9 @@ class ReplicatedZero:
         if optimizer.state:
             raise RuntimeError("shard the optimizer before its first step (its state would be full-size)")
         for group in optimizer.param_groups:
-            missing = [p for p in group["params"] if p not in self.masters and p not in self.excluded and p.requires_grad]
+            missing = [
+                p for p in group["params"] if p not in self.masters and p not in self.excluded and p.requires_grad
+            ]
             if missing:
                 raise ValueError(
                     f"the optimizer holds {len(missing)} parameter(s) that are not trainable parameters of the "
