@@ -57,6 +57,31 @@ class SGDMoEGPT(MoEGPT):
     configure_optimizers = SGDGPT.configure_optimizers
 
 
+class HFMixtralLM(L.LightningModule):
+    """A LightningModule around a Hugging Face ``MixtralForCausalLM`` built from a tiny config (no download);
+    the strategy must shard its experts without changes to it. SGD: updates linear in the gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        config = MixtralConfig(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                               num_experts_per_tok=2, max_position_embeddings=64, output_router_logits=False,
+                               attn_implementation="eager")  # fmt: skip
+        self.model = MixtralForCausalLM(config)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        logits = self.model(input_ids=x).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
+
+
 _MOE = dict(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=32, n_experts=4, top_k=2)
 
 MODELS = {
@@ -72,6 +97,7 @@ MODELS = {
     "moe_gpt_sgd": lambda: SGDMoEGPT(**_MOE),
     "moe_gpt_cap_sgd": lambda: SGDMoEGPT(**_MOE, capacity_factor=0.75),
     "moe_gpt_3experts": lambda: MoEGPT(**{**_MOE, "n_experts": 3}),
+    "hf_mixtral": HFMixtralLM,
 }  # fmt: skip
 
 
@@ -384,6 +410,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     if job.get("save"):
         trainer.save_checkpoint(job["save"])
     recorder.mem["expert_param_bytes"] = _local_bytes(p for n, p in model.named_parameters() if ".experts." in n)
+    recorder.mem["expert_shapes"] = {n: tuple(p.shape) for n, p in model.named_parameters() if ".experts." in n}
     mem_all: list[Any] = [recorder.mem]
     if dist.is_initialized():
         mem_all = [None] * dist.get_world_size()

@@ -177,6 +177,11 @@ def apply_expert_parallel(
             setattr(experts, name, shard)
             params.append(shard)
         hooks = _ExpertDispatch(mesh.ep.get_group(), ep, n_local)
-        experts.register_forward_pre_hook(hooks.dispatch)
-        experts.register_forward_hook(hooks.combine)
+        if layer.kind == "hf_mixtral":
+            from lightning_par.parallel.moe_hf import shard_mixtral_experts
+
+            shard_mixtral_experts(experts, hooks, layer.n_experts)
+        else:
+            experts.register_forward_pre_hook(hooks.dispatch)
+            experts.register_forward_hook(hooks.combine)
     return ExpertParallel(layers, params, mesh)

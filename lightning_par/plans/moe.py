@@ -2,6 +2,8 @@
 
 Recognised kinds:
 - ``lightning_par``: `lightning_par.nn.MoE` (stacked expert weights in ``.experts``).
+- ``hf_mixtral``: Hugging Face ``MixtralSparseMoeBlock`` (``.gate`` router, ``.experts`` a ``MixtralExperts`` with
+  stacked ``gate_up_proj`` / ``down_proj``), recognised by structure so transformers need not be imported here.
 
 A kind is described by where its stacked expert weights live and how its token group is set, so adding an
 adapter for another implementation is one entry here.
@@ -24,7 +26,7 @@ class MoELayer:
 
     Args:
         name: qualified module name.
-        kind: which implementation (``"lightning_par"``).
+        kind: which implementation (``"lightning_par"`` or ``"hf_mixtral"``).
         module: the MoE module.
         experts: the module whose parameters are the experts stacked along dim 0, and whose call takes rows
             grouped by expert and the per-expert counts (the call expert parallelism intercepts).
@@ -55,4 +57,17 @@ def find_moe_layers(model: nn.Module) -> list[MoELayer]:
     for name, m in model.named_modules():
         if isinstance(m, MoE):
             found.append(MoELayer(name, "lightning_par", m, m.experts, m.n_experts, m.top_k))
+        elif _is_mixtral_block(m):
+            experts = m.get_submodule("experts")
+            found.append(MoELayer(name, "hf_mixtral", m, experts, int(experts.num_experts), int(m.top_k)))  # type: ignore[arg-type]
     return found
+
+
+def _is_mixtral_block(m: nn.Module) -> bool:
+    experts = getattr(m, "experts", None)
+    return (
+        type(m).__name__ == "MixtralSparseMoeBlock"
+        and isinstance(experts, nn.Module)
+        and hasattr(m, "gate")
+        and all(getattr(getattr(experts, w, None), "dim", lambda: 0)() == 3 for w in ("gate_up_proj", "down_proj"))
+    )
