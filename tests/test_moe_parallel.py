@@ -36,12 +36,25 @@ LOW_PRECISION_JOBS: dict[str, dict[str, Any]] = {
 }
 ERROR_JOBS: dict[str, dict[str, Any]] = {
     "bad_ep": {"model": "moe_gpt_3experts", "strategy": "moe", "expect_error": True},
-    "checkpoint": {"model": "moe_gpt", "strategy": "moe", "expect_error": True, "ckpt_dir": "ckpts"},
+}
+# Sharded checkpoints: written under moe (expert shards as Shard(0) DTensors over ep), resumed in the same layout
+# and in others (moe_zero2; zero1 with ep=1, where every rank loads all experts). One step per epoch, as test_zero.
+CKPT = {"model": "moe_gpt", "epoch_steps": 1, "max_steps": 4}
+CKPT_JOBS: dict[str, dict[str, Any]] = {
+    "ckpt_full": {**CKPT, "strategy": "moe", "ckpt_dir": "ckpts"},
+    "resume_moe": {**CKPT, "strategy": "moe", "resume": "ckpts/epoch=1.ckpt"},
+    "resume_moe_zero2": {**CKPT, "strategy": "moe_zero2", "resume": "ckpts/epoch=1.ckpt"},
+    "resume_zero1_ep1": {**CKPT, "strategy": "zero1", "resume": "ckpts/epoch=1.ckpt"},
 }
 # 4 ranks: dp 4 viewed as (edp 2) x (ep 2): expert gradients are summed over the 2 ranks with the same experts.
 JOBS_4 = {
     "capacity_ep2_dp4": {"model": "moe_gpt_cap_sgd", "strategy": {"ep": 2}},
     "adamw_zero2_ep2_dp4": {"model": "moe_gpt", "strategy": {"ep": 2, "zero_stage": 2}},
+}
+# With edp = 2 two ranks hold each expert shard: the checkpoint keeps one copy and resumes the same run.
+CKPT_JOBS_4 = {
+    "ckpt_full": {**CKPT, "strategy": {"ep": 2, "zero_stage": 1}, "ckpt_dir": "ckpts"},
+    "resume": {**CKPT, "strategy": {"ep": 2, "zero_stage": 1}, "resume": "ckpts/epoch=1.ckpt"},
 }
 
 
@@ -59,14 +72,28 @@ def refs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
 @pytest.fixture(scope="module")
 def got2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("moe2")
-    jobs = {**JOBS, **LOW_PRECISION_JOBS, **ERROR_JOBS}
-    jobs["checkpoint"] = {**jobs["checkpoint"], "ckpt_dir": str(tmp / "ckpts")}
+    jobs = {**JOBS, **LOW_PRECISION_JOBS, **ERROR_JOBS, **_in(tmp, CKPT_JOBS)}
     return dict(zip(jobs, run_jobs(tmp, list(jobs.values()), nproc=2, timeout=300)))
+
+
+def _in(tmp: Path, jobs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    out = {}
+    for name, job in jobs.items():
+        job = dict(job)
+        for key in ("ckpt_dir", "resume"):
+            if key in job:
+                job[key] = str(tmp / job[key])
+        out[name] = job
+    return out
 
 
 @pytest.fixture(scope="module")
 def got4(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    return dict(zip(JOBS_4, run_jobs(tmp_path_factory.mktemp("moe4"), list(JOBS_4.values()), nproc=4, timeout=300)))
+    tmp = tmp_path_factory.mktemp("moe4")
+    jobs = {**JOBS_4, **{f"4_{k}": v for k, v in _in(tmp, CKPT_JOBS_4).items()}}
+    result = dict(zip(jobs, run_jobs(tmp, list(jobs.values()), nproc=4, timeout=300)))
+    result["tmp"] = tmp  # type: ignore[assignment]
+    return result
 
 
 def _rel(a: list[float], b: list[float]) -> float:
@@ -151,9 +178,34 @@ def test_bad_layouts_fail_before_training(got2):
     err = got2["bad_ep"]["error"]
     assert err is not None and "ep=2 does not divide n_experts=3" in err and "choose ep in {1, 3}" in err
     assert got2["bad_ep"]["losses"] == []
-    err = got2["checkpoint"]["error"]
-    assert err is not None and "sharded checkpoints of expert-parallel models" in err
-    assert got2["checkpoint"]["losses"] == []
+
+
+def _check_resume(full: dict[str, Any], resumed: dict[str, Any]) -> None:
+    assert len(full["losses"]) == 4 and len(resumed["losses"]) == 2
+    assert resumed["start_step"] == 2
+    assert _rel(resumed["losses"], full["losses"][2:]) < 1e-5
+    for k in full["params"]:
+        torch.testing.assert_close(resumed["params"][k], full["params"][k], rtol=1e-5, atol=0.01 * LR)
+
+
+@pytest.mark.parametrize("name", ["resume_moe", "resume_moe_zero2", "resume_zero1_ep1"])
+def test_sharded_checkpoint_resumes_in_any_layout(got2, name):
+    _check_resume(got2["ckpt_full"], got2[name])
+
+
+def test_sharded_checkpoint_holds_full_experts_once(got4, tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    _check_resume(got4["4_ckpt_full"], got4["4_resume"])
+    folder = got4["tmp"] / "ckpts" / "epoch=1.ckpt"  # type: ignore[operator]
+    md = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    for key in (
+        "state_dict.transformer.h.0.moe.experts.w1",
+        "optimizer_0.state.transformer.h.0.moe.experts.w1.exp_avg",
+    ):
+        assert tuple(md[key].size) == (4, 32, 128)  # the full stacked weight, not a rank's 2 experts
+        chunks = sorted(tuple(c.offsets) for c in md[key].chunks)
+        assert chunks == [(0, 0, 0), (2, 0, 0)]  # one copy of each ep shard, though 2 edp ranks hold each
 
 
 def test_all_to_all_with_uneven_and_empty_splits(tmp_path: Path):

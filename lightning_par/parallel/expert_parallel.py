@@ -20,11 +20,13 @@ gradient of the mean loss over the global batch, as one process computes it.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Shard
 
 from lightning_par.mesh import ExpertMesh
 from lightning_par.parallel.grad_norm import mark_sharded
@@ -118,8 +120,39 @@ class ExpertParallel:
         mesh: the expert mesh.
     """
 
-    def __init__(self, layers: list[MoELayer], params: list[nn.Parameter], mesh: Optional[ExpertMesh]) -> None:
-        self.layers, self.params, self.mesh = layers, params, mesh
+    def __init__(
+        self, layers: list[MoELayer], params: dict[str, nn.Parameter], full_shapes: dict[str, torch.Size],
+        mesh: Optional[ExpertMesh],
+    ) -> None:  # fmt: skip
+        self.layers, self.mesh = layers, mesh
+        self.names = params  # qualified name -> this rank's shard
+        self.params = list(params.values())
+        self._full_shapes = full_shapes
+
+    def distribute(self, name: str, value: Any) -> Any:
+        """Wrap a tensor shaped like the named expert shard (the weight, or its optimizer state) as the ``Shard(0)``
+        DTensor over ``ep`` of the full stacked weight, for sharded checkpoints; anything else is returned as is.
+
+        Ranks of different ``edp`` rows write the same chunks; DCP keeps one copy of each.
+        """
+        shard = self.names.get(name)
+        if shard is None or self.mesh is None or not isinstance(value, Tensor) or value.shape != shard.shape:
+            return value
+        full = self._full_shapes[name]
+        return DTensor.from_local(
+            value, self.mesh.ep, (Shard(0),), shape=full, stride=torch.empty(full, device="meta").stride(),
+            run_check=False,
+        )  # fmt: skip
+
+    def distribute_then(self, other: Optional[Callable[[str, Any], Any]]) -> Callable[[str, Any], Any]:
+        """`distribute` for expert names, ``other`` (e.g. ZeRO's optimizer-state wrapper) for the rest."""
+
+        def both(name: str, value: Any) -> Any:
+            if name in self.names or other is None:
+                return self.distribute(name, value)
+            return other(name, value)
+
+        return both
 
     @torch.no_grad()
     def reduce_gradients(self) -> None:
@@ -157,7 +190,8 @@ def apply_expert_parallel(
     """
     ep = mesh.ep.size() if mesh is not None else 1
     layers = find_moe_layers(model)
-    params: list[nn.Parameter] = []
+    params: dict[str, nn.Parameter] = {}
+    full_shapes: dict[str, torch.Size] = {}
     for layer in layers:
         if layer.n_experts % ep:
             choices = "{" + ", ".join(str(d) for d in range(1, layer.n_experts + 1) if layer.n_experts % d == 0) + "}"
@@ -171,11 +205,13 @@ def apply_expert_parallel(
         rank = mesh.ep.get_local_rank()
         n_local = layer.n_experts // ep
         experts = layer.experts
+        prefix = _qualified_name(model, experts)
         for name, p in list(experts.named_parameters(recurse=False)):
             shard = nn.Parameter(p.detach()[rank * n_local : (rank + 1) * n_local].clone(), p.requires_grad)
             mark_sharded(shard, (mesh.ep.get_group(),))  # the global gradient norm sums these over ep
             setattr(experts, name, shard)
-            params.append(shard)
+            params[prefix + name] = shard
+            full_shapes[prefix + name] = p.shape
         hooks = _ExpertDispatch(mesh.ep.get_group(), ep, n_local)
         if layer.kind == "hf_mixtral":
             from lightning_par.parallel.moe_hf import shard_mixtral_experts
@@ -184,4 +220,11 @@ def apply_expert_parallel(
         else:
             experts.register_forward_pre_hook(hooks.dispatch)
             experts.register_forward_hook(hooks.combine)
-    return ExpertParallel(layers, params, mesh)
+    return ExpertParallel(layers, params, full_shapes, mesh)
+
+
+def _qualified_name(model: nn.Module, module: nn.Module) -> str:
+    for name, m in model.named_modules():
+        if m is module:
+            return f"{name}." if name else ""
+    raise ValueError(f"{type(module).__name__} is not a submodule of {type(model).__name__}")

@@ -101,7 +101,10 @@ class ReplicatedZero:
         self.dp = mesh.size()
         self.names: dict[nn.Parameter, str] = {}
         self.excluded = set(exclude)
+        self._excluded_names: dict[str, nn.Parameter] = {}
         for name, p in module.named_parameters():
+            if p in self.excluded:
+                self._excluded_names[name] = p
             if not p.requires_grad or p in self.excluded:
                 continue
             if p.dim() == 0:
@@ -167,20 +170,21 @@ class ReplicatedZero:
         optimizer.register_step_post_hook(lambda *_: self.gather_params())
 
     def masters_module(self) -> nn.Module:
-        """A module tree holding the masters under the original parameter names.
+        """A module tree holding the masters (and the excluded parameters) under the original parameter names.
 
         ``torch.distributed.checkpoint.state_dict`` keys optimizer state by the names of the module that owns
         the optimizer's parameters; this gives the sharded optimizer the same keys as FSDP2's.
         """
         root = nn.Module()
-        for p, master in self.masters.items():
-            *path, leaf = self.names[p].split(".")
+        named = [(self.names[p], master) for p, master in self.masters.items()]
+        for name, param in [*named, *self._excluded_names.items()]:  # excluded ones are in the optimizer as is
+            *path, leaf = name.split(".")
             owner = root
             for part in path:
                 if not hasattr(owner, part):
                     owner.add_module(part, nn.Module())
                 owner = getattr(owner, part)
-            owner.register_parameter(leaf, master)
+            owner.register_parameter(leaf, param)
         return root
 
     def distribute_state(self, name: str, value: Any) -> Any:

@@ -10,7 +10,7 @@ import dataclasses
 import shutil
 import sys
 import warnings
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -38,7 +38,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from lightning_par.checkpoint.async_save import AsyncSaver
-from lightning_par.checkpoint.dcp import OptimizerEntry, load_sharded, optimizer_state, save_sharded, tmp_path
+from lightning_par.checkpoint.dcp import (
+    OptimizerEntry,
+    load_sharded,
+    model_state,
+    optimizer_state,
+    save_sharded,
+    tmp_path,
+)
 from lightning_par.config import AUTO, ACMode, ParallelConfig, split_world
 from lightning_par.mesh import ParallelMesh, build_mesh
 from lightning_par.parallel.compose import Parallelized, parallelize
@@ -246,8 +253,6 @@ class ParallelStrategy(_LightningParallelStrategy):
         precision = self._precision
         module = self.lightning_module
         assert module is not None
-        if trainer.checkpoint_callbacks:
-            self._check_checkpointable()  # before training, not at the first save
         if self._parallel is None:
             precision.convert_module(module)  # in place (bf16-true casts the parameters)
             module.to(self.root_device)
@@ -331,20 +336,15 @@ class ParallelStrategy(_LightningParallelStrategy):
         return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 
     # ---- checkpoints -----------------------------------------------------------------------------------------
-    def _check_checkpointable(self) -> None:
-        if self._config.ep > 1:
-            # Expert shards are plain local tensors: DCP would take them for replicated and keep rank 0's only.
-            raise NotImplementedError(
-                f"sharded checkpoints of expert-parallel models (ep={self._config.ep}) are not supported yet; pass "
-                "Trainer(enable_checkpointing=False), or train with ep=1 (e.g. strategy='zero2') to checkpoint"
-            )
-
     def _optimizer_entries(self) -> list[OptimizerEntry]:
         zero = self._parallel.zero if self._parallel else None
         owner: nn.Module = self.lightning_module  # type: ignore[assignment]
-        distribute = None
+        distribute: Optional[Callable[[str, Any], Any]] = None
         if zero is not None and zero.stage >= 1:
             owner, distribute = zero.masters_module(), zero.distribute_state
+        experts = self._parallel.experts if self._parallel else None
+        if experts is not None and experts.params:
+            distribute = experts.distribute_then(distribute)
         return [
             OptimizerEntry(owner, o._optimizer if isinstance(o, LightningOptimizer) else o, distribute)
             for o in self.optimizers
@@ -352,9 +352,12 @@ class ParallelStrategy(_LightningParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+        return model_state(self.lightning_module, self._distribute_model())  # type: ignore[arg-type]
 
-        return get_model_state_dict(self.lightning_module)  # type: ignore[arg-type]
+    def _distribute_model(self) -> Optional[Any]:
+        # Expert shards are plain local tensors; as DTensors DCP saves every rank's experts, not rank 0's alone.
+        experts = self._parallel.experts if self._parallel else None
+        return experts.distribute if experts is not None and experts.params else None
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -396,7 +399,6 @@ class ParallelStrategy(_LightningParallelStrategy):
     ) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} saves sharded folders itself; drop storage_options")
-        self._check_checkpointable()
         path = Path(self.broadcast(str(filepath)))
         tensors = {"state_dict": checkpoint.pop("state_dict")}
         for i, state in enumerate(checkpoint.pop("optimizer_states", [])):
@@ -409,12 +411,15 @@ class ParallelStrategy(_LightningParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Union[str, Path], weights_only: Optional[bool] = None) -> dict[str, Any]:
-        self._check_checkpointable()
         self.wait_for_checkpoint()  # it may be the one being written
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.lightning_module is not None
         return load_sharded(
-            path, self.lightning_module, self._optimizer_entries(), strict=self.lightning_module.strict_loading
+            path,
+            self.lightning_module,
+            self._optimizer_entries(),
+            strict=self.lightning_module.strict_loading,
+            distribute_model=self._distribute_model(),
         )
 
     @override
