@@ -17,7 +17,7 @@ AC_MODES = (None, "full", "selective", "selective_op", "offload")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev")
 # Axes whose parallel code has landed. The others are accepted here so configs and recipes are stable, and are
 # rejected by `check_supported` until their issue lands.
-SUPPORTED_AXES = ("dp_replicate", "dp_shard", "tp")
+SUPPORTED_AXES = ("dp_replicate", "dp_shard", "tp", "ep")
 
 AUTO = -1  # a degree left for `resolve` to fill from the world size
 
@@ -166,11 +166,22 @@ class ParallelConfig:
 
     def check_supported(self) -> None:
         """Reject axes whose implementation has not landed yet, naming what does work."""
+        self.check_expert_parallel()
         for axis in AXES:
             if axis not in SUPPORTED_AXES and getattr(self, axis) > 1:
                 raise NotImplementedError(
                     f"{axis}={getattr(self, axis)} is not yet supported by lightning_par (supported: data "
-                    f"parallelism dp_replicate x dp_shard with zero_stage 0-3, and tensor parallelism tp); set {axis}=1"
+                    "parallelism dp_replicate x dp_shard with zero_stage 0-3, tensor parallelism tp, expert "
+                    f"parallelism ep); set {axis}=1"
+                )
+
+    def check_expert_parallel(self) -> None:
+        """Reject combinations of expert parallelism (``ep > 1``) that are not implemented, with the reason."""
+        if self.ep > 1:
+            reason = expert_parallel_conflict(self.tp > 1, self.pp > 1, self.zero_stage)
+            if reason:
+                raise NotImplementedError(
+                    f"ep={self.ep} with tp={self.tp}, pp={self.pp}, zero_stage={self.zero_stage}: {reason}"
                 )
 
     def layout(self) -> dict[str, Union[int, str, bool, None]]:
@@ -209,3 +220,29 @@ def split_world(dims: tuple[str, ...], world_size: int, tp_cap: Optional[int] = 
         turn += 1
     degrees["dp"] *= world_size // math.prod(degrees.values())
     return degrees
+
+
+def expert_parallel_conflict(tp: bool, pp: bool, zero_stage: int) -> Optional[str]:
+    """Why expert parallelism cannot combine with the given techniques yet (``None`` if it can).
+
+    Args:
+        tp: tensor parallelism is used.
+        pp: pipeline parallelism is used.
+        zero_stage: the ZeRO stage of the non-expert parameters.
+    """
+    # Hook for tp/pp: experts would need sharding inside a tp group (or tokens gathered over it first), and each
+    # pipeline stage its own ep all-to-alls per microbatch; neither is written yet.
+    if tp or pp:
+        what = "tensor" if tp else "pipeline"
+        return (
+            f"expert parallelism does not compose with {what} parallelism in lightning_par yet; use 'moe', "
+            "'moe_zero1' or 'moe_zero2' without tp/pipe, or tp/pipe with ep=1"
+        )
+    if zero_stage == 3:
+        return (
+            "ZeRO-3 under expert parallelism is not supported yet: FSDP2 would shard the expert shards again over dp "
+            "and reduce their gradients over every dp rank instead of the ranks holding the same experts; use "
+            "'moe_zero1' or 'moe_zero2' (non-expert parameters sharded), or 'zero3' with ep=1 (experts sharded as "
+            "ordinary weights)"
+        )
+    return None

@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 import lightning_par  # noqa: E402  (registers the strategy names)
 from lightning_par.checkpoint import full_tensor  # noqa: E402
 from lightning_par.data import ByteTextDataModule  # noqa: E402
-from lightning_par.models import GPT, Llama  # noqa: E402
+from lightning_par.models import GPT, Llama, MoEGPT  # noqa: E402
 from lightning_par.parallel.grad_norm import global_grad_norm  # noqa: E402
 from lightning_par.utils import clean_exit  # noqa: E402
 
@@ -67,6 +67,39 @@ class DropoutGPT(GPT):
         return super().training_step(batch, batch_idx)
 
 
+class SGDMoEGPT(MoEGPT):
+    """The MoE-GPT with SGD + momentum (updates linear in the gradients; see SGDGPT)."""
+
+    configure_optimizers = SGDGPT.configure_optimizers
+
+
+class HFMixtralLM(L.LightningModule):
+    """A LightningModule around a Hugging Face ``MixtralForCausalLM`` built from a tiny config (no download);
+    the strategy must shard its experts without changes to it. SGD: updates linear in the gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        config = MixtralConfig(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                               num_experts_per_tok=2, max_position_embeddings=64, output_router_logits=False,
+                               attn_implementation="eager")  # fmt: skip
+        self.model = MixtralForCausalLM(config)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        logits = self.model(input_ids=x).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
+
+
+_MOE = dict(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=32, n_experts=4, top_k=2)
+
 MODELS = {
     "gpt": lambda: GPT(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=32, lr=3e-3),
     "llama": lambda: Llama(vocab_size=256, max_seq_len=32, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -78,6 +111,12 @@ MODELS = {
     "gpt_uneven": lambda: GPT(vocab_size=258, block_size=34, n_layer=2, n_head=4, n_embd=36, lr=3e-3),
     "hf_llama": lambda: _hf_models().HFLlama(),
     "gpt_3heads": lambda: GPT(vocab_size=256, block_size=32, n_layer=2, n_head=3, n_embd=24),  # tp=2 cannot split
+    # MoE-GPT: dropless, and with capacity factor 0.75 (a quarter of the assignments or more are dropped).
+    "moe_gpt": lambda: MoEGPT(**_MOE, lr=3e-3),
+    "moe_gpt_sgd": lambda: SGDMoEGPT(**_MOE),
+    "moe_gpt_cap_sgd": lambda: SGDMoEGPT(**_MOE, capacity_factor=0.75),
+    "moe_gpt_3experts": lambda: MoEGPT(**{**_MOE, "n_experts": 3}),
+    "hf_mixtral": HFMixtralLM,
 }  # fmt: skip
 
 
@@ -145,6 +184,63 @@ class RankSeed(L.Callback):
         torch.manual_seed(1000 + trainer.global_rank)
         random.seed(2000 + trainer.global_rank)
         np.random.seed(3000 + trainer.global_rank)
+
+
+class RoutingRecorder(L.Callback):
+    """Per step and MoE layer: router logits, chosen experts and kept (within capacity) flags of the step's tokens,
+    in global batch order (rank r's local sample i is global sample i * dp + r under the DistributedSampler)."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, torch.Tensor]] = []
+        self._logits: list[torch.Tensor] = []
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        for moe in pl_module._moe_layers():
+            moe.router.register_forward_hook(lambda _m, _a, out: self._logits.append(out.detach().float().clone()))
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self._logits.clear()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        b = batch[0].shape[0]
+        step = {}
+        for i, moe in enumerate(pl_module._moe_layers()):
+            for key, t in (("logits", self._logits[i]), ("expert", moe.stats["expert_index"]),
+                           ("kept", moe.stats["kept"])):  # fmt: skip
+                step[f"{i}.{key}"] = t.reshape(b, -1, t.shape[-1]).cpu().clone()
+            step[f"{i}.tokens_per_expert"] = moe.stats["tokens_per_expert"].cpu().clone()
+        self.steps.append(step)
+
+    def global_order(self) -> list[dict[str, torch.Tensor]]:
+        if not dist.is_initialized():
+            return self.steps
+        parts: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, self.steps)
+        out = []
+        for k, step in enumerate(parts[0]):
+            merged = {}
+            for key, t in step.items():
+                if key.endswith("tokens_per_expert"):
+                    merged[key] = t
+                    continue
+                # Interleave samples: global i*dp + r <- rank r's i (dp = world here: no tp/pp under moe tests).
+                stacked = torch.stack([p[k][key] for p in parts], dim=1)  # [b, dp, ...]
+                merged[key] = stacked.flatten(0, 1)
+            out.append(merged)
+        return out
+
+
+def _gather_experts(trainer: L.Trainer, model: torch.nn.Module, params: dict[str, torch.Tensor]) -> None:
+    """Replace the local expert shards in ``params`` by the full stacked weights (all-gathered over ep)."""
+    experts = getattr(getattr(trainer.strategy, "_parallel", None), "experts", None)
+    if experts is None or experts.mesh is None:
+        return
+    group = experts.mesh.ep.get_group()
+    names = {p: n for n, p in model.named_parameters()}
+    for p in experts.params:
+        parts = [torch.empty_like(p) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, p.detach().contiguous(), group=group)
+        params[names[p]] = torch.cat(parts).float().cpu()
 
 
 class CheckpointRecorder(L.Callback):
@@ -302,7 +398,10 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     recorder = Recorder(job.get("fail_at_step"))
     optim_recorder = OptimizerRecorder()
     ckpt_recorder = CheckpointRecorder(bool(job.get("record_step_params")))
+    routing = RoutingRecorder()
     extra: list[L.Callback] = [ckpt_recorder, *([optim_recorder] if job.get("record_optim") else [])]
+    if isinstance(model, MoEGPT):
+        extra.append(routing)
     if job.get("sigkill_at_step"):
         extra.append(SigKill(**job["sigkill_at_step"]))
     if job.get("rank_seed"):
@@ -351,10 +450,14 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         trainer.fit(model, datamodule=data, ckpt_path=resume)
     if job.get("save"):
         trainer.save_checkpoint(job["save"])
+    recorder.mem["expert_param_bytes"] = _local_bytes(p for n, p in model.named_parameters() if ".experts." in n)
+    recorder.mem["expert_shapes"] = {n: tuple(p.shape) for n, p in model.named_parameters() if ".experts." in n}
     mem_all: list[Any] = [recorder.mem]
     if dist.is_initialized():
         mem_all = [None] * dist.get_world_size()
         dist.all_gather_object(mem_all, recorder.mem)
+    params = _full_params(model)
+    _gather_experts(trainer, model, params)
     result: dict[str, Any] = {
         "mem_all": mem_all,
         "total_param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
@@ -364,7 +467,8 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         "local_losses": recorder.local_losses,
         "grad_norms": recorder.grad_norms,
         "mem": recorder.mem,
-        "params": _full_params(model),
+        "params": params,
+        "routing": routing.global_order() if isinstance(model, MoEGPT) else None,
         "layout": getattr(trainer.strategy, "parallel_layout", None),
         "optim_at_start": optim_recorder.state,
         "start_step": ckpt_recorder.start_step,
@@ -376,6 +480,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         "ckpt_listing_after": sorted(os.listdir(ckpt_dir)) if ckpt_dir and os.path.isdir(ckpt_dir) else [],
         "resumed_from": Path(trainer.ckpt_path).name if trainer.ckpt_path else None,
         "draws": getattr(model, "draws", None),
+        "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
     }
     if isinstance(trainer.strategy, lightning_par.ParallelStrategy):
         from torchmetrics import Metric

@@ -162,6 +162,14 @@ def optimizer_state(entry: OptimizerEntry) -> dict[str, Any]:
     return sd
 
 
+def model_state(module: nn.Module, distribute: Optional[Distribute] = None) -> dict[str, Any]:
+    """The model's state dict by parameter name; plain local shards wrapped as DTensors by ``distribute``."""
+    sd: dict[str, Any] = get_model_state_dict(module)
+    if distribute is not None:
+        sd = {name: distribute(name, v) for name, v in sd.items()}
+    return sd
+
+
 def _localize(sd: dict[str, Any]) -> dict[str, Any]:
     local = dict(sd)
     local["state"] = {
@@ -171,14 +179,17 @@ def _localize(sd: dict[str, Any]) -> dict[str, Any]:
     return local
 
 
-def state_for(module: nn.Module, optimizers: Sequence[OptimizerEntry]) -> dict[str, Any]:
+def state_for(
+    module: nn.Module, optimizers: Sequence[OptimizerEntry], distribute_model: Optional[Distribute] = None
+) -> dict[str, Any]:
     """Name-keyed (sharded) state of a model and its optimizers, in the layout `save_sharded` writes.
 
     Args:
         module: the model whose parameter names key the state.
         optimizers: the optimizers with their owners.
+        distribute_model: wraps model tensors that are plain local shards (expert parallelism) as their DTensors.
     """
-    state: dict[str, Any] = {"state_dict": get_model_state_dict(module)}
+    state: dict[str, Any] = {"state_dict": model_state(module, distribute_model)}
     for i, entry in enumerate(optimizers):
         state[f"optimizer_{i}"] = optimizer_state(entry)
     return state
@@ -189,6 +200,7 @@ def load_sharded(
     module: nn.Module,
     optimizers: Sequence[OptimizerEntry],
     strict: bool = True,
+    distribute_model: Optional[Distribute] = None,
 ) -> dict[str, Any]:
     """Load a folder written by `save_sharded` into ``module`` and ``optimizers`` in place.
 
@@ -197,6 +209,7 @@ def load_sharded(
         module: the model, already parallelized.
         optimizers: as in `state_for`; empty when only the weights are wanted.
         strict: fail on missing or unexpected model keys.
+        distribute_model: as in `state_for`.
 
     Returns:
         the non-tensor rest of the checkpoint (``meta.pt``).
@@ -206,11 +219,14 @@ def load_sharded(
     meta = read_meta(path)
     for entry in optimizers:
         _init_optim_state(entry.optimizer)  # DCP loads into existing tensors, so the state must exist first
-    state = state_for(module, optimizers)
+    state = state_for(module, optimizers, distribute_model)
     canonical, swaps = canonicalize(state)  # fused tensor-parallel tensors are stored whole (strided.py)
     load_tensors(path, index, canonical, strict=strict)
     restore(swaps)
-    set_model_state_dict(module, state["state_dict"], options=_options(strict))
+    model_sd = state["state_dict"]
+    if distribute_model is not None:  # the wrapped shards alias the parameters: DCP already wrote into them
+        model_sd = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in model_sd.items()}
+    set_model_state_dict(module, model_sd, options=_options(strict))
     for i, entry in enumerate(optimizers):
         sd = state[f"optimizer_{i}"]
         set_optimizer_state_dict(entry.owner, entry.optimizer, _localize(sd) if entry.distribute else sd)

@@ -6,5 +6,6 @@ reference.
 
 from .gpt import GPT
 from .llama import Llama
+from .moe_gpt import MoEGPT
 
-__all__ = ["GPT", "Llama"]
+__all__ = ["GPT", "Llama", "MoEGPT"]

@@ -11,9 +11,11 @@ from torch import nn
 from lightning_par.config import ParallelConfig
 from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel.activation_checkpointing import apply_activation_checkpointing
+from lightning_par.parallel.expert_parallel import ExpertParallel, apply_expert_parallel
 from lightning_par.parallel.tensor_parallel import TensorParallelInfo, apply_tensor_parallel
 from lightning_par.parallel.zero import apply_fsdp, sync_module_states
 from lightning_par.parallel.zero_replicated import ReplicatedZero
+from lightning_par.plans.moe import find_moe_layers
 from lightning_par.plans.tp import infer_tp_plan, validate_tp
 from lightning_par.plans.trunk import find_trunk
 
@@ -43,11 +45,14 @@ class Parallelized:
         zero: the ZeRO 0-2 engine that reduces gradients and shards the optimizer, or ``None`` under ZeRO-3.
         checkpointed_blocks: indices of the trunk blocks under activation checkpointing.
         tensor_parallel: what tensor parallelism changed, or ``None`` at tp=1.
+        experts: the expert parallelism (its gradient reduction runs next to ``zero``'s), or ``None`` when the
+            model has no MoE layer.
     """
 
     model: nn.Module
     zero: Optional[ReplicatedZero]
     checkpointed_blocks: list[int]
+    experts: Optional[ExpertParallel] = None
     tensor_parallel: Optional[TensorParallelInfo] = None
 
 
@@ -62,11 +67,15 @@ def parallelize(
 ) -> Parallelized:
     """Apply the configured parallelism to ``module`` in place.
 
-    Order: tensor parallelism first (it changes which parameters exist on a rank, and ZeRO must shard what is
-    left: FSDP2 then shards each tp-local tensor over dp, the 2-D layout torch's DTensor composes), then
-    activation checkpointing, then data-parallel sharding. FSDP2's hooks then sit outside the recomputed region,
-    so a block's parameters are gathered once for its backward, recomputation included (the order torchtitan
-    uses). Pipeline and expert parallelism will slot in before ZeRO for the same reason as tp.
+    Order: tensor parallelism first, then expert parallelism, then activation checkpointing, then data-parallel
+    sharding. Tensor and expert parallelism change which parameters exist on a rank (tp-local shards; each rank's
+    ``E/ep`` experts), so they precede ZeRO, which shards what is left: FSDP2 shards each tp-local tensor over dp
+    (the 2-D layout torch's DTensor composes), and our ZeRO 1-2 engine works on tp-local tensors and skips the
+    expert shards (their gradients are reduced over the ranks holding the same experts,
+    `ExpertParallel.reduce_gradients`). The expert dispatch hooks sit on the experts module, inside any recomputed
+    block, so recomputation replays the same all-to-alls on every rank. Activation checkpointing precedes ZeRO so
+    FSDP2's hooks sit outside the recomputed region and a block's parameters are gathered once for its backward,
+    recomputation included (the order torchtitan uses). Pipeline parallelism will slot in first.
 
     Args:
         module: the user's model (a LightningModule), already in its training dtype.
@@ -85,18 +94,26 @@ def parallelize(
             "(an nn.ModuleList / Sequential / ModuleDict of >= 2 modules of one class); none was found in "
             f"{type(module).__name__}; set activation_checkpointing=None"
         )
-    sync_module_states(module, mesh.dp)
+    sync_module_states(module, mesh.dp)  # before slicing experts: every rank slices the same full weights
     tp_info = None
     if config.tp > 1:
         sync_module_states(module, mesh.tp)  # replicated parameters (embedding, head) must match over tp too
         plan = infer_tp_plan(module, overrides=tp_plan)
         validate_tp(plan, config.tp)
         tp_info = apply_tensor_parallel(module, mesh.tp, plan, sequence_parallel=config.sequence_parallel)
+    experts = None
+    if config.ep > 1 or find_moe_layers(module):
+        # Also at ep=1: capacity and balancing statistics span the data-parallel batch, as on one process.
+        group = mesh.dp.get_group() if mesh.dp.size() > 1 else None
+        experts = apply_expert_parallel(module, mesh.experts, group)
     checkpointed = apply_activation_checkpointing(blocks, config.activation_checkpointing, config.ac_every)
-    if config.zero_stage == 3:
+    if config.zero_stage == 3:  # with ep == 1 (ep > 1 is rejected by check_supported): experts shard as any weight
         root = StepRoot(module)
         apply_fsdp(root, blocks, mesh.dp_2d, param_dtype=param_dtype, reduce_dtype=reduce_dtype, offload=config.offload)
-        return Parallelized(root, None, checkpointed, tp_info)
+        return Parallelized(root, None, checkpointed, None, tp_info)
     state_mesh = mesh.dp_tp if config.tp > 1 else None
-    zero = ReplicatedZero(module, mesh.dp_2d, config.zero_stage, config.bucket_cap_mb, state_mesh=state_mesh)
-    return Parallelized(module, zero, checkpointed, tp_info)
+    exclude = experts.params if experts is not None else ()
+    zero = ReplicatedZero(
+        module, mesh.dp_2d, config.zero_stage, config.bucket_cap_mb, state_mesh=state_mesh, exclude=exclude
+    )
+    return Parallelized(module, zero, checkpointed, experts, tp_info)

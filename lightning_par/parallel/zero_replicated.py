@@ -115,6 +115,8 @@ class ReplicatedZero:
         state_mesh: under tensor parallelism, the 3-D (``dp_replicate``, ``dp_shard``, ``tp``) mesh that
             optimizer state is described on for checkpoints; parameters are then DTensors on its ``tp`` axis and
             this engine works on their local shards.
+        exclude: parameters another engine reduces (expert shards under expert parallelism); they stay in the
+            optimizer unsharded.
     """
 
     def __init__(
@@ -124,6 +126,7 @@ class ReplicatedZero:
         stage: int,
         bucket_cap_mb: float = 25.0,
         state_mesh: Optional[DeviceMesh] = None,
+        exclude: Iterable[nn.Parameter] = (),
     ) -> None:
         if stage not in (0, 1, 2):
             raise ValueError(f"ReplicatedZero handles stages 0-2, got {stage}; stage 3 is `apply_fsdp`")
@@ -136,8 +139,12 @@ class ReplicatedZero:
         self.dp = mesh.size()
         self.state_mesh = state_mesh
         self.names: dict[nn.Parameter, str] = {}
+        self.excluded = set(exclude)
+        self._excluded_names: dict[str, nn.Parameter] = {}
         for name, p in module.named_parameters():
-            if not p.requires_grad:
+            if p in self.excluded:
+                self._excluded_names[name] = p
+            if not p.requires_grad or p in self.excluded:
                 continue
             if p.dim() == 0:
                 raise ValueError(
@@ -191,7 +198,9 @@ class ReplicatedZero:
         if optimizer.state:
             raise RuntimeError("shard the optimizer before its first step (its state would be full-size)")
         for group in optimizer.param_groups:
-            missing = [p for p in group["params"] if p not in self.masters and p.requires_grad]
+            missing = [
+                p for p in group["params"] if p not in self.masters and p not in self.excluded and p.requires_grad
+            ]
             if missing:
                 raise ValueError(
                     f"the optimizer holds {len(missing)} parameter(s) that are not trainable parameters of the "
@@ -201,20 +210,21 @@ class ReplicatedZero:
         optimizer.register_step_post_hook(lambda *_: self.gather_params())
 
     def masters_module(self) -> nn.Module:
-        """A module tree holding the masters under the original parameter names.
+        """A module tree holding the masters (and the excluded parameters) under the original parameter names.
 
         ``torch.distributed.checkpoint.state_dict`` keys optimizer state by the names of the module that owns
         the optimizer's parameters; this gives the sharded optimizer the same keys as FSDP2's.
         """
         root = nn.Module()
-        for p, master in self.masters.items():
-            *path, leaf = self.names[p].split(".")
+        named = [(self.names[p], master) for p, master in self.masters.items()]
+        for name, param in [*named, *self._excluded_names.items()]:  # excluded ones are in the optimizer as is
+            *path, leaf = name.split(".")
             owner = root
             for part in path:
                 if not hasattr(owner, part):
                     owner.add_module(part, nn.Module())
                 owner = getattr(owner, part)
-            owner.register_parameter(leaf, master)
+            owner.register_parameter(leaf, param)
         return root
 
     def distribute_state(self, name: str, value: Any) -> Any:

@@ -7,6 +7,7 @@ its readers live in `lightning_par.checkpoint`.
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -18,7 +19,14 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_par.checkpoint.async_save import AsyncSaver
-from lightning_par.checkpoint.dcp import OptimizerEntry, load_sharded, optimizer_state, save_sharded, tmp_path
+from lightning_par.checkpoint.dcp import (
+    OptimizerEntry,
+    load_sharded,
+    model_state,
+    optimizer_state,
+    save_sharded,
+    tmp_path,
+)
 from lightning_par.checkpoint.resume_state import KEY, ResumeState
 from lightning_par.parallel.compose import Parallelized
 
@@ -57,9 +65,12 @@ class CheckpointingMixin(_LightningParallelStrategy):
     def _optimizer_entries(self) -> list[OptimizerEntry]:
         zero = self._parallel.zero if self._parallel else None
         owner: nn.Module = self.lightning_module  # type: ignore[assignment]
-        distribute = None
+        distribute: Optional[Callable[[str, Any], Any]] = None
         if zero is not None and zero.stage >= 1:
             owner, distribute = zero.masters_module(), zero.distribute_state
+        experts = self._parallel.experts if self._parallel else None
+        if experts is not None and experts.params:
+            distribute = experts.distribute_then(distribute)
         return [
             OptimizerEntry(owner, o._optimizer if isinstance(o, LightningOptimizer) else o, distribute)
             for o in self.optimizers
@@ -67,9 +78,12 @@ class CheckpointingMixin(_LightningParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+        return model_state(self.lightning_module, self._distribute_model())  # type: ignore[arg-type]
 
-        return get_model_state_dict(self.lightning_module)  # type: ignore[arg-type]
+    def _distribute_model(self) -> Optional[Any]:
+        # Expert shards are plain local tensors; as DTensors DCP saves every rank's experts, not rank 0's alone.
+        experts = self._parallel.experts if self._parallel else None
+        return experts.distribute if experts is not None and experts.params else None
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -131,7 +145,11 @@ class CheckpointingMixin(_LightningParallelStrategy):
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.lightning_module is not None
         meta = load_sharded(
-            path, self.lightning_module, self._optimizer_entries(), strict=self.lightning_module.strict_loading
+            path,
+            self.lightning_module,
+            self._optimizer_entries(),
+            strict=self.lightning_module.strict_loading,
+            distribute_model=self._distribute_model(),
         )
         trainer = self._attached_trainer
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:

@@ -50,7 +50,7 @@ class ParallelStrategy(CheckpointingMixin, _LightningParallelStrategy):
             sequence_parallel, pp_schedule, microbatches, bucket_cap_mb: see `lightning_par.config.ParallelConfig`.
         auto_dims: for registered names: the dimensions (``"pp"``, ``"tp"``, ``"dp"``) whose degrees are split
             from the world size at start-up by `lightning_par.config.split_world`; explicit degrees are used as
-            given when this is ``None``.
+            given when this is ``None``. ``"ep"`` makes ``ep`` every data-parallel rank.
         timeout_s: collective timeout in seconds; a rank stuck in a collective past this fails instead of
             hanging.
         process_group_backend: ``"gloo"`` / ``"nccl"``; default from the device.
@@ -213,6 +213,8 @@ class ParallelStrategy(CheckpointingMixin, _LightningParallelStrategy):
             degrees = split_world(self._auto_dims, self.world_size, tp_cap=self.num_processes)
             config = dataclasses.replace(config, pp=degrees["pp"], tp=degrees["tp"], dp_shard=AUTO)
         self._config = config.resolve(self.world_size, devices_per_node=self.num_processes)
+        if self._auto_dims is not None and "ep" in self._auto_dims:
+            self._config = dataclasses.replace(self._config, ep=self._config.dp)
         self._mesh = build_mesh(self._config, self.root_device.type)
         c = self._config
         rank_zero_info(
@@ -302,6 +304,9 @@ class ParallelStrategy(CheckpointingMixin, _LightningParallelStrategy):
         zero = self._parallel.zero if self._parallel else None
         if zero is not None and not self._accumulating:
             zero.reduce_gradients()  # before on_before_optimizer_step and clipping see the gradients
+        experts = self._parallel.experts if self._parallel else None
+        if experts is not None and not self._accumulating:
+            experts.reduce_gradients()
 
     # ---- collectives -----------------------------------------------------------------------------------------
     @override

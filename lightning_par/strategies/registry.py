@@ -13,6 +13,7 @@ from typing import Any
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_par.config import expert_parallel_conflict
 from lightning_par.strategies.parallel import ParallelStrategy
 
 _MODEL_DIMS = (("pipe", "pp"), ("tp", "tp"), ("moe", "ep"))
@@ -40,12 +41,13 @@ def strategy_kwargs(name: str) -> dict[str, Any]:
         elif part in ("pipe", "tp"):
             dims.append({"pipe": "pp", "tp": "tp"}[part])
         elif part == "moe":
-            raise NotImplementedError(
-                "expert parallelism (moe) is not yet supported by lightning_par; use a data-parallel strategy "
-                "(zero1, zero2, zero3, zero3_offload) until it lands"
-            )
+            dims.append("ep")  # ep = all data-parallel ranks, resolved at start-up (DESIGN.md: moe on 2 = ep 2 / dp 2)
         else:
             raise ValueError(f"unknown strategy part {part!r} in {name!r}; see lightning_par.STRATEGY_NAMES")
+    if "ep" in dims:
+        reason = expert_parallel_conflict("tp" in dims, "pp" in dims, kwargs["zero_stage"])
+        if reason:
+            raise NotImplementedError(f"strategy {name!r}: {reason}")
     kwargs["auto_dims"] = tuple(dims)
     return kwargs
 

@@ -1,0 +1,230 @@
+"""Expert parallelism (GShard, Lepikhin et al. 2020, arXiv 2006.16668): each rank of an ``ep`` group holds
+``E/ep`` experts, and tokens travel to their experts and back with all-to-all.
+
+Layout. ``ep`` is carved out of the data-parallel ranks: the ``dp`` ranks are viewed as ``(dp/ep) x ep``
+(`lightning_par.mesh.ExpertMesh`); the ``ep`` ranks of a row hold different experts and exchange tokens, and the
+``edp = dp/ep`` ranks of a column hold the same experts (expert data parallelism).
+
+Per MoE layer and step, four all-to-alls of the dispatched rows: dispatch and combine in forward, and their
+transposes in backward, each moving the ``(n-1)/n`` of this rank's kept assignments that belong to other ranks
+(plus a tiny all-to-all of the per-expert counts). Splits are uneven and may be zero (gloo's
+``all_to_all_single`` takes split sizes).
+
+Gradients. Each rank's loss is the mean over its own batch, and the strategy averages dense gradients over the
+``dp`` ranks. An expert's gradient on a rank already sums the contributions of the tokens of every rank of its
+``ep`` group (the backward all-to-all brought them); summing over the ``edp`` ranks that hold the same expert adds
+the rest of the ``dp`` ranks, so the average is that sum divided by ``dp`` (not by ``edp``): exactly the
+gradient of the mean loss over the global batch, as one process computes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Shard
+
+from lightning_par.mesh import ExpertMesh
+from lightning_par.parallel.grad_norm import mark_sharded
+from lightning_par.plans.moe import MoELayer, find_moe_layers
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` with split sizes; its gradient is the same exchange with the splits swapped."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup) -> Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], None, None, None]:
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return back, None, None, None
+
+
+def all_to_all(x: Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup) -> Tensor:
+    """Differentiable all-to-all of rows: ``in_splits[j]`` rows of ``x`` go to rank ``j``; ``out_splits[j]``
+    rows arrive from rank ``j``, in rank order.
+
+    Args:
+        x: ``[sum(in_splits), ...]``.
+        out_splits: rows received from each rank of ``group``.
+        in_splits: rows sent to each rank of ``group``.
+        group: the ranks exchanging (every one of them must call this, even with zero rows).
+    """
+    out: Tensor = _AllToAll.apply(x, out_splits, in_splits, group)
+    return out
+
+
+@dataclasses.dataclass
+class _Route:
+    """How one forward's rows were exchanged, for the combine that follows it."""
+
+    send: list[int]  # rows sent to each ep rank
+    recv: list[int]  # rows received from each ep rank
+    to_local: Tensor  # permutation: received rows (source-major) -> grouped by local expert
+
+
+class _ExpertDispatch:
+    """Forward hooks on an `Experts` module that turn its single-device call into the expert-parallel one.
+
+    The pre-hook receives ``(x grouped by all E experts, counts[E])``, sends each ep rank the rows of its experts,
+    and hands the module ``(rows grouped by its E/ep experts, counts[E/ep])``; the post-hook sends the outputs
+    back, in the order the caller gave them.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, ep: int, n_local: int) -> None:
+        self.group, self.ep, self.n_local = group, ep, n_local
+        self.route: list[_Route] = []  # a stack: activation checkpointing may re-enter before the combine
+
+    def dispatch(self, module: nn.Module, args: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        x, counts = args
+        counts = counts.to(torch.int64)
+        recv_counts = torch.empty_like(counts)
+        # recv_counts[j * n_local + e] = rows rank j sends to my local expert e
+        dist.all_to_all_single(recv_counts, counts, group=self.group)
+        send = counts.view(self.ep, self.n_local).sum(1).tolist()
+        by_source = recv_counts.view(self.ep, self.n_local)
+        recv = by_source.sum(1).tolist()
+        rows = all_to_all(x, recv, send, self.group)
+        # Received rows are source-major ([from rank 0: e0.., e1..], [from rank 1: ...]); experts need them
+        # expert-major. The permutation sorts a (local expert) label per row, stably, keeping sources in order.
+        label = torch.repeat_interleave(
+            torch.arange(self.n_local, device=x.device).repeat(self.ep), by_source.reshape(-1)
+        )
+        to_local = label.argsort(stable=True)
+        self.route.append(_Route(send, recv, to_local))
+        return rows[to_local], by_source.sum(0)
+
+    def combine(self, module: nn.Module, args: Any, out: Tensor) -> Tensor:
+        route = self.route.pop()
+        back = torch.empty_like(out).index_copy_(0, route.to_local, out)  # expert-major -> source-major
+        return all_to_all(back, route.send, route.recv, self.group)
+
+
+class ExpertParallel:
+    """The applied expert parallelism: which parameters are expert shards, and their gradient reduction.
+
+    Args:
+        layers: the MoE layers found in the model.
+        params: the expert-shard parameters (excluded from the data-parallel / ZeRO engine).
+        mesh: the expert mesh.
+    """
+
+    def __init__(
+        self, layers: list[MoELayer], params: dict[str, nn.Parameter], full_shapes: dict[str, torch.Size],
+        mesh: Optional[ExpertMesh],
+    ) -> None:  # fmt: skip
+        self.layers, self.mesh = layers, mesh
+        self.names = params  # qualified name -> this rank's shard
+        self.params = list(params.values())
+        self._full_shapes = full_shapes
+
+    def distribute(self, name: str, value: Any) -> Any:
+        """Wrap a tensor shaped like the named expert shard (the weight, or its optimizer state) as the ``Shard(0)``
+        DTensor over ``ep`` of the full stacked weight, for sharded checkpoints; anything else is returned as is.
+
+        Ranks of different ``edp`` rows write the same chunks; DCP keeps one copy of each.
+        """
+        shard = self.names.get(name)
+        if shard is None or self.mesh is None or not isinstance(value, Tensor) or value.shape != shard.shape:
+            return value
+        full = self._full_shapes[name]
+        return DTensor.from_local(
+            value, self.mesh.ep, (Shard(0),), shape=full, stride=torch.empty(full, device="meta").stride(),
+            run_check=False,
+        )  # fmt: skip
+
+    def distribute_then(self, other: Optional[Callable[[str, Any], Any]]) -> Callable[[str, Any], Any]:
+        """`distribute` for expert names, ``other`` (e.g. ZeRO's optimizer-state wrapper) for the rest."""
+
+        def both(name: str, value: Any) -> Any:
+            if name in self.names or other is None:
+                return self.distribute(name, value)
+            return other(name, value)
+
+        return both
+
+    @torch.no_grad()
+    def reduce_gradients(self) -> None:
+        """Average expert gradients over the data-parallel ranks: sum over ``edp``, divide by ``dp``."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if not grads or self.mesh is None:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        if self.mesh.edp.size() > 1:
+            dist.all_reduce(flat, group=self.mesh.edp.get_group())
+        flat.div_(self.mesh.dp_size)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def apply_expert_parallel(
+    model: nn.Module, mesh: Optional[ExpertMesh], token_group: Optional[dist.ProcessGroup]
+) -> ExpertParallel:
+    """Shard the experts of every recognised MoE layer of ``model`` over ``mesh.ep``, in place.
+
+    Each rank keeps rows ``[r*E/ep, (r+1)*E/ep)`` of the stacked expert weights (the rest is freed), under the
+    original parameter names. Call after the data-parallel replicas were made equal and before the optimizer is
+    built. With ``ep == 1`` only the token group is set (capacity and balancing statistics over the global batch).
+
+    Args:
+        model: the module to change.
+        mesh: the expert mesh (``ep`` and ``edp`` axes); ``None`` for ``ep == 1``.
+        token_group: the ranks whose tokens form one batch for capacity and load-balancing statistics (the
+            data-parallel group), or ``None`` for one process.
+
+    Raises:
+        ValueError: ``ep`` does not divide a layer's number of experts (the message lists valid choices).
+    """
+    ep = mesh.ep.size() if mesh is not None else 1
+    layers = find_moe_layers(model)
+    params: dict[str, nn.Parameter] = {}
+    full_shapes: dict[str, torch.Size] = {}
+    for layer in layers:
+        if layer.n_experts % ep:
+            choices = "{" + ", ".join(str(d) for d in range(1, layer.n_experts + 1) if layer.n_experts % d == 0) + "}"
+            raise ValueError(
+                f"ep={ep} does not divide n_experts={layer.n_experts} in {layer.name}; choose ep in {choices} "
+                "(and dividing the data-parallel size)"
+            )
+        layer.set_token_group(token_group)
+        if mesh is None or ep == 1:
+            continue
+        rank = mesh.ep.get_local_rank()
+        n_local = layer.n_experts // ep
+        experts = layer.experts
+        prefix = _qualified_name(model, experts)
+        for name, p in list(experts.named_parameters(recurse=False)):
+            shard = nn.Parameter(p.detach()[rank * n_local : (rank + 1) * n_local].clone(), p.requires_grad)
+            mark_sharded(shard, (mesh.ep.get_group(),))  # the global gradient norm sums these over ep
+            setattr(experts, name, shard)
+            params[prefix + name] = shard
+            full_shapes[prefix + name] = p.shape
+        hooks = _ExpertDispatch(mesh.ep.get_group(), ep, n_local)
+        if layer.kind == "hf_mixtral":
+            from lightning_par.parallel.moe_hf import shard_mixtral_experts
+
+            shard_mixtral_experts(experts, hooks, layer.n_experts)
+        else:
+            experts.register_forward_pre_hook(hooks.dispatch)
+            experts.register_forward_hook(hooks.combine)
+    return ExpertParallel(layers, params, full_shapes, mesh)
+
+
+def _qualified_name(model: nn.Module, module: nn.Module) -> str:
+    for name, m in model.named_modules():
+        if m is module:
+            return f"{name}." if name else ""
+    raise ValueError(f"{type(module).__name__} is not a submodule of {type(model).__name__}")
