@@ -11,9 +11,10 @@ from torch import nn
 from lightning_par.config import ParallelConfig
 from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel.activation_checkpointing import apply_activation_checkpointing
+from lightning_par.parallel.pipeline_schedule import PipelineRunner, apply_pipeline
 from lightning_par.parallel.zero import apply_fsdp, sync_module_states
 from lightning_par.parallel.zero_replicated import ReplicatedZero
-from lightning_par.plans.trunk import find_trunk
+from lightning_par.plans.trunk import Trunk, find_trunk
 
 
 class StepRoot(nn.Module):
@@ -39,12 +40,15 @@ class Parallelized:
     Args:
         model: the module the trainer calls (the user's module, or a `StepRoot` around it).
         zero: the ZeRO 0-2 engine that reduces gradients and shards the optimizer, or ``None`` under ZeRO-3.
-        checkpointed_blocks: indices of the trunk blocks under activation checkpointing.
+        checkpointed_blocks: indices of the trunk blocks under activation checkpointing (among this rank's
+            blocks under pipeline parallelism).
+        pipeline: the runner of pipeline steps when ``pp > 1``.
     """
 
     model: nn.Module
     zero: Optional[ReplicatedZero]
     checkpointed_blocks: list[int]
+    pipeline: Optional[PipelineRunner] = None
 
 
 def parallelize(
@@ -57,10 +61,12 @@ def parallelize(
 ) -> Parallelized:
     """Apply the configured parallelism to ``module`` in place.
 
-    Order: activation checkpointing first, then data-parallel sharding. FSDP2's hooks then sit outside the
-    recomputed region, so a block's parameters are gathered once for its backward, recomputation included
-    (the order torchtitan uses). Tensor, pipeline and expert parallelism will slot in before both: they change
-    which parameters exist on a rank, and ZeRO must shard what is left.
+    Order: the pipeline cut first (it removes other stages' parameters, so every later step sees only this
+    rank's), then activation checkpointing, then the pipeline's stage dispatch around the (checkpointed) block
+    forwards (the stage swap and stage end must happen outside any recomputed region), then data-parallel
+    sharding. FSDP2's hooks then sit outside the recomputed region, so a block's parameters are gathered once for
+    its backward, recomputation included (the order torchtitan uses). Tensor parallelism will slot in after the
+    cut and before checkpointing: it acts on the blocks a stage owns.
 
     Args:
         module: the user's model (a LightningModule), already in its training dtype.
@@ -78,11 +84,35 @@ def parallelize(
             "(an nn.ModuleList / Sequential / ModuleDict of >= 2 modules of one class); none was found in "
             f"{type(module).__name__}; set activation_checkpointing=None"
         )
-    sync_module_states(module, mesh.dp)
+    runner = None
+    if config.pp > 1:
+        runner = _cut_pipeline(module, trunk, mesh, config)
+        blocks = runner.model.owned_blocks
+    sync_module_states(module, mesh.dp)  # over the ranks of this rank's own stage(s): same parameters
     checkpointed = apply_activation_checkpointing(blocks, config.activation_checkpointing, config.ac_every)
+    if runner is not None:
+        runner.model.install()
     if config.zero_stage == 3:
         root = StepRoot(module)
         apply_fsdp(root, blocks, mesh.dp_2d, param_dtype=param_dtype, reduce_dtype=reduce_dtype, offload=config.offload)
         return Parallelized(root, None, checkpointed)
     zero = ReplicatedZero(module, mesh.dp_2d, config.zero_stage, config.bucket_cap_mb)
-    return Parallelized(module, zero, checkpointed)
+    if runner is not None and zero.stage == 2:
+        # The schedules compute weight gradients outside autograd's accumulation hooks (zero-bubble W passes),
+        # so under a pipeline ZeRO-2 reduce-scatters every bucket once per step instead (see docs/pipeline.md).
+        zero.remove_hooks()
+    return Parallelized(module, zero, checkpointed, runner)
+
+
+def _cut_pipeline(module: nn.Module, trunk: Optional[Trunk], mesh: ParallelMesh, config: ParallelConfig) -> PipelineRunner:
+    if trunk is None:
+        raise ValueError(
+            f"pp={config.pp} needs a trunk of repeated blocks (an nn.ModuleList / Sequential / ModuleDict of >= 2 "
+            f"modules of one class) to cut into stages; none was found in {type(module).__name__}; set pp=1"
+        )
+    device = next(module.parameters()).device
+    return apply_pipeline(
+        module, trunk, schedule=config.pp_schedule, pp=config.pp, pp_rank=mesh.root.get_local_rank("pp"),
+        group=mesh.root.get_group("pp"), microbatches=config.microbatches or 2 * config.pp, device=device,
+        split=config.pp_split, costs=config.pp_costs,
+    )  # fmt: skip

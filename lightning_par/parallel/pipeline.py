@@ -187,7 +187,7 @@ class PipelineModel:
         self._active: Optional[_Active] = None
         self.step_fn: Optional[StepFn] = None
         self.hidden_dtype: Optional[torch.dtype] = None
-        pre, post = _outer_modules(module, trunk)
+        pre, post = outer_modules(module, trunk)
         self.pre_names, self.post_names = [n for n, _ in pre], [n for n, _ in post]
         owns_first = any(s.is_first for s in self.specs)
         owns_last = any(s.is_last for s in self.specs)
@@ -305,8 +305,13 @@ def _replace(root: nn.Module, name: str, new: nn.Module) -> None:
     parent._modules[leaf] = new
 
 
-def _outer_modules(module: nn.Module, trunk: Trunk) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Module]]]:
-    """Modules with parameters outside the trunk, split by registration order into before / after the trunk."""
+def outer_modules(module: nn.Module, trunk: Trunk) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Module]]]:
+    """Modules with parameters outside the trunk, split by registration order into before / after the trunk.
+
+    Registration order stands in for execution order (nanoGPT, Llama and Hugging Face models register the
+    embeddings, then the blocks, then the final norm and head); a module that breaks the rule fails with a
+    message when it runs on the wrong stage (`_Shadow`, `_Missing`).
+    """
     pre: list[tuple[str, nn.Module]] = []
     post: list[tuple[str, nn.Module]] = []
     seen_trunk = False
