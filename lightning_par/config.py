@@ -15,6 +15,8 @@ AXES = ("pp", "dp_replicate", "dp_shard", "ep", "tp")
 ZERO_STAGES = (0, 1, 2, 3)
 AC_MODES = (None, "full", "selective", "selective_op", "offload")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev")
+# Schedules that run input and weight gradients as separate backward passes (zero bubble).
+_SPLIT_BACKWARD = ("interleaved_zb", "zbv", "dualpipev")
 # Axes whose parallel code has landed. The others are accepted here so configs and recipes are stable, and are
 # rejected by `check_supported` until their issue lands.
 SUPPORTED_AXES = ("pp", "dp_replicate", "dp_shard")
@@ -110,6 +112,13 @@ class ParallelConfig:
             )
         if self.pp_schedule not in PP_SCHEDULES:
             raise ParallelConfigError(f"pp_schedule={self.pp_schedule!r} is unknown; choose one of {PP_SCHEDULES}")
+        if self.pp > 1 and self.activation_checkpointing == "selective_op" and self.pp_schedule in _SPLIT_BACKWARD:
+            raise ParallelConfigError(
+                f"activation_checkpointing='selective_op' cannot run under pp_schedule={self.pp_schedule!r}: "
+                "zero-bubble schedules differentiate each block twice (input, then weight gradients) and torch's "
+                "selective checkpointing allows one backward; use activation_checkpointing='full' or a schedule "
+                "without a split backward ('1f1b', 'interleaved_1f1b')"
+            )
         if self.microbatches is not None and (not isinstance(self.microbatches, int) or self.microbatches < 1):
             raise ParallelConfigError(f"microbatches={self.microbatches!r} must be a positive int or None")
         if self.pp_split is not None:
@@ -194,7 +203,7 @@ class ParallelConfig:
                     f"dp_replicate x dp_shard with zero_stage 0-3, and pipeline parallelism pp); set {axis}=1"
                 )
 
-    def layout(self) -> dict[str, Union[int, str, bool, None]]:
+    def layout(self) -> dict[str, Union[int, str, bool, tuple, None]]:
         """The resolved layout as a flat dict, for logs and the logger's config."""
         return dataclasses.asdict(self)
 
