@@ -22,8 +22,8 @@ import torch
 torch.set_num_threads(1)
 
 import lightning as L  # noqa: E402
-from lightning.pytorch.loggers import Logger  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from lightning.pytorch.loggers import Logger  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 import lightning_par  # noqa: E402  (registers the strategy names)

@@ -37,7 +37,7 @@ def _brute_force(costs: list[float], k: int, first: float, last: float) -> float
     n, best = len(costs), float("inf")
     for cuts in itertools.combinations(range(1, n), k - 1):
         bounds = [0, *cuts, n]
-        ranges = list(zip(bounds, bounds[1:]))
+        ranges = list(itertools.pairwise(bounds))
         best = min(best, max(stage_costs(ranges, costs, first, last)))
     return best
 
@@ -51,7 +51,7 @@ def test_partition_minimises_the_costliest_stage(seed: int) -> None:
     first, last = float(torch.randint(0, 6, (1,), generator=g)), float(torch.randint(0, 6, (1,), generator=g))
     ranges = partition(costs, k, first_extra=first, last_extra=last)
     assert len(ranges) == k and ranges[0][0] == 0 and ranges[-1][1] == n
-    assert all(a < b for a, b in ranges) and all(r[1] == s[0] for r, s in zip(ranges, ranges[1:]))
+    assert all(a < b for a, b in ranges) and all(r[1] == s[0] for r, s in itertools.pairwise(ranges))
     assert max(stage_costs(ranges, costs, first, last)) == _brute_force(costs, k, first, last)
 
 

@@ -104,7 +104,9 @@ def parallelize(
     return Parallelized(module, zero, checkpointed, runner)
 
 
-def _cut_pipeline(module: nn.Module, trunk: Optional[Trunk], mesh: ParallelMesh, config: ParallelConfig) -> PipelineRunner:
+def _cut_pipeline(
+    module: nn.Module, trunk: Optional[Trunk], mesh: ParallelMesh, config: ParallelConfig
+) -> PipelineRunner:
     if trunk is None:
         raise ValueError(
             f"pp={config.pp} needs a trunk of repeated blocks (an nn.ModuleList / Sequential / ModuleDict of >= 2 "

@@ -33,9 +33,7 @@ def _local(g: torch.Tensor) -> torch.Tensor:
     return g.to_local() if isinstance(g, DTensor) else g
 
 
-def global_grad_norm(
-    params: Iterable[torch.Tensor], sum_groups: Sequence[dist.ProcessGroup] = ()
-) -> torch.Tensor:
+def global_grad_norm(params: Iterable[torch.Tensor], sum_groups: Sequence[dist.ProcessGroup] = ()) -> torch.Tensor:
     """L2 norm of all gradients of ``params`` across every shard (a replicated fp32 scalar on every rank).
 
     Args:

@@ -23,8 +23,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
-from collections.abc import Sequence
-from typing import Any, Callable, Optional
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
@@ -82,6 +82,8 @@ def _outside(name: str) -> RuntimeError:
 class _PassThrough(nn.Module):
     """Stands in for a trunk block that another rank owns."""
 
+    _owner: PipelineModel
+
     def __init__(self, owner: PipelineModel, index: int, name: str) -> None:
         super().__init__()
         object.__setattr__(self, "_owner", owner)
@@ -98,6 +100,9 @@ class _Shadow(nn.Module):
     block replaces the hidden state with the received activation, so the value never matters, only the shape of
     whatever the user's code computes from it before the trunk.
     """
+
+    _owner: PipelineModel
+    _meta: nn.Module
 
     def __init__(self, owner: PipelineModel, original: nn.Module, name: str, device: torch.device) -> None:
         super().__init__()
@@ -147,6 +152,8 @@ class StageModule(nn.Module):
         spec: the stage.
         owned: the modules whose parameters this stage owns.
     """
+
+    _owner: PipelineModel
 
     def __init__(self, owner: PipelineModel, spec: StageSpec, owned: Sequence[nn.Module]) -> None:
         super().__init__()
@@ -204,7 +211,7 @@ class PipelineModel:
             for name, m in pre:
                 _replace(module, name, _Shadow(self, m, name, device))
         if not owns_last:
-            for name, m in post:
+            for name, _ in post:
                 _replace(module, name, _Missing(name, trunk.path))
 
     @property

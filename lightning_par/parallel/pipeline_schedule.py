@@ -22,8 +22,8 @@ divides the stage's whole ``.grad``, which would also shrink gradients accumulat
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import Any, Callable, Optional
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -206,11 +206,14 @@ class PipelineRunner:
             spec = mod.spec
             stages.append(
                 PipelineStage(
-                    mod, spec.index, self.model.n_stages, self.model.device,
+                    mod,
+                    spec.index,
+                    self.model.n_stages,
+                    self.model.device,
                     input_args=() if spec.is_first else (hidden,),
                     output_args=loss if spec.is_last else hidden,
                     group=self.group,
-                )  # fmt: skip
+                )
             )
         info = SCHEDULES[self.schedule_name]
         loss_fn = (lambda out, _target: self._loss_fn(out)) if training else None
@@ -231,8 +234,8 @@ class PipelineRunner:
 
         Args:
             batch: this data-parallel rank's batch (the same on every rank of the pipeline group).
-            step_fn: ``step_fn(microbatch, spec)`` runs the user's step on a microbatch as stage ``spec``; on the last stage it returns
-                the microbatch's loss.
+            step_fn: ``step_fn(microbatch, spec)`` runs the user's step on a microbatch as stage ``spec``; on
+                the last stage it returns the microbatch's loss.
             loss_fn: maps a microbatch's loss to what is differentiated (divide by microbatches, scale for fp16).
         """
         mbs = split_microbatches(batch, self.microbatches)
@@ -286,7 +289,9 @@ class PipelineRunner:
                 out = stages[s](*(() if carry is None else (carry,)), mb=torch.tensor([i], device=device))
                 if s + 1 < self.model.n_stages and owner[s + 1] != me:
                     dst = dist.get_global_rank(self.group, owner[s + 1])
-                    sends.append(dist.isend(out.contiguous(), dst=dst, group=self.group))
+                    work = dist.isend(out.contiguous(), dst=dst, group=self.group)
+                    if work is not None:
+                        sends.append(work)
                 carry = out
         for work in sends:
             work.wait()

@@ -157,4 +157,3 @@ def stage_costs(ranges: Sequence[tuple[int, int]], costs: Sequence[float], first
     """The cost of each stage of a partition (for printing and tests)."""
     n = len(costs)
     return [_stage_cost(list(costs), i, j, first, last, n) for i, j in ranges]
-

@@ -16,7 +16,7 @@ last stage updated have their state broadcast too before they are logged.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Optional
+from typing import Any, Optional, cast
 
 import lightning.pytorch as pl
 import torch
@@ -97,7 +97,7 @@ class PipelineSteps:
             self._fresh = [(p, p.grad) for p in params]
             for p, g in zip(params, earlier):
                 p.grad = g
-        result = None
+        result: Optional[dict[str, Any]] = None
         if self.runner.is_last:
             losses = torch.stack([(o["loss"] if isinstance(o, dict) else o).detach().float() for o in outputs])
             extra = {k: v for o in outputs[-1:] if isinstance(o, dict) for k, v in o.items() if k != "loss"}
@@ -162,12 +162,13 @@ class PipelineSteps:
         metric_names = {id(m): n for n, m in module.named_modules() if isinstance(m, Metric)}
         if dist.get_rank() == src:
             logs = _reduce_logs(self._logs, metric_names)
-            metrics = {n: _metric_state(module.get_submodule(n)) for n in {v for _, v, _ in logs if isinstance(v, str)}}
+            names = {v for _, v, _ in logs if isinstance(v, str)}
+            metrics = {n: _metric_state(cast(Metric, module.get_submodule(n))) for n in names}
             payload = [_to({"result": result, "logs": logs, "metrics": metrics}, torch.device("cpu"))]
         dist.broadcast_object_list(payload, src=src, group=self.group)
         data = _to(payload[0], device)
         for name, state in data["metrics"].items():
-            _set_metric_state(module.get_submodule(name), state)
+            _set_metric_state(cast(Metric, module.get_submodule(name)), state)
         for name, value, kwargs in data["logs"]:
             if isinstance(value, str):  # a Metric, by its module name
                 value = module.get_submodule(value)
@@ -183,7 +184,7 @@ def _reduce_logs(
     by_name: dict[str, tuple[list[Any], dict[str, Any]]] = {}
     for name, value, kwargs in logs:
         by_name.setdefault(name, ([], kwargs))[0].append(value)
-    out = []
+    out: list[tuple[str, Any, dict[str, Any]]] = []
     for name, (values, kwargs) in by_name.items():
         last = values[-1]
         if isinstance(last, Metric):
@@ -193,7 +194,7 @@ def _reduce_logs(
             out.append((name, metric_names[id(last)], kwargs))
             continue
         fx: Any = kwargs.get("reduce_fx", "mean")
-        reduce: Callable[[Tensor], Tensor] = _REDUCE.get(fx, fx) if isinstance(fx, str) else fx
+        reduce: Any = _REDUCE.get(fx, fx) if isinstance(fx, str) else fx
         stacked = torch.stack([torch.as_tensor(v, dtype=torch.float32).detach().float() for v in values])
         out.append((name, reduce(stacked), kwargs))
     return out

@@ -319,8 +319,10 @@ class ParallelStrategy(_LightningParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is None:
             return super().training_step(*args, **kwargs)
+        module = self.lightning_module
+        assert module is not None
         with self.precision_plugin.train_step_context():
-            return self._pipeline.training_step(self.lightning_module, self.precision_plugin, *args, **kwargs)
+            return self._pipeline.training_step(module, self.precision_plugin, *args, **kwargs)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
@@ -332,6 +334,7 @@ class ParallelStrategy(_LightningParallelStrategy):
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is None:
             return super().validation_step(*args, **kwargs)
+        assert self.lightning_module is not None
         with self.precision_plugin.val_step_context():
             return self._pipeline.eval_step(self.lightning_module, "validation_step", *args, **kwargs)
 
@@ -339,6 +342,7 @@ class ParallelStrategy(_LightningParallelStrategy):
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is None:
             return super().test_step(*args, **kwargs)
+        assert self.lightning_module is not None
         with self.precision_plugin.test_step_context():
             return self._pipeline.eval_step(self.lightning_module, "test_step", *args, **kwargs)
 
