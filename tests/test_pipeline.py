@@ -157,3 +157,27 @@ def test_pipe_zero1_shards_optimizer_state_within_each_stage(results):
         params = mem[stage_ranks[0]]["params"]
         optim = [mem[r]["optim"] for r in stage_ranks]
         assert sum(optim) == 2 * params and max(optim) < 0.6 * 2 * params  # Adam's 2 states, halved over dp
+
+
+@pytest.fixture(scope="module")
+def checkpoint_runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    # One step per epoch and resume from the checkpoint after step 2 (see test_zero.py's _resume_jobs for why).
+    tmp = tmp_path_factory.mktemp("pipeline_ckpt")
+    pipe, zero1 = str(tmp / "pipe"), str(tmp / "zero1")
+    base = {"model": "gpt4", "epoch_steps": 1, "max_steps": 4}
+    jobs = [
+        {**base, "strategy": "pipe", "dp": 1, "ckpt_dir": pipe},  # uninterrupted, saving each epoch
+        {**base, "strategy": "pipe", "dp": 1, "resume": f"{pipe}/epoch=1.ckpt"},
+        {**base, "strategy": "zero1", "dp": 2, "resume": f"{pipe}/epoch=1.ckpt"},  # pipeline -> data parallel
+        {**base, "strategy": "zero1", "dp": 2, "ckpt_dir": zero1},
+        {**base, "strategy": {"pp": 2, "pp_schedule": "zbv"}, "dp": 1, "resume": f"{zero1}/epoch=1.ckpt"},
+    ]
+    return run_jobs(tmp, jobs, nproc=2, timeout=600)
+
+
+def test_checkpoints_resume_across_pipeline_and_data_parallel_layouts(checkpoint_runs):
+    full, resumed, as_zero1, zero1_full, zero1_as_pipe = checkpoint_runs
+    assert len(full["losses"]) == 4 and len(resumed["losses"]) == len(as_zero1["losses"]) == 2
+    for run, ref in ((resumed, full), (as_zero1, full), (zero1_as_pipe, zero1_full)):
+        assert _rel(run["losses"], ref["losses"][2:]) < 1e-5
+        _params_close(run["params"], ref["params"], rtol=1e-5, atol=0.01 * LR)

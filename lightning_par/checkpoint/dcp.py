@@ -172,6 +172,7 @@ def load_sharded(
     module: nn.Module,
     optimizers: Sequence[OptimizerEntry],
     strict: bool = True,
+    elsewhere: frozenset[str] = frozenset(),
 ) -> dict[str, Any]:
     """Load a folder written by `save_sharded` into ``module`` and ``optimizers`` in place.
 
@@ -180,6 +181,7 @@ def load_sharded(
         module: the model, already parallelized.
         optimizers: as in `state_for`; empty when only the weights are wanted.
         strict: fail on missing or unexpected model keys.
+        elsewhere: model keys (``state_dict.<name>``) other ranks load: other pipeline stages' parameters.
 
     Returns:
         the non-tensor rest of the checkpoint (``meta.pt``).
@@ -190,7 +192,7 @@ def load_sharded(
     for entry in optimizers:
         _init_optim_state(entry.optimizer)  # DCP loads into existing tensors, so the state must exist first
     state = state_for(module, optimizers)
-    load_tensors(path, index, state, strict=strict)
+    load_tensors(path, index, state, strict=strict, elsewhere=elsewhere)
     set_model_state_dict(module, state["state_dict"], options=_options(strict))
     for i, entry in enumerate(optimizers):
         sd = state[f"optimizer_{i}"]

@@ -136,6 +136,31 @@ class PipelineSteps:
         result = {"loss": None, "extra": outputs[-1] if outputs else None} if self.runner.is_last else None
         return self._publish(module, result)["extra"]
 
+    def other_stage_keys(self, module: torch.nn.Module) -> frozenset[str]:
+        """Checkpoint keys (``state_dict.<name>``) of the parameters and buffers other pipeline ranks hold."""
+        mine = {f"state_dict.{k}" for k in module.state_dict()}
+        every: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(every, mine, group=self.group)
+        return frozenset(set().union(*every) - mine)
+
+    def merge_param_groups(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The optimizer state with every pipeline rank's parameter names in its ``param_groups``.
+
+        A checkpoint keeps one copy of non-tensor entries, so each rank's groups (listing only its own stage's
+        parameters) would overwrite the others'; merged, every rank finds its parameters' hyperparameters on
+        load. Groups are matched by their hyperparameters, so a stage without some group is fine.
+        """
+        every: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(every, state["param_groups"], group=self.group)
+        merged: dict[str, dict[str, Any]] = {}
+        for groups in every:
+            for group in groups:
+                key = repr(sorted((k, v) for k, v in group.items() if k != "params"))
+                if key not in merged:
+                    merged[key] = {**group, "params": []}
+                merged[key]["params"] += [p for p in group["params"] if p not in merged[key]["params"]]
+        return {**state, "param_groups": list(merged.values())}
+
     # ---- the user's code and its logs ------------------------------------------------------------------------
     def _call(self, module: pl.LightningModule, hook: str, spec: StageSpec, *args: Any, **kwargs: Any) -> Any:
         capture = spec.is_last

@@ -403,7 +403,8 @@ class ParallelStrategy(_LightningParallelStrategy):
         inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         for entry in self._optimizer_entries():
             if entry.optimizer is inner:
-                return optimizer_state(entry)
+                state = optimizer_state(entry)
+                return self._pipeline.merge_param_groups(state) if self._pipeline is not None else state
         raise ValueError("optimizer_state() got an optimizer the strategy does not manage")
 
     @property
@@ -453,9 +454,11 @@ class ParallelStrategy(_LightningParallelStrategy):
         self.wait_for_checkpoint()  # it may be the one being written
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.lightning_module is not None
+        elsewhere = self._pipeline.other_stage_keys(self.lightning_module) if self._pipeline else frozenset()
         return load_sharded(
-            path, self.lightning_module, self._optimizer_entries(), strict=self.lightning_module.strict_loading
-        )
+            path, self.lightning_module, self._optimizer_entries(), strict=self.lightning_module.strict_loading,
+            elsewhere=elsewhere,
+        )  # fmt: skip
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
