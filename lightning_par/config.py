@@ -15,9 +15,11 @@ AXES = ("pp", "dp_replicate", "dp_shard", "ep", "tp")
 ZERO_STAGES = (0, 1, 2, 3)
 AC_MODES = (None, "full", "selective", "selective_op", "offload")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev")
+# Schedules that run input and weight gradients as separate backward passes (zero bubble).
+_SPLIT_BACKWARD = ("interleaved_zb", "zbv", "dualpipev")
 # Axes whose parallel code has landed. The others are accepted here so configs and recipes are stable, and are
 # rejected by `check_supported` until their issue lands.
-SUPPORTED_AXES = ("dp_replicate", "dp_shard", "tp", "ep")
+SUPPORTED_AXES = ("pp", "dp_replicate", "dp_shard", "tp", "ep")
 
 AUTO = -1  # a degree left for `resolve` to fill from the world size
 
@@ -52,8 +54,12 @@ class ParallelConfig:
         ac_every: the period of ``"selective"`` checkpointing; other modes reject a value other than 2.
         sequence_parallel: split the residual stream (norms, dropout, residual adds) along the sequence between
             tensor-parallel regions; ``None`` (default): wherever it is exact for the model, ``True``: required.
-        pp_schedule: pipeline schedule name.
+        pp_schedule: pipeline schedule name (`lightning_par.parallel.pipeline_schedule.SCHEDULES`).
         microbatches: pipeline microbatches per step (``None``: ``2 * pp``).
+        pp_split: trunk blocks per pipeline stage, by hand (``pp`` counts, ``2 * pp`` for the interleaved and V
+            schedules); ``None`` balances the stages by ``pp_costs``.
+        pp_costs: one cost per trunk block for the automatic split (e.g. from
+            `lightning_par.plans.partition.measure_block_times`); ``None``: parameter counts.
         bucket_cap_mb: size of a gradient/parameter communication bucket for ZeRO stages 0-2.
     """
 
@@ -70,6 +76,8 @@ class ParallelConfig:
     pp_schedule: str = "1f1b"
     microbatches: Optional[int] = None
     bucket_cap_mb: float = 25.0
+    pp_split: Optional[tuple[int, ...]] = None
+    pp_costs: Optional[tuple[float, ...]] = None
 
     def __post_init__(self) -> None:
         for axis in AXES:
@@ -109,8 +117,25 @@ class ParallelConfig:
             )
         if self.pp_schedule not in PP_SCHEDULES:
             raise ParallelConfigError(f"pp_schedule={self.pp_schedule!r} is unknown; choose one of {PP_SCHEDULES}")
+        if self.pp > 1 and self.activation_checkpointing == "selective_op" and self.pp_schedule in _SPLIT_BACKWARD:
+            raise ParallelConfigError(
+                f"activation_checkpointing='selective_op' cannot run under pp_schedule={self.pp_schedule!r}: "
+                "zero-bubble schedules differentiate each block twice (input, then weight gradients) and torch's "
+                "selective checkpointing allows one backward; use activation_checkpointing='full' or a schedule "
+                "without a split backward ('1f1b', 'interleaved_1f1b')"
+            )
         if self.microbatches is not None and (not isinstance(self.microbatches, int) or self.microbatches < 1):
             raise ParallelConfigError(f"microbatches={self.microbatches!r} must be a positive int or None")
+        if self.pp_split is not None:
+            self.pp_split = tuple(self.pp_split)
+            if not self.pp_split or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in self.pp_split):
+                raise ParallelConfigError(
+                    f"pp_split={self.pp_split!r} must be positive block counts, one per pipeline stage, e.g. (3, 3)"
+                )
+        if self.pp_costs is not None:
+            self.pp_costs = tuple(float(c) for c in self.pp_costs)
+            if any(not c >= 0 for c in self.pp_costs):
+                raise ParallelConfigError(f"pp_costs={self.pp_costs!r} must be >= 0, one per trunk block")
         if not self.bucket_cap_mb > 0:
             raise ParallelConfigError(f"bucket_cap_mb={self.bucket_cap_mb} must be > 0 (25 is a good default)")
         if self.pp > 1 and self.microbatches is not None and self.microbatches < self.pp:
@@ -167,12 +192,20 @@ class ParallelConfig:
     def check_supported(self) -> None:
         """Reject axes whose implementation has not landed yet, naming what does work."""
         self.check_expert_parallel()
+        if self.pp > 1 and self.tp > 1:
+            raise NotImplementedError(
+                f"pipe_tp needs tensor-parallel blocks inside pipeline stages; not yet supported (pp={self.pp}, "
+                f"tp={self.tp}): use pp or tp alone"
+            )
+        if self.pp > 1 and self.zero_stage == 3:
+            raise NotImplementedError(
+                f"pipe_zero3 (pp={self.pp} with zero_stage=3) is not yet supported: FSDP2 units inside pipeline "
+                "stages are not wired; use zero_stage 1 or 2 (pipe_zero1, pipe_zero2)"
+            )
         for axis in AXES:
             if axis not in SUPPORTED_AXES and getattr(self, axis) > 1:
                 raise NotImplementedError(
-                    f"{axis}={getattr(self, axis)} is not yet supported by lightning_par (supported: data "
-                    "parallelism dp_replicate x dp_shard with zero_stage 0-3, tensor parallelism tp, expert "
-                    f"parallelism ep); set {axis}=1"
+                    f"{axis}={getattr(self, axis)} is not yet supported by lightning_par; set {axis}=1"
                 )
 
     def check_expert_parallel(self) -> None:
@@ -184,7 +217,7 @@ class ParallelConfig:
                     f"ep={self.ep} with tp={self.tp}, pp={self.pp}, zero_stage={self.zero_stage}: {reason}"
                 )
 
-    def layout(self) -> dict[str, Union[int, str, bool, None]]:
+    def layout(self) -> dict[str, Union[int, str, bool, tuple, None]]:
         """The resolved layout as a flat dict, for logs and the logger's config."""
         return dataclasses.asdict(self)
 

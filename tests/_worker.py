@@ -25,6 +25,7 @@ torch.set_num_threads(1)
 
 import lightning as L  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from lightning.pytorch.loggers import Logger  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 import lightning_par  # noqa: E402  (registers the strategy names)
@@ -94,11 +95,73 @@ class HFMixtralLM(L.LightningModule):
         self.log("train_loss", loss, sync_dist=True)
         return loss
 
+
+class _Residual(torch.nn.Module):
+    """x + mlp(norm(x)), with an optional extra argument (a mask-like scale) the trunk passes to every block."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(d)
+        self.fc1, self.fc2 = torch.nn.Linear(d, 2 * d), torch.nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
+        return x + (h if scale is None else h * scale)
+
+
+class _TinyLM(L.LightningModule):
+    """A user model that is not one of ours: embedding, a trunk, head; logs train_loss and a second value."""
+
+    def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(self(x).flatten(0, 1), y.flatten())
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        loss = self._loss(x, y)
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        self.log("tokens", float(x.numel()), reduce_fx="sum")
+        return {"loss": loss}
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self._loss(*batch), sync_dist=True)
+
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
 
 
 _MOE = dict(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=32, n_experts=4, top_k=2)
+
+
+class SeqTrunkLM(_TinyLM):
+    """Trunk = an nn.Sequential of blocks called as one module (``self.trunk(h)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(256, 32)
+        self.trunk = torch.nn.Sequential(*[_Residual(32) for _ in range(4)])
+        self.head = torch.nn.Linear(32, 256)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.trunk(self.emb(x)))
+
+
+class DictTrunkLM(_TinyLM):
+    """Trunk = an nn.ModuleDict iterated by key, each block taking an extra argument computed before the trunk."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(256, 32)
+        self.blocks = torch.nn.ModuleDict({f"b{i}": _Residual(32) for i in range(4)})
+        self.norm = torch.nn.LayerNorm(32)
+        self.head = torch.nn.Linear(32, 256)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        scale = torch.linspace(0.5, 1.0, x.shape[1], device=x.device)[None, :, None]  # a side input
+        for block in self.blocks.values():
+            h = block(h, scale)
+        return self.head(self.norm(h))
+
 
 MODELS = {
     "gpt": lambda: GPT(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=32, lr=3e-3),
@@ -117,6 +180,13 @@ MODELS = {
     "moe_gpt_cap_sgd": lambda: SGDMoEGPT(**_MOE, capacity_factor=0.75),
     "moe_gpt_3experts": lambda: MoEGPT(**{**_MOE, "n_experts": 3}),
     "hf_mixtral": HFMixtralLM,
+    # Four blocks: room for 2 stages x 2 virtual stages per rank (interleaved and V schedules).
+    "gpt4": lambda: GPT(vocab_size=256, block_size=32, n_layer=4, n_head=4, n_embd=32, lr=3e-3),
+    "llama4": lambda: Llama(vocab_size=256, max_seq_len=32, dim=32, n_layers=4, n_heads=4, n_kv_heads=2,
+                            ffn_hidden=64, lr=3e-3),
+    "gpt4_sgd": lambda: SGDGPT(vocab_size=256, block_size=32, n_layer=4, n_head=4, n_embd=32),
+    "seq_trunk": lambda: SeqTrunkLM(),
+    "dict_trunk": lambda: DictTrunkLM(),
 }  # fmt: skip
 
 
@@ -162,7 +232,9 @@ class Recorder(L.Callback):
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: Any, optimizer: Any) -> None:
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        self.grad_norms.append(float(global_grad_norm(params)))
+        # Under a pipeline each rank holds its stages' gradients only: the norm sums over the pipeline group.
+        groups = getattr(getattr(trainer.strategy, "precision_plugin", None), "norm_groups", ())
+        self.grad_norms.append(float(global_grad_norm(params, groups)))
         # The gradients the optimizer steps on: full (ZeRO-0) or this rank's shards (ZeRO 1-3).
         self.mem["grads"] = max(self.mem.get("grads", 0), _local_bytes(p.grad for p in params))
 
@@ -241,6 +313,28 @@ def _gather_experts(trainer: L.Trainer, model: torch.nn.Module, params: dict[str
         parts = [torch.empty_like(p) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, p.detach().contiguous(), group=group)
         params[names[p]] = torch.cat(parts).float().cpu()
+
+
+class MemoryLogger(Logger):
+    """Keeps every ``log_metrics`` call; Lightning calls loggers on global rank 0 only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.metrics: list[dict[str, float]] = []
+
+    @property
+    def name(self) -> str:
+        return "memory"
+
+    @property
+    def version(self) -> str:
+        return "0"
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.metrics.append(dict(metrics))
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
 
 
 class CheckpointRecorder(L.Callback):
@@ -396,6 +490,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         order = data._train.order
         data._train.order = order[torch.randperm(len(order), generator=torch.Generator().manual_seed(0))]
     recorder = Recorder(job.get("fail_at_step"))
+    memory_logger = MemoryLogger() if job.get("memory_logger") else None
     optim_recorder = OptimizerRecorder()
     ckpt_recorder = CheckpointRecorder(bool(job.get("record_step_params")))
     routing = RoutingRecorder()
@@ -430,7 +525,8 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         max_epochs=job.get("max_epochs"),
         accumulate_grad_batches=accumulate,
         gradient_clip_val=job.get("clip"),
-        logger=False,
+        logger=memory_logger if memory_logger is not None else False,
+        log_every_n_steps=1,
         enable_checkpointing=bool(job.get("ckpt_dir")),
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -481,6 +577,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         "resumed_from": Path(trainer.ckpt_path).name if trainer.ckpt_path else None,
         "draws": getattr(model, "draws", None),
         "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+        "logged": memory_logger.metrics if memory_logger is not None else None,
     }
     if isinstance(trainer.strategy, lightning_par.ParallelStrategy):
         from torchmetrics import Metric
@@ -495,6 +592,15 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         groups = [m._get_fsdp_state()._fsdp_param_group for m in units]  # type: ignore[operator]
         result["fsdp_units"] = len(units)
         result["offload_policies"] = sorted({type(g.offload_policy).__name__ for g in groups if g is not None})
+    if getattr(getattr(trainer.strategy, "config", None), "pp", 1) > 1:
+        # Each rank holds its stages' parameters only: merge every rank's (data-parallel replicas agree).
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, result["params"])
+        result["params"] = {k: v for d in every for k, v in d.items()}
+        result["param_counts_all"] = [len(d) for d in every]
+        local: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(local, recorder.local_losses)
+        result["local_losses_all"] = local
     if job.get("validate"):
         result["val"] = {k: float(v) for k, v in trainer.validate(model, datamodule=data, verbose=False)[0].items()}
     if job.get("test"):

@@ -201,6 +201,7 @@ def load_sharded(
     optimizers: Sequence[OptimizerEntry],
     strict: bool = True,
     distribute_model: Optional[Distribute] = None,
+    elsewhere: frozenset[str] = frozenset(),
 ) -> dict[str, Any]:
     """Load a folder written by `save_sharded` into ``module`` and ``optimizers`` in place.
 
@@ -210,6 +211,7 @@ def load_sharded(
         optimizers: as in `state_for`; empty when only the weights are wanted.
         strict: fail on missing or unexpected model keys.
         distribute_model: as in `state_for`.
+        elsewhere: model keys (``state_dict.<name>``) other ranks load: other pipeline stages' parameters.
 
     Returns:
         the non-tensor rest of the checkpoint (``meta.pt``).
@@ -221,7 +223,7 @@ def load_sharded(
         _init_optim_state(entry.optimizer)  # DCP loads into existing tensors, so the state must exist first
     state = state_for(module, optimizers, distribute_model)
     canonical, swaps = canonicalize(state)  # fused tensor-parallel tensors are stored whole (strided.py)
-    load_tensors(path, index, canonical, strict=strict)
+    load_tensors(path, index, canonical, strict=strict, elsewhere=elsewhere)
     restore(swaps)
     model_sd = state["state_dict"]
     if distribute_model is not None:  # the wrapped shards alias the parameters: DCP already wrote into them

@@ -241,7 +241,9 @@ def _listing(keys: list[str], limit: int = 4) -> str:
     return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
 
 
-def check_keys(path: Path, metadata: Metadata, state: dict[str, Any], strict: bool) -> list[str]:
+def check_keys(
+    path: Path, metadata: Metadata, state: dict[str, Any], strict: bool, elsewhere: frozenset[str] = frozenset()
+) -> list[str]:
     """Compare the state to load with the checkpoint's keys and shapes.
 
     Shapes must match. Model keys (``state_dict.*``) missing from the checkpoint, or in it but not in the model,
@@ -253,6 +255,7 @@ def check_keys(path: Path, metadata: Metadata, state: dict[str, Any], strict: bo
         metadata: its index, from `read_index`.
         state: the nested state about to be loaded (model under ``state_dict``, optimizers under ``optimizer_<i>``).
         strict: the LightningModule's ``strict_loading``.
+        elsewhere: flattened model keys that other ranks load (other pipeline stages): not unexpected here.
 
     Returns:
         the flattened model keys the checkpoint lacks (empty when ``strict``).
@@ -267,7 +270,7 @@ def check_keys(path: Path, metadata: Metadata, state: dict[str, Any], strict: bo
     missing = [k for k in want if k not in saved]
     missing_model = [k for k in missing if k.startswith("state_dict.")]
     missing_optim = [k for k in missing if not k.startswith("state_dict.")]
-    unexpected = [k for k in saved if k.startswith("state_dict.") and k not in want]
+    unexpected = [k for k in saved if k.startswith("state_dict.") and k not in want and k not in elsewhere]
     problems = []
     if mismatched:
         problems.append(f"{len(mismatched)} shape mismatch(es): {_listing(mismatched)}")
@@ -308,19 +311,21 @@ def _describe(path: Path, err: CheckpointException) -> str:
     return f"loading checkpoint {path} failed: " + "; ".join(f"rank(s) {r}: {m}" for m, r in by_message.items())
 
 
-def load_tensors(path: Path, metadata: Metadata, state: dict[str, Any], strict: bool = True) -> list[str]:
+def load_tensors(
+    path: Path, metadata: Metadata, state: dict[str, Any], strict: bool = True, elsewhere: frozenset[str] = frozenset()
+) -> list[str]:
     """Check ``state`` against the checkpoint (`check_keys`), then load it in place with DCP, resharding as needed.
 
     Args:
         path: the checkpoint folder, already checked by `read_index`.
         metadata: its index.
         state: nested state with plain or DTensor values; loaded in place.
-        strict: see `check_keys`.
+        strict, elsewhere: see `check_keys`.
 
     Returns:
         the model keys left out because the checkpoint lacks them (only when not ``strict``).
     """
-    skipped = check_keys(path, metadata, state, strict)
+    skipped = check_keys(path, metadata, state, strict, elsewhere)
     for key in skipped:
         state["state_dict"].pop(key[len("state_dict.") :], None)
     safe_load(state, path)

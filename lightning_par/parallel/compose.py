@@ -12,12 +12,13 @@ from lightning_par.config import ParallelConfig
 from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel.activation_checkpointing import apply_activation_checkpointing
 from lightning_par.parallel.expert_parallel import ExpertParallel, apply_expert_parallel
+from lightning_par.parallel.pipeline_schedule import PipelineRunner, apply_pipeline
 from lightning_par.parallel.tensor_parallel import TensorParallelInfo, apply_tensor_parallel
 from lightning_par.parallel.zero import apply_fsdp, sync_module_states
 from lightning_par.parallel.zero_replicated import ReplicatedZero
 from lightning_par.plans.moe import find_moe_layers
 from lightning_par.plans.tp import infer_tp_plan, validate_tp
-from lightning_par.plans.trunk import find_trunk
+from lightning_par.plans.trunk import Trunk, find_trunk
 
 
 class StepRoot(nn.Module):
@@ -43,10 +44,12 @@ class Parallelized:
     Args:
         model: the module the trainer calls (the user's module, or a `StepRoot` around it).
         zero: the ZeRO 0-2 engine that reduces gradients and shards the optimizer, or ``None`` under ZeRO-3.
-        checkpointed_blocks: indices of the trunk blocks under activation checkpointing.
-        tensor_parallel: what tensor parallelism changed, or ``None`` at tp=1.
+        checkpointed_blocks: indices of the trunk blocks under activation checkpointing (among this rank's
+            blocks under pipeline parallelism).
         experts: the expert parallelism (its gradient reduction runs next to ``zero``'s), or ``None`` when the
             model has no MoE layer.
+        tensor_parallel: what tensor parallelism changed, or ``None`` at tp=1.
+        pipeline: the runner of pipeline steps when ``pp > 1``.
     """
 
     model: nn.Module
@@ -54,6 +57,7 @@ class Parallelized:
     checkpointed_blocks: list[int]
     experts: Optional[ExpertParallel] = None
     tensor_parallel: Optional[TensorParallelInfo] = None
+    pipeline: Optional[PipelineRunner] = None
 
 
 def parallelize(
@@ -67,15 +71,17 @@ def parallelize(
 ) -> Parallelized:
     """Apply the configured parallelism to ``module`` in place.
 
-    Order: tensor parallelism first, then expert parallelism, then activation checkpointing, then data-parallel
-    sharding. Tensor and expert parallelism change which parameters exist on a rank (tp-local shards; each rank's
-    ``E/ep`` experts), so they precede ZeRO, which shards what is left: FSDP2 shards each tp-local tensor over dp
-    (the 2-D layout torch's DTensor composes), and our ZeRO 1-2 engine works on tp-local tensors and skips the
-    expert shards (their gradients are reduced over the ranks holding the same experts,
-    `ExpertParallel.reduce_gradients`). The expert dispatch hooks sit on the experts module, inside any recomputed
-    block, so recomputation replays the same all-to-alls on every rank. Activation checkpointing precedes ZeRO so
-    FSDP2's hooks sit outside the recomputed region and a block's parameters are gathered once for its backward,
-    recomputation included (the order torchtitan uses). Pipeline parallelism will slot in first.
+    Order: the pipeline cut first (it removes other stages' parameters, so every later step sees only this
+    rank's), then tensor and expert parallelism (they change which parameters a rank holds: tp-local shards, each
+    rank's ``E/ep`` experts), then activation checkpointing, then the pipeline's stage dispatch around the
+    (checkpointed) block forwards (the stage swap and stage end must happen outside any recomputed region), then
+    data-parallel sharding, which shards what is left: FSDP2 shards each tp-local tensor over dp (the 2-D layout
+    torch's DTensor composes); our ZeRO 1-2 engine works on tp-local tensors and skips the expert shards (their
+    gradients are reduced over the ranks holding the same experts, `ExpertParallel.reduce_gradients`). The expert
+    dispatch hooks sit on the experts module, inside any recomputed block, so recomputation replays the same
+    all-to-alls on every rank. FSDP2's hooks sit outside the recomputed region, so a block's parameters are
+    gathered once for its backward, recomputation included (the order torchtitan uses). pp x tp and pp x ep are
+    rejected by `ParallelConfig.check_supported` for now.
 
     Args:
         module: the user's model (a LightningModule), already in its training dtype.
@@ -94,7 +100,13 @@ def parallelize(
             "(an nn.ModuleList / Sequential / ModuleDict of >= 2 modules of one class); none was found in "
             f"{type(module).__name__}; set activation_checkpointing=None"
         )
-    sync_module_states(module, mesh.dp)  # before slicing experts: every rank slices the same full weights
+    runner = None
+    if config.pp > 1:
+        runner = _cut_pipeline(module, trunk, mesh, config)
+        blocks = runner.model.owned_blocks
+    # Over the data-parallel ranks (of this rank's own stage under pp): before slicing tp shards or experts, every
+    # rank slices the same full weights.
+    sync_module_states(module, mesh.dp)
     tp_info = None
     if config.tp > 1:
         sync_module_states(module, mesh.tp)  # replicated parameters (embedding, head) must match over tp too
@@ -107,13 +119,35 @@ def parallelize(
         group = mesh.dp.get_group() if mesh.dp.size() > 1 else None
         experts = apply_expert_parallel(module, mesh.experts, group)
     checkpointed = apply_activation_checkpointing(blocks, config.activation_checkpointing, config.ac_every)
+    if runner is not None:
+        runner.model.install()
     if config.zero_stage == 3:  # with ep == 1 (ep > 1 is rejected by check_supported): experts shard as any weight
         root = StepRoot(module)
         apply_fsdp(root, blocks, mesh.dp_2d, param_dtype=param_dtype, reduce_dtype=reduce_dtype, offload=config.offload)
-        return Parallelized(root, None, checkpointed, None, tp_info)
+        return Parallelized(root, None, checkpointed, tensor_parallel=tp_info, pipeline=runner)
     state_mesh = mesh.dp_tp if config.tp > 1 else None
     exclude = experts.params if experts is not None else ()
     zero = ReplicatedZero(
         module, mesh.dp_2d, config.zero_stage, config.bucket_cap_mb, state_mesh=state_mesh, exclude=exclude
     )
-    return Parallelized(module, zero, checkpointed, experts, tp_info)
+    if runner is not None and zero.stage == 2:
+        # The schedules compute weight gradients outside autograd's accumulation hooks (zero-bubble W passes),
+        # so under a pipeline ZeRO-2 reduce-scatters every bucket once per step instead (see docs/pipeline.md).
+        zero.remove_hooks()
+    return Parallelized(module, zero, checkpointed, experts, tp_info, runner)
+
+
+def _cut_pipeline(
+    module: nn.Module, trunk: Optional[Trunk], mesh: ParallelMesh, config: ParallelConfig
+) -> PipelineRunner:
+    if trunk is None:
+        raise ValueError(
+            f"pp={config.pp} needs a trunk of repeated blocks (an nn.ModuleList / Sequential / ModuleDict of >= 2 "
+            f"modules of one class) to cut into stages; none was found in {type(module).__name__}; set pp=1"
+        )
+    device = next(module.parameters()).device
+    return apply_pipeline(
+        module, trunk, schedule=config.pp_schedule, pp=config.pp, pp_rank=mesh.root.get_local_rank("pp"),
+        group=mesh.root.get_group("pp"), microbatches=config.microbatches or 2 * config.pp, device=device,
+        split=config.pp_split, costs=config.pp_costs,
+    )  # fmt: skip

@@ -7,7 +7,7 @@ it is replicated on, so the result equals the single-process norm up to float su
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,11 +33,13 @@ def _local(g: torch.Tensor) -> torch.Tensor:
     return g.to_local() if isinstance(g, DTensor) else g
 
 
-def global_grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
+def global_grad_norm(params: Iterable[torch.Tensor], sum_groups: Sequence[dist.ProcessGroup] = ()) -> torch.Tensor:
     """L2 norm of all gradients of ``params`` across every shard (a replicated fp32 scalar on every rank).
 
     Args:
         params: parameters (plain or DTensor) whose ``.grad`` may be ``None``.
+        sum_groups: groups whose ranks hold different parameters altogether (pipeline stages): the squared norm
+            is summed over them last. Every rank of such a group must call this, even one without gradients.
     """
     sums: dict[tuple[dist.ProcessGroup, ...], torch.Tensor] = {}
     device = None
@@ -56,7 +58,7 @@ def global_grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
         device = local.device
         sq = local.pow(2).sum()
         sums[groups] = sums[groups] + sq if groups in sums else sq
-    if device is None:
+    if device is None and not sum_groups:
         return torch.zeros(())
     total = torch.zeros((), device=device)
     # Same parameters on every rank -> same keys in the same (insertion) order -> matching collectives.
@@ -64,22 +66,27 @@ def global_grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
         for group in groups:
             dist.all_reduce(sq, group=group)
         total += sq
+    for group in sum_groups:
+        dist.all_reduce(total, group=group)
     return total.sqrt()
 
 
 @torch.no_grad()
-def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+def clip_grad_norm(
+    params: Iterable[torch.Tensor], max_norm: float, sum_groups: Sequence[dist.ProcessGroup] = ()
+) -> torch.Tensor:
     """Scale all gradients so their global norm is at most ``max_norm``, as ``torch.nn.utils.clip_grad_norm_``.
 
     Args:
         params: parameters whose gradients are clipped in place.
         max_norm: the largest allowed global L2 norm.
+        sum_groups: see `global_grad_norm`.
 
     Returns:
         the global norm before clipping.
     """
     params = list(params)
-    norm = global_grad_norm(params)
+    norm = global_grad_norm(params, sum_groups)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for p in params:
         if p.grad is not None:

@@ -264,7 +264,9 @@ class ReplicatedZero:
         """Finish the gradient reduction of one optimizer step (after the last backward of accumulation)."""
         if self.stage == 2:
             for bucket in self.buckets:
-                if bucket.ready:  # unused parameters never fired their hook: flush with zeros for them
+                # Unused parameters never fired their hook: flush with zeros for them. Without hooks (under a
+                # pipeline, see `compose`) every bucket is reduced here.
+                if bucket.ready or not self._hooks:
                     self._launch(bucket)
             self._drain(0)
             return

@@ -80,6 +80,9 @@ class ParallelPrecision(MixedPrecision):
         self.precision = precision  # type: ignore[assignment]
         self.device = device
         self.scaler = scaler
+        # Groups over which ranks hold disjoint parameters beyond their shards (pipeline stages): gradient
+        # clipping sums the squared norm over them too. Set by the strategy.
+        self.norm_groups: tuple[Any, ...] = ()
 
     @property
     def mixed(self) -> bool:
@@ -135,7 +138,7 @@ class ParallelPrecision(MixedPrecision):
 
     @override
     def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:  # type: ignore[override]
-        clip_grad_norm(self.main_params(optimizer), clip_val)
+        clip_grad_norm(self.main_params(optimizer), clip_val, sum_groups=self.norm_groups)
 
     @override
     def convert_input(self, data: Any) -> Any:

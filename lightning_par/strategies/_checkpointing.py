@@ -29,6 +29,7 @@ from lightning_par.checkpoint.dcp import (
 )
 from lightning_par.checkpoint.resume_state import KEY, ResumeState
 from lightning_par.parallel.compose import Parallelized
+from lightning_par.strategies._pipeline import PipelineSteps
 
 
 class CheckpointingMixin(_LightningParallelStrategy):
@@ -41,6 +42,7 @@ class CheckpointingMixin(_LightningParallelStrategy):
     _parallel: Optional[Parallelized]
     _async_saver: Optional[AsyncSaver]
     _saving_async: bool
+    _pipeline: Optional[PipelineSteps]
     _resume: Optional[ResumeState] = None
 
     # ---- deterministic resume (checkpoint/resume_state.py) ---------------------------------------------------
@@ -90,7 +92,8 @@ class CheckpointingMixin(_LightningParallelStrategy):
         inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         for entry in self._optimizer_entries():
             if entry.optimizer is inner:
-                return optimizer_state(entry)
+                state = optimizer_state(entry)
+                return self._pipeline.merge_param_groups(state) if self._pipeline is not None else state
         raise ValueError("optimizer_state() got an optimizer the strategy does not manage")
 
     @property
@@ -144,12 +147,14 @@ class CheckpointingMixin(_LightningParallelStrategy):
         self.wait_for_checkpoint()  # it may be the one being written
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.lightning_module is not None
+        elsewhere = self._pipeline.other_stage_keys(self.lightning_module) if self._pipeline else frozenset()
         meta = load_sharded(
             path,
             self.lightning_module,
             self._optimizer_entries(),
             strict=self.lightning_module.strict_loading,
             distribute_model=self._distribute_model(),
+            elsewhere=elsewhere,
         )
         trainer = self._attached_trainer
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:

@@ -40,6 +40,7 @@ from lightning_par.mesh import ParallelMesh, build_mesh
 from lightning_par.parallel.compose import Parallelized, parallelize
 from lightning_par.precision.parallel import ParallelPrecision
 from lightning_par.strategies._checkpointing import CheckpointingMixin
+from lightning_par.strategies._pipeline import PipelineSteps
 
 
 class ParallelStrategy(CheckpointingMixin, _LightningParallelStrategy):
@@ -47,7 +48,8 @@ class ParallelStrategy(CheckpointingMixin, _LightningParallelStrategy):
 
     Args:
         pp, dp_replicate, dp_shard, ep, tp, zero_stage, offload, activation_checkpointing, ac_every,
-            sequence_parallel, pp_schedule, microbatches, bucket_cap_mb: see `lightning_par.config.ParallelConfig`.
+            sequence_parallel, pp_schedule, microbatches, bucket_cap_mb, pp_split, pp_costs: see
+            `lightning_par.config.ParallelConfig`.
         auto_dims: for registered names: the dimensions (``"pp"``, ``"tp"``, ``"dp"``) whose degrees are split
             from the world size at start-up by `lightning_par.config.split_world`; explicit degrees are used as
             given when this is ``None``. ``"ep"`` makes ``ep`` every data-parallel rank.
@@ -79,6 +81,8 @@ class ParallelStrategy(CheckpointingMixin, _LightningParallelStrategy):
         pp_schedule: str = "1f1b",
         microbatches: Optional[int] = None,
         bucket_cap_mb: float = 25.0,
+        pp_split: Optional[tuple[int, ...]] = None,
+        pp_costs: Optional[tuple[float, ...]] = None,
         auto_dims: Optional[tuple[str, ...]] = None,
         timeout_s: float = 600.0,
         process_group_backend: Optional[str] = None,
@@ -102,14 +106,16 @@ class ParallelStrategy(CheckpointingMixin, _LightningParallelStrategy):
             pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, ep=ep, tp=tp, zero_stage=zero_stage,
             offload=offload, activation_checkpointing=activation_checkpointing, ac_every=ac_every,
             sequence_parallel=sequence_parallel, pp_schedule=pp_schedule, microbatches=microbatches,
-            bucket_cap_mb=bucket_cap_mb,
+            bucket_cap_mb=bucket_cap_mb, pp_split=pp_split, pp_costs=pp_costs,
         )  # fmt: skip
         self._config.check_supported()
-        if "pp" in (auto_dims or ()):
+        dims = tuple(auto_dims or ())
+        if "pp" in dims and "tp" in dims:
             raise NotImplementedError(
-                "pipeline (pp) parallelism is not yet supported by lightning_par; use a data-parallel or tensor-"
-                "parallel strategy (zero1, zero2, zero3, zero3_offload, tp, tp_zero1/2/3) until it lands"
+                "pipe_tp needs tensor-parallel blocks inside pipeline stages; not yet supported: use 'pipe' or 'tp'"
             )
+        if "pp" in dims and zero_stage == 3:
+            raise NotImplementedError("pipe_zero3 is not yet supported; use pipe_zero1 or pipe_zero2")
         self._tp_plan = dict(tp_plan) if tp_plan else None
         self._auto_dims = auto_dims
         if timeout_s <= 0:
@@ -120,6 +126,7 @@ class ParallelStrategy(CheckpointingMixin, _LightningParallelStrategy):
         self._saving_async = False  # between on_train_start and on_train_end: other saves are synchronous
         self._mesh: Optional[ParallelMesh] = None
         self._parallel: Optional[Parallelized] = None
+        self._pipeline: Optional[PipelineSteps] = None
         self._accumulating = False
         self.num_nodes = 1
 
@@ -259,6 +266,9 @@ class ParallelStrategy(CheckpointingMixin, _LightningParallelStrategy):
                 tp_plan=self._tp_plan,
             )
             self._set_metric_groups(module)
+            if self._parallel.pipeline is not None:
+                self._pipeline = PipelineSteps(self._parallel.pipeline, self.device_mesh.get_group("pp"))
+                precision.norm_groups = (self.device_mesh.get_group("pp"),)  # clip by the norm over all stages
         self.model = self._parallel.model
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -302,11 +312,54 @@ class ParallelStrategy(CheckpointingMixin, _LightningParallelStrategy):
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
         zero = self._parallel.zero if self._parallel else None
-        if zero is not None and not self._accumulating:
+        # Under a pipeline, ZeRO-2 reduces every step (its hooks are off), so full gradients never outlive a step.
+        pipe_zero2 = self._pipeline is not None and zero is not None and zero.stage == 2
+        if zero is not None and (not self._accumulating or pipe_zero2):
             zero.reduce_gradients()  # before on_before_optimizer_step and clipping see the gradients
         experts = self._parallel.experts if self._parallel else None
         if experts is not None and not self._accumulating:
             experts.reduce_gradients()
+
+    # ---- pipeline parallelism: the strategy owns the step (strategies/_pipeline.py) --------------------------
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().training_step(*args, **kwargs)
+        module = self.lightning_module
+        assert module is not None
+        with self.precision_plugin.train_step_context():
+            return self._pipeline.training_step(module, self.precision_plugin, *args, **kwargs)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        if self._pipeline is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        return self._pipeline.backward(self, closure_loss, optimizer)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().validation_step(*args, **kwargs)
+        assert self.lightning_module is not None
+        with self.precision_plugin.val_step_context():
+            return self._pipeline.eval_step(self.lightning_module, "validation_step", *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().test_step(*args, **kwargs)
+        assert self.lightning_module is not None
+        with self.precision_plugin.test_step_context():
+            return self._pipeline.eval_step(self.lightning_module, "test_step", *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is not None:
+            raise NotImplementedError(
+                "trainer.predict is not yet supported under pipeline parallelism (pp > 1): predictions exist only "
+                "on the last stage; predict with pp=1 (load the sharded checkpoint into a zero1/zero3 layout)"
+            )
+        return super().predict_step(*args, **kwargs)
 
     # ---- collectives -----------------------------------------------------------------------------------------
     @override

@@ -1,0 +1,355 @@
+"""Pipeline parallelism around code we did not write: cut the user's model at stage boundaries.
+
+The route (docs/design.md, "Pipeline: run the user's code, cut at the stage boundary"): every rank of a pipeline
+group loads the same batch, and a stage runs the user's own step function (``training_step``, ...) on a
+microbatch with the model cut down to what the stage owns:
+
+- trunk blocks another stage owns are pass-throughs (they hand their first argument on unchanged);
+- the first block the stage owns swaps in the activation received from the previous stage;
+- the last block it owns ends the stage by raising `_StageEnd` with its output, which the stage module returns
+  to the schedule; only the last stage runs on to the head and the loss, as the user wrote them;
+- modules registered before the trunk (embeddings) exist only on the first stage; elsewhere a `_Shadow` runs
+  them on the meta device and returns zeros of the right shape (the value is discarded by the swap), so side
+  inputs computed before the trunk (rotary tables, masks) are recomputed locally instead of sent;
+- modules registered after the trunk (final norm, head) exist only on the last stage.
+
+Modules other stages own are removed from the module tree, so a rank holds only its stages' parameters, under
+their original names (checkpoints move between layouts). Nothing here imports Lightning: the step function is
+any callable.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_map_only
+
+from lightning_par.plans.trunk import Trunk
+
+
+class PipelineError(ValueError):
+    """A model or step the pipeline cannot cut; the message names the fix."""
+
+
+class _StageEnd(BaseException):
+    """Raised by a stage's last block to end the stage's run of the user's code.
+
+    A `BaseException` so that a broad ``except Exception`` in user code does not swallow it.
+    """
+
+    def __init__(self, output: Any) -> None:
+        super().__init__()
+        self.output = output
+
+
+@dataclasses.dataclass(frozen=True)
+class StageSpec:
+    """One pipeline stage.
+
+    Args:
+        index: stage index in the whole pipeline (``0 .. n_stages - 1``).
+        start, end: its trunk blocks, ``range(start, end)``.
+        is_first, is_last: whether it runs the code before / after the trunk.
+    """
+
+    index: int
+    start: int
+    end: int
+    is_first: bool
+    is_last: bool
+
+
+@dataclasses.dataclass
+class _Active:
+    spec: Optional[StageSpec]  # None while probing the trunk's input
+    incoming: Optional[Tensor]
+    trunk_started: bool = False
+
+
+def _outside(name: str) -> RuntimeError:
+    return RuntimeError(
+        f"{name} was called outside the pipeline: under pipeline parallelism the model runs only inside "
+        "training_step / validation_step / test_step, which the strategy drives through the schedule"
+    )
+
+
+class _PassThrough(nn.Module):
+    """Stands in for a trunk block that another rank owns."""
+
+    _owner: PipelineModel
+
+    def __init__(self, owner: PipelineModel, index: int, name: str) -> None:
+        super().__init__()
+        object.__setattr__(self, "_owner", owner)
+        self.index, self.block_name = index, name
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._owner._block_call(self.index, None, args, kwargs)
+
+
+class _Shadow(nn.Module):
+    """Stands in for a module before the trunk (an embedding) on a rank that does not run the first stage.
+
+    Runs a parameter-free meta-device copy for the output's shape and dtype and returns zeros: the stage's first
+    block replaces the hidden state with the received activation, so the value never matters, only the shape of
+    whatever the user's code computes from it before the trunk.
+    """
+
+    _owner: PipelineModel
+    _meta: nn.Module
+
+    def __init__(self, owner: PipelineModel, original: nn.Module, name: str, device: torch.device) -> None:
+        super().__init__()
+        memo: dict[int, Any] = {}
+        for t in itertools.chain(original.parameters(), original.buffers()):
+            meta = torch.empty_like(t, device="meta")
+            memo[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
+        object.__setattr__(self, "_meta", copy.deepcopy(original, memo))  # not registered: no parameters here
+        object.__setattr__(self, "_owner", owner)
+        self.module_name, self.device = name, device
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        active = self._owner._active
+        if active is not None and active.trunk_started:
+            raise PipelineError(
+                f"{self.module_name} is registered before the trunk ({self._owner.trunk.path}) but runs after it; "
+                "the pipeline gives modules registered before the trunk to the first stage and those after it to "
+                "the last: register it after the trunk in __init__"
+            )
+        meta_args, meta_kwargs = tree_map_only(Tensor, lambda t: t.to("meta"), (args, kwargs))
+        out = self._meta(*meta_args, **meta_kwargs)
+        return tree_map_only(Tensor, lambda t: torch.zeros(t.shape, dtype=t.dtype, device=self.device), out)
+
+
+class _Missing(nn.Module):
+    """Stands in for a module after the trunk (norm, head) on a rank that does not run the last stage."""
+
+    def __init__(self, name: str, trunk_path: str) -> None:
+        super().__init__()
+        self.module_name, self.trunk_path = name, trunk_path
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise PipelineError(
+            f"{self.module_name} is registered after the trunk ({self.trunk_path}) but runs before it; the "
+            "pipeline gives modules registered after the trunk to the last stage: register it before the trunk"
+        )
+
+
+class StageModule(nn.Module):
+    """The module `torch.distributed.pipelining.PipelineStage` drives for one stage.
+
+    Its registered parameters are exactly the stage's own (the schedule's weight-gradient pass of the zero-bubble
+    schedules walks them); the user's module is held unregistered.
+
+    Args:
+        owner: the cut model.
+        spec: the stage.
+        owned: the modules whose parameters this stage owns.
+    """
+
+    _owner: PipelineModel
+
+    def __init__(self, owner: PipelineModel, spec: StageSpec, owned: Sequence[nn.Module]) -> None:
+        super().__init__()
+        self.owned = nn.ModuleList(owned)
+        object.__setattr__(self, "_owner", owner)
+        self.spec = spec
+
+    def forward(self, *args: Tensor, mb: Tensor) -> Tensor:
+        return self._owner.run_stage(self.spec, args[0] if args else None, int(mb.reshape(-1)[0]))
+
+
+StepFn = Callable[[int, StageSpec], Optional[Tensor]]
+
+
+class PipelineModel:
+    """The user's module cut for the stages one rank runs (see the module docstring).
+
+    Args:
+        module: the user's module; changed in place.
+        trunk: its trunk (`lightning_par.plans.trunk.find_trunk`).
+        ranges: block range of every stage of the pipeline (`lightning_par.plans.partition.partition`).
+        local_stages: indices of the stages this rank runs.
+        device: the rank's device.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        trunk: Trunk,
+        ranges: Sequence[tuple[int, int]],
+        local_stages: Sequence[int],
+        device: torch.device,
+    ) -> None:
+        self.module, self.trunk, self.device = module, trunk, device
+        n = len(ranges)
+        self.n_stages = n
+        self.specs = [StageSpec(s, *ranges[s], is_first=s == 0, is_last=s == n - 1) for s in sorted(local_stages)]
+        self._active: Optional[_Active] = None
+        self.step_fn: Optional[StepFn] = None
+        self.hidden_dtype: Optional[torch.dtype] = None
+        pre, post = outer_modules(module, trunk)
+        self.pre_names, self.post_names = [n for n, _ in pre], [n for n, _ in post]
+        owns_first = any(s.is_first for s in self.specs)
+        owns_last = any(s.is_last for s in self.specs)
+        owned_idx = {i for s in self.specs for i in range(s.start, s.end)}
+        self.blocks: dict[int, nn.Module] = {}
+        for i, (name, block) in enumerate(zip(trunk.names, trunk.blocks)):
+            if i in owned_idx:
+                self.blocks[i] = block
+            else:
+                _replace(module, name, _PassThrough(self, i, name))
+        self.pre = {n: m for n, m in pre} if owns_first else {}
+        self.post = {n: m for n, m in post} if owns_last else {}
+        if not owns_first:
+            for name, m in pre:
+                _replace(module, name, _Shadow(self, m, name, device))
+        if not owns_last:
+            for name, _ in post:
+                _replace(module, name, _Missing(name, trunk.path))
+
+    @property
+    def owned_blocks(self) -> list[nn.Module]:
+        """The trunk blocks this rank owns, in order (activation checkpointing and tensor parallelism go here)."""
+        return [self.blocks[i] for i in sorted(self.blocks)]
+
+    def stage_modules(self) -> list[StageModule]:
+        """One `StageModule` per local stage, in stage order."""
+        out = []
+        for spec in self.specs:
+            owned: list[nn.Module] = [self.blocks[i] for i in range(spec.start, spec.end)]
+            owned += list(self.pre.values()) if spec.is_first else []
+            owned += list(self.post.values()) if spec.is_last else []
+            out.append(StageModule(self, spec, owned))
+        return out
+
+    def install(self) -> None:
+        """Route the owned blocks' forwards through the stage dispatch (after activation checkpointing wrapped
+        them, so the swap and the stage end happen outside any recomputed region)."""
+        for i, block in self.blocks.items():
+            forward = block.forward
+            block.forward = (  # type: ignore[method-assign]
+                lambda *a, _i=i, _f=forward, **k: self._block_call(_i, _f, a, k)
+            )
+
+    # ---- running ---------------------------------------------------------------------------------------------
+    def _block_call(self, i: int, forward: Optional[Callable[..., Any]], args: tuple, kwargs: dict) -> Any:
+        name = self.trunk.names[i]
+        active = self._active
+        if active is None:
+            raise _outside(name)
+        if not args:
+            raise PipelineError(f"{name} was called without positional arguments; pass the hidden state first")
+        if active.spec is None:  # probing: the hidden state entering the trunk
+            raise _StageEnd(args[0])
+        active.trunk_started = True
+        spec = active.spec
+        if i < spec.start:
+            return args[0]
+        if i >= spec.end or forward is None:
+            raise PipelineError(f"{name} ran after stage {spec.index} ended; the trunk's blocks must run in order")
+        if i == spec.start and active.incoming is not None:
+            args = (active.incoming, *args[1:])
+        out = forward(*args, **kwargs)
+        if i == spec.end - 1 and not spec.is_last:
+            raise _StageEnd(out)
+        return out
+
+    def run_stage(self, spec: StageSpec, incoming: Optional[Tensor], mb: int) -> Tensor:
+        """Run the step function for microbatch ``mb`` as stage ``spec``; the stage's output (activation or loss).
+
+        Args:
+            spec: one of this rank's stages.
+            incoming: the activation received from the previous stage (``None`` on the first stage).
+            mb: microbatch index.
+        """
+        if self.step_fn is None:
+            raise RuntimeError("run_stage needs step_fn (set by the pipeline runner for each step)")
+        self._active = _Active(spec, incoming)
+        try:
+            out = self.step_fn(mb, spec)
+        except _StageEnd as end:
+            hidden = end.output[0] if isinstance(end.output, (tuple, list)) else end.output
+            if not isinstance(hidden, Tensor):
+                raise PipelineError(
+                    f"block {self.trunk.names[spec.end - 1]} returned {type(hidden).__name__}; trunk blocks must "
+                    "return the hidden state (alone or first in a tuple)"
+                ) from None
+            # One dtype on the wire: the receiving stage allocated its buffer from the probed trunk input.
+            return hidden.to(self.hidden_dtype) if self.hidden_dtype is not None else hidden
+        finally:
+            self._active = None
+        if not spec.is_last:
+            raise PipelineError(
+                f"stage {spec.index} finished without running block {self.trunk.names[spec.end - 1]}; the model's "
+                "forward must call every trunk block, in order"
+            )
+        if out is None:  # evaluation steps may return nothing: the schedule still wants a tensor
+            return torch.zeros((), device=self.device)
+        return out
+
+    def probe(self, fn: Callable[[], Any]) -> Tensor:
+        """Run ``fn`` (the step function on a microbatch) up to the trunk and return the trunk's input."""
+        self._active = _Active(None, None)
+        try:
+            fn()
+        except _StageEnd as end:
+            return end.output
+        finally:
+            self._active = None
+        raise PipelineError(f"the step never called the trunk {self.trunk.path}; nothing to pipeline")
+
+
+def _replace(root: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, leaf = name.rpartition(".")
+    parent = root.get_submodule(parent_name) if parent_name else root
+    parent._modules[leaf] = new
+
+
+def outer_modules(module: nn.Module, trunk: Trunk) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Module]]]:
+    """Modules with parameters outside the trunk, split by registration order into before / after the trunk.
+
+    Registration order stands in for execution order (nanoGPT, Llama and Hugging Face models register the
+    embeddings, then the blocks, then the final norm and head); a module that breaks the rule fails with a
+    message when it runs on the wrong stage (`_Shadow`, `_Missing`).
+    """
+    pre: list[tuple[str, nn.Module]] = []
+    post: list[tuple[str, nn.Module]] = []
+    seen_trunk = False
+    prefix = trunk.path + "."
+    for name, m in module.named_modules():
+        if name == trunk.path:
+            seen_trunk = True
+            continue
+        if name.startswith(prefix) or any(name.startswith(n + ".") for n, _ in pre + post):
+            continue
+        direct = [n for n, p in m._parameters.items() if p is not None]
+        if not direct:
+            continue
+        if name == "" or prefix.startswith(name + "."):
+            where = f"{name}.{direct[0]}" if name else direct[0]
+            raise PipelineError(
+                f"parameter {where} sits on a module that contains the trunk, so no single stage can own it; move "
+                "it into a submodule registered before or after the trunk"
+            )
+        (post if seen_trunk else pre).append((name, m))
+    pre_ids = {id(p) for _, m in pre for p in m.parameters()}
+    for name, m in post:
+        for pname, p in m.named_parameters():
+            if id(p) in pre_ids:
+                raise PipelineError(
+                    f"{name}.{pname} is shared with a module before the trunk (tied embeddings): the first and last "
+                    "stages would both own it; untie the weights (e.g. GPT(tie_weights=False)) under pipelining"
+                )
+    trunk_ids = {id(p) for b in trunk.blocks for p in b.parameters()}
+    for name, m in pre + post:
+        for pname, p in m.named_parameters():
+            if id(p) in trunk_ids:
+                raise PipelineError(f"{name}.{pname} is shared with a trunk block; stages cannot share parameters")
+    return pre, post

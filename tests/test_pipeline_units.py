@@ -1,0 +1,274 @@
+"""Pipeline pieces without process groups: partitioner, trunk detection, the stage cut, schedules' rules, errors."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+import torch
+from _worker import DictTrunkLM, SeqTrunkLM
+from torch import nn
+
+from lightning_par.config import PP_SCHEDULES, ParallelConfig, ParallelConfigError
+from lightning_par.models import GPT, Llama
+from lightning_par.parallel.pipeline import PipelineError, PipelineModel, StageSpec
+from lightning_par.parallel.pipeline_schedule import (
+    SCHEDULES,
+    check_schedule,
+    local_stages,
+    n_stages,
+    split_microbatches,
+)
+from lightning_par.plans.partition import (
+    PartitionError,
+    even_split,
+    measure_block_times,
+    param_costs,
+    partition,
+    stage_costs,
+)
+from lightning_par.plans.trunk import find_trunk
+
+# ---- partitioner ---------------------------------------------------------------------------------------------
+
+
+def _brute_force(costs: list[float], k: int, first: float, last: float) -> float:
+    n, best = len(costs), float("inf")
+    for cuts in itertools.combinations(range(1, n), k - 1):
+        bounds = [0, *cuts, n]
+        ranges = list(itertools.pairwise(bounds))
+        best = min(best, max(stage_costs(ranges, costs, first, last)))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_partition_minimises_the_costliest_stage(seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(2, 9, (1,), generator=g))
+    k = int(torch.randint(1, n + 1, (1,), generator=g))
+    costs = [float(c) for c in torch.randint(0, 10, (n,), generator=g)]
+    first, last = float(torch.randint(0, 6, (1,), generator=g)), float(torch.randint(0, 6, (1,), generator=g))
+    ranges = partition(costs, k, first_extra=first, last_extra=last)
+    assert len(ranges) == k and ranges[0][0] == 0 and ranges[-1][1] == n
+    assert all(a < b for a, b in ranges) and all(r[1] == s[0] for r, s in itertools.pairwise(ranges))
+    assert max(stage_costs(ranges, costs, first, last)) == _brute_force(costs, k, first, last)
+
+
+def test_partition_gives_end_stages_fewer_blocks_when_embedding_and_head_cost() -> None:
+    assert partition([1.0] * 8, 2) == [(0, 4), (4, 8)]
+    # A head as costly as two blocks: the last stage takes two fewer blocks.
+    assert partition([1.0] * 8, 2, last_extra=2.0) == [(0, 5), (5, 8)]
+    ranges = partition([1.0] * 6, 3, first_extra=1.0, last_extra=1.0)
+    assert ranges == [(0, 2), (2, 5), (5, 6)] and stage_costs(ranges, [1.0] * 6, 1.0, 1.0) == [3.0, 3.0, 2.0]
+
+
+def test_manual_split_and_its_errors() -> None:
+    assert partition([1.0] * 5, 2, split=[1, 4]) == [(0, 1), (1, 5)]
+    with pytest.raises(PartitionError, match=r"pp_split=\[2, 2\] must be 2 positive block counts .* 5 blocks"):
+        partition([1.0] * 5, 2, split=[2, 2])
+    with pytest.raises(PartitionError, match=r"e\.g\. pp_split=\[3, 2\]"):
+        partition([1.0] * 5, 2, split=[5, 0])
+    assert even_split(5, 2) == [3, 2]
+
+
+def test_more_stages_than_blocks_is_rejected_with_the_fix() -> None:
+    with pytest.raises(PartitionError, match=r"4 pipeline stages but the trunk has only 3 blocks.*<= 3"):
+        partition([1.0] * 3, 4)
+    with pytest.raises(PipelineError, match=r"needs 4 stages but the trunk has 2 blocks.*'1f1b' or a smaller pp"):
+        check_schedule("interleaved_1f1b", 2, 4, 2)
+
+
+def test_costs_from_parameters_and_measured_times() -> None:
+    model = GPT(n_layer=3, n_embd=32, n_head=4)
+    blocks = find_trunk(model).blocks
+    assert param_costs(blocks) == [float(sum(p.numel() for p in blocks[0].parameters()))] * 3
+    times = measure_block_times(blocks, torch.randn(2, 8, 32), repeats=2)
+    assert len(times) == 3 and all(t > 0 for t in times)
+    # Llama blocks take the rotary table as a second argument.
+    llama = Llama(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=8)
+    assert len(measure_block_times(find_trunk(llama).blocks, torch.randn(1, 8, 32), llama.rope[:8], repeats=1)) == 2
+
+
+# ---- trunk detection -------------------------------------------------------------------------------------------
+
+
+def test_trunk_detection_for_list_sequential_and_dict_trunks_with_extra_block_args() -> None:
+    assert find_trunk(GPT(n_layer=2)).names == ("transformer.h.0", "transformer.h.1")
+    # Llama's blocks take (x, rope): the trunk does not depend on the blocks' signatures.
+    assert find_trunk(Llama(n_layers=3, dim=32, n_heads=4, n_kv_heads=2, ffn_hidden=64)).path == "layers"
+    seq = find_trunk(SeqTrunkLM())
+    assert seq is not None and seq.path == "trunk" and seq.names == tuple(f"trunk.{i}" for i in range(4))
+    dct = find_trunk(DictTrunkLM())  # blocks take (x, scale), the scale computed before the trunk
+    assert dct is not None and dct.path == "blocks" and dct.names == tuple(f"blocks.b{i}" for i in range(4))
+
+
+# ---- the stage cut, run by hand in one process -----------------------------------------------------------------
+
+
+def _models() -> dict[str, Any]:
+    torch.manual_seed(0)
+    return {
+        "gpt": GPT(vocab_size=64, block_size=16, n_layer=4, n_head=4, n_embd=32),
+        "llama": Llama(vocab_size=64, max_seq_len=16, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=64),
+        "seq": SeqTrunkLM(),
+        "dict": DictTrunkLM(),
+    }
+
+
+def _loss(model: Any, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama", "seq", "dict"])
+def test_stages_chained_by_hand_give_the_full_model_loss_and_gradients(name: str) -> None:
+    import copy
+
+    full = _models()[name]
+    vocab = 64 if name in ("gpt", "llama") else 256
+    batch = (torch.randint(0, vocab, (2, 16)), torch.randint(0, vocab, (2, 16)))
+    ref = _loss(full, batch)
+    ref.backward()
+    ref_grads = {n: p.grad.clone() for n, p in full.named_parameters()}
+    ranges = [(0, 1), (1, 3), (3, 4)]
+    # Each stage on its own "rank": its own cut copy of the model.
+    cuts = [copy.deepcopy(full) for _ in ranges]
+    for m in cuts:
+        m.zero_grad(set_to_none=True)
+    pipes = [PipelineModel(m, find_trunk(m), ranges, [s], torch.device("cpu")) for s, m in enumerate(cuts)]
+    hidden = None
+    for pipe, m in zip(pipes, cuts):
+        pipe.install()
+        pipe.step_fn = lambda _mb, _spec, m=m: _loss(m, batch)
+        hidden = pipe.run_stage(pipe.specs[0], hidden, 0)  # activation, then activation, then the loss
+    torch.testing.assert_close(hidden, ref, rtol=1e-6, atol=0)
+    # In one process the stages' graphs are chained, so one backward reaches every stage's parameters.
+    hidden.backward()
+    got = {n: p.grad for m in cuts for n, p in m.named_parameters()}
+    assert set(got) == set(ref_grads)  # every parameter is owned by exactly one stage, under its original name
+    for n, g in ref_grads.items():
+        torch.testing.assert_close(got[n], g, rtol=1e-5, atol=1e-7, msg=lambda msg, n=n: f"{n}: {msg}")
+
+
+def test_stage_keeps_only_its_parameters_and_fakes_the_embedding() -> None:
+    model = _models()["gpt"]
+    pipe = PipelineModel(model, find_trunk(model), [(0, 2), (2, 4)], [1], torch.device("cpu"))
+    names = [n for n, _ in model.named_parameters()]
+    assert all(n.startswith(("transformer.h.2", "transformer.h.3", "transformer.ln_f", "lm_head")) for n in names)
+    assert pipe.pre_names == ["transformer.wte", "transformer.wpe"] and pipe.post_names == ["transformer.ln_f",
+                                                                                            "lm_head"]  # fmt: skip
+    pipe.install()
+    received = torch.randn(2, 8, 32, requires_grad=True)
+    pipe.step_fn = lambda _mb, _spec: _loss(model, (torch.zeros(2, 8, dtype=torch.long),) * 2)
+    loss = pipe.run_stage(pipe.specs[0], received, 0)
+    loss.backward()
+    assert received.grad is not None and received.grad.abs().sum() > 0  # the stage differentiates its input
+
+
+def test_model_outside_the_pipeline_and_broken_contracts_fail_clearly() -> None:
+    model = _models()["gpt"]
+    PipelineModel(model, find_trunk(model), [(0, 2), (2, 4)], [0], torch.device("cpu")).install()
+    with pytest.raises(RuntimeError, match=r"transformer.h.0 was called outside the pipeline"):
+        model(torch.zeros(1, 4, dtype=torch.long))
+
+    tied = GPT(n_layer=2, tie_weights=True)
+    with pytest.raises(PipelineError, match=r"lm_head.weight is shared .*tied embeddings.*tie_weights=False"):
+        PipelineModel(tied, find_trunk(tied), [(0, 1), (1, 2)], [0], torch.device("cpu"))
+
+    class RootParam(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(1))
+            self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+    root = RootParam()
+    with pytest.raises(PipelineError, match=r"parameter scale sits on a module that contains the trunk"):
+        PipelineModel(root, find_trunk(root), [(0, 1), (1, 2)], [0], torch.device("cpu"))
+
+
+def test_stage_that_skips_its_last_block_is_reported() -> None:
+    model = _models()["gpt"]
+    pipe = PipelineModel(model, find_trunk(model), [(0, 2), (2, 4)], [0], torch.device("cpu"))
+    pipe.install()
+    pipe.step_fn = lambda _mb, _spec: torch.zeros(())  # never calls the model
+    with pytest.raises(PipelineError, match=r"stage 0 finished without running block transformer.h.1"):
+        pipe.run_stage(StageSpec(0, 0, 2, True, False), None, 0)
+
+
+# ---- schedules, microbatches, config -----------------------------------------------------------------------------
+
+
+def test_stage_to_rank_maps() -> None:
+    assert local_stages("1f1b", 4, 1) == [1]
+    assert local_stages("interleaved_1f1b", 2, 0) == [0, 2] and local_stages("looped_bfs", 2, 1) == [1, 3]
+    assert local_stages("zbv", 2, 0) == [0, 3] and local_stages("dualpipev", 4, 1) == [1, 6]
+    assert n_stages("interleaved_zb", 4) == 8 and n_stages("gpipe", 4) == 4
+    assert set(SCHEDULES) == set(PP_SCHEDULES)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "pp", "m", "message"),
+    [
+        ("dualpipev", 2, 3, r"'dualpipev' needs microbatches >= 4 \(pp x 2 virtual stages\).*microbatches=4"),
+        ("interleaved_1f1b", 4, 9, r"multiple of max\(1, microbatches // pp\) = 2; got 9: use a multiple of pp=4"),
+        ("1f1b", 4, 3, r"'1f1b' needs microbatches >= 4 stages; got 3"),
+    ],
+)
+def test_schedule_rules_are_checked_up_front(schedule: str, pp: int, m: int, message: str) -> None:
+    with pytest.raises(PipelineError, match=message):
+        check_schedule(schedule, pp, m, 16)
+
+
+def test_microbatches_split_tensors_tuples_and_dicts_along_dim_0() -> None:
+    batch = {"x": torch.arange(8).view(4, 2), "y": (torch.arange(4), "tag"), "n": torch.tensor(3.0)}
+    mbs = split_microbatches(batch, 2)
+    assert len(mbs) == 2 and mbs[1]["x"].tolist() == [[4, 5], [6, 7]] and mbs[0]["y"][0].tolist() == [0, 1]
+    assert mbs[0]["y"][1] == "tag" and float(mbs[1]["n"]) == 3.0
+    assert [t.tolist() for t in split_microbatches(torch.arange(6), 3)] == [[0, 1], [2, 3], [4, 5]]
+    with pytest.raises(PipelineError, match=r"batch size per data-parallel rank \(6\) is not divisible by "
+                                            r"microbatches=4; choose microbatches in \{1, 2, 3, 6\}"):  # fmt: skip
+        split_microbatches((torch.zeros(6), torch.zeros(6)), 4)
+    with pytest.raises(PipelineError, match=r"differ in size along dim 0 \(\[3, 4\]\)"):
+        split_microbatches((torch.zeros(4), torch.zeros(3)), 2)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "message"),
+    [
+        ({"pp": 2, "tp": 2}, NotImplementedError, r"pipe_tp needs .*not yet supported"),
+        ({"pp": 2, "zero_stage": 3}, NotImplementedError, r"pipe_zero3 .*not yet supported.*pipe_zero1, pipe_zero2"),
+        (
+            {"pp": 2, "pp_schedule": "zbv", "activation_checkpointing": "selective_op"},
+            ParallelConfigError,
+            r"'selective_op' cannot run under pp_schedule='zbv'.*'full'",
+        ),
+        ({"pp_split": (2, 0)}, ParallelConfigError, r"pp_split=\(2, 0\) must be positive block counts"),
+        ({"pp_costs": (1.0, -1.0)}, ParallelConfigError, r"pp_costs=.* must be >= 0"),
+    ],
+)
+def test_pipeline_config_errors(kwargs: dict[str, Any], exc: type, message: str) -> None:
+    with pytest.raises(exc, match=message):
+        ParallelConfig(**kwargs).check_supported()
+
+
+@pytest.mark.parametrize(("name", "message"), [("pipe_tp", "pipe_tp needs"), ("3d", "pipe_tp needs"),
+                                               ("pipe_zero3", "pipe_zero3 is not yet supported")])  # fmt: skip
+def test_pipe_names_not_yet_supported_fail_at_construction(name: str, message: str) -> None:
+    import lightning as L
+
+    import lightning_par  # noqa: F401
+
+    with pytest.raises(NotImplementedError, match=message):
+        L.Trainer(strategy=name, accelerator="cpu", devices=1)
+
+
+@pytest.mark.parametrize("name", ["pipe", "pipe_zero1", "pipe_zero2"])
+def test_pipe_names_construct(name: str) -> None:
+    from lightning_par.strategies.registry import strategy_kwargs
+
+    kwargs = strategy_kwargs(name)
+    assert kwargs["auto_dims"][0] == "pp"
+    import lightning_par
+
+    lightning_par.ParallelStrategy(**kwargs)  # validated at construction; degrees come from the world size
