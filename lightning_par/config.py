@@ -223,11 +223,4 @@ def expert_parallel_conflict(tp: bool, pp: bool, zero_stage: int) -> Optional[st
             f"expert parallelism does not compose with {what} parallelism in lightning_par yet; use 'moe', "
             "'moe_zero1' or 'moe_zero2' without tp/pipe, or tp/pipe with ep=1"
         )
-    if zero_stage == 3:
-        return (
-            "ZeRO-3 under expert parallelism is not supported yet: FSDP2 would shard the expert shards again over dp "
-            "and reduce their gradients over every dp rank instead of the ranks holding the same experts; use "
-            "'moe_zero1' or 'moe_zero2' (non-expert parameters sharded), or 'zero3' with ep=1 (experts sharded as "
-            "ordinary weights)"
-        )
     return None

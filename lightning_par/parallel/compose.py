@@ -96,8 +96,10 @@ def parallelize(
     checkpointed = apply_activation_checkpointing(blocks, config.activation_checkpointing, config.ac_every)
     if config.zero_stage == 3:  # with ep == 1 (ep > 1 is rejected by check_supported): experts shard as any weight
         root = StepRoot(module)
-        apply_fsdp(root, blocks, mesh.dp_2d, param_dtype=param_dtype, reduce_dtype=reduce_dtype, offload=config.offload)
-        return Parallelized(root, None, checkpointed)
+        ignored = set(experts.params) if experts is not None and experts.params else None
+        apply_fsdp(root, blocks, mesh.dp_2d, param_dtype=param_dtype, reduce_dtype=reduce_dtype, offload=config.offload,
+                   ignored_params=ignored)  # fmt: skip
+        return Parallelized(root, None, checkpointed, experts)
     exclude = experts.params if experts is not None else ()
     zero = ReplicatedZero(module, mesh.dp_2d, config.zero_stage, config.bucket_cap_mb, exclude=exclude)
     return Parallelized(module, zero, checkpointed, experts)
