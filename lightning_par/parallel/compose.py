@@ -94,7 +94,9 @@ def parallelize(
         group = mesh.dp.get_group() if mesh.dp.size() > 1 else None
         experts = apply_expert_parallel(module, mesh.experts, group)
     checkpointed = apply_activation_checkpointing(blocks, config.activation_checkpointing, config.ac_every)
-    if config.zero_stage == 3:  # with ep == 1 (ep > 1 is rejected by check_supported): experts shard as any weight
+    if config.zero_stage == 3:
+        # FSDP2 leaves the expert shards alone: sharding them again over dp would reduce their gradients over
+        # every dp rank instead of the ranks holding the same experts. With ep == 1 they shard as any weight.
         root = StepRoot(module)
         ignored = set(experts.params) if experts is not None and experts.params else None
         apply_fsdp(root, blocks, mesh.dp_2d, param_dtype=param_dtype, reduce_dtype=reduce_dtype, offload=config.offload,
