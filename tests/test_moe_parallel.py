@@ -41,6 +41,7 @@ LOW_PRECISION_JOBS: dict[str, dict[str, Any]] = {
 }
 ERROR_JOBS: dict[str, dict[str, Any]] = {
     "bad_ep": {"model": "moe_gpt_3experts", "strategy": "moe", "expect_error": True},
+    "no_moe_layer": {"model": "gpt", "strategy": "moe", "expect_error": True},
 }
 # Sharded checkpoints: written under moe (expert shards as Shard(0) DTensors over ep), resumed in the same layout
 # and in others (moe_zero2; zero1 with ep=1, where every rank loads all experts). One step per epoch, as test_zero.
@@ -190,6 +191,9 @@ def test_bad_layouts_fail_before_training(got2):
     err = got2["bad_ep"]["error"]
     assert err is not None and "ep=2 does not divide n_experts=3" in err and "choose ep in {1, 3}" in err
     assert got2["bad_ep"]["losses"] == []
+    err = got2["no_moe_layer"]["error"]
+    assert err is not None and "ep=2 but GPT has no MoE layer of a recognised kind" in err
+    assert got2["no_moe_layer"]["losses"] == []
 
 
 def _check_resume(full: dict[str, Any], resumed: dict[str, Any]) -> None:
