@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import reference_job
 from launch import ROOT, run_jobs, worker_env
 
 LR = 3e-3
@@ -38,6 +39,8 @@ LOW_PRECISION_JOBS: dict[str, dict[str, Any]] = {
     "bf16_mixed": {"model": "moe_gpt_sgd", "strategy": "moe", "precision": "bf16-mixed"},
     "bf16_true": {"model": "moe_gpt_sgd", "strategy": "moe_zero2", "precision": "bf16-true"},
     "bf16_mixed_zero3": {"model": "moe_gpt_sgd", "strategy": "moe_zero3", "precision": "bf16-mixed"},
+    "fp16_mixed": {"model": "moe_gpt_sgd", "strategy": "moe", "precision": "16-mixed"},  # sharded grad scaler
+    "fp16_mixed_zero3": {"model": "moe_gpt_sgd", "strategy": "moe_zero3", "precision": "16-mixed"},
 }
 ERROR_JOBS: dict[str, dict[str, Any]] = {
     "bad_ep": {"model": "moe_gpt_3experts", "strategy": "moe", "expect_error": True},
@@ -68,14 +71,10 @@ CKPT_JOBS_4 = {
 }
 
 
-def _ref_job(job: dict[str, Any]) -> dict[str, Any]:
-    return {**job, "strategy": "auto"}
-
-
 @pytest.fixture(scope="module")
 def refs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     jobs = {**JOBS, **JOBS_4, **LOW_PRECISION_JOBS}
-    results = run_jobs(tmp_path_factory.mktemp("moe_ref"), [_ref_job(j) for j in jobs.values()], nproc=1)
+    results = run_jobs(tmp_path_factory.mktemp("moe_ref"), [reference_job(j) for j in jobs.values()], nproc=1)
     return dict(zip(jobs, results))
 
 
