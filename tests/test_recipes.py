@@ -21,6 +21,7 @@ EXPECTED = {  # recipe -> (zero_stage, offload, dp_replicate)
     "zero3": (3, False, 1),
     "zero3_offload": (3, True, 1),
     "hybrid_zero3": (3, False, 2),
+    "moe": (2, False, 1),
 }
 
 
