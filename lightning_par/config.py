@@ -211,11 +211,9 @@ class ParallelConfig:
     def check_expert_parallel(self) -> None:
         """Reject combinations of expert parallelism (``ep > 1``) that are not implemented, with the reason."""
         if self.ep > 1:
-            reason = expert_parallel_conflict(self.tp > 1, self.pp > 1, self.zero_stage)
+            reason = expert_parallel_conflict(self.tp > 1, self.pp > 1)
             if reason:
-                raise NotImplementedError(
-                    f"ep={self.ep} with tp={self.tp}, pp={self.pp}, zero_stage={self.zero_stage}: {reason}"
-                )
+                raise NotImplementedError(f"ep={self.ep} with tp={self.tp}, pp={self.pp}: {reason}")
 
     def layout(self) -> dict[str, Union[int, str, bool, tuple, None]]:
         """The resolved layout as a flat dict, for logs and the logger's config."""
@@ -255,13 +253,12 @@ def split_world(dims: tuple[str, ...], world_size: int, tp_cap: Optional[int] = 
     return degrees
 
 
-def expert_parallel_conflict(tp: bool, pp: bool, zero_stage: int) -> Optional[str]:
+def expert_parallel_conflict(tp: bool, pp: bool) -> Optional[str]:
     """Why expert parallelism cannot combine with the given techniques yet (``None`` if it can).
 
     Args:
         tp: tensor parallelism is used.
         pp: pipeline parallelism is used.
-        zero_stage: the ZeRO stage of the non-expert parameters.
     """
     # Hook for tp/pp: experts would need sharding inside a tp group (or tokens gathered over it first), and each
     # pipeline stage its own ep all-to-alls per microbatch; neither is written yet.
@@ -269,13 +266,6 @@ def expert_parallel_conflict(tp: bool, pp: bool, zero_stage: int) -> Optional[st
         what = "tensor" if tp else "pipeline"
         return (
             f"expert parallelism does not compose with {what} parallelism in lightning_par yet; use 'moe', "
-            "'moe_zero1' or 'moe_zero2' without tp/pipe, or tp/pipe with ep=1"
-        )
-    if zero_stage == 3:
-        return (
-            "ZeRO-3 under expert parallelism is not supported yet: FSDP2 would shard the expert shards again over dp "
-            "and reduce their gradients over every dp rank instead of the ranks holding the same experts; use "
-            "'moe_zero1' or 'moe_zero2' (non-expert parameters sharded), or 'zero3' with ep=1 (experts sharded as "
-            "ordinary weights)"
+            "'moe_zero1', 'moe_zero2' or 'moe_zero3' without tp/pipe, or tp/pipe with ep=1"
         )
     return None

@@ -166,14 +166,33 @@ def test_strategy_names_and_rejected_combinations():
     for name, what in (("tp_moe", "tensor"), ("pipe_moe_zero1", "pipeline"), ("pipe_tp_moe", "tensor")):
         with pytest.raises(NotImplementedError, match=f"does not compose with {what} parallelism"):
             strategy_kwargs(name)
-    with pytest.raises(NotImplementedError, match="ZeRO-3 under expert parallelism is not supported yet"):
-        strategy_kwargs("moe_zero3")
+    assert strategy_kwargs("moe_zero3")["zero_stage"] == 3
     with pytest.raises(NotImplementedError, match="does not compose with tensor parallelism"):
         ParallelConfig(ep=2, tp=2).check_supported()
-    with pytest.raises(NotImplementedError, match="ZeRO-3 under expert parallelism"):
-        ParallelConfig(ep=2, zero_stage=3).check_supported()
+    ParallelConfig(ep=2, zero_stage=3).check_supported()
     ParallelConfig(ep=2, zero_stage=2).check_supported()
     with pytest.raises(
         ParallelConfigError, match=r"ep=3 does not divide the data-parallel size 4; choose ep in \{1, 2, 4\}"
     ):
         ParallelConfig(ep=3).resolve(4)
+
+
+def test_moe_layers_are_found_in_our_model_and_in_hugging_face_mixtral():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from lightning_par.models import MoEGPT
+    from lightning_par.plans.moe import find_moe_layers
+
+    ours = find_moe_layers(MoEGPT(n_layer=2, n_embd=32, n_experts=4, top_k=1))
+    assert [(x.name, x.kind, x.n_experts, x.top_k) for x in ours] == [
+        (f"transformer.h.{i}.moe", "lightning_par", 4, 1) for i in range(2)
+    ]
+    config = MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=1, num_local_experts=6,
+                           num_experts_per_tok=2)  # fmt: skip
+    hf = find_moe_layers(MixtralForCausalLM(config))
+    assert [(x.name, x.kind, x.n_experts, x.top_k) for x in hf] == [
+        (f"model.layers.{i}.mlp", "hf_mixtral", 6, 2) for i in range(2)
+    ]
+    assert all(x.experts is x.module.experts for x in hf)
+    assert find_moe_layers(torch.nn.Sequential(torch.nn.Linear(4, 4))) == []

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import reference_job
 from launch import ROOT, run_jobs, worker_env
 
 LR = 3e-3
@@ -24,18 +25,26 @@ JOBS: dict[str, dict[str, Any]] = {
     "capacity": {"model": "moe_gpt_cap_sgd", "strategy": "moe"},
     "adamw_zero1": {"model": "moe_gpt", "strategy": "moe_zero1", "accumulate": 2, "clip": 0.05},
     "adamw_zero2": {"model": "moe_gpt", "strategy": "moe_zero2"},
+    # ZeRO-3: FSDP2 shards the non-expert parameters over dp and ignores the expert shards.
+    "capacity_zero3": {"model": "moe_gpt_cap_sgd", "strategy": "moe_zero3"},
+    "adamw_zero3_clip": {"model": "moe_gpt", "strategy": "moe_zero3", "clip": 0.05},
     "dp_only": {"model": "moe_gpt_cap_sgd", "strategy": "zero2"},  # ep=1: experts replicated, same routing
     # Recomputation replays the all-to-alls (and the capacity all-gather) inside every checkpointed block.
     "capacity_ac": {"model": "moe_gpt_cap_sgd", "strategy": {"ep": 2, "activation_checkpointing": "full"}},
     # A Hugging Face MixtralForCausalLM built from a config, in a LightningModule that knows nothing of lightning_par.
     "hf_mixtral": {"model": "hf_mixtral", "strategy": "moe"},
+    "hf_mixtral_zero3": {"model": "hf_mixtral", "strategy": "moe_zero3"},
 }
 LOW_PRECISION_JOBS: dict[str, dict[str, Any]] = {
     "bf16_mixed": {"model": "moe_gpt_sgd", "strategy": "moe", "precision": "bf16-mixed"},
     "bf16_true": {"model": "moe_gpt_sgd", "strategy": "moe_zero2", "precision": "bf16-true"},
+    "bf16_mixed_zero3": {"model": "moe_gpt_sgd", "strategy": "moe_zero3", "precision": "bf16-mixed"},
+    "fp16_mixed": {"model": "moe_gpt_sgd", "strategy": "moe", "precision": "16-mixed"},  # sharded grad scaler
+    "fp16_mixed_zero3": {"model": "moe_gpt_sgd", "strategy": "moe_zero3", "precision": "16-mixed"},
 }
 ERROR_JOBS: dict[str, dict[str, Any]] = {
     "bad_ep": {"model": "moe_gpt_3experts", "strategy": "moe", "expect_error": True},
+    "no_moe_layer": {"model": "gpt", "strategy": "moe", "expect_error": True},
 }
 # Sharded checkpoints: written under moe (expert shards as Shard(0) DTensors over ep), resumed in the same layout
 # and in others (moe_zero2; zero1 with ep=1, where every rank loads all experts). One step per epoch, as test_zero.
@@ -45,6 +54,10 @@ CKPT_JOBS: dict[str, dict[str, Any]] = {
     "resume_moe": {**CKPT, "strategy": "moe", "resume": "ckpts/epoch=1.ckpt"},
     "resume_moe_zero2": {**CKPT, "strategy": "moe_zero2", "resume": "ckpts/epoch=1.ckpt"},
     "resume_zero1_ep1": {**CKPT, "strategy": "zero1", "resume": "ckpts/epoch=1.ckpt"},
+    "resume_moe_zero3": {**CKPT, "strategy": "moe_zero3", "resume": "ckpts/epoch=1.ckpt"},
+    "zero3_ckpt_full": {**CKPT, "strategy": "moe_zero3", "ckpt_dir": "ckpts_z3"},
+    "zero3_resume_moe_zero3": {**CKPT, "strategy": "moe_zero3", "resume": "ckpts_z3/epoch=1.ckpt"},
+    "zero3_resume_moe": {**CKPT, "strategy": "moe", "resume": "ckpts_z3/epoch=1.ckpt"},
 }
 # 4 ranks: dp 4 viewed as (edp 2) x (ep 2): expert gradients are summed over the 2 ranks with the same experts.
 JOBS_4 = {
@@ -58,14 +71,10 @@ CKPT_JOBS_4 = {
 }
 
 
-def _ref_job(job: dict[str, Any]) -> dict[str, Any]:
-    return {**job, "strategy": "auto"}
-
-
 @pytest.fixture(scope="module")
 def refs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     jobs = {**JOBS, **JOBS_4, **LOW_PRECISION_JOBS}
-    results = run_jobs(tmp_path_factory.mktemp("moe_ref"), [_ref_job(j) for j in jobs.values()], nproc=1)
+    results = run_jobs(tmp_path_factory.mktemp("moe_ref"), [reference_job(j) for j in jobs.values()], nproc=1)
     return dict(zip(jobs, results))
 
 
@@ -137,7 +146,10 @@ def test_moe_matches_one_process(got2, refs, name):
     if name == "capacity_ac":
         assert got["layout"]["activation_checkpointing"] == "full"
     _check(got, ref, sgd=JOBS[name]["model"].endswith(("sgd", "mixtral")), ep=ep)
-    if name == "hf_mixtral":  # the experts keep their Hugging Face names, with E/ep = 2 of 4 rows
+    if "zero3" in name:  # non-expert parameters sharded by FSDP2 too: each rank holds half of everything
+        assert got["fsdp_units"] == 3
+        assert [m["params"] for m in got["mem_all"]] == [ref["mem"]["params"] // 2] * 2
+    if name.startswith("hf_mixtral"):  # the experts keep their Hugging Face names, with E/ep = 2 of 4 rows
         shapes = got["mem"]["expert_shapes"]
         assert shapes["model.model.layers.0.mlp.experts.gate_up_proj"] == (2, 96, 32)
 
@@ -178,6 +190,9 @@ def test_bad_layouts_fail_before_training(got2):
     err = got2["bad_ep"]["error"]
     assert err is not None and "ep=2 does not divide n_experts=3" in err and "choose ep in {1, 3}" in err
     assert got2["bad_ep"]["losses"] == []
+    err = got2["no_moe_layer"]["error"]
+    assert err is not None and "ep=2 but GPT has no MoE layer of a recognised kind" in err
+    assert got2["no_moe_layer"]["losses"] == []
 
 
 def _check_resume(full: dict[str, Any], resumed: dict[str, Any]) -> None:
@@ -188,9 +203,14 @@ def _check_resume(full: dict[str, Any], resumed: dict[str, Any]) -> None:
         torch.testing.assert_close(resumed["params"][k], full["params"][k], rtol=1e-5, atol=0.01 * LR)
 
 
-@pytest.mark.parametrize("name", ["resume_moe", "resume_moe_zero2", "resume_zero1_ep1"])
+@pytest.mark.parametrize(
+    "name",
+    ["resume_moe", "resume_moe_zero2", "resume_zero1_ep1", "resume_moe_zero3", "zero3_resume_moe_zero3",
+     "zero3_resume_moe"],
+)  # fmt: skip
 def test_sharded_checkpoint_resumes_in_any_layout(got2, name):
-    _check_resume(got2["ckpt_full"], got2[name])
+    full = got2["zero3_ckpt_full" if name.startswith("zero3_") else "ckpt_full"]
+    _check_resume(full, got2[name])
 
 
 def test_sharded_checkpoint_holds_full_experts_once(got4, tmp_path):

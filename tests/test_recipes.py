@@ -23,6 +23,7 @@ EXPECTED = {  # recipe -> (zero_stage, offload, dp_replicate, tp)
     "hybrid_zero3": (3, False, 2, 1),
     "tp": (0, False, 1, 2),
     "tp_zero3": (3, False, 1, 2),
+    "moe": (2, False, 1, 1),
 }
 
 

@@ -170,10 +170,15 @@ def model_state(module: nn.Module, distribute: Optional[Distribute] = None) -> d
     return sd
 
 
-def _localize(sd: dict[str, Any]) -> dict[str, Any]:
+def _unwrap(value: Any, live: Any) -> Any:
+    # Back to the local tensor only where `distribute` wrapped a plain one: FSDP2's own DTensors stay DTensors.
+    return value.to_local() if isinstance(value, DTensor) and not isinstance(live, DTensor) else value
+
+
+def _localize(sd: dict[str, Any], live: dict[str, Any]) -> dict[str, Any]:
     local = dict(sd)
     local["state"] = {
-        name: {k: v.to_local() if isinstance(v, DTensor) else v for k, v in st.items()}
+        name: {k: _unwrap(v, live["state"].get(name, {}).get(k)) for k, v in st.items()}
         for name, st in sd["state"].items()
     }
     return local
@@ -227,11 +232,14 @@ def load_sharded(
     restore(swaps)
     model_sd = state["state_dict"]
     if distribute_model is not None:  # the wrapped shards alias the parameters: DCP already wrote into them
-        model_sd = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in model_sd.items()}
+        live = get_model_state_dict(module)
+        model_sd = {k: _unwrap(v, live.get(k)) for k, v in model_sd.items()}
     set_model_state_dict(module, model_sd, options=_options(strict))
     for i, entry in enumerate(optimizers):
         sd = state[f"optimizer_{i}"]
-        set_optimizer_state_dict(entry.owner, entry.optimizer, _localize(sd) if entry.distribute else sd)
+        if entry.distribute:
+            sd = _localize(sd, dict(get_optimizer_state_dict(entry.owner, entry.optimizer)))
+        set_optimizer_state_dict(entry.owner, entry.optimizer, sd)
     return meta
 
 

@@ -88,14 +88,18 @@ class Experts(nn.Module):
             ``[M, d]`` outputs in the same order.
         """
         act = _ACTIVATIONS[self.activation]
+        # Compute in the tokens' dtype: under ZeRO-3 mixed precision FSDP2 casts the other weights to bf16 but
+        # leaves expert shards (which it ignores) in fp32. A no-op when the dtypes already agree.
+        w1, w2 = self.w1.to(x.dtype), self.w2.to(x.dtype)
+        w3 = self.w3.to(x.dtype) if self.w3 is not None else None
         outs = []
         # A loop of dense matmuls: E is small, and an empty expert costs nothing. (A grouped GEMM would fuse it.)
         for e, rows in enumerate(x.split(counts.tolist())):
-            h = act(rows @ self.w1[e])
-            if self.w3 is not None:
-                h = h * (rows @ self.w3[e])
-            outs.append(h @ self.w2[e])
-        return torch.cat(outs) if outs else x.new_empty(0, self.w2.shape[-1])
+            h = act(rows @ w1[e])
+            if w3 is not None:
+                h = h * (rows @ w3[e])
+            outs.append(h @ w2[e])
+        return torch.cat(outs) if outs else x.new_empty(0, w2.shape[-1])
 
 
 class MoE(nn.Module):

@@ -121,10 +121,14 @@ def parallelize(
     checkpointed = apply_activation_checkpointing(blocks, config.activation_checkpointing, config.ac_every)
     if runner is not None:
         runner.model.install()
-    if config.zero_stage == 3:  # with ep == 1 (ep > 1 is rejected by check_supported): experts shard as any weight
+    if config.zero_stage == 3:
+        # FSDP2 leaves the expert shards alone: sharding them again over dp would reduce their gradients over
+        # every dp rank instead of the ranks holding the same experts. With ep == 1 they shard as any weight.
         root = StepRoot(module)
-        apply_fsdp(root, blocks, mesh.dp_2d, param_dtype=param_dtype, reduce_dtype=reduce_dtype, offload=config.offload)
-        return Parallelized(root, None, checkpointed, tensor_parallel=tp_info, pipeline=runner)
+        ignored = set(experts.params) if experts is not None and experts.params else None
+        apply_fsdp(root, blocks, mesh.dp_2d, param_dtype=param_dtype, reduce_dtype=reduce_dtype, offload=config.offload,
+                   ignored_params=ignored)  # fmt: skip
+        return Parallelized(root, None, checkpointed, experts, tp_info, runner)
     state_mesh = mesh.dp_tp if config.tp > 1 else None
     exclude = experts.params if experts is not None else ()
     zero = ReplicatedZero(

@@ -116,14 +116,18 @@ class ExpertParallel:
 
     Args:
         layers: the MoE layers found in the model.
-        params: the expert-shard parameters (excluded from the data-parallel / ZeRO engine).
-        mesh: the expert mesh.
+        params: the expert-shard parameters by qualified name (excluded from the data-parallel / ZeRO engine).
+        full_shapes: the shape of each of them before sharding (all ``E`` experts).
+        mesh: the expert mesh; ``None`` when ``ep == 1``.
     """
 
     def __init__(
-        self, layers: list[MoELayer], params: dict[str, nn.Parameter], full_shapes: dict[str, torch.Size],
+        self,
+        layers: list[MoELayer],
+        params: dict[str, nn.Parameter],
+        full_shapes: dict[str, torch.Size],
         mesh: Optional[ExpertMesh],
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.layers, self.mesh = layers, mesh
         self.names = params  # qualified name -> this rank's shard
         self.params = list(params.values())
@@ -186,10 +190,16 @@ def apply_expert_parallel(
             data-parallel group), or ``None`` for one process.
 
     Raises:
-        ValueError: ``ep`` does not divide a layer's number of experts (the message lists valid choices).
+        ValueError: ``ep`` does not divide a layer's number of experts (the message lists valid choices), or
+            ``ep > 1`` and the model has no recognised MoE layer.
     """
     ep = mesh.ep.size() if mesh is not None else 1
     layers = find_moe_layers(model)
+    if ep > 1 and not layers:
+        raise ValueError(
+            f"ep={ep} but {type(model).__name__} has no MoE layer of a recognised kind (lightning_par.nn.MoE, Hugging "
+            "Face MixtralSparseMoeBlock); use a data-parallel strategy (e.g. 'zero2') or ep=1"
+        )
     params: dict[str, nn.Parameter] = {}
     full_shapes: dict[str, torch.Size] = {}
     for layer in layers:

@@ -26,7 +26,8 @@ from lightning_par.parallel.expert_parallel import _ExpertDispatch
 
 
 def _local_experts(module: nn.Module, x: Tensor, counts: Tensor) -> Tensor:
-    gate_up, down = cast(Tensor, module.gate_up_proj), cast(Tensor, module.down_proj)
+    # In the tokens' dtype, as `lightning_par.nn.Experts` (FSDP2 leaves the ignored expert shards in fp32).
+    gate_up, down = cast(Tensor, module.gate_up_proj).to(x.dtype), cast(Tensor, module.down_proj).to(x.dtype)
     act = cast(Callable[[Tensor], Tensor], module.act_fn)
     outs = []
     for e, rows in enumerate(x.split(counts.tolist())):

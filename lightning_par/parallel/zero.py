@@ -40,6 +40,7 @@ def apply_fsdp(
     param_dtype: Optional[torch.dtype] = None,
     reduce_dtype: Optional[torch.dtype] = None,
     offload: bool = False,
+    ignored_params: Optional[set[nn.Parameter]] = None,
 ) -> nn.Module:
     """Shard ``root`` with FSDP2 (ZeRO-3), one communication unit per block plus the root for the rest.
 
@@ -51,6 +52,7 @@ def apply_fsdp(
         param_dtype: dtype parameters are gathered and computed in (mixed precision); the shards stay fp32.
         reduce_dtype: dtype gradients are reduce-scattered in.
         offload: keep sharded parameters, gradients and optimizer state in CPU memory between uses.
+        ignored_params: parameters FSDP2 must leave alone (expert shards, reduced by expert parallelism).
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     # Pinned memory needs an accelerator (CPU_FACTS.md); pinning only matters for async H2D copies anyway.
@@ -58,10 +60,13 @@ def apply_fsdp(
     if mesh.ndim == 2 and mesh.size(0) == 1:
         mesh = mesh["dp_shard"]  # HSDP with one replica is plain FSDP; skip the size-1 all-reduce
     for block in blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp, offload_policy=off)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp, offload_policy=off,
+                    ignored_params=ignored_params)  # fmt: skip
     # The root's own parameters (embeddings, head) are gathered for the whole step; resharding them after
     # forward would only re-gather them for backward straight away.
-    fully_shard(root, mesh=mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=off)
+    fully_shard(
+        root, mesh=mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=off, ignored_params=ignored_params
+    )
     return root
 
 

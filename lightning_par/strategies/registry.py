@@ -45,7 +45,7 @@ def strategy_kwargs(name: str) -> dict[str, Any]:
         else:
             raise ValueError(f"unknown strategy part {part!r} in {name!r}; see lightning_par.STRATEGY_NAMES")
     if "ep" in dims:
-        reason = expert_parallel_conflict("tp" in dims, "pp" in dims, kwargs["zero_stage"])
+        reason = expert_parallel_conflict("tp" in dims, "pp" in dims)
         if reason:
             raise NotImplementedError(f"strategy {name!r}: {reason}")
     kwargs["auto_dims"] = tuple(dims)
