@@ -120,3 +120,48 @@ def test_resume_on_4_ranks_continues_the_2_rank_loss_curve(runs):
     assert len(resumed["losses"]) == STEPS - step
     rel = max(abs(a - b) / abs(b) for a, b in zip(resumed["losses"], full["losses"][step:]))
     assert rel < 1e-5, rel
+
+
+# ---- unit: the sampler's resharding rule and the RNG round trip, no process group ---------------------------------
+def _pass(replicas: int, rank: int, start: tuple[int, int] | None = None, epoch: int = 1) -> list[int]:
+    from torch.utils.data import DistributedSampler
+
+    from lightning_par.checkpoint.resume_state import ResumableSampler
+
+    sampler = ResumableSampler(DistributedSampler(range(24), replicas, rank, seed=0), lambda: epoch)
+    if start is not None:
+        sampler.start_at(*start)
+    return list(sampler)
+
+
+def test_a_position_carries_over_to_another_number_of_replicas():
+    order = _pass(1, 0)  # epoch 1's order
+    assert order != _pass(1, 0, epoch=0) and sorted(order) == list(range(24))
+    # 8 samples consumed (one global batch of 8 on 2 ranks); on 4 ranks with 2 samples each per step, every step's
+    # global batch is the same set as the uninterrupted run's.
+    rest = [_pass(4, r, start=(1, 8)) for r in range(4)]
+    for step in range(2):  # a global batch of 8
+        got = sorted(i for r in range(4) for i in rest[r][2 * step : 2 * step + 2])
+        assert got == sorted(order[8 + 8 * step : 16 + 8 * step])
+    assert _pass(2, 0) == order[0::2]  # without a start: the plain DistributedSampler order of the epoch
+
+
+def test_a_position_that_does_not_divide_fails_with_the_fix():
+    with pytest.raises(ValueError, match=r"after 6 samples of epoch 1, which do not divide over 4 data-parallel"):
+        _pass(4, 0, start=(1, 6))
+
+
+def test_rng_states_round_trip_through_a_weights_only_file(tmp_path):
+    import random
+
+    import numpy as np
+
+    from lightning_par.checkpoint.resume_state import rng_state, set_rng_state
+
+    def draw() -> tuple:
+        return torch.rand(3).tolist(), random.random(), float(np.random.rand())
+
+    torch.save(rng_state(torch.device("cpu")), tmp_path / "rng.pt")
+    first = draw()
+    set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True), torch.device("cpu"))
+    assert draw() == first
