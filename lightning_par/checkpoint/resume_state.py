@@ -67,7 +67,7 @@ class ResumableSampler(Sampler[int]):
         return len(self.inner)
 
     def set_epoch(self, epoch: int) -> None:
-        """Ignored: Lightning's argument counts the empty epoch it runs after an epoch-end resume (see module)."""
+        """Ignored: Lightning's argument counts the finished epoch it re-enters after an epoch-end resume (module)."""
 
     def start_at(self, epoch: int, samples: int) -> None:
         """Make the next pass the one of ``epoch``, without its first ``samples`` samples (over all replicas).
@@ -86,7 +86,7 @@ class ResumableSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         # A generator: the pass (and its epoch) is fixed when the first index is drawn, not when DataLoader.__iter__
-        # runs. Lightning creates the first iterator of a resumed fit before it knows whether that epoch is empty.
+        # runs: Lightning creates the first iterator of a resumed fit before it re-enters a finished epoch, if it does.
         if self._start is not None:
             (epoch, skip), self._start = self._start, None
         else:
