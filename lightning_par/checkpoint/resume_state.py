@@ -18,6 +18,12 @@ What an uninterrupted run would do next depends on three things besides the mode
   training loaders a generator of their own for that draw, saved and restored with the rest.
 - The rest (loops, LR schedulers, grad scaler) is Lightning's own checkpoint state.
 
+Why not Lightning's own protocol for a resumable loader (a ``state_dict`` / ``load_state_dict`` on the loader,
+stored under ``loops`` in rank 0's checkpoint): the loader is the user's `DataLoader`, which has neither, and a
+loader state stored there makes plain Lightning refuse the consolidated checkpoint ("0 stateful loaders, but found
+1 states"). The position is stored under `KEY` instead, which plain Lightning ignores, and the RNG states, which
+differ per rank, in one small file per rank.
+
 **Another world size.** The data position is stored as the number of samples of the epoch's order consumed by all
 data-parallel ranks together, so it carries over to any data-parallel size that divides it: with the same global
 batch, the union of the ranks' batches at every step is the same set of samples as in the uninterrupted run. RNG
