@@ -8,13 +8,15 @@ writing layout, up to float summation order. Tolerances as in test_zero.py: loss
 SGD 1e-5 relative / 1e-7 absolute; after AdamW an absolute 1% of the learning rate. The optimizer state found at
 the start of the resumed run must equal the checkpoint's bit for bit (a reset Adam would pass a loose loss check).
 
-Spawns (each costs seconds): 2 ranks (writers, resumes on 2 ranks), 4 ranks (2->4 resumes, 4-rank writers),
-2 ranks (4->2 resumes), 1 process (2->1 with ParallelStrategy), then the consolidate CLI and a plain Lightning
-process that cannot import lightning_par's strategies.
+The layouts are listed once, in `CHAINS` (how to add one: see there). Spawns (each costs seconds), by world size
+and round: 2 ranks (writers, resumes on 2 ranks), 4 ranks (writers, resumes on 4), 1 process (writers, resumes on
+1), 2 ranks again (resumes from 4 ranks and 1 process); then the consolidate CLI and a plain Lightning process that
+cannot import lightning_par's strategies.
 """
 
 from __future__ import annotations
 
+import itertools
 import pickle
 import shutil
 import subprocess
@@ -30,42 +32,44 @@ from launch import ROOT, run_jobs, worker_env
 LR = 3e-3  # the AdamW GPT's learning rate in _worker.MODELS
 GPT_KWARGS = {"vocab_size": 256, "block_size": 32, "n_layer": 2, "n_head": 4, "n_embd": 32, "lr": LR}
 
+# ---- the resharding matrix ------------------------------------------------------------------------------------
+# Layouts a checkpoint is written on and resumed on, per model: (ranks, strategy), the strategy a registry name or
+# ParallelStrategy kwargs. Neighbours in a chain resume each other's checkpoint, in both directions, so every
+# layout is written on and resumed on, and the chains cross world sizes (2 <-> 4 <-> 2, 2 <-> 1 process) and ZeRO
+# stages. To extend the matrix, add a layout to a chain once its strategy is supported; the writers, resumes,
+# spawns and tests follow. Being added by other branches: "tp_zero3" (2 ranks) and "pipe_tp" (4 ranks) next to
+# (2, "zero3") in the "gpt" chain, e.g. zero3 <-> tp_zero3 <-> pipe_tp <-> 1 process; "moe" as a chain of its own
+# with an MoE model in _worker.MODELS, e.g. [(2, "moe"), (1, {"ep": 1})] (ep=2 <-> ep=1).
+# "gpt_uneven": dims 258 and 34 do not divide by 4, so shards differ in rows across ranks (as real vocabularies do).
+ZERO0, ZERO1, ZERO3 = {"zero_stage": 0}, {"zero_stage": 1}, {"zero_stage": 3}
+CHAINS: dict[str, list[tuple[int, Any]]] = {
+    # (2, "zero3") stays first-class here: the consolidation and bad-checkpoint tests below use its checkpoints.
+    "gpt": [(2, "zero1"), (2, "zero3"), (4, "zero3"), (2, ZERO0), (1, ZERO3)],
+    "gpt_sgd": [(2, "zero3"), (4, "zero2"), (2, "zero1"), (1, ZERO1)],
+    "gpt_uneven": [(2, "zero2"), (4, "zero1"), (2, "zero3_offload")],
+}
 # Writers: (model, ranks, strategy). Each trains 4 one-step epochs and keeps every epoch's checkpoint.
-WRITERS: list[tuple[str, int, Any]] = [
-    ("gpt", 2, "zero1"),
-    ("gpt", 2, "zero2"),
-    ("gpt", 2, "zero3"),
-    ("gpt_sgd", 2, "zero1"),
-    ("gpt_sgd", 2, "zero3"),
-    ("gpt", 2, {"zero_stage": 0}),
-    ("gpt_uneven", 2, "zero2"),
-    ("gpt", 4, "zero3"),
-    ("gpt_sgd", 4, "zero2"),
-    ("gpt_uneven", 4, "zero1"),
-]
-# Resumes: name -> (model, writer's (ranks, strategy), reader's (ranks, strategy)). "uneven": dims 258 and 34 do not
-# divide by 4, so shards differ in rows across ranks (as real vocabularies do).
+WRITERS: list[tuple[str, int, Any]] = [(m, n, s) for m, chain in CHAINS.items() for n, s in chain]
+
+
+def _name(ranks: int, strategy: Any) -> str:
+    if isinstance(strategy, str):
+        return f"{ranks}_{strategy}"
+    return f"{ranks}_" + "_".join(f"{k.removesuffix('_stage')}{v}" for k, v in strategy.items())
+
+
+# Resumes: name -> (model, writer's (ranks, strategy), reader's (ranks, strategy)).
 RESUMES: dict[str, tuple[str, tuple[int, Any], tuple[int, Any]]] = {
-    "2_zero1_to_2_zero3": ("gpt", (2, "zero1"), (2, "zero3")),
-    "2_zero3_to_2_zero1": ("gpt", (2, "zero3"), (2, "zero1")),
-    "2_zero2_to_2_zero3_offload": ("gpt", (2, "zero2"), (2, "zero3_offload")),
-    "sgd_2_zero1_to_2_zero3": ("gpt_sgd", (2, "zero1"), (2, "zero3")),
-    "2_zero3_to_4_zero3": ("gpt", (2, "zero3"), (4, "zero3")),
-    "2_zero1_to_4_zero2": ("gpt", (2, "zero1"), (4, "zero2")),
-    "sgd_2_zero3_to_4_zero1": ("gpt_sgd", (2, "zero3"), (4, "zero1")),
-    "2_zero0_to_4_zero3": ("gpt", (2, {"zero_stage": 0}), (4, "zero3")),
-    "uneven_2_zero2_to_4_zero3": ("gpt_uneven", (2, "zero2"), (4, "zero3")),
-    "4_zero3_to_2_zero1": ("gpt", (4, "zero3"), (2, "zero1")),
-    "uneven_4_zero1_to_2_zero2": ("gpt_uneven", (4, "zero1"), (2, "zero2")),
-    "sgd_4_zero2_to_2_zero3": ("gpt_sgd", (4, "zero2"), (2, "zero3")),
-    "2_zero3_to_1_zero3": ("gpt", (2, "zero3"), (1, {"zero_stage": 3})),
-    "sgd_2_zero1_to_1_zero1": ("gpt_sgd", (2, "zero1"), (1, {"zero_stage": 1})),
+    f"{m}_{_name(*a)}_to_{_name(*b)}": (m, a, b)
+    for m, chain in CHAINS.items()
+    for x, y in itertools.pairwise(chain)
+    for a, b in ((x, y), (y, x))
 }
 BASE = {"epoch_steps": 1, "max_steps": 4}
 
 
 def _key(model: str, ranks: int, strategy: Any) -> str:
-    return f"{model}_{ranks}_{strategy if isinstance(strategy, str) else 'zero' + str(strategy['zero_stage'])}"
+    return f"{model}_{_name(ranks, strategy)}"
 
 
 def _ckpt(root: Path, model: str, ranks: int, strategy: Any, epoch: int = 1) -> Path:
@@ -76,8 +80,13 @@ def _rel(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
-def _params_close(got: dict, ref: dict, model: str) -> None:
+def _params_close(got: dict, ref: dict, model: str, one_process: bool = False) -> None:
     rtol, atol = (1e-5, 1e-7) if model == "gpt_sgd" else (1e-5, 0.01 * LR)
+    if model == "gpt_sgd" and one_process:
+        # Steps 3-4 in one process vs two ranks: the global batch's loss is summed in another order (one mean of 8
+        # samples vs the mean of two ranks' means of 4), and SGD with lr 0.5 + momentum carries that rounding into
+        # the weights. Measured: one lm_head element of 8192 off by 2.7e-7 (3e-5 of its value of 8e-3).
+        atol = 1e-6
     assert got.keys() == ref.keys()
     for k in ref:
         torch.testing.assert_close(got[k], ref[k], rtol=rtol, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
@@ -89,37 +98,49 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp / "ckpts"
     out: dict[str, Any] = {"root": root}
 
-    def writers(ranks: int) -> list[tuple[str, dict]]:
-        return [
-            (_key(m, n, s), {**BASE, "model": m, "strategy": s, "ckpt_dir": str(root / _key(m, n, s))})
-            for m, n, s in WRITERS
-            if n == ranks
-        ]
+    hub = _key("gpt", 2, "zero3")
 
-    def resumes(src_ranks: int, dst_ranks: int) -> list[tuple[str, dict]]:
-        return [
-            (name, {**BASE, "model": m, "strategy": dst[1], "resume": str(_ckpt(root, m, *src)), "record_optim": True})
-            for name, (m, src, dst) in RESUMES.items()
-            if src[0] == src_ranks and dst[0] == dst_ranks
-        ]
+    def truncated() -> dict[str, Any]:
+        # A resume from a truncated copy must fail on every rank before the first step, and not hang.
+        bad = tmp / "truncated.ckpt"
+        shutil.copytree(_ckpt(root, "gpt", 2, "zero3"), bad)
+        data = (bad / "__1_0.distcp").read_bytes()
+        (bad / "__1_0.distcp").write_bytes(data[: len(data) // 2])
+        return {**BASE, "model": "gpt", "strategy": "zero3", "resume": str(bad), "expect_error": True}
 
-    def spawn(name: str, ranks: int, jobs: list[tuple[str, dict]]) -> None:
-        results = run_jobs(tmp / name, [job for _, job in jobs], nproc=ranks, timeout=300)
-        out.update(zip([key for key, _ in jobs], results))
+    def foreign() -> dict[str, Any]:
+        # A different model (Llama) resumed from the GPT checkpoint, in one process under ParallelStrategy.
+        resume = str(_ckpt(root, "gpt", 2, "zero3"))
+        return {**BASE, "model": "llama", "strategy": ZERO3, "expect_error": True, "resume": resume}
 
-    spawn("s1", 2, writers(2) + resumes(2, 2))
-    spawn("s2", 4, resumes(2, 4) + writers(4))
-    # A resume from a truncated copy must fail on every rank before the first step, and not hang.
-    bad = tmp / "truncated.ckpt"
-    shutil.copytree(_ckpt(root, "gpt", 2, "zero3"), bad)
-    data = (bad / "__1_0.distcp").read_bytes()
-    (bad / "__1_0.distcp").write_bytes(data[: len(data) // 2])
-    failing = {**BASE, "model": "gpt", "strategy": "zero3", "resume": str(bad), "expect_error": True}
-    spawn("s3", 2, [*resumes(4, 2), ("truncated_2_ranks", failing)])
-    # A different model (Llama) resumed from the GPT checkpoint, in one process under ParallelStrategy.
-    foreign = {**BASE, "model": "llama", "strategy": {"zero_stage": 3}, "expect_error": True}
-    foreign["resume"] = str(_ckpt(root, "gpt", 2, "zero3"))
-    spawn("s4", 1, [*resumes(2, 1), ("foreign_1_rank", foreign)])
+    # name -> (ranks, writer it reads, job); a job is built once its writer's checkpoints exist.
+    pending: dict[str, tuple[int, str, Any]] = {
+        _key(m, n, s): (n, "", {**BASE, "model": m, "strategy": s, "ckpt_dir": str(root / _key(m, n, s))})
+        for m, n, s in WRITERS
+    }
+    for name, (m, src, dst) in RESUMES.items():
+        job = {**BASE, "model": m, "strategy": dst[1], "resume": str(_ckpt(root, m, *src)), "record_optim": True}
+        pending[name] = (dst[0], _key(m, *src), job)
+    pending["truncated_2_ranks"] = (2, hub, truncated)
+    pending["foreign_1_rank"] = (1, hub, foreign)
+    # Spawns (each costs seconds) by world size, round after round: a spawn runs its writers first, then every job
+    # whose writer has run (in an earlier spawn, or in this one for a plain resume).
+    spawn = 0
+    while pending:
+        before = len(pending)
+        for ranks in sorted({n for n, _, _ in pending.values()}, key=lambda n: (n == 1, n)):
+            here = [k for k, (n, src, _) in pending.items() if n == ranks and not src]
+            ready = set(out) | set(here)
+            here += [
+                k for k, (n, src, job) in pending.items()
+                if n == ranks and src and (src in out or (src in ready and isinstance(job, dict)))
+            ]  # fmt: skip
+            if not here:
+                continue
+            jobs = [job if isinstance(job, dict) else job() for _, _, job in (pending.pop(k) for k in here)]
+            spawn += 1
+            out.update(zip(here, run_jobs(tmp / f"s{spawn}", jobs, nproc=ranks, timeout=300)))
+        assert len(pending) < before, f"jobs whose writer never runs: {sorted(pending)}"
     return out
 
 
@@ -133,7 +154,7 @@ def test_resume_on_another_layout_continues_the_run(runs, case):
     assert len(full["losses"]) == 4 and len(resumed["losses"]) == 2
     assert resumed["layout"]["world_size"] == dst[0]
     assert _rel(resumed["losses"], full["losses"][2:]) < 1e-5
-    _params_close(resumed["params"], full["params"], model)
+    _params_close(resumed["params"], full["params"], model, one_process=1 in (src[0], dst[0]))
     # The optimizer state the resumed run starts from is the checkpoint's, resharded: moments and step counts.
     saved = load_full_state(_ckpt(runs["root"], model, *src))["optimizer_0"]["state"]
     got = resumed["optim_at_start"]

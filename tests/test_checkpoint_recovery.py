@@ -289,3 +289,19 @@ def test_failed_async_save_is_reported_and_leaves_no_checkpoint(tmp_path, monkey
         with pytest.raises(CheckpointError, match=r"asynchronous save of checkpoint .*step=1.ckpt failed .*No space"):
             saver.wait()
     assert not path.exists() and saver.wait() is None
+
+
+def test_stager_refills_its_buffers_also_for_ordered_dicts():
+    from collections import OrderedDict
+
+    from lightning_par.checkpoint.async_save import _BufferStager
+
+    # Module.state_dict() is an OrderedDict: its tensors must be copied into reused buffers, not deep-copied anew.
+    weights = OrderedDict(w=torch.ones(4))
+    state = {"state_dict": weights, "optimizer_0": {"state": {"w": {"exp_avg": torch.zeros(4)}}, "param_groups": []}}
+    stager = _BufferStager()
+    first = stager.stage(state)["state_dict"]["w"]
+    weights["w"].add_(1)
+    second = stager.stage(state)["state_dict"]["w"]
+    assert second.data_ptr() == first.data_ptr() != weights["w"].data_ptr()
+    assert torch.equal(second, torch.full((4,), 2.0))

@@ -8,13 +8,14 @@ losses, parameters, rank 0's batches and its Python / NumPy draws exactly: the d
 states, the model and the optimizer state are all restored, and the resumed run does the same operations in the
 same order. Save points: mid-epoch (after batch 1 or 2 of epoch 1), at the last batch of an epoch
 (``on_train_batch_end``), and at an epoch's end (``on_train_epoch_end``; Lightning's own resume from there shuffles
-the next epoch one epoch ahead). ZeRO-2 with synchronous saves, ZeRO-3 with asynchronous ones.
+the next epoch one epoch ahead). ZeRO-2 with synchronous saves, ZeRO-3 with asynchronous ones, a run by max_epochs
+without validation, and one with gradient accumulation (2 micro-batches per step).
 
 On another world size (2 -> 4 ranks, same global batch) the data order carries over; the model without dropout must
 continue the 2-rank loss curve to fp32 tolerance (1e-5 relative, as tests/test_zero.py: a different summation
 order). RNG streams cannot be resharded (docs/checkpointing.md), so that case uses no dropout.
 
-Spawns: one 2-rank torchrun (3 writers, 5 resumes; ~60 s here) and one 4-rank torchrun (~20 s).
+Spawns: one 2-rank torchrun (5 writers, 8 resumes; ~50 s here) and one 4-rank torchrun (~10 s).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ WRITERS: dict[str, tuple[str, Any, dict[str, Any]]] = {
     "zero3_async": ("gpt_dropout", {"zero_stage": 3, "async_save": True}, {}),
     "no_dropout_zero3": ("gpt", "zero3", {}),
     "zero3_by_epochs": ("gpt_dropout", "zero3", BY_EPOCHS),
+    # Two micro-batches per step: Lightning counts the position in micro-batches.
+    "zero2_accumulate": ("gpt_dropout", {"zero_stage": 2}, {"accumulate": 2}),
 }
 # Resumes on 2 ranks: name -> (writer, checkpoint folder relative to the writer's root, global step it holds).
 RESUMES: dict[str, tuple[str, str, int]] = {
@@ -47,6 +50,7 @@ RESUMES: dict[str, tuple[str, str, int]] = {
     "zero3_async_epoch_end": ("zero3_async", "epochs/epoch=1.ckpt", 6),
     "zero3_by_epochs_epoch_end": ("zero3_by_epochs", "epochs/epoch=0.ckpt", 3),
     "zero3_by_epochs_mid_epoch": ("zero3_by_epochs", "steps/step=7.ckpt", 7),
+    "zero2_accumulate_mid_epoch": ("zero2_accumulate", "steps/step=4.ckpt", 4),
 }
 RESHARD = ("no_dropout_zero3", "steps/step=4.ckpt", 4)  # resumed on 4 ranks with zero3
 
@@ -75,11 +79,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def test_resume_continues_the_uninterrupted_run_bit_for_bit(runs, case):
     writer, _, step = RESUMES[case]
     full, resumed = runs[writer], runs[case]
-    assert len(full["losses"]) == (9 if writer == "zero3_by_epochs" else STEPS) and resumed["start_step"] == step
+    micro = WRITERS[writer][2].get("accumulate", 1)  # records are per micro-batch
+    assert len(full["losses"]) == (9 if writer == "zero3_by_epochs" else STEPS) * micro
+    assert resumed["start_step"] == step
+    done = step * micro
     # The same samples (rank 0's share), in the same order, from the next unseen one.
-    assert resumed["batch_heads"] == full["batch_heads"][step:]
-    assert resumed["losses"] == full["losses"][step:]  # dropout masks equal: each rank's torch RNG restored
-    assert resumed["draws"] == full["draws"][step:]  # Python's random and NumPy restored (rank 0)
+    assert resumed["batch_heads"] == full["batch_heads"][done:]
+    assert resumed["losses"] == full["losses"][done:]  # dropout masks equal: each rank's torch RNG restored
+    assert resumed["draws"] == full["draws"][done:]  # Python's random and NumPy restored (rank 0)
     assert resumed["params"].keys() == full["params"].keys()
     for name, value in full["params"].items():
         assert torch.equal(resumed["params"][name], value), name
@@ -120,3 +127,48 @@ def test_resume_on_4_ranks_continues_the_2_rank_loss_curve(runs):
     assert len(resumed["losses"]) == STEPS - step
     rel = max(abs(a - b) / abs(b) for a, b in zip(resumed["losses"], full["losses"][step:]))
     assert rel < 1e-5, rel
+
+
+# ---- unit: the sampler's resharding rule and the RNG round trip, no process group ---------------------------------
+def _pass(replicas: int, rank: int, start: tuple[int, int] | None = None, epoch: int = 1) -> list[int]:
+    from torch.utils.data import DistributedSampler
+
+    from lightning_par.checkpoint.resume_state import ResumableSampler
+
+    sampler = ResumableSampler(DistributedSampler(range(24), replicas, rank, seed=0), lambda: epoch)
+    if start is not None:
+        sampler.start_at(*start)
+    return list(sampler)
+
+
+def test_a_position_carries_over_to_another_number_of_replicas():
+    order = _pass(1, 0)  # epoch 1's order
+    assert order != _pass(1, 0, epoch=0) and sorted(order) == list(range(24))
+    # 8 samples consumed (one global batch of 8 on 2 ranks); on 4 ranks with 2 samples each per step, every step's
+    # global batch is the same set as the uninterrupted run's.
+    rest = [_pass(4, r, start=(1, 8)) for r in range(4)]
+    for step in range(2):  # a global batch of 8
+        got = sorted(i for r in range(4) for i in rest[r][2 * step : 2 * step + 2])
+        assert got == sorted(order[8 + 8 * step : 16 + 8 * step])
+    assert _pass(2, 0) == order[0::2]  # without a start: the plain DistributedSampler order of the epoch
+
+
+def test_a_position_that_does_not_divide_fails_with_the_fix():
+    with pytest.raises(ValueError, match=r"after 6 samples of epoch 1, which do not divide over 4 data-parallel"):
+        _pass(4, 0, start=(1, 6))
+
+
+def test_rng_states_round_trip_through_a_weights_only_file(tmp_path):
+    import random
+
+    import numpy as np
+
+    from lightning_par.checkpoint.resume_state import rng_state, set_rng_state
+
+    def draw() -> tuple:
+        return torch.rand(3).tolist(), random.random(), float(np.random.rand())
+
+    torch.save(rng_state(torch.device("cpu")), tmp_path / "rng.pt")
+    first = draw()
+    set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True), torch.device("cpu"))
+    assert draw() == first

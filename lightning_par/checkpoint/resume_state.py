@@ -18,6 +18,12 @@ What an uninterrupted run would do next depends on three things besides the mode
   training loaders a generator of their own for that draw, saved and restored with the rest.
 - The rest (loops, LR schedulers, grad scaler) is Lightning's own checkpoint state.
 
+Why not Lightning's own protocol for a resumable loader (a ``state_dict`` / ``load_state_dict`` on the loader,
+stored under ``loops`` in rank 0's checkpoint): the loader is the user's `DataLoader`, which has neither, and a
+loader state stored there makes plain Lightning refuse the consolidated checkpoint ("0 stateful loaders, but found
+1 states"). The position is stored under `KEY` instead, which plain Lightning ignores, and the RNG states, which
+differ per rank, in one small file per rank.
+
 **Another world size.** The data position is stored as the number of samples of the epoch's order consumed by all
 data-parallel ranks together, so it carries over to any data-parallel size that divides it: with the same global
 batch, the union of the ranks' batches at every step is the same set of samples as in the uninterrupted run. RNG
@@ -67,7 +73,7 @@ class ResumableSampler(Sampler[int]):
         return len(self.inner)
 
     def set_epoch(self, epoch: int) -> None:
-        """Ignored: Lightning's argument counts the empty epoch it runs after an epoch-end resume (see module)."""
+        """Ignored: Lightning's argument counts the finished epoch it re-enters after an epoch-end resume (module)."""
 
     def start_at(self, epoch: int, samples: int) -> None:
         """Make the next pass the one of ``epoch``, without its first ``samples`` samples (over all replicas).
@@ -86,7 +92,7 @@ class ResumableSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         # A generator: the pass (and its epoch) is fixed when the first index is drawn, not when DataLoader.__iter__
-        # runs. Lightning creates the first iterator of a resumed fit before it knows whether that epoch is empty.
+        # runs: Lightning creates the first iterator of a resumed fit before it re-enters a finished epoch, if it does.
         if self._start is not None:
             (epoch, skip), self._start = self._start, None
         else:

@@ -114,7 +114,8 @@ class CheckpointingMixin(_LightningParallelStrategy):
     def on_train_start(self) -> None:
         super().on_train_start()
         self._saving_async = self._async_saver is not None
-        # Last of the on_train_start hooks: after the resumed epoch's iterator drew its seed, before the first step.
+        # Last of the on_train_start hooks, after Lightning set up the training loader: nothing draws random numbers
+        # between here and the first resumed step, as in the uninterrupted run between the save and that step.
         self._resume_state.restore_rng(self._attached_trainer, self.root_device)
 
     @override
