@@ -186,7 +186,8 @@ class PipelineRunner:
         meta: list[Any] = [None]
         if dist.get_rank() == self._first_rank:
             probe_spec = self.model.specs[0]
-            with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            device = self.model.device
+            with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 hidden = self.model.probe(lambda: step_fn(mb0, probe_spec))
             meta = [(tuple(hidden.shape), hidden.dtype)]
         dist.broadcast_object_list(meta, src=self._first_rank, group=self.group)
@@ -219,7 +220,9 @@ class PipelineRunner:
         loss_fn = (lambda out, _target: self._loss_fn(out)) if training else None
         try:
             if info.virtual == 1:
-                sched = info.cls(stages[0], n_microbatches=len(mbs), loss_fn=loss_fn, scale_grads=False)
+                # Forward only, GPipe's order is 1F1B's without the minimum microbatch count (a short last batch).
+                cls = info.cls if training else ScheduleGPipe
+                sched = cls(stages[0], n_microbatches=len(mbs), loss_fn=loss_fn, scale_grads=False)
             else:
                 sched = info.cls(stages, n_microbatches=len(mbs), loss_fn=loss_fn, scale_grads=False)
         except ValueError as err:
