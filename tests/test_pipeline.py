@@ -25,7 +25,9 @@ JOBS_2: dict[str, dict[str, Any]] = {
     **{f"gpt_{s}": {"model": "gpt4", "strategy": {"pp": 2, "pp_schedule": s}} for s in SCHEDULES},
     "llama_pipe": {"model": "llama4", "strategy": "pipe", "validate": True, "test": True, "memory_logger": True},
     "llama_zbv": {"model": "llama4", "strategy": {"pp": 2, "pp_schedule": "zbv"}, "validate": True},
-    "gpt_validate": {"model": "gpt4", "strategy": "pipe", "validate": True, "memory_logger": True},
+    # Lightning's sanity check runs validation through the pipeline before the first training step.
+    "gpt_validate": {"model": "gpt4", "strategy": "pipe", "validate": True, "memory_logger": True,
+                     "num_sanity_val_steps": 2},
     "seq_trunk": {"model": "seq_trunk", "strategy": {"pp": 2}, "validate": True, "memory_logger": True},
     "dict_trunk": {"model": "dict_trunk", "strategy": {"pp": 2, "pp_schedule": "interleaved_1f1b"}, "validate": True},
     "sgd_accum_clip": {"model": "gpt4_sgd", "strategy": {"pp": 2}, "accumulate": 2, "clip": 0.05},
