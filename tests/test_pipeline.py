@@ -23,7 +23,8 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb"
 # trunks, accumulation + clipping, every precision, activation checkpointing.
 JOBS_2: dict[str, dict[str, Any]] = {
     **{f"gpt_{s}": {"model": "gpt4", "strategy": {"pp": 2, "pp_schedule": s}} for s in SCHEDULES},
-    "llama_pipe": {"model": "llama4", "strategy": "pipe", "validate": True, "test": True, "memory_logger": True},
+    "llama_pipe": {"model": "llama4", "strategy": "pipe", "validate": True, "test": True, "predict": True,
+                   "memory_logger": True},
     "llama_zbv": {"model": "llama4", "strategy": {"pp": 2, "pp_schedule": "zbv"}, "validate": True},
     # Lightning's sanity check runs validation through the pipeline before the first training step.
     "gpt_validate": {"model": "gpt4", "strategy": "pipe", "validate": True, "memory_logger": True,
@@ -110,6 +111,11 @@ def test_validation_runs_through_the_pipeline(results, name):
         assert got["val"][key] == pytest.approx(value, rel=1e-5), key
     if "test" in ref:
         assert got["test"]["test_loss"] == pytest.approx(ref["test"]["test_loss"], rel=1e-5)
+    if "predict" in ref:
+        # dp 1: every rank predicts every sample; the last stage's predictions reach global rank 0.
+        got_rows, ref_rows = torch.cat(got["predict"]), torch.cat(ref["predict"])
+        assert got_rows.shape == ref_rows.shape and len(got_rows) >= 8
+        assert (got_rows == ref_rows).float().mean() > 0.99  # argmax ids; a near-tie may flip on 1e-7 differences
 
 
 @pytest.mark.parametrize("name", [k for k, j in {**JOBS_2, **JOBS_4}.items() if j.get("memory_logger")])

@@ -348,12 +348,11 @@ class ParallelStrategy(_LightningParallelStrategy):
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline is not None:
-            raise NotImplementedError(
-                "trainer.predict is not yet supported under pipeline parallelism (pp > 1): predictions exist only "
-                "on the last stage; predict with pp=1 (load the sharded checkpoint into a zero1/zero3 layout)"
-            )
-        return super().predict_step(*args, **kwargs)
+        if self._pipeline is None:
+            return super().predict_step(*args, **kwargs)
+        assert self.lightning_module is not None
+        with self.precision_plugin.predict_step_context():
+            return self._pipeline.eval_step(self.lightning_module, "predict_step", *args, **kwargs)
 
     # ---- collectives -----------------------------------------------------------------------------------------
     @override
