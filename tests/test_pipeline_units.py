@@ -272,3 +272,17 @@ def test_pipe_names_construct(name: str) -> None:
     import lightning_par
 
     lightning_par.ParallelStrategy(**kwargs)  # validated at construction; degrees come from the world size
+
+
+def test_split_is_described_for_the_start_up_log() -> None:
+    from lightning_par.parallel.pipeline_schedule import PipelineRunner
+
+    model = _models()["gpt"]
+    pipe = PipelineModel(model, find_trunk(model), [(0, 1), (1, 4)], [0], torch.device("cpu"))
+    runner = PipelineRunner.__new__(PipelineRunner)  # describe() needs no process group
+    runner.model, runner.schedule_name, runner.pp, runner.microbatches = pipe, "1f1b", 2, 4
+    assert runner.describe() == (
+        "pipeline 1f1b, 2 stages over pp=2, 4 microbatches; stage 0: transformer.h.0..transformer.h.0; stage 1: "
+        "transformer.h.1..transformer.h.3; before the trunk ['transformer.wte', 'transformer.wpe'] on stage 0, after "
+        "it ['transformer.ln_f', 'lm_head'] on the last"
+    )

@@ -189,7 +189,7 @@ class PipelineModel:
     ) -> None:
         self.module, self.trunk, self.device = module, trunk, device
         n = len(ranges)
-        self.n_stages = n
+        self.n_stages, self.ranges = n, list(ranges)
         self.specs = [StageSpec(s, *ranges[s], is_first=s == 0, is_last=s == n - 1) for s in sorted(local_stages)]
         self._active: Optional[_Active] = None
         self.step_fn: Optional[StepFn] = None

@@ -176,6 +176,15 @@ class PipelineRunner:
         """Global rank that runs the last stage (it holds the losses and the user's logged values)."""
         return self._last_rank
 
+    def describe(self) -> str:
+        """One line naming the schedule, the microbatches and every stage's blocks (printed at start-up)."""
+        model = self.model
+        names = model.trunk.names
+        stages = [f"stage {s}: {names[a]}..{names[b - 1]}" for s, (a, b) in enumerate(model.ranges)]
+        ends = f"before the trunk {model.pre_names or '-'} on stage 0, after it {model.post_names or '-'} on the last"
+        return (f"pipeline {self.schedule_name}, {model.n_stages} stages over pp={self.pp}, {self.microbatches} "
+                f"microbatches; " + "; ".join(stages) + f"; {ends}")  # fmt: skip
+
     @property
     def is_last(self) -> bool:
         """Whether this rank runs the last stage."""

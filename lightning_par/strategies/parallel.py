@@ -265,6 +265,7 @@ class ParallelStrategy(_LightningParallelStrategy):
             self._set_metric_groups(module)
             if self._parallel.pipeline is not None:
                 self._pipeline = PipelineSteps(self._parallel.pipeline, self.device_mesh.get_group("pp"))
+                rank_zero_info(f"lightning_par {self._parallel.pipeline.describe()}")
                 precision.norm_groups = (self.device_mesh.get_group("pp"),)  # clip by the norm over all stages
         self.model = self._parallel.model
         self.barrier()
