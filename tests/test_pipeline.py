@@ -50,6 +50,9 @@ JOBS_4: dict[str, dict[str, Any]] = {
     "llama_zero1": {"model": "llama4", "strategy": "pipe_zero1"},
     "sgd_zero2_accum_clip": {"model": "gpt4_sgd", "strategy": "pipe_zero2", "accumulate": 2, "clip": 0.05},
     "dict_zero1_zbv": {"model": "dict_trunk", "strategy": {"pp": 2, "zero_stage": 1, "pp_schedule": "zbv"}},
+    "gpt_zero3": {"model": "gpt4", "strategy": "pipe_zero3", "validate": True},
+    "sgd_zero3_gpipe_accum_clip": {"model": "gpt4_sgd", "strategy": {"pp": 2, "zero_stage": 3, "pp_schedule": "gpipe"},
+                                   "accumulate": 2, "clip": 0.05},
     "sgd_zero2_zb_accum": {"model": "gpt4_sgd", "strategy": {"pp": 2, "zero_stage": 2, "pp_schedule": "interleaved_zb"},
                            "accumulate": 2},
 }  # fmt: skip
@@ -189,3 +192,11 @@ def test_checkpoints_resume_across_pipeline_and_data_parallel_layouts(checkpoint
     for run, ref in ((resumed, full), (as_zero1, full), (zero1_as_pipe, zero1_full)):
         assert _rel(run["losses"], ref["losses"][2:]) < 1e-5
         _params_close(run["params"], ref["params"], rtol=1e-5, atol=0.01 * LR)
+
+
+def test_pipe_zero3_shards_parameters_within_each_stage(results):
+    got, ref = results["gpt_zero3"]
+    total = sum(math.prod(s) * 4 for s in ref["param_shapes"].values())
+    per_rank = [m["params"] for m in got["mem_all"]]  # local shards of this rank's stage (ranks as above)
+    assert sum(per_rank) == total  # the 4 ranks' shards partition the model exactly
+    assert max(per_rank) < 0.35 * total  # ~1/4 each: 1/pp by stage, then 1/dp by FSDP2

@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -196,8 +197,14 @@ class PipelineRunner:
         if dist.get_rank() == self._first_rank:
             probe_spec = self.model.specs[0]
             device = self.model.device
+            first = self.model.stage_modules()[0]
+            root = cast(FSDPModule, first) if isinstance(first, FSDPModule) else None
+            if root is not None:  # ZeRO-3: the embedding belongs to the stage's root unit; gather it for the probe
+                root.unshard()
             with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 hidden = self.model.probe(lambda: step_fn(mb0, probe_spec))
+            if root is not None:
+                root.reshard()
             meta = [(tuple(hidden.shape), hidden.dtype)]
         dist.broadcast_object_list(meta, src=self._first_rank, group=self.group)
         return meta[0]

@@ -113,8 +113,6 @@ class ParallelStrategy(_LightningParallelStrategy):
             raise NotImplementedError(
                 "pipe_tp needs tensor-parallel blocks inside pipeline stages; not yet supported: use 'pipe' or 'tp'"
             )
-        if "pp" in dims and zero_stage == 3:
-            raise NotImplementedError("pipe_zero3 is not yet supported; use pipe_zero1 or pipe_zero2")
         for dim in dims:
             if dim == "tp":
                 raise NotImplementedError(
