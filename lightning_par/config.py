@@ -124,6 +124,13 @@ class ParallelConfig:
                 "selective checkpointing allows one backward; use activation_checkpointing='full' or a schedule "
                 "without a split backward ('1f1b', 'interleaved_1f1b')"
             )
+        if self.pp > 1 and self.zero_stage == 3 and (self.pp_schedule not in ("gpipe", "1f1b") or self.offload):
+            raise ParallelConfigError(
+                f"pp={self.pp} with zero_stage=3 runs with pp_schedule 'gpipe' or '1f1b' and without offload (got "
+                f"{self.pp_schedule!r}, offload={self.offload}): the multi-stage and zero-bubble schedules run a "
+                "block's backward after FSDP2 has freed its gathered parameters; use pp_schedule='1f1b', or "
+                "zero_stage 1-2 (pipe_zero1, pipe_zero2) with any schedule"
+            )
         if self.microbatches is not None and (not isinstance(self.microbatches, int) or self.microbatches < 1):
             raise ParallelConfigError(f"microbatches={self.microbatches!r} must be a positive int or None")
         if self.pp_split is not None:
@@ -196,11 +203,6 @@ class ParallelConfig:
             raise NotImplementedError(
                 f"pipe_tp needs tensor-parallel blocks inside pipeline stages; not yet supported (pp={self.pp}, "
                 f"tp={self.tp}): use pp or tp alone"
-            )
-        if self.pp > 1 and self.zero_stage == 3:
-            raise NotImplementedError(
-                f"pipe_zero3 (pp={self.pp} with zero_stage=3) is not yet supported: FSDP2 units inside pipeline "
-                "stages are not wired; use zero_stage 1 or 2 (pipe_zero1, pipe_zero2)"
             )
         for axis in AXES:
             if axis not in SUPPORTED_AXES and getattr(self, axis) > 1:

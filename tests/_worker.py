@@ -534,7 +534,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=[recorder, *_checkpoint_callbacks(job), *extra],
-        num_sanity_val_steps=0,
+        num_sanity_val_steps=job.get("num_sanity_val_steps", 0),
         limit_val_batches=job.get("limit_val_batches", 2),
         limit_test_batches=2,
     )

@@ -90,7 +90,7 @@ def test_combinations_not_landed_are_rejected_by_the_strategy(kwargs, message):
 
 @pytest.mark.parametrize(
     ("name", "reason"),
-    [("pipe_tp", "not yet supported"), ("pipe_zero3", "not yet supported"), ("pipe_tp_zero1", "not yet supported"),
+    [("pipe_tp", "not yet supported"), ("pipe_tp_zero1", "not yet supported"),
      ("3d", "not yet supported"), ("tp_moe", "does not compose with tensor"),
      ("tp_moe_zero3", "does not compose with tensor"), ("pipe_moe_zero1", "does not compose with pipeline")],
 )  # fmt: skip

@@ -23,9 +23,12 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb"
 # trunks, accumulation + clipping, every precision, activation checkpointing.
 JOBS_2: dict[str, dict[str, Any]] = {
     **{f"gpt_{s}": {"model": "gpt4", "strategy": {"pp": 2, "pp_schedule": s}} for s in SCHEDULES},
-    "llama_pipe": {"model": "llama4", "strategy": "pipe", "validate": True, "test": True, "memory_logger": True},
+    "llama_pipe": {"model": "llama4", "strategy": "pipe", "validate": True, "test": True, "predict": True,
+                   "memory_logger": True},
     "llama_zbv": {"model": "llama4", "strategy": {"pp": 2, "pp_schedule": "zbv"}, "validate": True},
-    "gpt_validate": {"model": "gpt4", "strategy": "pipe", "validate": True, "memory_logger": True},
+    # Lightning's sanity check runs validation through the pipeline before the first training step.
+    "gpt_validate": {"model": "gpt4", "strategy": "pipe", "validate": True, "memory_logger": True,
+                     "num_sanity_val_steps": 2},
     "seq_trunk": {"model": "seq_trunk", "strategy": {"pp": 2}, "validate": True, "memory_logger": True},
     "dict_trunk": {"model": "dict_trunk", "strategy": {"pp": 2, "pp_schedule": "interleaved_1f1b"}, "validate": True},
     "sgd_accum_clip": {"model": "gpt4_sgd", "strategy": {"pp": 2}, "accumulate": 2, "clip": 0.05},
@@ -47,6 +50,9 @@ JOBS_4: dict[str, dict[str, Any]] = {
     "llama_zero1": {"model": "llama4", "strategy": "pipe_zero1"},
     "sgd_zero2_accum_clip": {"model": "gpt4_sgd", "strategy": "pipe_zero2", "accumulate": 2, "clip": 0.05},
     "dict_zero1_zbv": {"model": "dict_trunk", "strategy": {"pp": 2, "zero_stage": 1, "pp_schedule": "zbv"}},
+    "gpt_zero3": {"model": "gpt4", "strategy": "pipe_zero3", "validate": True},
+    "sgd_zero3_gpipe_accum_clip": {"model": "gpt4_sgd", "strategy": {"pp": 2, "zero_stage": 3, "pp_schedule": "gpipe"},
+                                   "accumulate": 2, "clip": 0.05},
     "sgd_zero2_zb_accum": {"model": "gpt4_sgd", "strategy": {"pp": 2, "zero_stage": 2, "pp_schedule": "interleaved_zb"},
                            "accumulate": 2},
 }  # fmt: skip
@@ -108,6 +114,11 @@ def test_validation_runs_through_the_pipeline(results, name):
         assert got["val"][key] == pytest.approx(value, rel=1e-5), key
     if "test" in ref:
         assert got["test"]["test_loss"] == pytest.approx(ref["test"]["test_loss"], rel=1e-5)
+    if "predict" in ref:
+        # dp 1: every rank predicts every sample; the last stage's predictions reach global rank 0.
+        got_rows, ref_rows = torch.cat(got["predict"]), torch.cat(ref["predict"])
+        assert got_rows.shape == ref_rows.shape and len(got_rows) >= 8
+        assert (got_rows == ref_rows).float().mean() > 0.99  # argmax ids; a near-tie may flip on 1e-7 differences
 
 
 @pytest.mark.parametrize("name", [k for k, j in {**JOBS_2, **JOBS_4}.items() if j.get("memory_logger")])
@@ -181,3 +192,11 @@ def test_checkpoints_resume_across_pipeline_and_data_parallel_layouts(checkpoint
     for run, ref in ((resumed, full), (as_zero1, full), (zero1_as_pipe, zero1_full)):
         assert _rel(run["losses"], ref["losses"][2:]) < 1e-5
         _params_close(run["params"], ref["params"], rtol=1e-5, atol=0.01 * LR)
+
+
+def test_pipe_zero3_shards_parameters_within_each_stage(results):
+    got, ref = results["gpt_zero3"]
+    total = sum(math.prod(s) * 4 for s in ref["param_shapes"].values())
+    per_rank = [m["params"] for m in got["mem_all"]]  # local shards of this rank's stage (ranks as above)
+    assert sum(per_rank) == total  # the 4 ranks' shards partition the model exactly
+    assert max(per_rank) < 0.35 * total  # ~1/4 each: 1/pp by stage, then 1/dp by FSDP2

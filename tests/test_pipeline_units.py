@@ -237,7 +237,11 @@ def test_microbatches_split_tensors_tuples_and_dicts_along_dim_0() -> None:
     ("kwargs", "exc", "message"),
     [
         ({"pp": 2, "tp": 2}, NotImplementedError, r"pipe_tp needs .*not yet supported"),
-        ({"pp": 2, "zero_stage": 3}, NotImplementedError, r"pipe_zero3 .*not yet supported.*pipe_zero1, pipe_zero2"),
+        (
+            {"pp": 2, "zero_stage": 3, "pp_schedule": "zbv"},
+            ParallelConfigError,
+            r"zero_stage=3 runs with pp_schedule 'gpipe' or '1f1b' .*got 'zbv'.*use pp_schedule='1f1b'",
+        ),
         (
             {"pp": 2, "pp_schedule": "zbv", "activation_checkpointing": "selective_op"},
             ParallelConfigError,
@@ -252,8 +256,7 @@ def test_pipeline_config_errors(kwargs: dict[str, Any], exc: type, message: str)
         ParallelConfig(**kwargs).check_supported()
 
 
-@pytest.mark.parametrize(("name", "message"), [("pipe_tp", "pipe_tp needs"), ("3d", "pipe_tp needs"),
-                                               ("pipe_zero3", "pipe_zero3 is not yet supported")])  # fmt: skip
+@pytest.mark.parametrize(("name", "message"), [("pipe_tp", "pipe_tp needs"), ("3d", "pipe_tp needs")])
 def test_pipe_names_not_yet_supported_fail_at_construction(name: str, message: str) -> None:
     import lightning as L
 
@@ -263,7 +266,7 @@ def test_pipe_names_not_yet_supported_fail_at_construction(name: str, message: s
         L.Trainer(strategy=name, accelerator="cpu", devices=1)
 
 
-@pytest.mark.parametrize("name", ["pipe", "pipe_zero1", "pipe_zero2"])
+@pytest.mark.parametrize("name", ["pipe", "pipe_zero1", "pipe_zero2", "pipe_zero3"])
 def test_pipe_names_construct(name: str) -> None:
     from lightning_par.strategies.registry import strategy_kwargs
 
@@ -272,3 +275,17 @@ def test_pipe_names_construct(name: str) -> None:
     import lightning_par
 
     lightning_par.ParallelStrategy(**kwargs)  # validated at construction; degrees come from the world size
+
+
+def test_split_is_described_for_the_start_up_log() -> None:
+    from lightning_par.parallel.pipeline_schedule import PipelineRunner
+
+    model = _models()["gpt"]
+    pipe = PipelineModel(model, find_trunk(model), [(0, 1), (1, 4)], [0], torch.device("cpu"))
+    runner = PipelineRunner.__new__(PipelineRunner)  # describe() needs no process group
+    runner.model, runner.schedule_name, runner.pp, runner.microbatches = pipe, "1f1b", 2, 4
+    assert runner.describe() == (
+        "pipeline 1f1b, 2 stages over pp=2, 4 microbatches; stage 0: transformer.h.0..transformer.h.0; stage 1: "
+        "transformer.h.1..transformer.h.3; before the trunk ['transformer.wte', 'transformer.wpe'] on stage 0, after "
+        "it ['transformer.ln_f', 'lm_head'] on the last"
+    )

@@ -121,6 +121,16 @@ def parallelize(
     checkpointed = apply_activation_checkpointing(blocks, config.activation_checkpointing, config.ac_every)
     if runner is not None:
         runner.model.install()
+    if config.zero_stage == 3 and runner is not None:
+        # One FSDP2 root per stage module (it owns the embedding / head; the schedule calls it, so its hooks
+        # fire), the stage's blocks as units inside it. Only the single-stage schedules (config.py says why).
+        for stage in runner.model.stage_modules():
+            owned = [runner.model.blocks[i] for i in range(stage.spec.start, stage.spec.end)]
+            apply_fsdp(stage, owned, mesh.dp_2d, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        runner.model.install_probe_hooks()  # after FSDP2's pre-hooks: a probe must not gather blocks
+        return Parallelized(module, None, checkpointed, runner)
+    if runner is not None:
+        runner.model.install_probe_hooks()
     if config.zero_stage == 3:
         # FSDP2 leaves the expert shards alone: sharding them again over dp would reduce their gradients over
         # every dp rank instead of the ranks holding the same experts. With ep == 1 they shard as any weight.

@@ -189,11 +189,12 @@ class PipelineModel:
     ) -> None:
         self.module, self.trunk, self.device = module, trunk, device
         n = len(ranges)
-        self.n_stages = n
+        self.n_stages, self.ranges = n, list(ranges)
         self.specs = [StageSpec(s, *ranges[s], is_first=s == 0, is_last=s == n - 1) for s in sorted(local_stages)]
         self._active: Optional[_Active] = None
         self.step_fn: Optional[StepFn] = None
         self.hidden_dtype: Optional[torch.dtype] = None
+        self._stage_modules: Optional[list[StageModule]] = None
         pre, post = outer_modules(module, trunk)
         self.pre_names, self.post_names = [n for n, _ in pre], [n for n, _ in post]
         owns_first = any(s.is_first for s in self.specs)
@@ -220,13 +221,16 @@ class PipelineModel:
         return [self.blocks[i] for i in sorted(self.blocks)]
 
     def stage_modules(self) -> list[StageModule]:
-        """One `StageModule` per local stage, in stage order."""
+        """One `StageModule` per local stage, in stage order (the same objects on every call: ZeRO-3 shards them)."""
+        if self._stage_modules is not None:
+            return self._stage_modules
         out = []
         for spec in self.specs:
             owned: list[nn.Module] = [self.blocks[i] for i in range(spec.start, spec.end)]
             owned += list(self.pre.values()) if spec.is_first else []
             owned += list(self.post.values()) if spec.is_last else []
             out.append(StageModule(self, spec, owned))
+        self._stage_modules = out
         return out
 
     def install(self) -> None:
@@ -237,6 +241,20 @@ class PipelineModel:
             block.forward = (  # type: ignore[method-assign]
                 lambda *a, _i=i, _f=forward, **k: self._block_call(_i, _f, a, k)
             )
+
+    def install_probe_hooks(self) -> None:
+        """Stop a probe at the trunk's entry before any other forward pre-hook of the block runs.
+
+        Call after every wrapping that adds pre-hooks (FSDP2 prepends its unshard hook): a probe must not
+        gather a block's parameters it will never use.
+        """
+        for block in self.blocks.values():
+            block.register_forward_pre_hook(self._probe_hook, prepend=True)
+
+    def _probe_hook(self, module: nn.Module, args: tuple) -> None:
+        active = self._active
+        if active is not None and active.spec is None and args:
+            raise _StageEnd(args[0])
 
     # ---- running ---------------------------------------------------------------------------------------------
     def _block_call(self, i: int, forward: Optional[Callable[..., Any]], args: tuple, kwargs: dict) -> Any:

@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -176,6 +177,15 @@ class PipelineRunner:
         """Global rank that runs the last stage (it holds the losses and the user's logged values)."""
         return self._last_rank
 
+    def describe(self) -> str:
+        """One line naming the schedule, the microbatches and every stage's blocks (printed at start-up)."""
+        model = self.model
+        names = model.trunk.names
+        stages = [f"stage {s}: {names[a]}..{names[b - 1]}" for s, (a, b) in enumerate(model.ranges)]
+        ends = f"before the trunk {model.pre_names or '-'} on stage 0, after it {model.post_names or '-'} on the last"
+        return (f"pipeline {self.schedule_name}, {model.n_stages} stages over pp={self.pp}, {self.microbatches} "
+                f"microbatches; " + "; ".join(stages) + f"; {ends}")  # fmt: skip
+
     @property
     def is_last(self) -> bool:
         """Whether this rank runs the last stage."""
@@ -186,8 +196,15 @@ class PipelineRunner:
         meta: list[Any] = [None]
         if dist.get_rank() == self._first_rank:
             probe_spec = self.model.specs[0]
-            with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            device = self.model.device
+            first = self.model.stage_modules()[0]
+            root = cast(FSDPModule, first) if isinstance(first, FSDPModule) else None
+            if root is not None:  # ZeRO-3: the embedding belongs to the stage's root unit; gather it for the probe
+                root.unshard()
+            with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 hidden = self.model.probe(lambda: step_fn(mb0, probe_spec))
+            if root is not None:
+                root.reshard()
             meta = [(tuple(hidden.shape), hidden.dtype)]
         dist.broadcast_object_list(meta, src=self._first_rank, group=self.group)
         return meta[0]
@@ -219,7 +236,9 @@ class PipelineRunner:
         loss_fn = (lambda out, _target: self._loss_fn(out)) if training else None
         try:
             if info.virtual == 1:
-                sched = info.cls(stages[0], n_microbatches=len(mbs), loss_fn=loss_fn, scale_grads=False)
+                # Forward only, GPipe's order is 1F1B's without the minimum microbatch count (a short last batch).
+                cls = info.cls if training else ScheduleGPipe
+                sched = cls(stages[0], n_microbatches=len(mbs), loss_fn=loss_fn, scale_grads=False)
             else:
                 sched = info.cls(stages, n_microbatches=len(mbs), loss_fn=loss_fn, scale_grads=False)
         except ValueError as err:

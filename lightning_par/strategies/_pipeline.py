@@ -120,8 +120,12 @@ class PipelineSteps:
 
     # ---- evaluation ------------------------------------------------------------------------------------------
     def eval_step(self, module: pl.LightningModule, hook: str, *args: Any, **kwargs: Any) -> Any:
-        """``validation_step`` / ``test_step`` through the pipeline, forward only; returns the last stage's
-        outputs of the last microbatch (broadcast) so callbacks see the same value on every rank."""
+        """``validation_step`` / ``test_step`` / ``predict_step`` through the pipeline, forward only.
+
+        Returns what the last stage's step returned, broadcast to every rank of the pipeline group: for
+        ``predict_step`` the microbatches' outputs joined along dim 0 (the batch's predictions), otherwise the
+        last microbatch's output.
+        """
         batch, rest = args[0], args[1:]
         outputs: list[Any] = []
 
@@ -133,7 +137,8 @@ class PipelineSteps:
 
         self._logs.clear()
         self.runner.eval_step(batch, step_fn)
-        result = {"loss": None, "extra": outputs[-1] if outputs else None} if self.runner.is_last else None
+        joined = _join(outputs) if hook == "predict_step" else (outputs[-1] if outputs else None)
+        result = {"loss": None, "extra": joined} if self.runner.is_last else None
         return self._publish(module, result)["extra"]
 
     def other_stage_keys(self, module: torch.nn.Module) -> frozenset[str]:
@@ -200,6 +205,23 @@ class PipelineSteps:
             pl.LightningModule.log(module, name, value, **kwargs)
         self._logs.clear()
         return data["result"]
+
+
+def _join(outputs: list[Any]) -> Any:
+    """Microbatch outputs of one structure joined into the batch's: tensors concatenated along dim 0."""
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+
+    if not outputs:
+        return None
+    flat = [tree_flatten(o) for o in outputs]
+    spec = flat[0][1]
+    if any(s != spec for _, s in flat):
+        return outputs
+    leaves = []
+    for column in zip(*(leaves for leaves, _ in flat)):
+        first = column[0]
+        leaves.append(torch.cat(column) if isinstance(first, Tensor) and first.dim() > 0 else first)
+    return tree_unflatten(leaves, spec)
 
 
 def _reduce_logs(

@@ -114,8 +114,6 @@ class ParallelStrategy(CheckpointingMixin, _LightningParallelStrategy):
             raise NotImplementedError(
                 "pipe_tp needs tensor-parallel blocks inside pipeline stages; not yet supported: use 'pipe' or 'tp'"
             )
-        if "pp" in dims and zero_stage == 3:
-            raise NotImplementedError("pipe_zero3 is not yet supported; use pipe_zero1 or pipe_zero2")
         self._tp_plan = dict(tp_plan) if tp_plan else None
         self._auto_dims = auto_dims
         if timeout_s <= 0:
@@ -268,6 +266,7 @@ class ParallelStrategy(CheckpointingMixin, _LightningParallelStrategy):
             self._set_metric_groups(module)
             if self._parallel.pipeline is not None:
                 self._pipeline = PipelineSteps(self._parallel.pipeline, self.device_mesh.get_group("pp"))
+                rank_zero_info(f"lightning_par {self._parallel.pipeline.describe()}")
                 precision.norm_groups = (self.device_mesh.get_group("pp"),)  # clip by the norm over all stages
         self.model = self._parallel.model
         self.barrier()
@@ -354,12 +353,11 @@ class ParallelStrategy(CheckpointingMixin, _LightningParallelStrategy):
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline is not None:
-            raise NotImplementedError(
-                "trainer.predict is not yet supported under pipeline parallelism (pp > 1): predictions exist only "
-                "on the last stage; predict with pp=1 (load the sharded checkpoint into a zero1/zero3 layout)"
-            )
-        return super().predict_step(*args, **kwargs)
+        if self._pipeline is None:
+            return super().predict_step(*args, **kwargs)
+        assert self.lightning_module is not None
+        with self.precision_plugin.predict_step_context():
+            return self._pipeline.eval_step(self.lightning_module, "predict_step", *args, **kwargs)
 
     # ---- collectives -----------------------------------------------------------------------------------------
     @override
