@@ -128,7 +128,7 @@ def parallelize(
             owned = [runner.model.blocks[i] for i in range(stage.spec.start, stage.spec.end)]
             apply_fsdp(stage, owned, mesh.dp_2d, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
         runner.model.install_probe_hooks()  # after FSDP2's pre-hooks: a probe must not gather blocks
-        return Parallelized(module, None, checkpointed, runner)
+        return Parallelized(module, None, checkpointed, experts, tp_info, runner)
     if runner is not None:
         runner.model.install_probe_hooks()
     if config.zero_stage == 3:
