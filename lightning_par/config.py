@@ -192,10 +192,10 @@ class ParallelConfig:
     def check_supported(self) -> None:
         """Reject axes whose implementation has not landed yet, naming what does work."""
         self.check_expert_parallel()
-        if self.pp > 1 and self.tp > 1:
-            raise NotImplementedError(
-                f"pipe_tp needs tensor-parallel blocks inside pipeline stages; not yet supported (pp={self.pp}, "
-                f"tp={self.tp}): use pp or tp alone"
+        if self.pp > 1 and self.tp > 1 and self.sequence_parallel:
+            raise ParallelConfigError(
+                f"sequence_parallel=True with pp={self.pp} x tp={self.tp}: pipeline stages exchange whole "
+                "activations, so sequence parallelism is off inside them; pass sequence_parallel=None or False"
             )
         if self.pp > 1 and self.zero_stage == 3:
             raise NotImplementedError(

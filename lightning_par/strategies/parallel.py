@@ -110,10 +110,6 @@ class ParallelStrategy(CheckpointingMixin, _LightningParallelStrategy):
         )  # fmt: skip
         self._config.check_supported()
         dims = tuple(auto_dims or ())
-        if "pp" in dims and "tp" in dims:
-            raise NotImplementedError(
-                "pipe_tp needs tensor-parallel blocks inside pipeline stages; not yet supported: use 'pipe' or 'tp'"
-            )
         if "pp" in dims and zero_stage == 3:
             raise NotImplementedError("pipe_zero3 is not yet supported; use pipe_zero1 or pipe_zero2")
         self._tp_plan = dict(tp_plan) if tp_plan else None
