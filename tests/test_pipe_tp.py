@@ -45,8 +45,9 @@ def pipe_tp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def three_d(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     jobs = [{"model": m, "strategy": "3d", "dp": 2} for m in ("gpt4_sgd", "llama4")]
+    jobs.append({"model": "gpt4_sgd", "strategy": "pipe_tp_zero2", "dp": 2})
     results = run_jobs(tmp_path_factory.mktemp("3d"), jobs, nproc=8, timeout=900)
-    return dict(zip(("gpt4_sgd", "llama4"), results))
+    return dict(zip(("gpt4_sgd", "llama4", "pipe_tp_zero2"), results))
 
 
 def _rel(a: list[float], b: list[float]) -> float:
@@ -97,3 +98,11 @@ def test_3d_on_eight_ranks_matches_one_process(three_d, references, model):
     layout = got["layout"]
     assert (layout["pp"], layout["tp"], layout["dp_shard"], layout["zero_stage"]) == (2, 2, 2, 1)
     _check(got, references[model], model)
+
+
+def test_pipe_tp_zero2_on_eight_ranks_matches_one_process(three_d, references):
+    got = three_d["pipe_tp_zero2"]
+    assert (got["layout"]["pp"], got["layout"]["tp"], got["layout"]["dp_shard"], got["layout"]["zero_stage"]) == (
+        2, 2, 2, 2,
+    )  # fmt: skip
+    _check(got, references["gpt4_sgd"], "gpt4_sgd")
