@@ -199,10 +199,15 @@ class ParallelConfig:
     def check_supported(self) -> None:
         """Reject axes whose implementation has not landed yet, naming what does work."""
         self.check_expert_parallel()
-        if self.pp > 1 and self.tp > 1:
+        if self.pp > 1 and self.tp > 1 and self.zero_stage == 3:
             raise NotImplementedError(
-                f"pipe_tp needs tensor-parallel blocks inside pipeline stages; not yet supported (pp={self.pp}, "
-                f"tp={self.tp}): use pp or tp alone"
+                f"pipe_tp_zero3 (pp={self.pp} x tp={self.tp} with zero_stage=3) is not yet supported: FSDP2 stages "
+                "over tensor-parallel blocks are not tested; use zero_stage 1 or 2 (pipe_tp_zero1 = 3d, pipe_tp_zero2)"
+            )
+        if self.pp > 1 and self.tp > 1 and self.sequence_parallel:
+            raise ParallelConfigError(
+                f"sequence_parallel=True with pp={self.pp} x tp={self.tp}: pipeline stages exchange whole "
+                "activations, so sequence parallelism is off inside them; pass sequence_parallel=None or False"
             )
         for axis in AXES:
             if axis not in SUPPORTED_AXES and getattr(self, axis) > 1:

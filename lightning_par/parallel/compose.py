@@ -80,8 +80,9 @@ def parallelize(
     gradients are reduced over the ranks holding the same experts, `ExpertParallel.reduce_gradients`). The expert
     dispatch hooks sit on the experts module, inside any recomputed block, so recomputation replays the same
     all-to-alls on every rank. FSDP2's hooks sit outside the recomputed region, so a block's parameters are
-    gathered once for its backward, recomputation included (the order torchtitan uses). pp x tp and pp x ep are
-    rejected by `ParallelConfig.check_supported` for now.
+    gathered once for its backward, recomputation included (the order torchtitan uses). Under pp x tp the plan is
+    inferred on the whole model before the cut and applied to the stage's own blocks, without sequence
+    parallelism. pp x ep is rejected by `ParallelConfig.check_supported` for now.
 
     Args:
         module: the user's model (a LightningModule), already in its training dtype.
@@ -100,6 +101,11 @@ def parallelize(
             "(an nn.ModuleList / Sequential / ModuleDict of >= 2 modules of one class); none was found in "
             f"{type(module).__name__}; set activation_checkpointing=None"
         )
+    plan = None
+    if config.tp > 1:
+        # Inferred on the whole model (one small forward), before a pipeline cut leaves a stage unable to run it.
+        plan = infer_tp_plan(module, overrides=tp_plan)
+        validate_tp(plan, config.tp)
     runner = None
     if config.pp > 1:
         runner = _cut_pipeline(module, trunk, mesh, config)
@@ -108,11 +114,14 @@ def parallelize(
     # rank slices the same full weights.
     sync_module_states(module, mesh.dp)
     tp_info = None
-    if config.tp > 1:
+    if plan is not None:
         sync_module_states(module, mesh.tp)  # replicated parameters (embedding, head) must match over tp too
-        plan = infer_tp_plan(module, overrides=tp_plan)
-        validate_tp(plan, config.tp)
-        tp_info = apply_tensor_parallel(module, mesh.tp, plan, sequence_parallel=config.sequence_parallel)
+        stage_blocks = None
+        if runner is not None and trunk is not None:  # only this stage's blocks
+            stage_blocks = [(trunk.names[i], b) for i, b in sorted(runner.model.blocks.items())]
+        tp_info = apply_tensor_parallel(
+            module, mesh.tp, plan, sequence_parallel=config.sequence_parallel, blocks=stage_blocks
+        )
     experts = None
     if config.ep > 1 or find_moe_layers(module):
         # Also at ep=1: capacity and balancing statistics span the data-parallel batch, as on one process.

@@ -103,7 +103,12 @@ def sequence_parallel_blocker(plan: TPPlan, block: nn.Module) -> str | None:
 
 
 def apply_tensor_parallel(
-    model: nn.Module, mesh: DeviceMesh, plan: TPPlan, *, sequence_parallel: bool | None = None
+    model: nn.Module,
+    mesh: DeviceMesh,
+    plan: TPPlan,
+    *,
+    sequence_parallel: bool | None = None,
+    blocks: Sequence[tuple[str, nn.Module]] | None = None,
 ) -> TensorParallelInfo:
     """Shard the trunk blocks of ``model`` over the 1-D tensor-parallel ``mesh`` as ``plan`` says, in place.
 
@@ -113,15 +118,26 @@ def apply_tensor_parallel(
         plan: from `lightning_par.plans.infer_tp_plan` (validated for ``mesh.size()`` with `validate_tp`).
         sequence_parallel: split the residual stream along the sequence; ``None``: wherever it is exact (see
             `sequence_parallel_blocker`), ``True``: required (an error names why it is not exact).
+        blocks: (name, block) pairs to shard instead of the whole trunk: a pipeline stage's own blocks. Sequence
+            parallelism is then off (a stage's boundary activations travel whole between stages).
 
     Raises:
         TPPlanError: a style this function cannot apply (a fused projection with unequal q/k/v widths, a
             sharded embedding or head), naming the ``tp_plan`` that avoids it.
     """
     tp = mesh.size()
-    trunk = find_trunk(model)
-    if trunk is None or trunk.path != plan.trunk:
-        raise TPPlanError("the model's trunk changed since the plan was inferred; infer the plan again")
+    if blocks is None:
+        trunk = find_trunk(model)
+        if trunk is None or trunk.path != plan.trunk:
+            raise TPPlanError("the model's trunk changed since the plan was inferred; infer the plan again")
+        blocks = list(zip(trunk.names, trunk.blocks))
+    else:
+        if sequence_parallel:
+            raise TPPlanError(
+                "sequence_parallel=True is not supported inside pipeline stages (their boundary activations travel "
+                "whole); pass sequence_parallel=False or None"
+            )
+        sequence_parallel = False
     prefix = f"{plan.trunk}.*" if plan.trunk else "*"
     outer = [k for k, s in plan.styles.items() if not k.startswith(prefix + ".") and s != "replicate"]
     if outer:
@@ -138,14 +154,14 @@ def apply_tensor_parallel(
                 f"cannot hold whole heads of each as one DTensor. Pass tp_plan={{'{prefix}.{rel}': 'replicate'}} "
                 "and the output projection as 'replicate' too, or separate the projections"
             )
-    why = sequence_parallel_blocker(plan, trunk.blocks[0])
+    why = sequence_parallel_blocker(plan, blocks[0][1]) if blocks else None
     if sequence_parallel and why is not None:
         raise TPPlanError(f"sequence_parallel=True is not exact for this model: {why}; pass sequence_parallel=False")
     if sequence_parallel is None:
         sequence_parallel = why is None
     regions = sorted({k[len(prefix) + 1 :] for k in (*plan.heads, *plan.mlps) if k != prefix})
     changed: dict[str, str] = {}
-    for name, block in zip(trunk.names, trunk.blocks):
+    for name, block in blocks:
         styles: dict[str, Any] = {}
         for rel, style in rel_styles.items():
             if style == "colwise":
@@ -165,10 +181,10 @@ def apply_tensor_parallel(
             block.get_submodule(rel).register_forward_pre_hook(
                 partial(_region_input, mesh, sequence_parallel, plan.hidden_size), with_kwargs=True
             )
-    _set_local_head_counts(trunk.blocks, plan, prefix, tp)
-    if sequence_parallel:
-        trunk.blocks[0].register_forward_pre_hook(partial(_scatter_sequence, mesh), with_kwargs=True)
-        trunk.blocks[-1].register_forward_hook(partial(_gather_sequence, mesh))
+    _set_local_head_counts([b for _, b in blocks], plan, prefix, tp)
+    if sequence_parallel and blocks:
+        blocks[0][1].register_forward_pre_hook(partial(_scatter_sequence, mesh), with_kwargs=True)
+        blocks[-1][1].register_forward_hook(partial(_gather_sequence, mesh))
     return TensorParallelInfo(tp, sequence_parallel, changed, tuple(regions))
 
 

@@ -109,11 +109,6 @@ class ParallelStrategy(CheckpointingMixin, _LightningParallelStrategy):
             bucket_cap_mb=bucket_cap_mb, pp_split=pp_split, pp_costs=pp_costs,
         )  # fmt: skip
         self._config.check_supported()
-        dims = tuple(auto_dims or ())
-        if "pp" in dims and "tp" in dims:
-            raise NotImplementedError(
-                "pipe_tp needs tensor-parallel blocks inside pipeline stages; not yet supported: use 'pipe' or 'tp'"
-            )
         self._tp_plan = dict(tp_plan) if tp_plan else None
         self._auto_dims = auto_dims
         if timeout_s <= 0:
