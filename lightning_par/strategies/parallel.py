@@ -109,6 +109,11 @@ class ParallelStrategy(CheckpointingMixin, _LightningParallelStrategy):
             bucket_cap_mb=bucket_cap_mb, pp_split=pp_split, pp_costs=pp_costs,
         )  # fmt: skip
         self._config.check_supported()
+        if auto_dims:
+            # A registered name's degrees come from the world size later; reject its combination now, before any
+            # process starts (2 stands for "more than one").
+            pp, tp = (2 if d in auto_dims else getattr(self._config, d) for d in ("pp", "tp"))
+            dataclasses.replace(self._config, pp=pp, tp=tp).check_supported()
         self._tp_plan = dict(tp_plan) if tp_plan else None
         self._auto_dims = auto_dims
         if timeout_s <= 0:
