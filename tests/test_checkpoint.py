@@ -37,14 +37,23 @@ GPT_KWARGS = {"vocab_size": 256, "block_size": 32, "n_layer": 2, "n_head": 4, "n
 # ParallelStrategy kwargs. Neighbours in a chain resume each other's checkpoint, in both directions, so every
 # layout is written on and resumed on, and the chains cross world sizes (2 <-> 4 <-> 2, 2 <-> 1 process) and ZeRO
 # stages. To extend the matrix, add a layout to a chain once its strategy is supported; the writers, resumes,
-# spawns and tests follow. Being added by other branches: "tp_zero3" (2 ranks) and "pipe_tp" (4 ranks) next to
-# (2, "zero3") in the "gpt" chain, e.g. zero3 <-> tp_zero3 <-> pipe_tp <-> 1 process; "moe" as a chain of its own
-# with an MoE model in _worker.MODELS, e.g. [(2, "moe"), (1, {"ep": 1})] (ep=2 <-> ep=1).
+# spawns and tests follow (`_dp` gives each job its data-parallel size, so every layout trains on the same global
+# batch). The "gpt" chain crosses tensor and pipeline layouts: zero3 <-> tp_zero3 (tp 2 x dp 2) <-> pipe_tp (pp 2 x
+# tp 2) <-> tp (tp 2) <-> plain data parallel. Expert layouts (moe ep=2 <-> ep=1) are in tests/test_moe_parallel.py.
 # "gpt_uneven": dims 258 and 34 do not divide by 4, so shards differ in rows across ranks (as real vocabularies do).
 ZERO0, ZERO1, ZERO3 = {"zero_stage": 0}, {"zero_stage": 1}, {"zero_stage": 3}
 CHAINS: dict[str, list[tuple[int, Any]]] = {
     # (2, "zero3") stays first-class here: the consolidation and bad-checkpoint tests below use its checkpoints.
-    "gpt": [(2, "zero1"), (2, "zero3"), (4, "zero3"), (2, ZERO0), (1, ZERO3)],
+    "gpt": [
+        (2, "zero1"),
+        (2, "zero3"),
+        (4, "zero3"),
+        (4, "tp_zero3"),
+        (4, "pipe_tp"),
+        (2, "tp"),
+        (2, ZERO0),
+        (1, ZERO3),
+    ],
     "gpt_sgd": [(2, "zero3"), (4, "zero2"), (2, "zero1"), (1, ZERO1)],
     "gpt_uneven": [(2, "zero2"), (4, "zero1"), (2, "zero3_offload")],
 }
@@ -66,6 +75,16 @@ RESUMES: dict[str, tuple[str, tuple[int, Any], tuple[int, Any]]] = {
     for a, b in ((x, y), (y, x))
 }
 BASE = {"epoch_steps": 1, "max_steps": 4}
+
+
+def _dp(ranks: int, strategy: Any) -> int:
+    """Data-parallel ranks of a layout (they split the global batch; tp and pp ranks share theirs)."""
+    if isinstance(strategy, str):
+        from lightning_par.config import split_world
+        from lightning_par.strategies.registry import strategy_kwargs
+
+        return split_world(strategy_kwargs(strategy)["auto_dims"], ranks, tp_cap=ranks)["dp"]
+    return ranks // (strategy.get("tp", 1) * strategy.get("pp", 1))
 
 
 def _key(model: str, ranks: int, strategy: Any) -> str:
@@ -115,11 +134,16 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
     # name -> (ranks, writer it reads, job); a job is built once its writer's checkpoints exist.
     pending: dict[str, tuple[int, str, Any]] = {
-        _key(m, n, s): (n, "", {**BASE, "model": m, "strategy": s, "ckpt_dir": str(root / _key(m, n, s))})
+        _key(m, n, s): (
+            n,
+            "",
+            {**BASE, "model": m, "strategy": s, "dp": _dp(n, s), "ckpt_dir": str(root / _key(m, n, s))},
+        )
         for m, n, s in WRITERS
     }
     for name, (m, src, dst) in RESUMES.items():
-        job = {**BASE, "model": m, "strategy": dst[1], "resume": str(_ckpt(root, m, *src)), "record_optim": True}
+        job = {**BASE, "model": m, "strategy": dst[1], "dp": _dp(*dst), "resume": str(_ckpt(root, m, *src)),
+               "record_optim": True}  # fmt: skip
         pending[name] = (dst[0], _key(m, *src), job)
     pending["truncated_2_ranks"] = (2, hub, truncated)
     pending["foreign_1_rank"] = (1, hub, foreign)
