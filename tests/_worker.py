@@ -601,6 +601,9 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         dist.all_gather_object(every, result["params"])
         result["params"] = {k: v for d in every for k, v in d.items()}
         result["param_counts_all"] = [len(d) for d in every]
+        states: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(states, result["optim_at_start"])
+        result["optim_at_start"] = {k: v for d in states for k, v in d.items()}
         local: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(local, recorder.local_losses)
         result["local_losses_all"] = local
