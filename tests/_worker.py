@@ -142,6 +142,9 @@ class OptimizerRecorder(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
         opt = trainer.optimizers[0]
+        if hasattr(trainer.strategy, "engine"):
+            self.state = _deepspeed_optimizer_state(trainer.strategy, opt)
+            return
         if isinstance(trainer.strategy, lightning_par.ParallelStrategy):
             named = trainer.strategy.optimizer_state(opt)["state"]  # sharded tensors as DTensors
         else:
@@ -158,9 +161,22 @@ class OptimizerRecorder(L.Callback):
 def _full_params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     out = {}
     for name, p in module.named_parameters():
-        t = p.full_tensor() if isinstance(p, DTensor) else p
+        if hasattr(p, "ds_id") or hasattr(p, "_hp_mapping"):  # set on every rank (None off its partition)
+            from deepspeed.utils import safe_get_full_fp32_param
+
+            t = safe_get_full_fp32_param(p).reshape(getattr(p, "ds_shape", p.shape))  # DeepSpeed's fp32 master
+        else:
+            t = p.full_tensor() if isinstance(p, DTensor) else p
         out[name] = t.detach().float().cpu().clone()
     return out
+
+
+def _deepspeed_optimizer_state(strategy: Any, opt: Any) -> dict[str, dict[str, Any]]:
+    # Each rank keeps a round-robin share of the names (lightning_par.parallel.deepspeed_state): merge them.
+    mine = {n: {k: v.detach().float().cpu() for k, v in st.items()} for n, st in strategy.optimizer_state(opt)["state"].items()}
+    shares: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(shares, mine)
+    return {n: st for share in shares for n, st in share.items()}
 
 
 def _first_attempt() -> bool:
@@ -317,7 +333,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     result: dict[str, Any] = {
         "mem_all": mem_all,
         "total_param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
-        "param_shapes": {n: tuple(p.shape) for n, p in model.named_parameters()},
+        "param_shapes": {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in model.named_parameters()},
         "losses": recorder.losses,
         "batch_heads": recorder.batch_heads,
         "local_losses": recorder.local_losses,
@@ -334,6 +350,8 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         "latest_before": found.name if found else None,
         "ckpt_listing_after": sorted(os.listdir(ckpt_dir)) if ckpt_dir and os.path.isdir(ckpt_dir) else [],
         "resumed_from": Path(trainer.ckpt_path).name if trainer.ckpt_path else None,
+        "files_in_list_dir": sorted(str(p) for p in Path(job["list_dir"]).rglob("*") if p.is_file())
+        if job.get("list_dir") else None,
     }
     if isinstance(trainer.strategy, lightning_par.ParallelStrategy):
         from torchmetrics import Metric
