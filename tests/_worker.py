@@ -173,7 +173,10 @@ def _full_params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def _deepspeed_optimizer_state(strategy: Any, opt: Any) -> dict[str, dict[str, Any]]:
     # Each rank keeps a round-robin share of the names (lightning_par.parallel.deepspeed_state): merge them.
-    mine = {n: {k: v.detach().float().cpu() for k, v in st.items()} for n, st in strategy.optimizer_state(opt)["state"].items()}
+    mine = {
+        n: {k: v.detach().float().cpu() for k, v in st.items()}
+        for n, st in strategy.optimizer_state(opt)["state"].items()
+    }
     shares: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(shares, mine)
     return {n: st for share in shares for n, st in share.items()}
@@ -351,7 +354,8 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         "ckpt_listing_after": sorted(os.listdir(ckpt_dir)) if ckpt_dir and os.path.isdir(ckpt_dir) else [],
         "resumed_from": Path(trainer.ckpt_path).name if trainer.ckpt_path else None,
         "files_in_list_dir": sorted(str(p) for p in Path(job["list_dir"]).rglob("*") if p.is_file())
-        if job.get("list_dir") else None,
+        if job.get("list_dir")
+        else None,
     }
     if isinstance(trainer.strategy, lightning_par.ParallelStrategy):
         from torchmetrics import Metric

@@ -101,25 +101,40 @@ def materialize_optimizer_state(parts: EngineParts) -> None:
             "supported yet: resume with deepspeed_zero3_offload or deepspeed_zero3, then switch"
         )
     if all(parts.inner.state.get(f) for f in parts.flats):
+        link_optimizer_state(parts)
         return
-    grads = [f.grad for f in parts.flats]
-    lrs = [g["lr"] for g in parts.inner.param_groups]
-    for f in parts.flats:
-        f.grad = torch.zeros_like(f)
-    for g in parts.inner.param_groups:
-        g["lr"] = 0.0
-    try:
-        parts.inner.step()
-    finally:
-        for g, lr in zip(parts.inner.param_groups, lrs):
-            g["lr"] = lr
-        for f, grad in zip(parts.flats, grads):
-            f.grad = grad
+    # DeepSpeed steps one partition at a time with only its param group installed (ZeRO-3 even keeps the groups
+    # empty between steps), so do the same: the other groups' partitions may hold gradient buffers (offload).
+    groups = parts.inner.param_groups
+    to_group = getattr(parts.wrapper, "sub_group_to_group_id", None)
+    for i, flat in enumerate(parts.flats):
+        if parts.inner.state.get(flat):
+            continue
+        group = groups[to_group[i] if to_group is not None else i] if parts.wrapper is not None else None
+        if group is None:  # plain fp32 ZeRO-0: the client optimizer over the module's own parameters
+            group = next(g for g in groups if any(p is flat for p in g["params"]))
+        saved = (group["params"], group["lr"], flat.grad)
+        group.update(params=[flat], lr=0.0)
+        flat.grad = torch.zeros_like(flat)
+        parts.inner.param_groups = [group]
+        try:
+            parts.inner.step()
+        finally:
+            parts.inner.param_groups = groups
+            group["params"], group["lr"], flat.grad = saved
     set_step_count(parts, 0)
+    link_optimizer_state(parts)
+
+
+def link_optimizer_state(parts: EngineParts) -> None:
+    """(Re)link each parameter to its slice of the optimizer state, which the ``safe_*_optimizer_state`` helpers read.
+
+    ZeRO 1/2 and bf16 make that link once, right after the first step of the first param group, when the other
+    groups have no state yet (DeepSpeed 0.19): with two groups (decayed / not decayed, as most models have) the
+    second group's link stays empty. Linking again once every group has state fixes it; it only makes views.
+    """
     relink = getattr(parts.wrapper, "_lazy_init_hp_params_optimizer_state", None)
-    if relink is not None:
-        # ZeRO 1/2 and bf16 link each parameter to its slice of the state at the first step; the safe_set_*
-        # helpers need that link, and DeepSpeed would make it only at the next step.
+    if relink is not None and parts.wrapper is not None:
         parts.wrapper._hp_optimizer_states_linked = False
         relink()
 
@@ -180,6 +195,7 @@ def gather_optimizer(
     parts = engine_parts(engine)
     if not all(parts.inner.state.get(f) for f in parts.flats):
         materialize_optimizer_state(parts)  # a save before the first step: the fresh state, explicitly
+    link_optimizer_state(parts)
     keys = state_keys(parts)
     step = torch.tensor(float(step_count(parts)))
     state: dict[str, dict[str, torch.Tensor]] = {}
@@ -230,8 +246,10 @@ def scatter_state(
         materialize_optimizer_state(parts)
         steps = {float(st["step"]) for st in optimizer["state"].values() if "step" in st}
         if len(steps) > 1:
-            raise ValueError(f"the checkpoint's parameters are at different optimizer steps {sorted(steps)}; "
-                             "DeepSpeed keeps one step per parameter group, so it cannot resume this state")  # fmt: skip
+            raise ValueError(
+                f"the checkpoint's parameters are at different optimizer steps {sorted(steps)}; DeepSpeed keeps one "
+                "step per parameter group, so it cannot resume this state"
+            )
         set_step_count(parts, int(steps.pop()) if steps else 0)
     zero3 = getattr(parts.wrapper, "fp32_partitioned_groups_flat", None) is not None
     for name, param in module.named_parameters():

@@ -158,7 +158,7 @@ def build_config(
     return ds
 
 
-def load_user_config(user: Union[None, str, Path, Mapping[str, Any]]) -> dict[str, Any]:
+def load_user_config(user: Union[str, Path, Mapping[str, Any], None]) -> dict[str, Any]:
     """A user DeepSpeed config given as a dict or a JSON file path (``None``: empty)."""
     if user is None:
         return {}
@@ -210,8 +210,8 @@ def merge_user_config(ours: dict[str, Any], user: Mapping[str, Any]) -> dict[str
     for key in ("optimizer", "scheduler"):
         if key in user:
             problems.append(
-                f"{key}: the DeepSpeed JSON defines one, but configure_optimizers() owns the {key} under lightning_par; "
-                f"drop the JSON's '{key}' section"
+                f"{key}: the DeepSpeed JSON defines one, but configure_optimizers() owns the {key} under "
+                f"lightning_par; drop the JSON's '{key}' section"
             )
     for key in _DERIVED:
         theirs, mine = _get(user, key), _get(ours, key)
@@ -224,7 +224,9 @@ def merge_user_config(ours: dict[str, Any], user: Mapping[str, Any]) -> dict[str
         if key == "gradient_clipping":
             theirs, mine = float(theirs), float(mine)
         if theirs != mine:
-            problems.append(f"{key}: the strategy/Trainer give {mine!r}, the DeepSpeed JSON gives {theirs!r}; {_FIX[key]}")
+            problems.append(
+                f"{key}: the strategy/Trainer give {mine!r}, the DeepSpeed JSON gives {theirs!r}; {_FIX[key]}"
+            )
     if problems:
         raise DeepSpeedConfigError("the DeepSpeed JSON conflicts with this run's settings:\n  " + "\n  ".join(problems))
     return _merge(ours, user)

@@ -10,6 +10,9 @@ format (`lightning_par.parallel.deepspeed_state`), so a run moves between the tw
 
 from __future__ import annotations
 
+import atexit
+import dataclasses
+import shutil
 import tempfile
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
@@ -25,6 +28,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_par.checkpoint.reader import load_tensors, read_index, read_meta
+from lightning_par.config import ParallelConfig
 from lightning_par.parallel import deepspeed_state as ds_state
 from lightning_par.parallel.deepspeed_zero import (
     DeepSpeedConfigError,
@@ -128,28 +132,29 @@ class DeepSpeedParallelStrategy(ParallelStrategy):
             follow from the strategy or the Trainer (stage, offload device, precision, accumulation, clipping) must
             agree with them, or setup fails listing each conflict.
         offload_device: with ``offload=True``: ``"cpu"`` (default) or ``"nvme"``.
-        nvme_path: folder for NVMe offload (default: ``<tmp>/lightning_par_nvme``); DeepSpeed adds one sub-folder
-            per rank.
+        nvme_path: folder for NVMe offload on a fast local disk; DeepSpeed adds one sub-folder per rank. Default: a
+            new ``lightning_par_nvme_*`` folder in the temp directory per process, removed when the process exits.
         **kwargs: `ParallelStrategy`'s arguments.
     """
 
     def __init__(
         self,
         *args: Any,
-        deepspeed_config: Union[None, str, Path, Mapping[str, Any]] = None,
+        deepspeed_config: Union[str, Path, Mapping[str, Any], None] = None,
         offload_device: Optional[str] = None,
-        nvme_path: Union[None, str, Path] = None,
+        nvme_path: Union[str, Path, None] = None,
         **kwargs: Any,
     ) -> None:
         kwargs["backend"] = "deepspeed"
+        # Before ParallelStrategy's own checks, so a dimension DeepSpeed cannot combine with is refused with its
+        # reason even once that dimension has landed natively.
+        fields = {f.name for f in dataclasses.fields(ParallelConfig)}
+        check_deepspeed_layout(ParallelConfig(**{k: v for k, v in kwargs.items() if k in fields}))
         super().__init__(*args, **kwargs)
-        check_deepspeed_layout(self.config)
         self._user_config = load_user_config(deepspeed_config)
         if offload_device is not None and not self.config.offload:
             raise DeepSpeedConfigError(f"offload_device={offload_device!r} needs offload=True with zero_stage=3")
         self._offload_device = offload_device
-        if offload_device == "nvme" and nvme_path is None:
-            nvme_path = Path(tempfile.gettempdir()) / "lightning_par_nvme"
         self._nvme_path = nvme_path
         self._engine: Any = None
         self._client: Optional[torch.optim.Optimizer] = None  # what configure_optimizers returned
@@ -213,6 +218,11 @@ class DeepSpeedParallelStrategy(ParallelStrategy):
             optimizer = deepspeed_optimizer(self._client, offloaded=self.config.offload)
         if trainer.gradient_clip_val and trainer.gradient_clip_algorithm == "value":
             raise DeepSpeedConfigError("DeepSpeed clips by norm only; use gradient_clip_algorithm='norm'")
+        if self._offload_device == "nvme" and self._nvme_path is None:
+            # Per process, so concurrent jobs on one machine never share swap files; the engine reads them until
+            # the process ends (validate/predict after fit too), so they go at exit.
+            self._nvme_path = tempfile.mkdtemp(prefix="lightning_par_nvme_")
+            atexit.register(shutil.rmtree, self._nvme_path, ignore_errors=True)
         ours = build_config(
             self.config, precision=str(self._precision.precision), accumulate=trainer.accumulate_grad_batches,
             clip_val=trainer.gradient_clip_val, offload_device=self._offload_device, nvme_path=self._nvme_path,
