@@ -154,7 +154,7 @@ def optimizer_step_times(n_params: int, repeats: int) -> dict[str, float]:
     }
     opts = {name: make() for name, make in makers.items()}
     times: dict[str, list[float]] = {name: [] for name in opts}
-    for name, opt in opts.items():
+    for opt in opts.values():
         opt.step()  # state creation, outside the timing
     for r in range(repeats):
         for name in list(opts) if r % 2 == 0 else list(opts)[::-1]:
@@ -202,9 +202,11 @@ def main() -> None:
         dist.all_gather_object(all_peaks, peaks)
     n_params = sum(p.numel() for p in GPT(**model_kwargs).parameters())
     if rank == 0:
-        print(f"\nGPT n_layer={args.layers} n_embd={args.embd} seq={args.seq} per-rank batch={args.batch}, "
-              f"{n_params / 1e6:.2f} M params, {world} ranks; {args.rounds} rounds x {args.steps} timed steps; "
-              f"took {elapsed:.0f} s; 1-min load {load_before:.1f} before, {os.getloadavg()[0]:.1f} after\n")  # fmt: skip
+        print(
+            f"\nGPT n_layer={args.layers} n_embd={args.embd} seq={args.seq} per-rank batch={args.batch}, "
+            f"{n_params / 1e6:.2f} M params, {world} ranks; {args.rounds} rounds x {args.steps} timed steps; "
+            f"took {elapsed:.0f} s; 1-min load {load_before:.1f} before, {os.getloadavg()[0]:.1f} after\n"
+        )
         print("| config | ms/step (median of rounds) | / native zero | peak RSS above start, MiB per rank (max) |")
         print("|---|---|---|---|")
         for name in order:

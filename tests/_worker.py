@@ -57,6 +57,8 @@ MODELS = {
                            ffn_hidden=64, lr=3e-3),
     "gpt_fail": lambda: FailingGPT(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=32),
     "gpt_sgd": lambda: SGDGPT(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=32),
+    # Wide enough that DeepSpeed's NVMe offload really swaps (it keeps partitions under 1 MiB in memory).
+    "gpt_wide": lambda: GPT(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=192, lr=3e-3),
     # Dims 258, 34 not divisible by 4: uneven shards (ceil(d0/n) rows, the last rank short), as real vocabularies.
     "gpt_uneven": lambda: GPT(vocab_size=258, block_size=34, n_layer=2, n_head=4, n_embd=36, lr=3e-3),
 }  # fmt: skip

@@ -41,23 +41,22 @@ ROUND_TRIPS = {
 }
 
 
-def _strategy(name: str, tmp: Path) -> Any:
-    if name == "deepspeed_zero3_nvme":
-        # The class form, to put the swap files where the test can see them.
-        return {"zero_stage": 3, "offload": True, "backend": "deepspeed", "offload_device": "nvme",
-                "nvme_path": str(tmp / "nvme")}  # fmt: skip
-    return name
-
-
 def _parity_jobs(tmp: Path) -> dict[str, dict[str, Any]]:
     jobs: dict[str, dict[str, Any]] = {}
     for name in NAMES:
-        strategy = _strategy(name, tmp)
-        jobs[f"{name}/gpt"] = {**PARITY_JOBS["gpt"], "strategy": strategy}
-        jobs[f"{name}/gpt_bf16_mixed"] = {**PARITY_JOBS["gpt_bf16_mixed"], "strategy": strategy}
-    jobs["deepspeed_zero3_nvme/gpt"]["list_dir"] = str(tmp / "nvme")
+        jobs[f"{name}/gpt"] = {**PARITY_JOBS["gpt"], "strategy": name}
+        jobs[f"{name}/gpt_bf16_mixed"] = {**PARITY_JOBS["gpt_bf16_mixed"], "strategy": name}
+    # DeepSpeed keeps partitions under 1 MiB in memory even under NVMe offload, so the small GPT above never touches
+    # the disk: a wider one (0.9 M parameters) with its swap folder in tmp, against native zero3 on the same spawn.
+    nvme = {"zero_stage": 3, "offload": True, "backend": "deepspeed", "offload_device": "nvme",
+            "nvme_path": str(tmp / "nvme")}  # fmt: skip
+    jobs["nvme_wide"] = {"model": "gpt_wide", "strategy": nvme, "list_dir": str(tmp / "nvme"),
+                         "save": str(tmp / "nvme_wide.ckpt")}  # fmt: skip
+    jobs["native_wide"] = {"model": "gpt_wide", "strategy": "zero3", "save": str(tmp / "native_wide.ckpt")}
     for name in ("deepspeed_zero1", "deepspeed_zero3_offload"):  # SGD: a torch optimizer DeepSpeed steps as is
         jobs[f"{name}/gpt_sgd"] = {**PARITY_JOBS["gpt_sgd"], "strategy": name}
+    for name in ("deepspeed_zero2", "deepspeed_zero3_offload"):
+        jobs[f"{name}/sgd_bf16_mixed"] = {**PARITY_JOBS["sgd_bf16_mixed"], "strategy": name}
     for name in ("deepspeed_zero2", "deepspeed_zero3"):
         jobs[f"{name}/gpt_accum_clip"] = {**PARITY_JOBS["gpt_accum_clip"], "strategy": name}
     return jobs
@@ -112,8 +111,17 @@ def test_bf16_matches_one_process(runs, references, name):
     got, ref = runs[f"{name}/gpt_bf16_mixed"], references["gpt_bf16_mixed"]
     assert len(got["losses"]) == 3
     assert _rel(got["losses"], ref["losses"]) < 2e-2
-    # The fp32 masters (what a checkpoint holds) stay close to the fp32-master reference's.
-    _params_close(got["params"], ref["params"], rtol=2e-2, atol=2 * LR)
+    # The fp32 masters (what a checkpoint holds): AdamW moves an element by at most about lr per step whatever its
+    # gradient, so where bf16 rounding flips the sign of a near-zero gradient the runs may part by 2 lr per step.
+    _params_close(got["params"], ref["params"], rtol=2e-2, atol=2 * LR * len(ref["losses"]))
+
+
+@pytest.mark.parametrize("name", ["deepspeed_zero2", "deepspeed_zero3_offload"])
+def test_bf16_sgd_parameters_match(runs, references, name):
+    # SGD is linear in the gradient: the bf16 masters follow the reference's as closely as test_zero.py asks.
+    got, ref = runs[f"{name}/sgd_bf16_mixed"], references["sgd_bf16_mixed"]
+    assert _rel(got["losses"], ref["losses"]) < 2e-2
+    _params_close(got["params"], ref["params"], rtol=2e-2, atol=1e-3)
 
 
 @pytest.mark.parametrize("name", ["deepspeed_zero1", "deepspeed_zero3_offload"])
@@ -137,11 +145,25 @@ def test_accumulation_clipping_validation(runs, references, name):
     assert got["predict"] is not None and len(got["predict"]) > 0
 
 
-def test_nvme_offload_swaps_through_the_folder(runs):
-    files = runs["deepspeed_zero3_nvme/gpt"]["files_in_list_dir"]
-    # DeepSpeed's swap files for both ranks: parameters and optimizer state live in the folder between uses.
-    assert files, "no swap files under nvme_path"
-    assert any("rank0" in f for f in files) and any("rank1" in f for f in files)
+def test_nvme_offload_swaps_through_the_folder_and_saves(runs):
+    from lightning_par.checkpoint import load_full_state
+
+    got, ref = runs["nvme_wide"], runs["native_wide"]
+    # The optimizer state lives in swap files on both ranks (weights, exp_avg, exp_avg_sq of each partition).
+    names = [Path(f).name for f in got["files_in_list_dir"]]
+    for rank in (0, 1):
+        mine = [Path(f).name for f in got["files_in_list_dir"] if f"/rank{rank}/" in f]
+        assert any(n.startswith("exp_avg-") for n in mine) and any(n.startswith("exp_avg_sq-") for n in mine), names
+    assert _rel(got["losses"], ref["losses"]) < 1e-5
+    _params_close(got["params"], ref["params"], rtol=1e-5, atol=0.01 * LR)
+    # A checkpoint saved from NVMe (DeepSpeed swaps the state in to read it) holds the same state as native zero3's.
+    mine = load_full_state(runs["root"].parent / "nvme_wide.ckpt")
+    theirs = load_full_state(runs["root"].parent / "native_wide.ckpt")
+    _params_close(mine["state_dict"], theirs["state_dict"], rtol=1e-5, atol=0.01 * LR)
+    for name, state in theirs["optimizer_0"]["state"].items():
+        assert float(mine["optimizer_0"]["state"][name]["step"]) == float(state["step"]) == 3
+        exp_avg = mine["optimizer_0"]["state"][name]["exp_avg"]
+        torch.testing.assert_close(exp_avg, state["exp_avg"], rtol=1e-4, atol=1e-7)
 
 
 # ---- checkpoints across backends ---------------------------------------------------------------------------------
@@ -232,7 +254,7 @@ def test_user_json_overrides_and_conflicts(tmp_path):
     with pytest.raises(DeepSpeedConfigError) as err:
         merge_user_config(ours, load_user_config(path))
     text = str(err.value)
-    assert "bf16.enabled: the strategy/Trainer give False, the DeepSpeed JSON gives True; set Trainer(precision=" in text
+    assert "bf16.enabled: the strategy/Trainer give False, the DeepSpeed JSON gives True; set Trainer(" in text
     assert "gradient_clipping: the strategy/Trainer give 0.0, the DeepSpeed JSON gives 1.0" in text
     assert "optimizer: the DeepSpeed JSON defines one" in text
     with pytest.raises(DeepSpeedConfigError, match="is not a file"):
