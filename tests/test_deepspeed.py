@@ -39,6 +39,11 @@ ROUND_TRIPS = {
     "native_zero1_to_deepspeed_zero3": ("zero1", "deepspeed_zero3"),
     "deepspeed_zero3_to_deepspeed_zero3_offload": ("deepspeed_zero3", "deepspeed_zero3_offload"),
 }
+# The same under bf16-mixed: DeepSpeed's bf16 compute copies must be refreshed from the loaded fp32 masters.
+BF16_ROUND_TRIPS = {
+    "bf16_native_zero2_to_deepspeed_zero2": ("zero2", "deepspeed_zero2"),
+    "bf16_deepspeed_zero3_to_native_zero1": ("deepspeed_zero3", "zero1"),
+}
 
 
 def _parity_jobs(tmp: Path) -> dict[str, dict[str, Any]]:
@@ -64,10 +69,12 @@ def _parity_jobs(tmp: Path) -> dict[str, dict[str, Any]]:
 
 def _ckpt_jobs(root: Path) -> dict[str, dict[str, Any]]:
     jobs: dict[str, dict[str, Any]] = {}
-    for case, (writer, reader) in ROUND_TRIPS.items():
-        jobs[f"{case}/writer"] = {**CKPT_BASE, "strategy": writer, "ckpt_dir": str(root / case)}
-        resume = str(root / case / "epoch=1.ckpt")
-        jobs[f"{case}/reader"] = {**CKPT_BASE, "strategy": reader, "resume": resume, "record_optim": True}
+    for trips, precision in ((ROUND_TRIPS, "32-true"), (BF16_ROUND_TRIPS, "bf16-mixed")):
+        for case, (writer, reader) in trips.items():
+            base = {**CKPT_BASE, "precision": precision}
+            jobs[f"{case}/writer"] = {**base, "strategy": writer, "ckpt_dir": str(root / case)}
+            resume = str(root / case / "epoch=1.ckpt")
+            jobs[f"{case}/reader"] = {**base, "strategy": reader, "resume": resume, "record_optim": True}
     # A user DeepSpeed JSON that contradicts the Trainer / strategy fails at setup, on every rank, before training.
     jobs["conflict"] = {
         "model": "gpt", "expect_error": True,
@@ -167,14 +174,20 @@ def test_nvme_offload_swaps_through_the_folder_and_saves(runs):
 
 
 # ---- checkpoints across backends ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("case", list(ROUND_TRIPS))
+@pytest.mark.parametrize("case", [*ROUND_TRIPS, *BF16_ROUND_TRIPS])
 def test_checkpoint_moves_between_backends(runs, case):
     from lightning_par.checkpoint import load_full_state
 
     full, resumed = runs[f"{case}/writer"], runs[f"{case}/reader"]
     assert len(full["losses"]) == 4 and len(resumed["losses"]) == 2
-    assert _rel(resumed["losses"], full["losses"][2:]) < 1e-5
-    _params_close(resumed["params"], full["params"], rtol=1e-5, atol=0.01 * LR)
+    if case in BF16_ROUND_TRIPS:
+        # bf16 compute differs between the backends (autocast vs bf16 parameters): the curve continues within the
+        # bf16 tolerance, far tighter than the 7% the loss fell over the first two steps (stale weights would show).
+        assert _rel(resumed["losses"], full["losses"][2:]) < 2e-2
+        assert _rel(full["losses"][2:3], full["losses"][0:1]) > 0.05
+    else:
+        assert _rel(resumed["losses"], full["losses"][2:]) < 1e-5
+        _params_close(resumed["params"], full["params"], rtol=1e-5, atol=0.01 * LR)
     saved = load_full_state(runs["root"] / case / "epoch=1.ckpt")["optimizer_0"]["state"]
     got = resumed["optim_at_start"]
     assert got.keys() == saved.keys() == full["params"].keys()
