@@ -80,6 +80,23 @@ class CPUDeepSpeedStrategy(DeepSpeedStrategy):
             deepspeed.initialize = original
 
 
+class CPUAdamGPT(GPT):
+    """The GPT with DeepSpeedCPUAdam in configure_optimizers: what Lightning's DeepSpeed needs under offload (it
+    refuses a torch optimizer there); lightning_par swaps it in itself. Same groups, hyper-parameters, schedule."""
+
+    def configure_optimizers(self) -> Any:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        config = super().configure_optimizers()
+        torch_opt, scheduler = config["optimizer"], config["lr_scheduler"]["scheduler"]
+        groups = [{k: v for k, v in g.items() if k in ("params", "weight_decay")} for g in torch_opt.param_groups]
+        opt = DeepSpeedCPUAdam(groups, lr=self.lr, betas=self.betas, adamw_mode=True)
+        lambdas = scheduler.lr_lambdas
+        config["optimizer"] = opt
+        config["lr_scheduler"]["scheduler"] = torch.optim.lr_scheduler.LambdaLR(opt, lambdas[0])
+        return config
+
+
 class StepTimer(L.Callback):
     """Wall time of each optimizer step, warm-up steps skipped."""
 
@@ -123,7 +140,9 @@ def _native(name: str) -> str:
     return "zero" + name.split("zero")[-1] if "zero" in name else "zero" + name.split("stage_")[-1]
 
 
-def run_once(factory: Callable[[], Any], model_kwargs: dict[str, Any], args: argparse.Namespace) -> tuple[float, int]:
+def run_once(
+    name: str, factory: Callable[[], Any], model_kwargs: dict[str, Any], args: argparse.Namespace
+) -> tuple[float, int]:
     """One fresh fit; this rank's median step time (s) and peak RSS above the start (bytes)."""
     L.seed_everything(0, verbose=False)
     world = int(os.environ.get("WORLD_SIZE", "1"))  # the process group starts inside the first fit
@@ -135,7 +154,8 @@ def run_once(factory: Callable[[], Any], model_kwargs: dict[str, Any], args: arg
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
         limit_val_batches=0, callbacks=[timer],
     )  # fmt: skip
-    model = GPT(**model_kwargs)
+    offloaded_lightning = name.startswith("lightning") and name.endswith("offload")
+    model = (CPUAdamGPT if offloaded_lightning else GPT)(**model_kwargs)
     before = _rss_kib("VmRSS")
     _reset_peak()
     trainer.fit(model, datamodule=data)
@@ -197,7 +217,7 @@ def main() -> None:
     load_before, start = os.getloadavg()[0], time.perf_counter()
     for r in range(args.rounds):
         for name in order if r % 2 == 0 else order[::-1]:
-            med, peak = run_once(configs[name], model_kwargs, args)
+            med, peak = run_once(name, configs[name], model_kwargs, args)
             medians[name].append(med)
             peaks[name].append(peak)
     elapsed = time.perf_counter() - start
