@@ -105,7 +105,12 @@ def _ckpt_jobs(root: Path) -> dict[str, dict[str, Any]]:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("deepspeed")
     jobs = {**_parity_jobs(tmp), **_ckpt_jobs(tmp / "ckpts")}
-    results = run_jobs(tmp, list(jobs.values()), nproc=2, timeout=900)
+    # deepspeed_zero3_nvme's default swap folder is a temp folder removed at exit, but the workers end with
+    # os._exit (CPU_FACTS.md), which skips that: keep those folders inside the test's tmp.
+    (tmp / "tmpdir").mkdir()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TMPDIR", str(tmp / "tmpdir"))
+        results = run_jobs(tmp, list(jobs.values()), nproc=2, timeout=900)
     return {"root": tmp / "ckpts", **dict(zip(jobs, results))}
 
 
