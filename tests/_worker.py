@@ -173,6 +173,8 @@ MODELS = {
     "gpt_fail": lambda: FailingGPT(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=32),
     "gpt_sgd": lambda: SGDGPT(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=32),
     "gpt_dropout": lambda: DropoutGPT(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=32, lr=3e-3),
+    # Wide enough that DeepSpeed's NVMe offload really swaps (it keeps partitions under 1 MiB in memory).
+    "gpt_wide": lambda: GPT(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=192, lr=3e-3),
     # Dims 258, 34 not divisible by 4: uneven shards (ceil(d0/n) rows, the last rank short), as real vocabularies.
     "gpt_uneven": lambda: GPT(vocab_size=258, block_size=34, n_layer=2, n_head=4, n_embd=36, lr=3e-3),
     "hf_llama": lambda: _hf_models().HFLlama(),
@@ -370,6 +372,9 @@ class OptimizerRecorder(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
         opt = trainer.optimizers[0]
+        if hasattr(trainer.strategy, "engine"):
+            self.state = _deepspeed_optimizer_state(trainer.strategy, opt)
+            return
         if isinstance(trainer.strategy, lightning_par.ParallelStrategy):
             named = trainer.strategy.optimizer_state(opt)["state"]  # sharded tensors as DTensors
         else:
@@ -385,8 +390,25 @@ class OptimizerRecorder(L.Callback):
 def _full_params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     out = {}
     for name, p in module.named_parameters():
-        out[name] = full_tensor(p).detach().float().cpu().clone()
+        if hasattr(p, "ds_id") or hasattr(p, "_hp_mapping"):  # set on every rank (None off its partition)
+            from deepspeed.utils import safe_get_full_fp32_param
+
+            t = safe_get_full_fp32_param(p).reshape(getattr(p, "ds_shape", p.shape))  # DeepSpeed's fp32 master
+        else:
+            t = full_tensor(p)
+        out[name] = t.detach().float().cpu().clone()
     return out
+
+
+def _deepspeed_optimizer_state(strategy: Any, opt: Any) -> dict[str, dict[str, Any]]:
+    # Each rank keeps a round-robin share of the names (lightning_par.parallel.deepspeed_state): merge them.
+    mine = {
+        n: {k: v.detach().float().cpu() for k, v in st.items()}
+        for n, st in strategy.optimizer_state(opt)["state"].items()
+    }
+    shares: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(shares, mine)
+    return {n: st for share in shares for n, st in share.items()}
 
 
 def _first_attempt() -> bool:
@@ -560,7 +582,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     result: dict[str, Any] = {
         "mem_all": mem_all,
         "total_param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
-        "param_shapes": {n: tuple(p.shape) for n, p in model.named_parameters()},
+        "param_shapes": {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in model.named_parameters()},
         "losses": recorder.losses,
         "batch_heads": recorder.batch_heads,
         "local_losses": recorder.local_losses,
@@ -581,6 +603,9 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         "draws": getattr(model, "draws", None),
         "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
         "logged": memory_logger.metrics if memory_logger is not None else None,
+        "files_in_list_dir": sorted(str(p) for p in Path(job["list_dir"]).rglob("*") if p.is_file())
+        if job.get("list_dir")
+        else None,
     }
     if isinstance(trainer.strategy, lightning_par.ParallelStrategy):
         from torchmetrics import Metric

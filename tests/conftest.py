@@ -10,6 +10,8 @@ import pytest
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# DeepSpeed JIT-builds its C++ ops (shm comm ~30 s, cpu_adam ~40 s) on first use: once per checkout, here.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".torch_extensions"))
 
 from launch import run_jobs
 

@@ -56,6 +56,10 @@ class ParallelStrategy(CheckpointingMixin, _LightningParallelStrategy):
         timeout_s: collective timeout in seconds; a rank stuck in a collective past this fails instead of
             hanging.
         process_group_backend: ``"gloo"`` / ``"nccl"``; default from the device.
+        backend: who runs the ZeRO dimension: ``"native"`` (FSDP2 / our ZeRO 0-2 engine) or ``"deepspeed"``
+            (DeepSpeed's engine; data parallelism only, see docs/deepspeed.md). ``ParallelStrategy(...,
+            backend="deepspeed")`` builds a `lightning_par.strategies.deepspeed.DeepSpeedParallelStrategy`, which
+            also takes ``deepspeed_config``, ``offload_device`` and ``nvme_path``.
         async_save: checkpoints saved during ``fit`` are written in the background: ``save_checkpoint`` returns
             once the state is copied to CPU memory, and training goes on while the copy is written. A checkpoint
             folder still appears under its name only when complete; at most one save is in flight, and the end
@@ -65,6 +69,13 @@ class ParallelStrategy(CheckpointingMixin, _LightningParallelStrategy):
             to styles (``colwise``, ``rowwise``, ``colwise_fused_qkv``, ``sequence_parallel``, ``replicate``);
             print the inferred plan with ``lightning-par plan``. See docs/tensor_parallel.md.
     """
+
+    def __new__(cls, *args: Any, backend: str = "native", **kwargs: Any) -> ParallelStrategy:
+        if backend == "deepspeed" and cls is ParallelStrategy:
+            from lightning_par.strategies.deepspeed import DeepSpeedParallelStrategy
+
+            return super().__new__(DeepSpeedParallelStrategy)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -88,6 +99,7 @@ class ParallelStrategy(CheckpointingMixin, _LightningParallelStrategy):
         process_group_backend: Optional[str] = None,
         async_save: bool = False,
         tp_plan: Optional[dict[str, str]] = None,
+        backend: str = "native",
         accelerator: Optional[pl.accelerators.Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -101,6 +113,8 @@ class ParallelStrategy(CheckpointingMixin, _LightningParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
+        if backend not in ("native", "deepspeed"):
+            raise ValueError(f"backend={backend!r} is unknown; choose 'native' or 'deepspeed'")
         # Validated now, before any process exists; world-size checks follow in `setup_environment`.
         self._config = ParallelConfig(
             pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, ep=ep, tp=tp, zero_stage=zero_stage,

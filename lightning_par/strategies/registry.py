@@ -75,8 +75,11 @@ class _LazyParallelStrategy(ParallelStrategy):
 
 
 def register_strategies(registry: Any = StrategyRegistry) -> None:
-    """Register every name in `STRATEGY_NAMES` (idempotent)."""
+    """Register every name in `STRATEGY_NAMES` and the ``deepspeed_*`` names (idempotent)."""
     for name in STRATEGY_NAMES:
         if name in registry:
             continue
         registry.register(name, _LazyParallelStrategy, description=f"lightning_par {name}", preset=name)
+    from lightning_par.strategies.deepspeed import register_deepspeed_strategies
+
+    register_deepspeed_strategies(registry)
