@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 import torch
 from launch import ROOT, run_jobs, worker_env
+from parity import rel
 
 LR = 3e-3  # the AdamW GPT's learning rate in _worker.MODELS
 GPT_KWARGS = {"vocab_size": 256, "block_size": 32, "n_layer": 2, "n_head": 4, "n_embd": 32, "lr": LR}
@@ -93,10 +94,6 @@ def _key(model: str, ranks: int, strategy: Any) -> str:
 
 def _ckpt(root: Path, model: str, ranks: int, strategy: Any, epoch: int = 1) -> Path:
     return root / _key(model, ranks, strategy) / f"epoch={epoch}.ckpt"
-
-
-def _rel(a: list[float], b: list[float]) -> float:
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
 def _params_close(got: dict, ref: dict, model: str, one_process: bool = False) -> None:
@@ -177,7 +174,7 @@ def test_resume_on_another_layout_continues_the_run(runs, case):
     full, resumed = runs[_key(model, *src)], runs[case]
     assert len(full["losses"]) == 4 and len(resumed["losses"]) == 2
     assert resumed["layout"]["world_size"] == dst[0]
-    assert _rel(resumed["losses"], full["losses"][2:]) < 1e-5
+    assert rel(resumed["losses"], full["losses"][2:]) < 1e-5
     _params_close(resumed["params"], full["params"], model, one_process=1 in (src[0], dst[0]))
     # The optimizer state the resumed run starts from is the checkpoint's, resharded: moments and step counts.
     saved = load_full_state(_ckpt(runs["root"], model, *src))["optimizer_0"]["state"]
@@ -279,7 +276,7 @@ def test_plain_lightning_resumes_from_the_consolidated_file_with_its_optimizer_s
     for name, state in saved.items():
         for k, v in state.items():
             assert torch.equal(plain["optim"][name][k], v), (name, k)
-    assert _rel(plain["losses"], full["losses"][2:]) < 1e-5
+    assert rel(plain["losses"], full["losses"][2:]) < 1e-5
     _params_close({n: p.float() for n, p in plain["params"].items()}, full["params"], "gpt")
 
 

@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 import torch
 from launch import WORKER, run_jobs, worker_env
+from parity import rel
 
 LR = 3e-3
 STEPS = 6
@@ -43,10 +44,6 @@ BASE: dict[str, Any] = {
     "save_last": True,
 }
 ASYNC3 = {"zero_stage": 3, "async_save": True, "timeout_s": 60}
-
-
-def _rel(a: list[float], b: list[float]) -> float:
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
 def _params_close(got: dict, ref: dict) -> None:
@@ -174,7 +171,7 @@ def _check_resumed_run(got: dict[str, Any], full: dict[str, Any], resumed_from_s
     assert got["restart_count"] == 1  # this is the second attempt, which ran to the end
     assert got["start_step"] == resumed_from_step
     assert len(got["losses"]) == STEPS - resumed_from_step  # exactly the steps after the checkpoint, once each
-    assert _rel(got["losses"], full["losses"][resumed_from_step:]) < 1e-5
+    assert rel(got["losses"], full["losses"][resumed_from_step:]) < 1e-5
     _params_close(got["params"], full["params"])
     assert not any(name.endswith((".tmp", ".old")) for name in got["ckpt_listing_after"])
 

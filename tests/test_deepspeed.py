@@ -27,6 +27,7 @@ import pytest
 import torch
 from conftest import PARITY_JOBS
 from launch import run_jobs
+from parity import params_close, rel
 
 pytest.importorskip("deepspeed")
 
@@ -114,50 +115,40 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"root": tmp / "ckpts", **dict(zip(jobs, results))}
 
 
-def _rel(a: list[float], b: list[float]) -> float:
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
-
-
-def _params_close(got: dict, ref: dict, rtol: float, atol: float) -> None:
-    assert got.keys() == ref.keys()
-    for k in ref:
-        torch.testing.assert_close(got[k], ref[k], rtol=rtol, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
-
-
 # ---- parity ------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", NAMES)
 def test_fp32_adamw_matches_one_process(runs, references, name):
     got, ref = runs[f"{name}/gpt"], references["gpt"]
     assert len(got["losses"]) == len(ref["losses"]) == 3
-    assert _rel(got["losses"], ref["losses"]) < 1e-5
-    _params_close(got["params"], ref["params"], rtol=1e-5, atol=0.01 * LR)
+    assert rel(got["losses"], ref["losses"]) < 1e-5
+    params_close(got["params"], ref["params"], rtol=1e-5, atol=0.01 * LR)
     # The logged loss is the mean over the data-parallel ranks, not rank 0's own.
-    assert _rel(got["local_losses"], ref["losses"]) > 1e-6
+    assert rel(got["local_losses"], ref["losses"]) > 1e-6
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_bf16_matches_one_process(runs, references, name):
     got, ref = runs[f"{name}/gpt_bf16_mixed"], references["gpt_bf16_mixed"]
     assert len(got["losses"]) == 3
-    assert _rel(got["losses"], ref["losses"]) < 2e-2
+    assert rel(got["losses"], ref["losses"]) < 2e-2
     # The fp32 masters (what a checkpoint holds): AdamW moves an element by at most about lr per step whatever its
     # gradient, so where bf16 rounding flips the sign of a near-zero gradient the runs may part by 2 lr per step.
-    _params_close(got["params"], ref["params"], rtol=2e-2, atol=2 * LR * len(ref["losses"]))
+    params_close(got["params"], ref["params"], rtol=2e-2, atol=2 * LR * len(ref["losses"]))
 
 
 @pytest.mark.parametrize("name", ["deepspeed_zero2", "deepspeed_zero3_offload"])
 def test_bf16_sgd_parameters_match(runs, references, name):
     # SGD is linear in the gradient: the bf16 masters follow the reference's as closely as test_zero.py asks.
     got, ref = runs[f"{name}/sgd_bf16_mixed"], references["sgd_bf16_mixed"]
-    assert _rel(got["losses"], ref["losses"]) < 2e-2
-    _params_close(got["params"], ref["params"], rtol=2e-2, atol=1e-3)
+    assert rel(got["losses"], ref["losses"]) < 2e-2
+    params_close(got["params"], ref["params"], rtol=2e-2, atol=1e-3)
 
 
 @pytest.mark.parametrize("name", ["deepspeed_zero1", "deepspeed_zero3_offload"])
 def test_sgd_parameters_match_to_1e5(runs, references, name):
     got, ref = runs[f"{name}/gpt_sgd"], references["gpt_sgd"]
-    assert _rel(got["losses"], ref["losses"]) < 1e-5
-    _params_close(got["params"], ref["params"], rtol=1e-5, atol=1e-7)
+    assert rel(got["losses"], ref["losses"]) < 1e-5
+    params_close(got["params"], ref["params"], rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("name", ["deepspeed_zero2", "deepspeed_zero3"])
@@ -167,8 +158,8 @@ def test_accumulation_clipping_validation(runs, references, name):
     # DeepSpeed's boundary and global-norm clipping give the same steps as one process.
     assert min(ref["grad_norms"]) > 0.5
     assert len(got["losses"]) == len(ref["losses"])
-    assert _rel(got["losses"], ref["losses"]) < 1e-5
-    _params_close(got["params"], ref["params"], rtol=1e-5, atol=0.01 * LR)
+    assert rel(got["losses"], ref["losses"]) < 1e-5
+    params_close(got["params"], ref["params"], rtol=1e-5, atol=0.01 * LR)
     assert got["val"]["val_loss"] == pytest.approx(ref["val"]["val_loss"], rel=1e-5)
     assert got["test"]["test_loss"] == pytest.approx(ref["test"]["test_loss"], rel=1e-5)
     assert got["predict"] is not None and len(got["predict"]) > 0
@@ -184,12 +175,12 @@ def test_nvme_offload_swaps_through_the_folder_and_saves(runs):
     for rank in (0, 1):
         mine = [Path(f).name for f in got["files_in_list_dir"] if f"/rank{rank}/" in f]
         assert any(n.startswith("exp_avg-") for n in mine) and any(n.startswith("exp_avg_sq-") for n in mine), names
-    assert _rel(got["losses"], ref["losses"]) < 1e-5
-    _params_close(got["params"], ref["params"], rtol=1e-5, atol=0.01 * LR)
+    assert rel(got["losses"], ref["losses"]) < 1e-5
+    params_close(got["params"], ref["params"], rtol=1e-5, atol=0.01 * LR)
     # A checkpoint saved from NVMe (DeepSpeed swaps the state in to read it) holds the same state as native zero3's.
     mine = load_full_state(runs["root"].parent / "nvme_wide.ckpt")
     theirs = load_full_state(runs["root"].parent / "native_wide.ckpt")
-    _params_close(mine["state_dict"], theirs["state_dict"], rtol=1e-5, atol=0.01 * LR)
+    params_close(mine["state_dict"], theirs["state_dict"], rtol=1e-5, atol=0.01 * LR)
     for name, state in theirs["optimizer_0"]["state"].items():
         assert float(mine["optimizer_0"]["state"][name]["step"]) == float(state["step"]) == 3
         exp_avg = mine["optimizer_0"]["state"][name]["exp_avg"]
@@ -206,11 +197,11 @@ def test_checkpoint_moves_between_backends(runs, case):
     if case in BF16_ROUND_TRIPS:
         # bf16 compute differs between the backends (autocast vs bf16 parameters): the curve continues within the
         # bf16 tolerance, far tighter than the 7% the loss fell over the first two steps (stale weights would show).
-        assert _rel(resumed["losses"], full["losses"][2:]) < 2e-2
-        assert _rel(full["losses"][2:3], full["losses"][0:1]) > 0.05
+        assert rel(resumed["losses"], full["losses"][2:]) < 2e-2
+        assert rel(full["losses"][2:3], full["losses"][0:1]) > 0.05
     else:
-        assert _rel(resumed["losses"], full["losses"][2:]) < 1e-5
-        _params_close(resumed["params"], full["params"], rtol=1e-5, atol=0.01 * LR)
+        assert rel(resumed["losses"], full["losses"][2:]) < 1e-5
+        params_close(resumed["params"], full["params"], rtol=1e-5, atol=0.01 * LR)
     saved = load_full_state(runs["root"] / case / "epoch=1.ckpt")["optimizer_0"]["state"]
     got = resumed["optim_at_start"]
     assert got.keys() == saved.keys() == full["params"].keys()

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from launch import WORKER, worker_env
+from parity import rel
 
 
 def _free_port() -> int:
@@ -36,10 +37,6 @@ def _communicate(procs: list[subprocess.Popen], timeout: float) -> list[str]:
                 p.kill()
 
 
-def _rel(a: list[float], b: list[float]) -> float:
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
-
-
 def test_lightning_starts_the_processes_itself(tmp_path, references):
     # Plain `python script.py` with Trainer(devices=2): Lightning re-runs the script for rank 1.
     out, spec = _spec(tmp_path, [{"model": "gpt", "strategy": "zero2", "devices": 2, "world": 2}])
@@ -48,7 +45,7 @@ def test_lightning_starts_the_processes_itself(tmp_path, references):
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = torch.load(out, weights_only=False)[0]
     assert got["layout"]["world_size"] == 2 and got["layout"]["dp_shard"] == 2
-    assert _rel(got["losses"], references["gpt"]["losses"]) < 1e-5
+    assert rel(got["losses"], references["gpt"]["losses"]) < 1e-5
 
 
 def test_torchrun_two_nodes_with_hybrid_sharding(tmp_path, references):
@@ -85,11 +82,11 @@ def test_torchrun_two_nodes_with_hybrid_sharding(tmp_path, references):
         (2, 4, 1, 4), (2, 4, 2, 2), (2, 4, 2, 2), (2, 4, 2, 2),
     ]  # fmt: skip
     for r in results[:3]:
-        assert _rel(r["losses"], references["gpt"]["losses"]) < 1e-5
+        assert rel(r["losses"], references["gpt"]["losses"]) < 1e-5
         for k, v in references["gpt"]["params"].items():
             torch.testing.assert_close(r["params"][k], v, rtol=1e-5, atol=3e-5)
     sgd = results[3]
-    assert _rel(sgd["losses"], references["gpt_sgd"]["losses"]) < 1e-5
+    assert rel(sgd["losses"], references["gpt_sgd"]["losses"]) < 1e-5
     for k, v in references["gpt_sgd"]["params"].items():
         torch.testing.assert_close(sgd["params"][k], v, rtol=1e-5, atol=1e-7)
     # HSDP: optimizer state is sharded over dp_shard=2 only, so each rank holds half of it (not a quarter).
@@ -115,7 +112,7 @@ def test_slurm_environment_is_detected(tmp_path, references):
     logs = _communicate(procs, timeout=240)
     assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
     got = torch.load(out, weights_only=False)[0]
-    assert _rel(got["losses"], references["gpt"]["losses"]) < 1e-5
+    assert rel(got["losses"], references["gpt"]["losses"]) < 1e-5
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "lightning"])

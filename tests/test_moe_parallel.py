@@ -18,6 +18,7 @@ import pytest
 import torch
 from conftest import reference_job
 from launch import ROOT, run_jobs, worker_env
+from parity import rel
 
 LR = 3e-3
 JOBS: dict[str, dict[str, Any]] = {
@@ -105,15 +106,11 @@ def got4(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     return result
 
 
-def _rel(a: list[float], b: list[float]) -> float:
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
-
-
 def _check(got: dict[str, Any], ref: dict[str, Any], sgd: bool, ep: int) -> None:
     n = len(ref["losses"])  # one per micro-batch (3 steps x accumulation)
     assert n in (3, 6) and len(got["losses"]) == n
-    assert _rel(got["losses"], ref["losses"]) < 1e-5
-    assert _rel(got["grad_norms"], ref["grad_norms"]) < 1e-5
+    assert rel(got["losses"], ref["losses"]) < 1e-5
+    assert rel(got["grad_norms"], ref["grad_norms"]) < 1e-5
     assert got["params"].keys() == ref["params"].keys()
     for k in ref["params"]:
         rtol, atol = (1e-5, 1e-7) if sgd else (1e-5, 0.01 * LR)
@@ -157,7 +154,7 @@ def test_moe_matches_one_process(got2, refs, name):
 @pytest.mark.parametrize("name", list(LOW_PRECISION_JOBS))
 def test_moe_low_precision_matches_one_process(got2, refs, name):
     got, ref = got2[name], refs[name]
-    assert _rel(got["losses"], ref["losses"]) < 2e-2  # one bf16 ulp is 8e-3 (as test_zero.py)
+    assert rel(got["losses"], ref["losses"]) < 2e-2  # one bf16 ulp is 8e-3 (as test_zero.py)
     for k in ref["params"]:
         torch.testing.assert_close(got["params"][k], ref["params"][k], rtol=2e-2, atol=1e-2)
 
@@ -198,7 +195,7 @@ def test_bad_layouts_fail_before_training(got2):
 def _check_resume(full: dict[str, Any], resumed: dict[str, Any]) -> None:
     assert len(full["losses"]) == 4 and len(resumed["losses"]) == 2
     assert resumed["start_step"] == 2
-    assert _rel(resumed["losses"], full["losses"][2:]) < 1e-5
+    assert rel(resumed["losses"], full["losses"][2:]) < 1e-5
     for k in full["params"]:
         torch.testing.assert_close(resumed["params"][k], full["params"][k], rtol=1e-5, atol=0.01 * LR)
 

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from launch import run_jobs
+from parity import rel
 
 LR = 3e-3
 MODELS = ["gpt4", "llama4", "gpt4_sgd"]
@@ -50,13 +51,9 @@ def three_d(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return dict(zip(("gpt4_sgd", "llama4", "pipe_tp_zero2"), results))
 
 
-def _rel(a: list[float], b: list[float]) -> float:
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
-
-
 def _check(got: dict, ref: dict, model: str) -> None:
     assert len(got["losses"]) == len(ref["losses"]) == 3
-    assert _rel(got["losses"], ref["losses"]) < 1e-5
+    assert rel(got["losses"], ref["losses"]) < 1e-5
     assert got["params"].keys() == ref["params"].keys()  # every rank's stage, gathered under the original names
     rtol, atol = (1e-5, 1e-7) if model.endswith("sgd") else (1e-5, 0.02 * LR)
     for k in ref["params"]:
@@ -87,7 +84,7 @@ def test_pipe_tp_checkpoint_resumes_under_tp_zero3(pipe_tp):
     full, resumed = pipe_tp["ckpt_full"], pipe_tp["ckpt_resumed"]
     assert resumed["layout"]["pp"] == 1 and resumed["layout"]["zero_stage"] == 3
     assert len(full["losses"]) == 4 and len(resumed["losses"]) == 2
-    assert _rel(resumed["losses"], full["losses"][2:]) < 1e-5
+    assert rel(resumed["losses"], full["losses"][2:]) < 1e-5
     for k in full["params"]:
         torch.testing.assert_close(resumed["params"][k], full["params"][k], rtol=1e-5, atol=0.02 * LR)
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 from conftest import reference_job
 from launch import run_jobs
+from parity import params_close  # same names: every parameter came back from some stage
 
 LR = 3e-3
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev")
@@ -77,12 +78,6 @@ def _rel(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
-def _params_close(got: dict, ref: dict, rtol: float, atol: float) -> None:
-    assert got.keys() == ref.keys()  # every parameter came back from some stage, under its original name
-    for k in ref:
-        torch.testing.assert_close(got[k], ref[k], rtol=rtol, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
-
-
 FP32 = [k for k in {**JOBS_2, **JOBS_4} if "bf16" not in k and "16_mixed" not in k]
 
 
@@ -93,7 +88,7 @@ def test_fp32_matches_one_process(results, name):
     assert _rel(got["losses"], ref["losses"]) < 1e-5
     assert _rel(got["grad_norms"], ref["grad_norms"]) < 1e-5  # the norm over all stages (clipping uses it)
     sgd = "sgd" in name or "trunk" in name
-    _params_close(got["params"], ref["params"], rtol=1e-5, atol=1e-7 if sgd else 0.01 * LR)
+    params_close(got["params"], ref["params"], rtol=1e-5, atol=1e-7 if sgd else 0.01 * LR)
     if "clip" in name:
         assert min(ref["grad_norms"]) > 0.5  # clipping at 0.05 is active
 
@@ -103,7 +98,7 @@ def test_low_precision_matches_one_process(results, name):
     got, ref = results[name]
     assert all(math.isfinite(x) for x in got["losses"])
     assert _rel(got["losses"], ref["losses"]) < 2e-2
-    _params_close(got["params"], ref["params"], rtol=2e-2, atol=1e-2)
+    params_close(got["params"], ref["params"], rtol=2e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("name", [k for k, j in {**JOBS_2, **JOBS_4}.items() if j.get("validate")])
@@ -191,7 +186,7 @@ def test_checkpoints_resume_across_pipeline_and_data_parallel_layouts(checkpoint
     assert len(full["losses"]) == 4 and len(resumed["losses"]) == len(as_zero1["losses"]) == 2
     for run, ref in ((resumed, full), (as_zero1, full), (zero1_as_pipe, zero1_full)):
         assert _rel(run["losses"], ref["losses"][2:]) < 1e-5
-        _params_close(run["params"], ref["params"], rtol=1e-5, atol=0.01 * LR)
+        params_close(run["params"], ref["params"], rtol=1e-5, atol=0.01 * LR)
 
 
 def test_pipe_zero3_shards_parameters_within_each_stage(results):

@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from conftest import PARITY_JOBS, reference_job
 from launch import run_jobs
+from parity import params_close, rel
 
 LR = 3e-3
 EXTRA = {  # jobs beyond the shared PARITY_JOBS, with their own one-process references
@@ -88,16 +88,6 @@ def _ref(name: str, references: dict, extra_references: dict) -> dict[str, Any]:
     return {**references, **extra_references}[name]
 
 
-def _rel(a: list[float], b: list[float]) -> float:
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
-
-
-def _params_close(got: dict, ref: dict, rtol: float, atol: float) -> None:
-    assert got.keys() == ref.keys()
-    for k in ref:
-        torch.testing.assert_close(got[k], ref[k], rtol=rtol, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
-
-
 def test_layout_is_tensor_parallel(run):
     name, out = run
     layout = next(iter(out.values()))["layout"]
@@ -112,16 +102,16 @@ def test_fp32_adamw_matches_one_process(run, references, extra_references):
     for job in jobs:
         got, ref = out[job], _ref(job, references, extra_references)
         assert len(got["losses"]) == len(ref["losses"]) == 3
-        assert _rel(got["losses"], ref["losses"]) < 1e-5, job
-        assert _rel(got["grad_norms"], ref["grad_norms"]) < 1e-5, job
-        _params_close(got["params"], ref["params"], rtol=1e-5, atol=0.02 * LR)
+        assert rel(got["losses"], ref["losses"]) < 1e-5, job
+        assert rel(got["grad_norms"], ref["grad_norms"]) < 1e-5, job
+        params_close(got["params"], ref["params"], rtol=1e-5, atol=0.02 * LR)
 
 
 def test_fp32_sgd_parameters_match_to_1e5(run, references):
     _, out = run
     got, ref = out["gpt_sgd"], references["gpt_sgd"]
-    assert _rel(got["losses"], ref["losses"]) < 1e-5
-    _params_close(got["params"], ref["params"], rtol=1e-5, atol=1e-7)
+    assert rel(got["losses"], ref["losses"]) < 1e-5
+    params_close(got["params"], ref["params"], rtol=1e-5, atol=1e-7)
 
 
 def test_accumulation_clipping_validation(run, references):
@@ -132,9 +122,9 @@ def test_accumulation_clipping_validation(run, references):
     got, ref = out["gpt_accum_clip"], references["gpt_accum_clip"]
     # Clipping is active and uses the true global norm over tp and dp shards.
     assert min(ref["grad_norms"]) > 0.5
-    assert _rel(got["grad_norms"], ref["grad_norms"]) < 1e-5
-    assert _rel(got["losses"], ref["losses"]) < 1e-5
-    _params_close(got["params"], ref["params"], rtol=1e-5, atol=0.02 * LR)
+    assert rel(got["grad_norms"], ref["grad_norms"]) < 1e-5
+    assert rel(got["losses"], ref["losses"]) < 1e-5
+    params_close(got["params"], ref["params"], rtol=1e-5, atol=0.02 * LR)
     assert got["val"]["val_loss"] == pytest.approx(ref["val"]["val_loss"], rel=1e-5)
     assert got["val"]["val_acc"] == pytest.approx(ref["val"]["val_acc"], rel=1e-5)
     assert got["test"]["test_loss"] == pytest.approx(ref["test"]["test_loss"], rel=1e-5)
@@ -148,15 +138,15 @@ def test_low_precision_and_sequence_parallel_off(run, references):
     for job in ("gpt_bf16_mixed", "llama_bf16_mixed", "gpt_16_mixed", "gpt_bf16_true"):
         got, ref = out[job], references[job]
         assert all(abs(x) < 100 for x in got["losses"])
-        assert _rel(got["losses"], ref["losses"]) < 2e-2, job
+        assert rel(got["losses"], ref["losses"]) < 2e-2, job
     # tp that does not divide the heads fails at setup, before the first step, naming the valid choices.
     assert out["bad_tp"]["losses"] == []
     assert "tp=2 does not divide n_heads=3" in out["bad_tp"]["error"]
     assert "choose tp in {1, 3}" in out["bad_tp"]["error"]
     got, ref = out["llama_sp_off"], references["llama"]
     assert got["layout"]["sequence_parallel"] is False
-    assert _rel(got["losses"], ref["losses"]) < 1e-5
-    _params_close(got["params"], ref["params"], rtol=1e-5, atol=0.02 * LR)
+    assert rel(got["losses"], ref["losses"]) < 1e-5
+    params_close(got["params"], ref["params"], rtol=1e-5, atol=0.02 * LR)
 
 
 def test_checkpoint_resumes_on_another_layout(run):
@@ -167,8 +157,8 @@ def test_checkpoint_resumes_on_another_layout(run):
     full, resumed = out["ckpt_full"], out["ckpt_resumed"]
     assert len(full["losses"]) == 4 and len(resumed["losses"]) == 2
     assert resumed["layout"]["tp"] != full["layout"]["tp"] or resumed["layout"]["zero_stage"] != 0
-    assert _rel(resumed["losses"], full["losses"][2:]) < 1e-5
-    _params_close(resumed["params"], full["params"], rtol=1e-5, atol=0.02 * LR)
+    assert rel(resumed["losses"], full["losses"][2:]) < 1e-5
+    params_close(resumed["params"], full["params"], rtol=1e-5, atol=0.02 * LR)
 
 
 def _gpt_split_over_tp(name: str) -> bool:
@@ -195,5 +185,5 @@ def test_activation_checkpointing_and_offload_compose_with_tp(run, references):
     assert variants or name in ("tp_zero1", "tp_zero2")
     for key in variants:  # full / selective_op recomputation under tp; ZeRO-3 CPU offload of tp shards
         got, ref = out[key], references["gpt"]
-        assert _rel(got["losses"], ref["losses"]) < 1e-5, key
-        _params_close(got["params"], ref["params"], rtol=1e-5, atol=0.02 * LR)
+        assert rel(got["losses"], ref["losses"]) < 1e-5, key
+        params_close(got["params"], ref["params"], rtol=1e-5, atol=0.02 * LR)

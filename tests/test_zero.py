@@ -19,6 +19,7 @@ import pytest
 import torch
 from conftest import PARITY_JOBS
 from launch import run_jobs
+from parity import params_close, rel
 
 STRATEGIES: dict[str, Any] = {
     "zero1": "zero1",
@@ -52,33 +53,23 @@ def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     return name, run_jobs(tmp, jobs, nproc=2), tmp
 
 
-def _rel(a: list[float], b: list[float]) -> float:
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
-
-
-def _params_close(got: dict, ref: dict, rtol: float, atol: float) -> None:
-    assert got.keys() == ref.keys()
-    for k in ref:
-        torch.testing.assert_close(got[k], ref[k], rtol=rtol, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
-
-
 @pytest.mark.parametrize("job", ["gpt", "llama"])
 def test_fp32_adamw_matches_one_process(run, references, job):
     _name, results, _ = run
     got, ref = results[list(PARITY_JOBS).index(job)], references[job]
     assert len(got["losses"]) == len(ref["losses"]) == 3
-    assert _rel(got["losses"], ref["losses"]) < 1e-5
-    assert _rel(got["grad_norms"], ref["grad_norms"]) < 1e-5
-    _params_close(got["params"], ref["params"], rtol=1e-5, atol=0.01 * LR)
+    assert rel(got["losses"], ref["losses"]) < 1e-5
+    assert rel(got["grad_norms"], ref["grad_norms"]) < 1e-5
+    params_close(got["params"], ref["params"], rtol=1e-5, atol=0.01 * LR)
     # The logged train_loss is the mean over data-parallel ranks, i.e. the one-process loss, not rank 0's own.
-    assert _rel(got["local_losses"], ref["losses"]) > 1e-6
+    assert rel(got["local_losses"], ref["losses"]) > 1e-6
 
 
 def test_fp32_sgd_parameters_match_to_1e5(run, references):
     _, results, _ = run
     got, ref = results[list(PARITY_JOBS).index("gpt_sgd")], references["gpt_sgd"]
-    assert _rel(got["losses"], ref["losses"]) < 1e-5
-    _params_close(got["params"], ref["params"], rtol=1e-5, atol=1e-7)
+    assert rel(got["losses"], ref["losses"]) < 1e-5
+    params_close(got["params"], ref["params"], rtol=1e-5, atol=1e-7)
 
 
 def test_accumulation_clipping_validation_predict(run, references):
@@ -86,9 +77,9 @@ def test_accumulation_clipping_validation_predict(run, references):
     got, ref = results[list(PARITY_JOBS).index("gpt_accum_clip")], references["gpt_accum_clip"]
     # Clipping is active (norms far above 0.05) and uses the same global norm as one process.
     assert min(ref["grad_norms"]) > 0.5
-    assert _rel(got["grad_norms"], ref["grad_norms"]) < 1e-5
-    assert _rel(got["losses"], ref["losses"]) < 1e-5
-    _params_close(got["params"], ref["params"], rtol=1e-5, atol=0.01 * LR)
+    assert rel(got["grad_norms"], ref["grad_norms"]) < 1e-5
+    assert rel(got["losses"], ref["losses"]) < 1e-5
+    params_close(got["params"], ref["params"], rtol=1e-5, atol=0.01 * LR)
     assert got["val"]["val_loss"] == pytest.approx(ref["val"]["val_loss"], rel=1e-5)
     assert got["val"]["val_acc"] == pytest.approx(ref["val"]["val_acc"], rel=1e-5)
     assert got["test"]["test_loss"] == pytest.approx(ref["test"]["test_loss"], rel=1e-5)
@@ -109,13 +100,13 @@ def test_low_precision_matches_one_process(run, references, precision):
     for job in (f"gpt_{precision}", f"sgd_{precision}"):
         got, ref = results[list(PARITY_JOBS).index(job)], references[job]
         assert all(math.isfinite(x) for x in got["losses"])
-        assert _rel(got["losses"], ref["losses"]) < 2e-2, job
+        assert rel(got["losses"], ref["losses"]) < 2e-2, job
     if precision == "bf16_mixed":
         got, ref = results[list(PARITY_JOBS).index("llama_bf16_mixed")], references["llama_bf16_mixed"]
-        assert _rel(got["losses"], ref["losses"]) < 2e-2
+        assert rel(got["losses"], ref["losses"]) < 2e-2
     got, ref = results[list(PARITY_JOBS).index(f"sgd_{precision}")], references[f"sgd_{precision}"]
     # Parameters after SGD (linear in the gradients; see the module docstring for Adam).
-    _params_close(got["params"], ref["params"], rtol=2e-2, atol=1e-3)
+    params_close(got["params"], ref["params"], rtol=2e-2, atol=1e-3)
 
 
 def test_resume_continues_the_same_run(run):
@@ -123,8 +114,8 @@ def test_resume_continues_the_same_run(run):
     full, resumed = results[len(PARITY_JOBS) :]
     assert len(full["losses"]) == 4 and len(resumed["losses"]) == 2
     # Same samples per step, but split over the ranks in another order: equal up to float summation order.
-    assert _rel(resumed["losses"], full["losses"][2:]) < 1e-5
-    _params_close(resumed["params"], full["params"], rtol=1e-5, atol=0.01 * LR)
+    assert rel(resumed["losses"], full["losses"][2:]) < 1e-5
+    params_close(resumed["params"], full["params"], rtol=1e-5, atol=0.01 * LR)
 
 
 def test_sharding_units(run):
