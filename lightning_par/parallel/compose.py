@@ -17,7 +17,8 @@ from lightning_par.parallel.tensor_parallel import TensorParallelInfo, apply_ten
 from lightning_par.parallel.zero import apply_fsdp, sync_module_states
 from lightning_par.parallel.zero_replicated import ReplicatedZero
 from lightning_par.plans.moe import find_moe_layers
-from lightning_par.plans.tp import infer_tp_plan, validate_tp
+from lightning_par.plans.tp import infer_tp_plan
+from lightning_par.plans.tp_validate import validate_tp
 from lightning_par.plans.trunk import Trunk, find_trunk
 
 

@@ -7,10 +7,9 @@ from lightning_par.plans.tp import (
     ModuleShape,
     TPPlan,
     TPPlanError,
-    format_plan,
     infer_tp_plan,
-    validate_tp,
 )
+from lightning_par.plans.tp_validate import format_plan, validate_tp
 from lightning_par.plans.trunk import Trunk, find_trunk
 
 __all__ = [
