@@ -21,8 +21,10 @@ from typing import Any, Optional, cast
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.pytorch.strategies import ParallelStrategy as _LightningParallelStrategy
 from torch import Tensor
 from torchmetrics import Metric
+from typing_extensions import override
 
 from lightning_par.parallel.pipeline import StageSpec
 from lightning_par.parallel.pipeline_schedule import PipelineRunner
@@ -261,3 +263,51 @@ def _set_metric_state(metric: Metric, data: dict[str, Any]) -> None:
     metric._update_count = data["update_count"]
     metric._forward_cache = data["forward_cache"]
     metric._computed = None
+
+
+class PipelineStepsMixin(_LightningParallelStrategy):
+    """The step hooks `ParallelStrategy` routes through `PipelineSteps` when ``pp > 1`` (Lightning's own otherwise).
+
+    Uses the strategy's ``_pipeline`` (set in its ``setup``).
+    """
+
+    _pipeline: Optional[PipelineSteps]
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().training_step(*args, **kwargs)
+        module = self.lightning_module
+        assert module is not None
+        with self.precision_plugin.train_step_context():
+            return self._pipeline.training_step(module, self.precision_plugin, *args, **kwargs)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        if self._pipeline is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        return self._pipeline.backward(self, closure_loss, optimizer)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().validation_step(*args, **kwargs)
+        assert self.lightning_module is not None
+        with self.precision_plugin.val_step_context():
+            return self._pipeline.eval_step(self.lightning_module, "validation_step", *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().test_step(*args, **kwargs)
+        assert self.lightning_module is not None
+        with self.precision_plugin.test_step_context():
+            return self._pipeline.eval_step(self.lightning_module, "test_step", *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().predict_step(*args, **kwargs)
+        assert self.lightning_module is not None
+        with self.precision_plugin.predict_step_context():
+            return self._pipeline.eval_step(self.lightning_module, "predict_step", *args, **kwargs)

@@ -40,10 +40,10 @@ from lightning_par.mesh import ParallelMesh, build_mesh
 from lightning_par.parallel.compose import Parallelized, parallelize
 from lightning_par.precision.parallel import ParallelPrecision
 from lightning_par.strategies._checkpointing import CheckpointingMixin
-from lightning_par.strategies._pipeline import PipelineSteps
+from lightning_par.strategies._pipeline import PipelineSteps, PipelineStepsMixin
 
 
-class ParallelStrategy(CheckpointingMixin, _LightningParallelStrategy):
+class ParallelStrategy(CheckpointingMixin, PipelineStepsMixin, _LightningParallelStrategy):
     """One strategy for every combination of parallelism; `Trainer(strategy="zero2")` picks a preset of it.
 
     Args:
@@ -332,46 +332,6 @@ class ParallelStrategy(CheckpointingMixin, _LightningParallelStrategy):
         experts = self._parallel.experts if self._parallel else None
         if experts is not None and not self._accumulating:
             experts.reduce_gradients()
-
-    # ---- pipeline parallelism: the strategy owns the step (strategies/_pipeline.py) --------------------------
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline is None:
-            return super().training_step(*args, **kwargs)
-        module = self.lightning_module
-        assert module is not None
-        with self.precision_plugin.train_step_context():
-            return self._pipeline.training_step(module, self.precision_plugin, *args, **kwargs)
-
-    @override
-    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        if self._pipeline is None:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
-        return self._pipeline.backward(self, closure_loss, optimizer)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline is None:
-            return super().validation_step(*args, **kwargs)
-        assert self.lightning_module is not None
-        with self.precision_plugin.val_step_context():
-            return self._pipeline.eval_step(self.lightning_module, "validation_step", *args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline is None:
-            return super().test_step(*args, **kwargs)
-        assert self.lightning_module is not None
-        with self.precision_plugin.test_step_context():
-            return self._pipeline.eval_step(self.lightning_module, "test_step", *args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline is None:
-            return super().predict_step(*args, **kwargs)
-        assert self.lightning_module is not None
-        with self.precision_plugin.predict_step_context():
-            return self._pipeline.eval_step(self.lightning_module, "predict_step", *args, **kwargs)
 
     # ---- collectives -----------------------------------------------------------------------------------------
     @override
