@@ -41,7 +41,10 @@ RUNS: dict[str, dict[str, Any]] = {
         "jobs": [*JOBS, "hf_llama", "gpt_bf16_mixed", "llama_bf16_mixed", "gpt_16_mixed", "gpt_bf16_true"],
         "sp_off": True, "ckpt": ("zero2", 2),
         "variants": {"ac_full": {"tp": 2, "activation_checkpointing": "full"},
-                     "ac_selective_op": {"tp": 2, "activation_checkpointing": "selective_op"}},
+                     "ac_selective_op": {"tp": 2, "activation_checkpointing": "selective_op"},
+                     # tp_plan overrides reach the strategy: the MLPs stay replicated, attention is still split.
+                     "plan_override": {"tp": 2, "tp_plan": {"transformer.h.*.mlp.c_fc": "replicate",
+                                                            "transformer.h.*.mlp.c_proj": "replicate"}}},
     },
     "tp_zero3": {"nproc": 4, "strategy": "tp_zero3", "dp": 2, "jobs": [*JOBS, "hf_llama"], "ckpt": ("zero3", 4),
                  "variants": {"offload": {"tp": 2, "zero_stage": 3, "offload": True}}},
@@ -187,3 +190,9 @@ def test_activation_checkpointing_and_offload_compose_with_tp(run, references):
         got, ref = out[key], references["gpt"]
         assert rel(got["losses"], ref["losses"]) < 1e-5, key
         params_close(got["params"], ref["params"], rtol=1e-5, atol=0.02 * LR)
+    if "plan_override" in variants:
+        # Replicated MLPs: only the attention Linears are split, so the rank holds more than under the full plan.
+        full, kept = out["gpt"]["mem"]["params"], out["plan_override"]["mem"]["params"]
+        mlp = sum(t.numel() * 4 for k, t in out["gpt"]["params"].items() if ".mlp.c_" in k and k.endswith("weight"))
+        mlp += sum(t.numel() * 4 for k, t in out["gpt"]["params"].items() if k.endswith("mlp.c_fc.bias"))
+        assert kept - full == mlp // 2

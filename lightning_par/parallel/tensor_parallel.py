@@ -37,6 +37,7 @@ from lightning_par.plans.tp import TPPlan, TPPlanError
 from lightning_par.plans.trunk import find_trunk
 
 _SEQ = 1  # batch-first models: (batch, sequence, hidden)
+_SPLIT = ("colwise", "colwise_fused_qkv", "rowwise")
 
 
 class _FusedColwise(ColwiseParallel):
@@ -159,7 +160,13 @@ def apply_tensor_parallel(
         raise TPPlanError(f"sequence_parallel=True is not exact for this model: {why}; pass sequence_parallel=False")
     if sequence_parallel is None:
         sequence_parallel = why is None
-    regions = sorted({k[len(prefix) + 1 :] for k in (*plan.heads, *plan.mlps) if k != prefix})
+    # Regions whose projections are split (a tp_plan may keep a whole attention or MLP replicated).
+    projections = {
+        **{k: h.projections for k, h in plan.heads.items()},
+        **{k: m.projections for k, m in plan.mlps.items()},
+    }
+    split = {k for k, projs in projections.items() if any(plan.styles.get(p) in _SPLIT for p in projs)}
+    regions = sorted(k[len(prefix) + 1 :] for k in split if k != prefix)
     changed: dict[str, str] = {}
     for name, block in blocks:
         styles: dict[str, Any] = {}
@@ -203,9 +210,11 @@ def _stream_modules(block: nn.Module, rel_styles: dict[str, str], regions: list[
     extra: dict[str, Any] = {}
     for rel, mod in block.named_modules():
         inside = any(rel == r or rel.startswith(r + ".") for r in regions)
-        if not rel or inside or rel in rel_styles or not any(True for _ in mod.parameters(recurse=False)):
+        styled = rel_styles.get(rel, "replicate") != "replicate"
+        if not rel or inside or styled or not any(True for _ in mod.parameters(recurse=False)):
             continue
-        if any(r.startswith(rel + ".") for r in regions) or any(k.startswith(rel + ".") for k in rel_styles):
+        styled_below = any(k.startswith(rel + ".") and v != "replicate" for k, v in rel_styles.items())
+        if any(r.startswith(rel + ".") for r in regions) or styled_below:
             raise TPPlanError(
                 f"{rel} owns parameters and also contains an attention/MLP; sequence parallelism cannot place "
                 "them: pass sequence_parallel=False"
