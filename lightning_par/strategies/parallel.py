@@ -43,7 +43,22 @@ from lightning_par.strategies._checkpointing import CheckpointingMixin
 from lightning_par.strategies._pipeline import PipelineSteps, PipelineStepsMixin
 
 
-class ParallelStrategy(CheckpointingMixin, PipelineStepsMixin, _LightningParallelStrategy):
+class _BackendDispatch:
+    """``ParallelStrategy(backend="deepspeed")`` builds a `DeepSpeedParallelStrategy`.
+
+    In a base class, not on `ParallelStrategy` itself: jsonargparse (LightningCLI) reads a class's own ``__new__``
+    signature instead of ``__init__``'s, and recipes would lose every argument.
+    """
+
+    def __new__(cls, *args: Any, backend: str = "native", **kwargs: Any) -> Any:
+        if backend == "deepspeed" and cls is ParallelStrategy:
+            from lightning_par.strategies.deepspeed import DeepSpeedParallelStrategy
+
+            return super().__new__(DeepSpeedParallelStrategy)
+        return super().__new__(cls)
+
+
+class ParallelStrategy(_BackendDispatch, CheckpointingMixin, PipelineStepsMixin, _LightningParallelStrategy):
     """One strategy for every combination of parallelism; `Trainer(strategy="zero2")` picks a preset of it.
 
     Args:
@@ -69,13 +84,6 @@ class ParallelStrategy(CheckpointingMixin, PipelineStepsMixin, _LightningParalle
             to styles (``colwise``, ``rowwise``, ``colwise_fused_qkv``, ``sequence_parallel``, ``replicate``);
             print the inferred plan with ``lightning-par plan``. See docs/tensor_parallel.md.
     """
-
-    def __new__(cls, *args: Any, backend: str = "native", **kwargs: Any) -> ParallelStrategy:
-        if backend == "deepspeed" and cls is ParallelStrategy:
-            from lightning_par.strategies.deepspeed import DeepSpeedParallelStrategy
-
-            return super().__new__(DeepSpeedParallelStrategy)
-        return super().__new__(cls)
 
     def __init__(
         self,
