@@ -35,15 +35,21 @@ def _data(p: torch.Tensor) -> torch.Tensor:
     return p.detach().to_local() if isinstance(p, DTensor) else p.data  # type: ignore[attr-defined]
 
 
-def _grad(p: torch.Tensor) -> Optional[torch.Tensor]:
+def _settle(p: torch.Tensor) -> None:
+    """Reduce a tensor-parallel gradient whose placement differs from its parameter's, in place.
+
+    A replicated parameter used on sequence shards (a norm under sequence parallelism) gets a Partial gradient:
+    each tp rank holds the sum over its own tokens. It is reduced over tp before anything else reads it.
+    """
     g = p.grad
-    if isinstance(g, DTensor):
-        if g.placements != p.placements:  # type: ignore[attr-defined]
-            # A replicated parameter used on sequence shards (a norm under sequence parallelism) gets a Partial
-            # gradient: each tp rank holds the sum over its own tokens. Reduce it over tp before anything else.
-            g = g.redistribute(g.device_mesh, p.placements)  # type: ignore[attr-defined]
-        return g.to_local()
-    return g
+    if isinstance(g, DTensor) and g.placements != p.placements:  # type: ignore[attr-defined]
+        p.grad = g.redistribute(g.device_mesh, p.placements)  # type: ignore[attr-defined]
+
+
+def _grad(p: torch.Tensor) -> Optional[torch.Tensor]:
+    _settle(p)
+    g = p.grad
+    return g.to_local() if isinstance(g, DTensor) else g
 
 
 def _tp_groups(p: torch.Tensor) -> tuple[dist.ProcessGroup, ...]:
@@ -288,9 +294,7 @@ class ReplicatedZero:
         if self.dp == 1:
             # Nothing to average (tensor parallelism alone): only settle Partial tensor-parallel gradients.
             for p in bucket.params:
-                g = p.grad
-                if isinstance(g, DTensor) and g.placements != p.placements:  # type: ignore[attr-defined]
-                    p.grad = g.redistribute(g.device_mesh, p.placements)  # type: ignore[attr-defined]
+                _settle(p)
             return
         grads = [_grad(p) for p in bucket.params]
         if all(g is None for g in grads):

@@ -292,22 +292,22 @@ class PipelineStepsMixin(_LightningParallelStrategy):
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is None:
             return super().validation_step(*args, **kwargs)
-        assert self.lightning_module is not None
-        with self.precision_plugin.val_step_context():
-            return self._pipeline.eval_step(self.lightning_module, "validation_step", *args, **kwargs)
+        return self._eval_through_pipeline("validation_step", self.precision_plugin.val_step_context(), args, kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is None:
             return super().test_step(*args, **kwargs)
-        assert self.lightning_module is not None
-        with self.precision_plugin.test_step_context():
-            return self._pipeline.eval_step(self.lightning_module, "test_step", *args, **kwargs)
+        return self._eval_through_pipeline("test_step", self.precision_plugin.test_step_context(), args, kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is None:
             return super().predict_step(*args, **kwargs)
-        assert self.lightning_module is not None
-        with self.precision_plugin.predict_step_context():
-            return self._pipeline.eval_step(self.lightning_module, "predict_step", *args, **kwargs)
+        return self._eval_through_pipeline("predict_step", self.precision_plugin.predict_step_context(), args, kwargs)
+
+    def _eval_through_pipeline(self, hook: str, context: Any, args: tuple, kwargs: dict) -> Any:
+        # Forward only, through the schedule: the user's `hook` runs on every stage, cut at the boundary.
+        assert self.lightning_module is not None and self._pipeline is not None
+        with context:
+            return self._pipeline.eval_step(self.lightning_module, hook, *args, **kwargs)
