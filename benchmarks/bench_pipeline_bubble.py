@@ -8,12 +8,14 @@ Launch with p ranks (p = 2 or 4), one thread each:
 1. Bubble: stages whose compute is a calibrated sleep (forward F, input-gradient B and weight-gradient W of
    ``--f-ms`` each, the zero-bubble paper's F = B = W, arXiv 2401.10241), driven by torch's schedules through
    `lightning_par.parallel.pipeline_schedule.SCHEDULES`. Sleeping stages measure the schedule, not this 2-core
-   machine's contention. Each rank does m x (F + B + W) of work per step whatever the schedule (a rank's virtual
-   stages split it); measured bubble = 1 - (time this rank spent in that work, as measured around each sleep) /
-   step time, averaged over ranks: sleep overshoot under load counts as work, communication and Python
-   overhead as bubble. Theory: (p-1)/(m+p-1) for GPipe and
-   1F1B (Huang et al. arXiv 1811.06965; Narayanan et al. arXiv 2104.04473), (p-1)/(v m + p-1) for interleaved
-   1F1B and looped BFS with v stages per rank; the zero-bubble schedules aim at ~0 (no ratio printed).
+   machine's contention. The bubble is the time a rank sits waiting on its peers (inside the schedule's
+   point-to-point waits, before its first action and after its last) over the step time, averaged over ranks.
+   Theory: the schedule's own action table replayed with F = B = W and free communication
+   (`lightning_par.parallel.pipeline_timeline`), which is (p-1)/(m+p-1) for GPipe and 1F1B (Huang et al. arXiv
+   1811.06965; Narayanan et al. arXiv 2104.04473) and (p-1)/(v m + p-1) for interleaved 1F1B with v stages per
+   rank (both printed as a check), and the exact figure for the zero-bubble and DualPipeV orders torch runs.
+   Also printed: the host overhead per action (Python, gloo sends; 1 - (sleeps + waits) / step spread over the
+   rank's actions), which the theory does not model and which the bubble above does not contain.
 2. Peak in-flight microbatches on the first stage (activations held for backward): m for GPipe, <= p for 1F1B.
 3. Throughput (p = 2 only): a real GPT step (forward + backward) pipelined over 2 ranks against the same model
    and batch on rank 0 alone, as a ratio of samples per second.
@@ -22,6 +24,7 @@ Launch with p ranks (p = 2 or 4), one thread each:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from typing import Any
@@ -33,11 +36,26 @@ torch.set_num_threads(1)
 import torch.distributed as dist  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 from torch.distributed.pipelining import PipelineStage  # noqa: E402
+from torch.distributed.pipelining import schedules as torch_schedules  # noqa: E402
 
 from lightning_par.parallel.pipeline_schedule import SCHEDULES, local_stages, n_stages  # noqa: E402
+from lightning_par.parallel.pipeline_timeline import compute_actions, one_f_one_b_order, replay  # noqa: E402
 from lightning_par.utils import clean_exit  # noqa: E402
 
 BUSY = [0.0]  # seconds this rank spent in its stages' work (sleeps), as measured, not as requested
+WAIT = [0.0]  # seconds this rank spent blocked on point-to-point transfers from its peers
+_torch_wait = torch_schedules._wait_batch_p2p
+
+
+def _timed_wait(work: list[Any]) -> None:
+    # Every schedule in torch waits on its receives (and sends) through this one function: the time inside it is
+    # the rank idling on its peers, which is what a pipeline bubble is.
+    start = time.perf_counter()
+    _torch_wait(work)
+    WAIT[0] += time.perf_counter() - start
+
+
+torch_schedules._wait_batch_p2p = _timed_wait
 
 
 def _work(seconds: float) -> None:
@@ -93,18 +111,29 @@ class SleepStage(nn.Module):
         return _Input.apply(x, self.t, self.t, self.counter) + _Weight.apply(self.w, self.t)
 
 
-def _theory(name: str, p: int, m: int, v: int) -> float | None:
+def _closed_form(name: str, p: int, m: int, v: int) -> float | None:
     if name in ("gpipe", "1f1b"):
         return (p - 1) / (m + p - 1)
     if name in ("interleaved_1f1b", "looped_bfs"):
         # Fill and drain cross p - 1 ranks at 1/v of a rank's per-microbatch work each.
         return (p - 1) / (v * m + p - 1)
-    return None  # zero-bubble schedules: no closed form for torch's orders; they aim at ~0
+    return None  # zero-bubble schedules: the replayed table is the reference
 
 
-def bubble(name: str, m: int, f: float, steps: int) -> tuple[float, float, int]:
-    """Median step time of schedule ``name`` with ``m`` microbatches, its idle fraction (1 - measured work / step
-    time, averaged over ranks and steps), and the first stage's peak microbatches in flight."""
+@dataclasses.dataclass
+class Row:
+    name: str
+    m: int
+    step: float  # median step time, seconds
+    idle: float  # measured bubble: waiting on peers / step time
+    theory: float  # replayed action table
+    closed: float | None  # textbook formula, where there is one
+    overhead_ms: float  # host time per action not in stage work and not waiting
+    peak: int  # first stage's peak microbatches in flight
+
+
+def bubble(name: str, m: int, f: float, steps: int) -> Row:
+    """Run schedule ``name`` with ``m`` microbatches ``steps`` times (after one warm-up step) and measure it."""
     p, rank = dist.get_world_size(), dist.get_rank()
     info = SCHEDULES[name]
     v = info.virtual
@@ -117,24 +146,37 @@ def bubble(name: str, m: int, f: float, steps: int) -> tuple[float, float, int]:
                                     output_args=meta, group=dist.group.WORLD))  # fmt: skip
     loss_fn = lambda out, _t: out.sum()  # noqa: E731
     sched = info.cls(stages[0], m, loss_fn=loss_fn) if v == 1 else info.cls(stages, m, loss_fn=loss_fn)
+    # Schedule1F1B's own table is descriptive only (and misnumbers the last stage): replay the order it runs.
+    table = one_f_one_b_order(p, m) if name == "1f1b" else sched.pipeline_order
+    theory = replay(table, f / v, f / v, f / v).bubble
+    n_actions = len(compute_actions(table)[rank])
     x, target = torch.ones(m, 4), torch.zeros(m, 4)
-    times, idle = [], []
+    times, idle, overhead = [], [], []
     for i in range(steps + 1):
         dist.barrier()
-        BUSY[0] = 0.0
+        BUSY[0] = WAIT[0] = 0.0
         start = time.perf_counter()
         if any(s.is_first for s in stages):
             sched.step(x, target=target, return_outputs=False)
         else:
             sched.step(target=target, return_outputs=False)
-        dist.barrier()
+        done = time.perf_counter()
+        # perf_counter is the system-wide monotonic clock, so the ranks' timestamps compare directly: the step runs
+        # from the first rank's start to the last rank's finish, and a rank that starts late or finishes early idles
+        # for the difference (the fill and drain of the pipeline). Barrier latency stays out of the measurement.
+        stamps = [torch.zeros(2, dtype=torch.float64) for _ in range(p)]
+        dist.all_gather(stamps, torch.tensor([start, done], dtype=torch.float64))
+        t0, t1 = min(float(t[0]) for t in stamps), max(float(t[1]) for t in stamps)
         if i:  # the first step also initialises the stages
-            times.append(time.perf_counter() - start)
-            idle.append(1 - BUSY[0] / times[-1])
-    frac = torch.tensor(statistics.mean(idle))
-    dist.all_reduce(frac)
+            times.append(t1 - t0)
+            idle.append((WAIT[0] + start - t0 + t1 - done) / times[-1])
+            overhead.append((done - start - WAIT[0] - BUSY[0]) / max(n_actions, 1))
+    stats = torch.tensor([statistics.mean(idle), statistics.mean(overhead)])
+    dist.all_reduce(stats)
+    stats /= p
     first = next((mod for mod, s in zip(modules, stages) if s.is_first), None)
-    return statistics.median(times), float(frac) / dist.get_world_size(), first.counter[1] if first else -1
+    return Row(name, m, statistics.median(times), float(stats[0]), theory, _closed_form(name, p, m, v),
+               float(stats[1]) * 1000, first.counter[1] if first else -1)  # fmt: skip
 
 
 def throughput(steps: int, rounds: int) -> list[float]:
@@ -188,10 +230,13 @@ def throughput(steps: int, rounds: int) -> list[float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--f-ms", type=float, default=30.0, help="F = B = W per microbatch per rank, in ms")
+    parser.add_argument("--f-ms", type=float, default=100.0, help="F = B = W per microbatch per rank, in ms")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="m in {p, 2p} only, 1 step")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of the throughput comparison")
+    parser.add_argument("--schedules", nargs="*", default=list(SCHEDULES), help="subset of schedules to run")
+    parser.add_argument("--ks", nargs="*", type=int, default=[1, 2, 4, 8], help="microbatches m = k x p, these k")
+    parser.add_argument("--skip-throughput", action="store_true", help="only the bubble and in-flight tables")
     parser.add_argument("--skip-bubble", action="store_true", help="only the throughput comparison (p = 2)")
     args = parser.parse_args()
     dist.init_process_group("gloo")
@@ -199,23 +244,24 @@ def main() -> None:
     f = args.f_ms / 1000
     steps = 1 if args.quick else args.steps
     rows = []
-    for name in () if args.skip_bubble else SCHEDULES:
-        for k in (1, 2) if args.quick else (1, 2, 4, 8):
+    for name in () if args.skip_bubble else args.schedules:
+        for k in (1, 2) if args.quick else args.ks:
             m = k * p
             if (name == "dualpipev" and m < 2 * p) or (name == "1f1b" and m < p):
                 continue
-            t, measured, peak = bubble(name, m, f, steps)
-            theory = _theory(name, p, m, SCHEDULES[name].virtual)
-            rows.append((name, m, t, measured, theory, peak))
+            rows.append(bubble(name, m, f, steps))
     if rank == 0 and rows:
         print(f"\n## Bubble, p = {p}, F = B = W = {args.f_ms} ms per microbatch per rank\n")
-        print("| schedule | m | step (ms) | bubble measured | bubble theory | measured / theory | peak in flight |")
-        print("|---|---|---|---|---|---|---|")
-        for name, m, t, measured, theory, peak in rows:
-            th = f"{theory:.3f}" if theory is not None else "~0"
-            ratio = f"{measured / theory:.2f}" if theory else "-"
-            print(f"| {name} | {m} | {t * 1000:.0f} | {measured:.3f} | {th} | {ratio} | {peak} |")
-    if p == 2:
+        print(
+            "| schedule | m | step (ms) | bubble measured | theory (table) | closed form | measured / theory "
+            "| overhead per action (ms) | peak in flight |"
+        )
+        print("|---|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            closed = f"{r.closed:.3f}" if r.closed is not None else "-"
+            print(f"| {r.name} | {r.m} | {r.step * 1000:.0f} | {r.idle:.3f} | {r.theory:.3f} | {closed} "
+                  f"| {r.idle / r.theory:.3f} | {r.overhead_ms:.2f} | {r.peak} |")  # fmt: skip
+    if p == 2 and not args.skip_throughput:
         ratios = throughput(steps, args.rounds)
         if rank == 0:
             each = ", ".join(f"{r:.2f}" for r in ratios)

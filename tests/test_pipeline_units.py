@@ -20,6 +20,7 @@ from lightning_par.parallel.pipeline_schedule import (
     n_stages,
     split_microbatches,
 )
+from lightning_par.parallel.pipeline_timeline import Action, one_f_one_b_order, replay
 from lightning_par.plans.partition import (
     PartitionError,
     even_split,
@@ -294,3 +295,47 @@ def test_split_is_described_for_the_start_up_log() -> None:
         "transformer.h.1..transformer.h.3; before the trunk ['transformer.wte', 'transformer.wpe'] on stage 0, after "
         "it ['transformer.ln_f', 'lm_head'] on the last"
     )
+
+
+# ---- the bubble a schedule has by construction (pipeline_timeline.py; used by benchmarks/) ---------------------
+def _interleaved_table(p: int, m: int, v: int = 2) -> dict[int, list[Any]]:
+    # torch builds the table in __init__ from a few attributes; the stages themselves are not needed.
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
+
+    rounds = max(1, m // p)
+    ns = SimpleNamespace(n_local_stages=v, pp_group_size=p, _n_microbatches=m, microbatches_per_round=m // rounds)
+    return {r: ScheduleInterleaved1F1B._calculate_single_rank_operations(ns, r) for r in range(p)}
+
+
+@pytest.mark.parametrize("p", [2, 4])
+@pytest.mark.parametrize("k", [1, 2, 8])
+def test_replayed_tables_give_the_textbook_bubbles(p: int, k: int) -> None:
+    m = k * p
+    one_f_one_b = replay(one_f_one_b_order(p, m), 1.0, 1.0, 1.0)
+    assert one_f_one_b.bubble == pytest.approx((p - 1) / (m + p - 1), rel=1e-12)
+    # Unequal costs: the fill and drain are still p - 1 slots of (f + b + w), the work m of them.
+    assert replay(one_f_one_b_order(p, m), 1.0, 2.0, 0.5).makespan == pytest.approx((m + p - 1) * 3.5)
+    interleaved = replay(_interleaved_table(p, m), 0.5, 0.5, 0.5)  # v = 2: each virtual stage does half the work
+    assert interleaved.bubble == pytest.approx((p - 1) / (2 * m + p - 1), rel=1e-12)
+    assert all(b == pytest.approx(3.0 * m) for b in interleaved.busy.values())  # m x v x (f + b + w)
+
+
+def test_one_f_one_b_order_holds_at_most_p_microbatches_and_runs_each_once() -> None:
+    p, m = 4, 8
+    for r, acts in one_f_one_b_order(p, m).items():
+        assert sorted((a.computation_type, a.microbatch_index) for a in acts) == sorted(
+            (kind, i) for kind in "FB" for i in range(m)
+        )
+        in_flight = peak = 0
+        for a in acts:
+            in_flight += 1 if a.computation_type == "F" else -1
+            peak = max(peak, in_flight)
+        assert peak == p - r
+
+
+def test_replay_names_the_action_a_broken_table_waits_on() -> None:
+    table = {0: [Action(0, "F", 0), Action(0, "B", 0)], 1: [Action(1, "F", 1), Action(1, "B", 1)]}
+    with pytest.raises(ValueError, match=r"cannot progress: next actions \{0: .*1: "):
+        replay(table, 1.0, 1.0, 1.0)
