@@ -47,7 +47,9 @@ class SaveTimer(L.Callback):
 
     def __init__(self, folder: Path, tag: str, save_steps: list[int], warmup: int) -> None:
         self.folder, self.tag, self.save_steps, self.warmup = folder, tag, save_steps, warmup
-        self.blocks: list[float] = []  # seconds inside trainer.save_checkpoint
+        self.blocks: list[float] = []  # seconds inside trainer.save_checkpoint, plus the staging fence after it
+        self.fences: list[float] = []  # of which the wait for the background staging copy at the next optimizer step
+        self._waited = 0.0
         self.to_commit = 0.0  # last save: call + wait_for_checkpoint
         self.steps_idle: list[float] = []
         self.steps_writing: list[float] = []
@@ -59,6 +61,12 @@ class SaveTimer(L.Callback):
         self._t0 = time.perf_counter()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        saver = getattr(trainer.strategy, "_async_saver", None)
+        waited = saver.staging_wait_s if saver is not None else 0.0
+        if self.fences and waited > self._waited:  # this step's optimizer waited for the last save's staging
+            self.fences[-1] += waited - self._waited
+            self.blocks[-1] += waited - self._waited
+        self._waited = waited
         if batch_idx >= self.warmup:
             (self.steps_writing if self._writing else self.steps_idle).append(time.perf_counter() - self._t0)
         step = trainer.global_step
@@ -68,10 +76,12 @@ class SaveTimer(L.Callback):
         start = time.perf_counter()
         trainer.save_checkpoint(path)
         self.blocks.append(time.perf_counter() - start)
+        self.fences.append(0.0)
         self.last_path = path
         if step == self.save_steps[-1]:
             trainer.strategy.wait_for_checkpoint()  # type: ignore[attr-defined]
             self.to_commit = time.perf_counter() - start
+            self._waited = saver.staging_wait_s if saver is not None else 0.0  # not a step's wait: the end's
 
 
 def _bytes_per_rank(path: Path, world: int) -> tuple[list[int], int]:
@@ -104,6 +114,7 @@ def run_once(stage: int, use_async: bool, folder: Path, args: argparse.Namespace
     data_bytes, shared = _bytes_per_rank(timer.last_path, world)
     return {
         "blocks": timer.blocks,
+        "fences": timer.fences,
         "to_commit": timer.to_commit,
         "steps_idle": timer.steps_idle,
         "steps_writing": timer.steps_writing,
@@ -113,8 +124,8 @@ def run_once(stage: int, use_async: bool, folder: Path, args: argparse.Namespace
     }
 
 
-def _ms(xs: list[float]) -> str:
-    return f"{statistics.median(xs) * 1e3:.0f}" if xs else "-"
+def _ms(xs: list[float], digits: int = 0) -> str:
+    return f"{statistics.median(xs) * 1e3:.{digits}f}" if xs else "-"
 
 
 def main() -> None:
@@ -159,7 +170,8 @@ def main() -> None:
               f"steps; {elapsed:.0f} s; 1-min load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after; "
               f"writing to {folder}\n")  # fmt: skip
         print(
-            "| strategy | sync save ms | async save blocks ms | async / sync | async call to commit ms | load ms "
+            "| strategy | sync save ms | async save blocks ms (of which fence) | async / sync "
+            "| async call to commit ms | load ms "
             "| data MiB per rank (rank 0, rank 1) + index and meta KiB | step ms idle | step ms while writing |"
         )
         print("|---|---|---|---|---|---|---|---|---|")
@@ -167,12 +179,13 @@ def main() -> None:
             sync, asyn = runs[(name, "sync")], runs[(name, "async")]
             sync_blocks = [b for run in sync for b in run["blocks"]]
             async_blocks = [b for run in asyn for b in run["blocks"]]
+            fences = [b for run in asyn for b in run["fences"]]
             ratio = statistics.median(async_blocks) / statistics.median(sync_blocks)
             loads = [x for run in sync + asyn for x in run["loads"]]
             data = " / ".join(f"{b / 2**20:.2f}" for b in sync[0]["data_bytes"])
             idle = [s for run in sync + asyn for s in run["steps_idle"]]
             writing = [s for run in asyn for s in run["steps_writing"]]
-            print(f"| {name} | {_ms(sync_blocks)} | {_ms(async_blocks)} | {ratio:.3f} "
+            print(f"| {name} | {_ms(sync_blocks)} | {_ms(async_blocks)} ({_ms(fences, 1)}) | {ratio:.3f} "
                   f"| {_ms([run['to_commit'] for run in asyn])} | {_ms(loads)} | {data} + "
                   f"{sync[0]['shared_bytes'] / 1024:.0f} | {_ms(idle)} | {_ms(writing)} |")  # fmt: skip
         if not args.dir:

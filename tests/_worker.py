@@ -434,12 +434,35 @@ class SigKill(L.Callback):
 
 
 @contextmanager
+def _slow_staging(pause: float) -> Iterator[None]:
+    # The background copy of parameters and optimizer state (async_save.py) sleeps first: the optimizer step after a
+    # save must wait for it, or the checkpoint would hold that step's update.
+    from lightning_par.checkpoint.async_save import _BufferStager
+
+    original = _BufferStager._copy_later
+
+    def copy_later(copies: Any) -> None:
+        time.sleep(pause)
+        original(copies)
+
+    _BufferStager._copy_later = staticmethod(copy_later)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        _BufferStager._copy_later = staticmethod(original)  # type: ignore[method-assign]
+
+
+@contextmanager
 def _patch_checkpoint_writes(job: dict[str, Any]) -> Iterator[None]:
     """Test hooks in DCP's file writer (the data files of every save, sync or async, in whichever thread):
     ``slow_write_s`` sleeps before each write; ``sigkill_in_save: {"nth": n, "rank": r}`` SIGKILLs rank r right
     after its data file of the n-th save was written (before the index), on torchrun's first attempt only."""
     slow, kill = job.get("slow_write_s"), job.get("sigkill_in_save")
     rank = int(os.environ.get("RANK", "0"))
+    if job.get("slow_staging_s"):
+        with _slow_staging(float(job["slow_staging_s"])), _patch_checkpoint_writes({**job, "slow_staging_s": 0}):
+            yield
+        return
     if not slow and not (kill and kill["rank"] == rank and _first_attempt()):
         yield
         return
@@ -492,8 +515,8 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     as ``error`` instead of failing the spawn)."""
     # Checkpoint options: ckpt_every_n_steps, save_top_k, save_last (see _checkpoint_callbacks); resume "last"
     # (Lightning's) or "latest" (lightning_par.checkpoint.latest(ckpt_dir)); sigkill_at_step {"step", "rank"};
-    # sigkill_in_save {"nth", "rank"}; slow_write_s; record_step_params; limit_val_batches; ckpt_epoch_end_dir (also
-    # an epoch-end checkpoint per epoch there); rank_seed (per-rank RNG seeds).
+    # sigkill_in_save {"nth", "rank"}; slow_write_s; slow_staging_s; record_step_params; limit_val_batches;
+    # ckpt_epoch_end_dir (also an epoch-end checkpoint per epoch there); rank_seed (per-rank RNG seeds).
     # Under torchrun WORLD_SIZE is set; when Lightning starts the processes itself the job states it.
     world = job.get("world") or int(os.environ.get("WORLD_SIZE", "1"))
     L.seed_everything(job.get("seed", 0), verbose=False)

@@ -70,9 +70,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         # top-k alone (no last.ckpt), K=3, ZeRO-1 (plain replicated parameters, optimizer state as DTensor shards)
         "async_top3": {**BASE, "strategy": {"zero_stage": 1, "async_save": True}, "save_top_k": 3, "save_last": False},
         # Every write sleeps 0.3 s (~6 steps here): training runs on while a checkpoint is written, and must not
-        # change what is written. Every 2nd step, all kept.
+        # change what is written; the background copy of parameters and optimizer state sleeps 0.2 s first, so
+        # the next optimizer step must wait for it. Every 2nd step, all kept.
         "async_slow": {**BASE, "strategy": {"zero_stage": 2, "async_save": True}, "ckpt_every_n_steps": 2,
-                       "save_top_k": -1, "save_last": False, "slow_write_s": 0.3, "record_step_params": True},
+                       "save_top_k": -1, "save_last": False, "slow_write_s": 0.3, "slow_staging_s": 0.2,
+                       "record_step_params": True},
     }  # fmt: skip
     for name, job in jobs.items():
         job["ckpt_dir"] = str(tmp / name)
@@ -297,8 +299,70 @@ def test_stager_refills_its_buffers_also_for_ordered_dicts():
     weights = OrderedDict(w=torch.ones(4))
     state = {"state_dict": weights, "optimizer_0": {"state": {"w": {"exp_avg": torch.zeros(4)}}, "param_groups": []}}
     stager = _BufferStager()
-    first = stager.stage(state)["state_dict"]["w"]
+    first = stager.capture(state)[0]["state_dict"]["w"]
     weights["w"].add_(1)
-    second = stager.stage(state)["state_dict"]["w"]
+    second = stager.capture(state)[0]["state_dict"]["w"]
     assert second.data_ptr() == first.data_ptr() != weights["w"].data_ptr()
     assert torch.equal(second, torch.full((4,), 2.0))
+
+
+def _gated_staging(monkeypatch: pytest.MonkeyPatch) -> Any:
+    # Holds the background copy until the test opens the gate, so what happens before it is deterministic.
+    import threading
+
+    from lightning_par.checkpoint.async_save import _BufferStager
+
+    gate, original = threading.Event(), _BufferStager._copy_later
+
+    def held(copies: Any) -> None:
+        assert gate.wait(30)
+        original(copies)
+
+    monkeypatch.setattr(_BufferStager, "_copy_later", staticmethod(held))
+    return gate
+
+
+def test_async_saver_copies_optimizer_owned_tensors_in_the_background_until_the_fence(tmp_path, monkeypatch):
+    from datetime import timedelta
+
+    from lightning_par.checkpoint.async_save import AsyncSaver
+
+    gate = _gated_staging(monkeypatch)
+    saver, path = AsyncSaver(timedelta(seconds=30)), tmp_path / "step=1.ckpt"
+    weight, stats = torch.arange(6.0), torch.ones(2)  # a parameter, and a buffer a forward may change
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        saver.save(path, {"state_dict": {"w": weight, "stats": stats}}, {"global_step": 1}, rank=0,
+                   deferred=frozenset({weight.untyped_storage().data_ptr()}))  # fmt: skip
+        stats.add_(1.0)  # the next forward: the buffer was copied before save returned
+        assert saver._staging is not None and not saver._staging.done()  # the parameter's copy is still to come
+        gate.set()
+        saver.wait_for_staging()  # what the optimizer's step pre-hook runs
+        weight.add_(100.0)  # the optimizer step
+        assert saver.wait() == path
+    state = _full_state(path)
+    assert torch.equal(state["state_dict"]["w"], torch.arange(6.0))
+    assert torch.equal(state["state_dict"]["stats"], torch.ones(2))
+
+
+def test_tensor_changed_before_its_background_copy_fails_the_save_not_the_checkpoint(tmp_path, monkeypatch):
+    from datetime import timedelta
+
+    from lightning_par.checkpoint import CheckpointError
+    from lightning_par.checkpoint.async_save import AsyncSaver
+
+    gate = _gated_staging(monkeypatch)
+    saver, path = AsyncSaver(timedelta(seconds=30)), tmp_path / "step=1.ckpt"
+    weight = torch.arange(6.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        saver.save(path, {"state_dict": {"w": weight}}, {"global_step": 1}, rank=0,
+                   deferred=frozenset({weight.untyped_storage().data_ptr()}))  # fmt: skip
+        weight.add_(1.0)  # changed outside an optimizer step, before the copy
+        gate.set()
+        with pytest.raises(CheckpointError, match=r"step=1.ckpt failed while copying .*state_dict.w was changed in "
+                                                  r"place .*wait_for_staging\(\)"):  # fmt: skip
+            saver.wait_for_staging()
+        with pytest.raises(CheckpointError, match="was not committed"):
+            saver.wait()
+    assert not path.exists()

@@ -1,12 +1,14 @@
 """Asynchronous save of the `dcp.save_sharded` layout: copy to CPU memory, write in the background, then commit.
 
-`AsyncSaver.save` blocks only while this rank's state is copied into CPU buffers (`_BufferStager`; the copy is the
-snapshot, so training may change the live tensors at once) and ``meta.pt`` is written. DCP then writes
-``<path>.tmp`` from a worker thread over a process group of its own, and rank 0 renames it to ``<path>``
-(`dcp.commit`) in the same thread once its DCP save returned: that return means every rank's data files were
-written and synced and the index ``.metadata`` was written after them (DCP gathers each rank's write result to
-rank 0 before writing the index). So a folder appears under its real name only complete, and a crash at any point
-leaves at most a ``.tmp`` folder, which loading ignores.
+`AsyncSaver.save` blocks while ``meta.pt`` is serialized and while the tensors a forward pass may change (buffers)
+are copied into CPU buffers (`_BufferStager`), and it meets no other rank. Parameters and optimizer state, which
+only an optimizer step changes, are copied by the saver's worker thread while training computes the next forward
+and backward, and `wait_for_staging` (a pre-hook on each optimizer's step) holds that step until their copy is
+taken. The copies are the snapshot. The same thread then agrees on rank 0's path, writes ``<path>.tmp`` with DCP
+over a process group of its own, and rank 0 renames it to ``<path>`` (`dcp.commit`) once its DCP save returned:
+that return means every rank's data files were written and synced and the index ``.metadata`` was written after
+them (DCP gathers each rank's write result to rank 0 before writing the index). So a folder appears under its
+real name only complete, and a crash at any point leaves at most a ``.tmp`` folder, which loading ignores.
 
 Costs: a CPU copy of this rank's part of the model and optimizer state (ZeRO-1/2 also copy the replicated
 parameters; DCP writes them once), kept from the first save until `AsyncSaver.release`, so later saves copy into
@@ -18,9 +20,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from concurrent.futures import Future
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
-from functools import partial
 from pathlib import Path
 from typing import Any, Optional
 
@@ -28,10 +30,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
-from lightning_par.checkpoint.dcp import commit, prepare_tmp, tmp_path, write_small
+from lightning_par.checkpoint.dcp import commit, prepare_tmp, serialize, tmp_path, write_small
 from lightning_par.checkpoint.reader import CheckpointError
 from lightning_par.checkpoint.strided import canonicalize
 
@@ -42,30 +43,49 @@ class _Pending:
     done: Future  # set by rank 0 after the commit, by the other ranks when DCP's save returned
 
 
-class _BufferStager(AsyncStager):
+class StagingError(RuntimeError):
+    """A tensor being staged in the background was changed in place before its copy was taken."""
+
+
+_Copy = tuple[torch.Tensor, torch.Tensor, int, tuple[Any, ...]]  # (buffer, source, source version, key path)
+
+
+class _BufferStager:
     """Copies a state dict into CPU buffers kept by key path, reused by the next save (same keys and shapes).
 
     DCP's default stager deep-copies, which for a DTensor costs ~0.2 ms of Python per tensor (measured: 15-28 ms
     for 100 sharded tensors, against 2 ms for plain ones), and allocates fresh memory every time. This copies only
     the local shard and re-wraps it with the DTensor's own (immutable) spec. `AsyncSaver` waits for the previous
     write before staging the next, so a buffer is never overwritten while DCP reads it.
-    """
 
-    _synchronize_after_execute = False
+    Tensors that only an optimizer step changes (``deferred``: parameters and optimizer state, by storage) are
+    left to `_copy_later`, which `AsyncSaver` runs in its worker thread while training computes the next forward
+    and backward; `AsyncSaver.wait_for_staging` runs before that step's optimizer changes them (the way torchtitan
+    overlaps its staging copy with forward and backward). Every other tensor (buffers such as BatchNorm statistics,
+    which a forward changes) is copied by `capture` itself. A deferred tensor changed in place before its copy was
+    taken (its version counter moved) fails the staging with `StagingError` rather than saving a mixture of two
+    steps.
+    """
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._later: list[_Copy] = []
+        self.deferred: frozenset[int] = frozenset()  # storage pointers whose copy may wait for the worker thread
 
     def _copy(self, key: tuple[Any, ...], tensor: torch.Tensor) -> torch.Tensor:
         buf = self._buffers.get(key)
         if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
             buf = self._buffers[key] = torch.empty_like(tensor, device="cpu")
-        buf.copy_(tensor.detach())
+        source = tensor.detach()
+        if source.device.type == "cpu" and source.untyped_storage().data_ptr() in self.deferred:
+            self._later.append((buf, source, source._version, key))
+        else:
+            buf.copy_(source)
         return buf
 
     def _stage(self, key: tuple[Any, ...], value: Any) -> Any:
         if isinstance(value, DTensor):
-            local = self._copy(key, value.to_local())
+            local = self._copy(key, value._local_tensor)  # not to_local(): an autograd call, ~10 us each
             try:
                 return DTensor(local, value._spec, requires_grad=False)
             except TypeError:  # another constructor signature: the public, slower way
@@ -83,21 +103,57 @@ class _BufferStager(AsyncStager):
             return type(value)(self._stage((*key, i), v) for i, v in enumerate(value))
         return copy.deepcopy(value)  # e.g. param_groups' numbers, which LR schedulers change in place
 
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:  # type: ignore[override]
-        return {k: self._stage((k,), v) for k, v in state_dict.items()}
+    def capture(self, state_dict: dict[str, Any]) -> tuple[dict[str, Any], list[_Copy]]:
+        """The staged state dict (its buffers filled except the deferred ones) and the deferred copies."""
+        self._later = []
+        staged = {k: self._stage((k,), v) for k, v in state_dict.items()}
+        later, self._later = self._later, []
+        return staged, later
 
-    def synchronize_staging(self) -> None:
-        pass  # `stage` copies synchronously
+    @staticmethod
+    def _copy_later(copies: list[_Copy]) -> None:
+        for buf, source, version, key in copies:
+            buf.copy_(source)
+            if source._version != version:
+                name = ".".join(str(k) for k in key)
+                raise StagingError(
+                    f"{name} was changed in place while an asynchronous save was copying it (before the next "
+                    "optimizer step); the checkpoint was not written. Code that changes parameters outside "
+                    "optimizer.step() right after a save must first call trainer.strategy.wait_for_staging()"
+                )
 
     def close(self) -> None:
         self._buffers.clear()
 
 
-def _finish(written: Future, *, tmp: Path, path: Path, rank: int, done: Future) -> None:
-    # Runs in DCP's writer thread when its save finished; an exception here would be logged and lost, so every
-    # outcome goes to `done`, which the training thread waits on.
+def _write(
+    staged: dict[str, Any],
+    later: list[_Copy],
+    small: tuple[Optional[bytes], Optional[bytes]],
+    *,
+    path: Path,
+    rank: int,
+    group: Optional[dist.ProcessGroup],
+    staging: Future,
+    done: Future,
+) -> None:
+    # Runs in the saver's worker thread; an exception here would be lost, so every outcome goes to the futures the
+    # training thread waits on. The deferred copies first: the next optimizer step waits for them.
     try:
-        written.result()
+        _BufferStager._copy_later(later)
+    except BaseException as err:
+        staging.set_exception(err)
+        done.set_exception(err)
+        return
+    staging.set_result(None)
+    try:
+        if group is not None:  # every rank writes into rank 0's folder, as a synchronous save does
+            box = [str(path)]
+            dist.broadcast_object_list(box, group_src=0, group=group)
+            path = Path(box[0])
+        tmp = prepare_tmp(path, rank, group)
+        write_small(tmp, *small, rank)
+        dcp.save(staged, checkpoint_id=tmp, process_group=group, no_dist=group is None)
         if rank == 0:
             commit(tmp, path)
     except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
@@ -128,7 +184,12 @@ class AsyncSaver:
         self._timeout = timeout
         self._group: Optional[dist.ProcessGroup] = None
         self._pending: Optional[_Pending] = None
+        self._staging: Optional[Future] = None
         self._stager = _BufferStager()
+        # One long-lived worker: DCP's async_save starts a thread per save (~1.5 ms of the training thread's time
+        # on a busy host); this one stages the deferred copies, then runs DCP's save and the commit.
+        self._worker: Optional[ThreadPoolExecutor] = None
+        self.staging_wait_s = 0.0  # total time `wait_for_staging` held training (for benchmarks)
 
     @property
     def in_flight(self) -> Optional[Path]:
@@ -153,29 +214,55 @@ class AsyncSaver:
         meta: dict[str, Any],
         rank: int,
         local: Optional[dict[str, Any]] = None,
+        deferred: frozenset[int] = frozenset(),
     ) -> None:
-        """Start writing a checkpoint; returns once the state is copied. Called by every rank, in the same order.
+        """Start writing a checkpoint; returns once the state is captured. Called by every rank, in the same order.
 
         Args:
-            path: the checkpoint folder (same on every rank).
-            tensors: ``{"state_dict": ..., "optimizer_0": ...}`` with plain or DTensor values; copied before this
-                returns, so the caller may change them afterwards.
-            meta: the non-tensor rest of the checkpoint, saved by rank 0 before this returns.
+            path: the checkpoint folder; rank 0's is used on every rank.
+            tensors: ``{"state_dict": ..., "optimizer_0": ...}`` with plain or DTensor values; captured before this
+                returns except ``deferred`` ones, so the caller may change the others afterwards.
+            meta: the non-tensor rest of the checkpoint, saved by rank 0 (serialized before this returns).
             rank: this process's global rank.
-            local: this rank's own non-tensor state, saved by every rank before this returns.
+            local: this rank's own non-tensor state, saved by every rank (serialized before this returns).
+            deferred: storage pointers (``untyped_storage().data_ptr()``) of the tensors that nothing but an
+                optimizer step changes: they are copied in the background, and `wait_for_staging` must run before
+                the next optimizer step. Every other tensor is copied before this returns.
         """
         self.wait()  # at most one save in flight
         group = self._checkpoint_group()
-        tmp = prepare_tmp(path, rank)
-        write_small(tmp, meta, local, rank)  # small; written now, so it is the state at this call
-        tensors = canonicalize(tensors)[0]  # collectives: here, on the training thread and default group
-        written: Any = dcp.async_save(
-            tensors, checkpoint_id=tmp, process_group=group, no_dist=group is None, async_stager=self._stager
-        )
-        written = getattr(written, "upload_completion", written)  # an AsyncSaveResponse with async staging
+        # Serialized now, so they are the state at this call; written with the rest by the worker. Nothing on this
+        # thread meets the other ranks: the path, the .tmp folder and DCP's collectives go over `group` there.
+        small = (serialize(meta) if rank == 0 else None, serialize(local) if local is not None else None)
+        tensors = canonicalize(tensors)[0]  # collectives only for fused tensor-parallel tensors (strided.py)
+        self._stager.deferred = deferred
+        staged, later = self._stager.capture(tensors)
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning_par_async_save")
+        staging: Future = Future()
         done: Future = Future()
-        self._pending = _Pending(path, done)
-        written.add_done_callback(partial(_finish, tmp=tmp, path=path, rank=rank, done=done))
+        self._staging, self._pending = staging, _Pending(path, done)
+        self._worker.submit(_write, staged, later, small, path=path, rank=rank, group=group, staging=staging, done=done)
+
+    def wait_for_staging(self) -> None:
+        """Wait until the save in flight has copied the tensors it copies in the background; cheap when it has.
+
+        Raises:
+            CheckpointError: a tensor changed in place before its copy was taken; the save will not be committed.
+        """
+        staging, self._staging = self._staging, None
+        if staging is None:
+            return
+        start = time.perf_counter()
+        try:
+            staging.result()
+        except Exception as err:
+            path = self._pending.path if self._pending is not None else "?"
+            raise CheckpointError(
+                f"asynchronous save of checkpoint {path} failed while copying the state: {err}"
+            ) from err
+        finally:
+            self.staging_wait_s += time.perf_counter() - start
 
     def wait(self) -> Optional[Path]:
         """Wait for the save in flight, if any (on rank 0: until it is committed under its name).
@@ -186,6 +273,7 @@ class AsyncSaver:
         Raises:
             CheckpointError: the background write failed; the checkpoint was not committed.
         """
+        self.wait_for_staging()
         pending, self._pending = self._pending, None
         if pending is None:
             return None
@@ -204,3 +292,6 @@ class AsyncSaver:
             self.wait()
         finally:
             self._stager.close()
+            if self._worker is not None:
+                self._worker.shutdown(wait=True)
+                self._worker = None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import io
 import os
 import shutil
 from collections.abc import Callable, Sequence
@@ -32,13 +33,14 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from lightning_par.checkpoint.fast_state import model_state_dict, optimizer_state_dict
 from lightning_par.checkpoint.reader import META, load_tensors, read_index, read_meta
 from lightning_par.checkpoint.strided import canonicalize, restore
 
 
-def _barrier() -> None:
+def _barrier(group: Optional[dist.ProcessGroup] = None) -> None:
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
 def tmp_path(path: Path) -> Path:
@@ -46,12 +48,13 @@ def tmp_path(path: Path) -> Path:
     return path.with_name(path.name + ".tmp")
 
 
-def prepare_tmp(path: Path, rank: int) -> Path:
+def prepare_tmp(path: Path, rank: int, group: Optional[dist.ProcessGroup] = None) -> Path:
     """Rank 0 empties ``<path>.tmp`` (left over by an interrupted save) and creates it; then all ranks meet.
 
     Args:
         path: the checkpoint folder (same on every rank).
         rank: this process's global rank.
+        group: the process group to meet on (default: the whole world).
 
     Returns:
         the ``.tmp`` folder to write into.
@@ -60,7 +63,7 @@ def prepare_tmp(path: Path, rank: int) -> Path:
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    _barrier()
+    _barrier(group)
     return tmp
 
 
@@ -104,12 +107,23 @@ def rank_file(rank: int) -> str:
     return f"rank_{rank}.pt"
 
 
-def write_small(tmp: Path, meta: dict[str, Any], local: Optional[dict[str, Any]], rank: int) -> None:
-    """Rank 0 writes ``meta`` as ``meta.pt``; every rank writes its ``local`` state as ``rank_<rank>.pt``."""
-    if rank == 0:
-        torch.save(meta, tmp / META)
-    if local is not None:
-        torch.save(local, tmp / rank_file(rank))
+def write_small(tmp: Path, meta: Any, local: Any, rank: int) -> None:
+    """Rank 0 writes ``meta`` as ``meta.pt``; every rank writes its ``local`` state as ``rank_<rank>.pt``.
+
+    Either may also be given as the bytes of its ``torch.save``, serialized earlier (`serialize`).
+    """
+    for name, obj in ((META, meta if rank == 0 else None), (rank_file(rank), local)):
+        if isinstance(obj, bytes):
+            (tmp / name).write_bytes(obj)
+        elif obj is not None:
+            torch.save(obj, tmp / name)
+
+
+def serialize(obj: Any) -> bytes:
+    """``torch.save`` of ``obj`` into memory: a snapshot of it that `write_small` writes later, unchanged."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
 
 
 def save_sharded(
@@ -154,7 +168,7 @@ class OptimizerEntry:
 
 def optimizer_state(entry: OptimizerEntry) -> dict[str, Any]:
     """The optimizer's state keyed by parameter name, sharded tensors as DTensors."""
-    sd: dict[str, Any] = dict(get_optimizer_state_dict(entry.owner, entry.optimizer))
+    sd = optimizer_state_dict(entry.owner, entry.optimizer)
     wrap = entry.distribute
     if wrap is not None:
         # New dicts: the inner ones may be the optimizer's live state, which must stay plain tensors.
@@ -164,7 +178,7 @@ def optimizer_state(entry: OptimizerEntry) -> dict[str, Any]:
 
 def model_state(module: nn.Module, distribute: Optional[Distribute] = None) -> dict[str, Any]:
     """The model's state dict by parameter name; plain local shards wrapped as DTensors by ``distribute``."""
-    sd: dict[str, Any] = get_model_state_dict(module)
+    sd = model_state_dict(module)
     if distribute is not None:
         sd = {name: distribute(name, v) for name, v in sd.items()}
     return sd

@@ -16,6 +16,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ParallelStrategy as _LightningParallelStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from torch import nn
+from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_par.checkpoint.async_save import AsyncSaver
@@ -44,6 +45,7 @@ class CheckpointingMixin(_LightningParallelStrategy):
     _saving_async: bool
     _pipeline: Optional[PipelineSteps]
     _resume: Optional[ResumeState] = None
+    _async_save_returned = False
 
     # ---- deterministic resume (checkpoint/resume_state.py) ---------------------------------------------------
     @property
@@ -101,6 +103,35 @@ class CheckpointingMixin(_LightningParallelStrategy):
         """The checkpoint being written in the background (``async_save=True``) on this rank, or ``None``."""
         return self._async_saver.in_flight if self._async_saver is not None else None
 
+    def wait_for_staging(self) -> None:
+        """Wait until the checkpoint being saved in the background has copied the parameters and optimizer state.
+
+        Runs by itself before every optimizer step; call it only from code that changes parameters in place outside
+        ``optimizer.step()`` right after a save (a weight-averaging callback, say).
+
+        Raises:
+            CheckpointError: a tensor changed in place before its copy was taken.
+        """
+        if self._async_saver is not None:
+            self._async_saver.wait_for_staging()
+
+    def _staging_fence(self) -> frozenset[int]:
+        # Parameters and optimizer state change only in an optimizer step: the save copies them in the background
+        # while the next forward and backward run, and a pre-hook on each optimizer's step waits for that copy.
+        assert self._async_saver is not None and self.lightning_module is not None
+        saver = self._async_saver
+        tensors: list[torch.Tensor] = list(self.lightning_module.parameters())
+        for entry in self._optimizer_entries():
+            if not getattr(entry.optimizer, "_lightning_par_fence", False):
+                entry.optimizer.register_step_pre_hook(lambda *_: saver.wait_for_staging())
+                entry.optimizer._lightning_par_fence = True  # type: ignore[attr-defined]
+            for group in entry.optimizer.param_groups:
+                tensors.extend(group["params"])
+            for state in entry.optimizer.state.values():
+                tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor))
+        local = (t._local_tensor if isinstance(t, DTensor) else t for t in tensors)  # not to_local(): autograd
+        return frozenset(t.untyped_storage().data_ptr() for t in local)
+
     def wait_for_checkpoint(self) -> None:
         """Wait until the checkpoint being written in the background, if any, is complete under its name.
 
@@ -131,17 +162,28 @@ class CheckpointingMixin(_LightningParallelStrategy):
     ) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} saves sharded folders itself; drop storage_options")
-        path = Path(self.broadcast(str(filepath)))
         tensors = {"state_dict": checkpoint.pop("state_dict")}
         for i, state in enumerate(checkpoint.pop("optimizer_states", [])):
             tensors[f"optimizer_{i}"] = state
         checkpoint[KEY] = self._resume_state.checkpoint_state(self._attached_trainer, self.world_size)
         local = self._resume_state.rank_state(self._attached_trainer, self.root_device)
         if self._async_saver is not None and self._saving_async:
-            self._async_saver.save(path, tensors, checkpoint, self.global_rank, local)
+            deferred = self._staging_fence()
+            self._async_saver.save(Path(filepath), tensors, checkpoint, self.global_rank, local, deferred=deferred)
+            self._async_save_returned = True  # see `_holds_no_rank`
             return
         self.wait_for_checkpoint()
+        path = Path(self.broadcast(str(filepath)))
         save_sharded(path, tensors, checkpoint, self.global_rank, local)
+
+    def _holds_no_rank(self, name: Optional[str]) -> bool:
+        # `Trainer.save_checkpoint` ends with a barrier. After an asynchronous save it guards nothing (the write is
+        # still going on, and its own collectives run on the saver's group), and it would charge the save with the
+        # ranks' step-to-step jitter, which the next gradient reduction absorbs anyway.
+        if name == "Trainer.save_checkpoint" and self._async_save_returned:
+            self._async_save_returned = False
+            return True
+        return False
 
     @override
     def load_checkpoint(self, checkpoint_path: Union[str, Path], weights_only: Optional[bool] = None) -> dict[str, Any]:

@@ -76,10 +76,11 @@ class ParallelStrategy(_BackendDispatch, CheckpointingMixin, PipelineStepsMixin,
             backend="deepspeed")`` builds a `lightning_par.strategies.deepspeed.DeepSpeedParallelStrategy`, which
             also takes ``deepspeed_config``, ``offload_device`` and ``nvme_path``.
         async_save: checkpoints saved during ``fit`` are written in the background: ``save_checkpoint`` returns
-            once the state is copied to CPU memory, and training goes on while the copy is written. A checkpoint
-            folder still appears under its name only when complete; at most one save is in flight, and the end
-            of training waits for the last. Costs a CPU copy of this rank's checkpoint state, kept from the first
-            save to the end of ``fit``. See docs/checkpointing.md.
+            at once; parameters and optimizer state are copied to CPU memory while the next forward and backward
+            run (the next optimizer step waits for that copy), and training goes on while the copy is written. A
+            checkpoint folder still appears under its name only when complete; at most one save is in flight, and
+            the end of training waits for the last. Costs a CPU copy of this rank's checkpoint state, kept from the
+            first save to the end of ``fit``. See docs/checkpointing.md.
         tp_plan: overrides of the inferred tensor-parallel plan: module-name patterns (``*`` for the block index)
             to styles (``colwise``, ``rowwise``, ``colwise_fused_qkv``, ``sequence_parallel``, ``replicate``);
             print the inferred plan with ``lightning-par plan``. See docs/tensor_parallel.md.
@@ -344,7 +345,7 @@ class ParallelStrategy(_BackendDispatch, CheckpointingMixin, PipelineStepsMixin,
     # ---- collectives -----------------------------------------------------------------------------------------
     @override
     def barrier(self, name: Optional[str] = None) -> None:
-        if _distributed_is_initialized():
+        if _distributed_is_initialized() and not self._holds_no_rank(name):
             dist.barrier()
 
     @override
