@@ -9,7 +9,8 @@ Launch with p ranks (p = 2 or 4), one thread each:
    ``--f-ms`` each, the zero-bubble paper's F = B = W, arXiv 2401.10241), driven by torch's schedules through
    `lightning_par.parallel.pipeline_schedule.SCHEDULES`. Sleeping stages measure the schedule, not this 2-core
    machine's contention. The bubble is the time a rank sits waiting on its peers (inside the schedule's
-   point-to-point waits, before its first action and after its last) over the step time, averaged over ranks.
+   point-to-point waits, before its first action and after its last) over the step time, averaged over ranks;
+   the median over steps.
    Theory: the schedule's own action table replayed with F = B = W and free communication
    (`lightning_par.parallel.pipeline_timeline`), which is (p-1)/(m+p-1) for GPipe and 1F1B (Huang et al. arXiv
    1811.06965; Narayanan et al. arXiv 2104.04473) and (p-1)/(v m + p-1) for interleaved 1F1B with v stages per
@@ -171,9 +172,13 @@ def bubble(name: str, m: int, f: float, steps: int) -> Row:
             times.append(t1 - t0)
             idle.append((WAIT[0] + start - t0 + t1 - done) / times[-1])
             overhead.append((done - start - WAIT[0] - BUSY[0]) / max(n_actions, 1))
-    stats = torch.tensor([statistics.mean(idle), statistics.mean(overhead)])
-    dist.all_reduce(stats)
-    stats /= p
+    # Per step, the bubble averaged over ranks; then the median over steps, so one late wake-up of this shared
+    # host (a few ms, as much as the whole theoretical bubble of the long zero-bubble runs) does not decide a row.
+    per_step = torch.tensor(idle, dtype=torch.float64)
+    dist.all_reduce(per_step)
+    mean_overhead = torch.tensor(statistics.mean(overhead), dtype=torch.float64)
+    dist.all_reduce(mean_overhead)
+    stats = (statistics.median((per_step / p).tolist()), float(mean_overhead) / p)
     first = next((mod for mod, s in zip(modules, stages) if s.is_first), None)
     return Row(name, m, statistics.median(times), float(stats[0]), theory, _closed_form(name, p, m, v),
                float(stats[1]) * 1000, first.counter[1] if first else -1)  # fmt: skip
@@ -231,7 +236,7 @@ def throughput(steps: int, rounds: int) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--f-ms", type=float, default=100.0, help="F = B = W per microbatch per rank, in ms")
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="m in {p, 2p} only, 1 step")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of the throughput comparison")
     parser.add_argument("--schedules", nargs="*", default=list(SCHEDULES), help="subset of schedules to run")
