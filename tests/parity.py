@@ -15,3 +15,14 @@ def params_close(got: dict, ref: dict, rtol: float, atol: float) -> None:
     assert got.keys() == ref.keys()
     for k in ref:
         torch.testing.assert_close(got[k], ref[k], rtol=rtol, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def clipped_fit_matches(got: dict, ref: dict, param_atol: float) -> None:
+    """A fit with accumulation, clipping, validation and test against its reference: clipping is active (norms far
+    above the clip value) and uses the true global norm; losses, parameters and the val/test metrics agree."""
+    assert min(ref["grad_norms"]) > 0.5
+    assert rel(got["grad_norms"], ref["grad_norms"]) < 1e-5
+    assert rel(got["losses"], ref["losses"]) < 1e-5
+    params_close(got["params"], ref["params"], rtol=1e-5, atol=param_atol)
+    for split, key in (("val", "val_loss"), ("val", "val_acc"), ("test", "test_loss")):
+        assert abs(got[split][key] - ref[split][key]) <= 1e-5 * abs(ref[split][key]), (split, key)
