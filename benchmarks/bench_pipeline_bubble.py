@@ -190,7 +190,7 @@ def throughput(steps: int, rounds: int) -> list[float]:
     Rounds alternate the two measurements seconds apart, so load that drifts on this shared machine hits both.
     """
     from lightning_par.models import GPT
-    from lightning_par.parallel.pipeline_schedule import apply_pipeline
+    from lightning_par.parallel.pipeline_split import split_pipeline
     from lightning_par.plans.trunk import find_trunk
 
     def make() -> GPT:
@@ -204,9 +204,10 @@ def throughput(steps: int, rounds: int) -> list[float]:
     assert trunk is not None
     world = dist.group.WORLD
     assert world is not None
-    runner = apply_pipeline(model, trunk, schedule="1f1b", pp=2, pp_rank=dist.get_rank(), group=world,
-                            microbatches=4, device=torch.device("cpu"))  # fmt: skip
-    runner.model.install()
+    cut = split_pipeline(model, trunk, schedule="1f1b", pp=2, pp_rank=dist.get_rank(), group=world,
+                         microbatches=4, device=torch.device("cpu"))  # fmt: skip
+    cut.install()
+    runner = cut.runner
     step_fn = lambda mb, _spec: model._loss(model(mb[0]), mb[1])  # noqa: E731
     ratios = []
     for _ in range(rounds):

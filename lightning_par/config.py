@@ -1,12 +1,15 @@
 """Typed, validated configuration of a parallel layout.
 
-Validation happens here, once, before any process-group work (DESIGN.md, layer 1). Every error names the bad
-value and the fix. Static checks run in ``ParallelConfig.__post_init__``; checks that need the world size run in
-``ParallelConfig.resolve``.
+Validation happens here, once per path, before any process-group work (docs/design.md, "Layers"). Every error
+names the bad value and the fix. Static checks, the combinations not implemented among them, run once in
+``ParallelConfig.__post_init__``; `ParallelConfig.resolve` is the one function that turns a request (explicit
+degrees, or the dimensions a registered name splits the world over) plus the world size and devices per node into
+a complete layout, with the checks that need those numbers.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from typing import Literal, Optional, Union
@@ -17,9 +20,8 @@ AC_MODES = (None, "full", "selective", "selective_op", "offload")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev")
 # Schedules that run input and weight gradients as separate backward passes (zero bubble).
 _SPLIT_BACKWARD = ("interleaved_zb", "zbv", "dualpipev")
-# Axes whose parallel code has landed. The others are accepted here so configs and recipes are stable, and are
-# rejected by `check_supported` until their issue lands.
-SUPPORTED_AXES = ("pp", "dp_replicate", "dp_shard", "tp", "ep")
+# The dimensions a registered name can leave to `resolve` (docs/strategies.md, "Names and the degree rule").
+AUTO_DIMS = ("pp", "tp", "dp", "ep")
 
 AUTO = -1  # a degree left for `resolve` to fill from the world size
 
@@ -61,6 +63,9 @@ class ParallelConfig:
         pp_costs: one cost per trunk block for the automatic split (e.g. from
             `lightning_par.plans.partition.measure_block_times`); ``None``: parameter counts.
         bucket_cap_mb: size of a gradient/parameter communication bucket for ZeRO stages 0-2.
+        auto_dims: for registered names: the dimensions (``"pp"``, ``"tp"``, ``"dp"``, ``"ep"``) whose degrees
+            `resolve` splits from the world size (`split_world`; ``"ep"``: every data-parallel rank). ``None``:
+            the explicit degrees are used as given.
     """
 
     pp: int = 1
@@ -78,6 +83,7 @@ class ParallelConfig:
     bucket_cap_mb: float = 25.0
     pp_split: Optional[tuple[int, ...]] = None
     pp_costs: Optional[tuple[float, ...]] = None
+    auto_dims: Optional[tuple[str, ...]] = None
 
     def __post_init__(self) -> None:
         for axis in AXES:
@@ -149,6 +155,20 @@ class ParallelConfig:
             raise ParallelConfigError(
                 f"microbatches={self.microbatches} < pp={self.pp} leaves stages idle; use microbatches >= {self.pp}"
             )
+        if self.auto_dims is not None:
+            self.auto_dims = tuple(self.auto_dims)
+            unknown = [d for d in self.auto_dims if d not in AUTO_DIMS]
+            if unknown:
+                raise ParallelConfigError(f"auto_dims={self.auto_dims!r}: {unknown} unknown; choose from {AUTO_DIMS}")
+        self.check_supported()
+
+    def uses(self, axis: str) -> bool:
+        """Whether the layout has more than one rank along ``axis``, or leaves it to the world size (a name)."""
+        named = {"dp": ("dp_shard", "dp_replicate")}.get(axis, (axis,))
+        return any(getattr(self, a) > 1 for a in named) or axis in (self.auto_dims or ())
+
+    def _degree(self, axis: str) -> str:
+        return f"{axis}={getattr(self, axis)}" if axis not in (self.auto_dims or ()) else f"{axis} from the world size"
 
     @property
     def dp(self) -> int:
@@ -156,71 +176,85 @@ class ParallelConfig:
         return self.dp_replicate * self.dp_shard
 
     def resolve(self, world_size: int, devices_per_node: Optional[int] = None) -> ParallelConfig:
-        """Return a copy with ``dp_shard`` filled in, checked against the world size.
+        """The complete layout for a job: every degree filled in and checked against the world size.
+
+        The one place a layout is resolved (the strategy calls it once, when the processes exist). A registered
+        name's dimensions (``auto_dims``) are split from the world size by `split_world`, tp never past what one
+        node holds; ``dp_shard=-1`` takes what the other degrees leave; a ``moe`` name's ``ep`` becomes every
+        data-parallel rank. The static checks of ``__post_init__`` are not run again.
 
         Args:
             world_size: number of processes in the job.
-            devices_per_node: processes per node; tensor parallelism must not span nodes.
+            devices_per_node: processes per node; a tensor-parallel group must not span nodes, so ``tp`` must
+                divide it.
         """
         if world_size < 1:
             raise ParallelConfigError(f"world_size={world_size} must be >= 1")
-        fixed = self.pp * self.dp_replicate * self.tp
-        dp_shard = self.dp_shard
+        pp, tp, dp_shard, ep = self.pp, self.tp, self.dp_shard, self.ep
+        if self.auto_dims is not None:
+            degrees = split_world(self.auto_dims, world_size, tp_cap=devices_per_node)
+            pp, tp, dp_shard = degrees["pp"], degrees["tp"], AUTO
+        fixed = pp * self.dp_replicate * tp
         if dp_shard == AUTO:
             if world_size % fixed:
                 raise ParallelConfigError(
-                    f"pp={self.pp} x dp_replicate={self.dp_replicate} x tp={self.tp} = {fixed} does not divide the "
-                    f"world size {world_size}; choose degrees whose product divides {world_size}"
+                    f"pp={pp} x dp_replicate={self.dp_replicate} x tp={tp} = {fixed} does not divide the world size "
+                    f"{world_size}; choose degrees whose product divides {world_size}"
                 )
             dp_shard = world_size // fixed
         total = fixed * dp_shard
         if total != world_size:
             raise ParallelConfigError(
-                f"pp={self.pp} x dp_replicate={self.dp_replicate} x dp_shard={dp_shard} x tp={self.tp} = {total} "
+                f"pp={pp} x dp_replicate={self.dp_replicate} x dp_shard={dp_shard} x tp={tp} = {total} "
                 f"but the world size is {world_size}; set dp_shard=-1 to fill it, or change devices/num_nodes"
             )
         dp = self.dp_replicate * dp_shard
-        if dp % self.ep:
+        if "ep" in (self.auto_dims or ()):
+            ep = dp
+        if dp % ep:
             raise ParallelConfigError(
-                f"ep={self.ep} does not divide the data-parallel size {dp}; choose ep in {_choices(dp)}"
+                f"ep={ep} does not divide the data-parallel size {dp}; choose ep in {_choices(dp)}"
             )
-        if devices_per_node is not None and self.tp > devices_per_node:
+        if devices_per_node is not None and tp > devices_per_node:
             raise ParallelConfigError(
-                f"tp={self.tp} spans nodes ({devices_per_node} devices per node); choose tp in "
-                f"{_choices(devices_per_node)}"
+                f"tp={tp} spans nodes ({devices_per_node} devices per node); choose tp in {_choices(devices_per_node)}"
+            )
+        if devices_per_node is not None and devices_per_node % tp:
+            raise ParallelConfigError(
+                f"tp={tp} does not divide the {devices_per_node} devices per node, so some tensor-parallel groups "
+                f"would straddle two nodes; choose tp in {_choices(devices_per_node)}"
             )
         if self.zero_stage == 0 and self.dp_shard not in (AUTO, 1) and dp_shard > 1 and self.dp_replicate > 1:
             raise ParallelConfigError(
                 "hybrid sharding (dp_replicate > 1 and dp_shard > 1) needs zero_stage >= 1; with zero_stage=0 "
                 "every data-parallel rank is a replica: set dp_replicate=1"
             )
-        return dataclasses.replace(self, dp_shard=dp_shard)
+        resolved = copy.copy(self)  # not dataclasses.replace: that would run __post_init__'s checks again
+        resolved.pp, resolved.tp, resolved.dp_shard, resolved.ep = pp, tp, dp_shard, ep
+        return resolved
 
     def check_supported(self) -> None:
-        """Reject axes whose implementation has not landed yet, naming what does work."""
-        self.check_expert_parallel()
-        if self.pp > 1 and self.tp > 1 and self.zero_stage == 3:
-            raise NotImplementedError(
-                f"pipe_tp_zero3 (pp={self.pp} x tp={self.tp} with zero_stage=3) is not yet supported: FSDP2 stages "
-                "over tensor-parallel blocks are not tested; use zero_stage 1 or 2 (pipe_tp_zero1 = 3d, pipe_tp_zero2)"
-            )
-        if self.pp > 1 and self.tp > 1 and self.sequence_parallel:
-            raise ParallelConfigError(
-                f"sequence_parallel=True with pp={self.pp} x tp={self.tp}: pipeline stages exchange whole "
-                "activations, so sequence parallelism is off inside them; pass sequence_parallel=None or False"
-            )
-        for axis in AXES:
-            if axis not in SUPPORTED_AXES and getattr(self, axis) > 1:
-                raise NotImplementedError(
-                    f"{axis}={getattr(self, axis)} is not yet supported by lightning_par; set {axis}=1"
-                )
+        """Reject combinations whose implementation has not landed, naming what does work.
 
-    def check_expert_parallel(self) -> None:
-        """Reject combinations of expert parallelism (``ep > 1``) that are not implemented, with the reason."""
-        if self.ep > 1:
-            reason = expert_parallel_conflict(self.tp > 1, self.pp > 1)
+        Runs in ``__post_init__``, on the degrees given or, for a registered name, on the dimensions it names
+        (before the world size is known), so an unsupported name fails at construction, before any process starts.
+        """
+        if self.uses("ep"):
+            reason = expert_parallel_conflict(self.uses("tp"), self.uses("pp"))
             if reason:
-                raise NotImplementedError(f"ep={self.ep} with tp={self.tp}, pp={self.pp}: {reason}")
+                where = f"{self._degree('ep')} with {self._degree('tp')}, {self._degree('pp')}"
+                raise NotImplementedError(f"{where}: {reason}")
+        if self.uses("pp") and self.uses("tp") and self.zero_stage == 3:
+            raise NotImplementedError(
+                f"pipe_tp_zero3 ({self._degree('pp')} x {self._degree('tp')} with zero_stage=3) is not yet supported: "
+                "FSDP2 stages over tensor-parallel blocks are not tested; use zero_stage 1 or 2 (pipe_tp_zero1 = 3d, "
+                "pipe_tp_zero2)"
+            )
+        if self.uses("pp") and self.uses("tp") and self.sequence_parallel:
+            raise ParallelConfigError(
+                f"sequence_parallel=True with {self._degree('pp')} x {self._degree('tp')}: pipeline stages exchange "
+                "whole activations, so sequence parallelism is off inside them; pass sequence_parallel=None or False"
+            )
 
     def layout(self) -> dict[str, Union[int, str, bool, tuple, None]]:
         """The resolved layout as a flat dict, for logs and the logger's config."""
@@ -230,7 +264,7 @@ class ParallelConfig:
 def split_world(dims: tuple[str, ...], world_size: int, tp_cap: Optional[int] = None) -> dict[str, int]:
     """Split ``world_size`` over the named dimensions as evenly as possible in powers of two.
 
-    The rule every registered name relies on (DESIGN.md, "Names"): factors of two go round-robin to the named
+    The rule every registered name relies on (docs/strategies.md): factors of two go round-robin to the named
     model dimensions in the order ``tp``, ``pp``, ``dp`` (tp first because it wants the fast intra-node links);
     data parallel takes whatever is left over (including any odd factor). ``ep`` is carved out of the
     data-parallel ranks and does not take a share.
@@ -238,7 +272,8 @@ def split_world(dims: tuple[str, ...], world_size: int, tp_cap: Optional[int] = 
     Args:
         dims: a subset of ``("pp", "tp", "dp")`` named by the strategy.
         world_size: number of processes.
-        tp_cap: devices per node: tp never grows past it (tp must not span nodes); its share goes on round-robin.
+        tp_cap: devices per node: tp grows only while it divides them (a tp group must not span nodes); its
+            share goes on round-robin.
 
     Returns:
         degrees for ``pp``, ``tp`` and ``dp``.
@@ -249,7 +284,7 @@ def split_world(dims: tuple[str, ...], world_size: int, tp_cap: Optional[int] = 
     turn = 0
     for _ in range(twos if order else 0):
         dim = order[turn % len(order)]
-        if dim == "tp" and tp_cap is not None and degrees["tp"] * 2 > tp_cap:
+        if dim == "tp" and tp_cap is not None and tp_cap % (degrees["tp"] * 2):
             order.remove("tp")  # tp is as large as a node allows; the rest goes to the other dimensions
             if not order:
                 break

@@ -17,7 +17,7 @@ torch.set_num_threads(1)
 import torch.distributed as dist  # noqa: E402
 
 from lightning_par.nn import Experts  # noqa: E402
-from lightning_par.parallel.expert_parallel import _ExpertDispatch  # noqa: E402
+from lightning_par.parallel.expert_dispatch import ExpertDispatch  # noqa: E402
 from lightning_par.utils import clean_exit  # noqa: E402
 
 E, D, F = 4, 6, 10
@@ -41,7 +41,7 @@ def main() -> None:
     with torch.no_grad():
         for name, p in local.named_parameters():
             p.copy_(getattr(full, name)[rank * n_local : (rank + 1) * n_local])
-    hooks = _ExpertDispatch(dist.group.WORLD, world, n_local)
+    hooks = ExpertDispatch(dist.group.WORLD, world, n_local)
     local.register_forward_pre_hook(hooks.dispatch)
     local.register_forward_hook(hooks.combine)
     errors: list[float] = []

@@ -33,6 +33,7 @@ from lightning_par.checkpoint import full_tensor  # noqa: E402
 from lightning_par.data import ByteTextDataModule  # noqa: E402
 from lightning_par.models import GPT, Llama, MoEGPT  # noqa: E402
 from lightning_par.parallel.grad_norm import global_grad_norm  # noqa: E402
+from lightning_par.strategies import make_strategy  # noqa: E402
 from lightning_par.utils import clean_exit  # noqa: E402
 
 
@@ -523,7 +524,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     model = MODELS[job.get("model", "gpt")]()
     strategy: Any = job.get("strategy", "auto")
     if isinstance(strategy, dict):
-        strategy = lightning_par.ParallelStrategy(**strategy)
+        strategy = make_strategy(**strategy)
     dp = job.get("dp", world)
     accumulate = job.get("accumulate", 1)
     steps = job.get("steps", 3)

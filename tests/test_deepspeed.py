@@ -314,7 +314,7 @@ def test_combinations_deepspeed_cannot_do_are_refused_up_front(kwargs, message):
     from lightning_par.parallel.deepspeed_zero import DeepSpeedConfigError
 
     with pytest.raises(DeepSpeedConfigError) as err:
-        lightning_par.ParallelStrategy(backend="deepspeed", **kwargs)
+        lightning_par.DeepSpeedParallelStrategy(**kwargs)
     assert message in str(err.value) and "backend='native'" in str(err.value)
 
 
@@ -322,7 +322,7 @@ def test_names_and_backend_option_build_the_deepspeed_strategy():
     import lightning as L
 
     import lightning_par
-    from lightning_par.strategies.deepspeed import DeepSpeedParallelStrategy
+    from lightning_par.strategies import DeepSpeedParallelStrategy, make_strategy
 
     for name in ("deepspeed_zero1", "deepspeed_zero3_offload", "deepspeed_zero3_nvme"):
         trainer = L.Trainer(accelerator="cpu", devices=1, strategy=name, logger=False)
@@ -330,8 +330,11 @@ def test_names_and_backend_option_build_the_deepspeed_strategy():
     strategy = trainer.strategy
     assert isinstance(strategy, DeepSpeedParallelStrategy)
     assert strategy.config.zero_stage == 3 and strategy.config.offload and strategy._offload_device == "nvme"
-    assert isinstance(lightning_par.ParallelStrategy(zero_stage=1, backend="deepspeed"), DeepSpeedParallelStrategy)
-    assert type(lightning_par.ParallelStrategy(zero_stage=1)) is lightning_par.ParallelStrategy
+    # The backend option builds the DeepSpeed strategy through the factory (no class swap in ParallelStrategy).
+    assert isinstance(make_strategy(zero_stage=1, backend="deepspeed"), DeepSpeedParallelStrategy)
+    assert type(make_strategy(zero_stage=1)) is lightning_par.ParallelStrategy
+    with pytest.raises(ValueError, match=r"is DeepSpeedParallelStrategy now: use lightning_par.DeepSpeedParallel"):
+        lightning_par.ParallelStrategy(zero_stage=1, backend="deepspeed")
     with pytest.raises(ValueError, match="backend='megatron' is unknown"):
         lightning_par.ParallelStrategy(backend="megatron")
 

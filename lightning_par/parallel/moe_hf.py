@@ -4,7 +4,7 @@
 top_k_weights [N, k])``; ``MixtralExperts`` holds stacked ``gate_up_proj [E, 2f, d]`` and ``down_proj [E, d, f]``
 and applies the gate weights itself. Under expert parallelism the experts module keeps its rows
 ``[r*E/ep, (r+1)*E/ep)`` of both (same names) and its forward is replaced, on that instance only, by: group the
-assignments by expert, exchange them with the ep group (`_ExpertDispatch`), run the local experts with Mixtral's
+assignments by expert, exchange them with the ep group (`ExpertDispatch`), run the local experts with Mixtral's
 math (``down(act(gate) * up)``), exchange back, weight and sum per token on the token's own rank.
 
 Mixtral is dropless, so the result equals the original forward whatever the split of tokens over ranks. Its
@@ -22,7 +22,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from lightning_par.parallel.expert_parallel import _ExpertDispatch
+from lightning_par.parallel.expert_dispatch import ExpertDispatch
 
 
 def _local_experts(module: nn.Module, x: Tensor, counts: Tensor) -> Tensor:
@@ -36,7 +36,7 @@ def _local_experts(module: nn.Module, x: Tensor, counts: Tensor) -> Tensor:
     return torch.cat(outs) if outs else x.new_empty(0, down.shape[1])
 
 
-def shard_mixtral_experts(experts: nn.Module, dispatch: _ExpertDispatch, n_experts: int) -> None:
+def shard_mixtral_experts(experts: nn.Module, dispatch: ExpertDispatch, n_experts: int) -> None:
     """Replace ``experts.forward`` (a ``MixtralExperts`` whose weights already hold this rank's rows).
 
     Args:

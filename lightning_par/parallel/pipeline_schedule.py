@@ -22,12 +22,12 @@ divides the stage's whole ``.grad``, which would also shrink gradients accumulat
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Optional, cast
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import (
     PipelineStage,
@@ -41,9 +41,7 @@ from torch.distributed.pipelining import (
 )
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from lightning_par.parallel.pipeline import PipelineError, PipelineModel, StageSpec, outer_modules
-from lightning_par.plans.partition import param_costs, partition
-from lightning_par.plans.trunk import Trunk
+from lightning_par.parallel.pipeline import PipelineError, PipelineModel, StageSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -322,50 +320,3 @@ def _rank_of_last(schedule: str, pp: int) -> int:
         if last in local_stages(schedule, pp, r):
             return r
     raise AssertionError("no rank runs the last stage")
-
-
-def _outer_cost(modules: Sequence[nn.Module]) -> float:
-    # An embedding lookup costs no FLOPs; a head's matmul costs as much as its parameter count says.
-    return float(
-        sum(p.numel() for m in modules for sub in m.modules() if not isinstance(sub, nn.Embedding)
-            for p in sub.parameters(recurse=False))
-    )  # fmt: skip
-
-
-def apply_pipeline(
-    module: nn.Module,
-    trunk: Trunk,
-    *,
-    schedule: str,
-    pp: int,
-    pp_rank: int,
-    group: dist.ProcessGroup,
-    microbatches: int,
-    device: torch.device,
-    split: Optional[Sequence[int]] = None,
-    costs: Optional[Sequence[float]] = None,
-) -> PipelineRunner:
-    """Cut ``module`` in place for pipeline rank ``pp_rank`` and return the runner of its steps.
-
-    Args:
-        module: the user's module (full, on ``device``); blocks and outer modules of other stages are removed.
-        trunk: its trunk.
-        schedule: a key of `SCHEDULES`.
-        pp: pipeline ranks; ``pp_rank``: this rank's index among them; ``group``: their process group.
-        microbatches: microbatches per training step.
-        device: this rank's device.
-        split: blocks per stage, by hand (``pp x virtual`` counts); overrides ``costs``.
-        costs: one cost per block (default: parameter counts; `lightning_par.plans.partition.measure_block_times`
-            measures times).
-    """
-    check_schedule(schedule, pp, microbatches, len(trunk.blocks))
-    pre, post = outer_modules(module, trunk)
-    block_costs = list(costs) if costs is not None else param_costs(trunk.blocks)
-    if len(block_costs) != len(trunk.blocks):
-        raise PipelineError(f"pp_costs has {len(block_costs)} entries but the trunk has {len(trunk.blocks)} blocks")
-    ranges = partition(
-        block_costs, n_stages(schedule, pp), first_extra=_outer_cost([m for _, m in pre]),
-        last_extra=_outer_cost([m for _, m in post]), split=split,
-    )  # fmt: skip
-    model = PipelineModel(module, trunk, ranges, local_stages(schedule, pp, pp_rank), device)
-    return PipelineRunner(model, schedule, group, microbatches)

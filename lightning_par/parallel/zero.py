@@ -22,13 +22,29 @@ moves between stages and world sizes.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+
+class StepRoot(nn.Module):
+    """A root module around the user's module whose forward the trainer redirects to ``training_step``.
+
+    FSDP2 gathers the root's own parameters and finalises gradient reduction from hooks on the root's
+    ``__call__``. Lightning calls ``training_step`` (not ``forward``), so without this root those hooks would not
+    fire. The user's module keeps its parameter names: it is ``self.module`` here and checkpoints use it directly.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
 
 
 def apply_fsdp(

@@ -123,6 +123,10 @@ class ReplicatedZero:
             this engine works on their local shards.
         exclude: parameters another engine reduces (expert shards under expert parallelism); they stay in the
             optimizer unsharded.
+        reduce_during_backward: stage 2 reduce-scatters each bucket during backward, as soon as its gradients are
+            ready (autograd's accumulation hooks). ``False`` reduces after every backward instead: under a pipeline
+            schedule, which runs several backward passes per step and whose zero-bubble weight passes compute
+            gradients outside those hooks (docs/pipeline.md).
     """
 
     def __init__(
@@ -133,6 +137,7 @@ class ReplicatedZero:
         bucket_cap_mb: float = 25.0,
         state_mesh: Optional[DeviceMesh] = None,
         exclude: Iterable[nn.Parameter] = (),
+        reduce_during_backward: bool = True,
     ) -> None:
         if stage not in (0, 1, 2):
             raise ValueError(f"ReplicatedZero handles stages 0-2, got {stage}; stage 3 is `apply_fsdp`")
@@ -173,7 +178,7 @@ class ReplicatedZero:
                     self._full_of[self.names[p]] = p
         self._pending: list[tuple[Any, _Bucket, torch.Tensor]] = []
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
-        if stage == 2:
+        if stage == 2 and reduce_during_backward:
             self._bucket_of = {p: b for b in self.buckets for p in b.params}
             for p in self.names:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
@@ -284,12 +289,23 @@ class ReplicatedZero:
         )
 
     # ---- gradients -------------------------------------------------------------------------------------------
+    def after_backward(self, accumulating: bool) -> None:
+        """Reduce what a backward pass leaves to reduce.
+
+        Args:
+            accumulating: more backward passes follow before the optimizer step (gradient accumulation). Full
+                gradients then keep accumulating, except under stage 2 without gradient hooks, which reduces after
+                every backward so that full gradients never outlive one (the ZeRO-2 memory bound).
+        """
+        if not accumulating or (self.stage == 2 and not self._hooks):
+            self.reduce_gradients()
+
     def reduce_gradients(self) -> None:
         """Finish the gradient reduction of one optimizer step (after the last backward of accumulation)."""
         if self.stage == 2:
             for bucket in self.buckets:
-                # Unused parameters never fired their hook: flush with zeros for them. Without hooks (under a
-                # pipeline, see `compose`) every bucket is reduced here.
+                # Unused parameters never fired their hook: flush with zeros for them. Without hooks
+                # (reduce_during_backward=False) every bucket is reduced here.
                 if bucket.ready or not self._hooks:
                     self._launch(bucket)
             self._drain(0)
@@ -369,9 +385,3 @@ class ReplicatedZero:
             work.wait()
             for d, off, chunk in zip(bucket.data, bucket.offsets, bucket.chunks):
                 d.view(-1).copy_(recv[:, off : off + chunk].reshape(-1)[: d.numel()])
-
-    def remove_hooks(self) -> None:
-        """Detach the stage-2 gradient hooks."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()

@@ -21,10 +21,8 @@ from typing import Any, Optional, cast
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.strategies import ParallelStrategy as _LightningParallelStrategy
 from torch import Tensor
 from torchmetrics import Metric
-from typing_extensions import override
 
 from lightning_par.parallel.pipeline import StageSpec
 from lightning_par.parallel.pipeline_schedule import PipelineRunner
@@ -43,13 +41,13 @@ class PipelineSteps:
     """Training, evaluation and backward steps of a `ParallelStrategy` whose config has ``pp > 1``.
 
     Args:
-        runner: the pipeline runner built by `lightning_par.parallel.compose.parallelize`.
-        group: the pipeline process group.
+        runner: the pipeline runner built by `lightning_par.parallel.compose.parallelize` (its ``group`` is the
+            pipeline process group).
     """
 
-    def __init__(self, runner: PipelineRunner, group: dist.ProcessGroup) -> None:
+    def __init__(self, runner: PipelineRunner) -> None:
         self.runner = runner
-        self.group = group
+        self.group = runner.group
         self._fresh: list[tuple[torch.nn.Parameter, Optional[Tensor]]] = []
         self._logs: list[tuple[str, Any, dict[str, Any]]] = []
 
@@ -107,7 +105,7 @@ class PipelineSteps:
         result = self._publish(module, result)
         return {"loss": result["loss"], **result["extra"]} if result["extra"] else result["loss"]
 
-    def backward(self, strategy: Any, closure_loss: Tensor, optimizer: Any) -> Tensor:
+    def backward(self, strategy: Any, closure_loss: Tensor) -> Tensor:
         """Lightning's backward hooks around the backward the schedule already ran."""
         module = strategy.lightning_module
         strategy.pre_backward(closure_loss)
@@ -142,31 +140,6 @@ class PipelineSteps:
         joined = _join(outputs) if hook == "predict_step" else (outputs[-1] if outputs else None)
         result = {"loss": None, "extra": joined} if self.runner.is_last else None
         return self._publish(module, result)["extra"]
-
-    def other_stage_keys(self, module: torch.nn.Module) -> frozenset[str]:
-        """Checkpoint keys (``state_dict.<name>``) of the parameters and buffers other pipeline ranks hold."""
-        mine = {f"state_dict.{k}" for k in module.state_dict()}
-        every: list[Any] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(every, mine, group=self.group)
-        return frozenset(set().union(*every) - mine)
-
-    def merge_param_groups(self, state: dict[str, Any]) -> dict[str, Any]:
-        """The optimizer state with every pipeline rank's parameter names in its ``param_groups``.
-
-        A checkpoint keeps one copy of non-tensor entries, so each rank's groups (listing only its own stage's
-        parameters) would overwrite the others'; merged, every rank finds its parameters' hyperparameters on
-        load. Groups are matched by their hyperparameters, so a stage without some group is fine.
-        """
-        every: list[Any] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(every, state["param_groups"], group=self.group)
-        merged: dict[str, dict[str, Any]] = {}
-        for groups in every:
-            for group in groups:
-                key = repr(sorted((k, v) for k, v in group.items() if k != "params"))
-                if key not in merged:
-                    merged[key] = {**group, "params": []}
-                merged[key]["params"] += [p for p in group["params"] if p not in merged[key]["params"]]
-        return {**state, "param_groups": list(merged.values())}
 
     # ---- the user's code and its logs ------------------------------------------------------------------------
     def _call(self, module: pl.LightningModule, hook: str, spec: StageSpec, *args: Any, **kwargs: Any) -> Any:
@@ -263,51 +236,3 @@ def _set_metric_state(metric: Metric, data: dict[str, Any]) -> None:
     metric._update_count = data["update_count"]
     metric._forward_cache = data["forward_cache"]
     metric._computed = None
-
-
-class PipelineStepsMixin(_LightningParallelStrategy):
-    """The step hooks `ParallelStrategy` routes through `PipelineSteps` when ``pp > 1`` (Lightning's own otherwise).
-
-    Uses the strategy's ``_pipeline`` (set in its ``setup``).
-    """
-
-    _pipeline: Optional[PipelineSteps]
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline is None:
-            return super().training_step(*args, **kwargs)
-        module = self.lightning_module
-        assert module is not None
-        with self.precision_plugin.train_step_context():
-            return self._pipeline.training_step(module, self.precision_plugin, *args, **kwargs)
-
-    @override
-    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        if self._pipeline is None:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
-        return self._pipeline.backward(self, closure_loss, optimizer)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline is None:
-            return super().validation_step(*args, **kwargs)
-        return self._eval_through_pipeline("validation_step", self.precision_plugin.val_step_context(), args, kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline is None:
-            return super().test_step(*args, **kwargs)
-        return self._eval_through_pipeline("test_step", self.precision_plugin.test_step_context(), args, kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline is None:
-            return super().predict_step(*args, **kwargs)
-        return self._eval_through_pipeline("predict_step", self.precision_plugin.predict_step_context(), args, kwargs)
-
-    def _eval_through_pipeline(self, hook: str, context: Any, args: tuple, kwargs: dict) -> Any:
-        # Forward only, through the schedule: the user's `hook` runs on every stage, cut at the boundary.
-        assert self.lightning_module is not None and self._pipeline is not None
-        with context:
-            return self._pipeline.eval_step(self.lightning_module, hook, *args, **kwargs)

@@ -1,6 +1,6 @@
 """`DeepSpeedParallelStrategy`: the ZeRO dimension run by DeepSpeed, interchangeable with the native one.
 
-``Trainer(strategy="deepspeed_zero2")`` or ``ParallelStrategy(zero_stage=2, backend="deepspeed")``. The rest of
+``Trainer(strategy="deepspeed_zero2")`` or ``DeepSpeedParallelStrategy(zero_stage=2)``. The rest of
 `ParallelStrategy` is kept (mesh, sampler over data-parallel ranks, reductions, checkpoint folders); DeepSpeed's
 engine takes over what it owns: backward (``engine.backward``), the optimizer step, the accumulation boundary,
 gradient clipping and the precision (fp32 masters in its optimizer). Checkpoints are written and read in our
@@ -11,7 +11,6 @@ format (`lightning_par.parallel.deepspeed_state`), so a run moves between the tw
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import shutil
 import tempfile
 from collections.abc import Callable, Mapping
@@ -28,7 +27,6 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_par.checkpoint.reader import load_tensors, read_index, read_meta
-from lightning_par.config import ParallelConfig
 from lightning_par.parallel import deepspeed_state as ds_state
 from lightning_par.parallel.deepspeed_zero import (
     DeepSpeedConfigError,
@@ -43,15 +41,6 @@ from lightning_par.parallel.deepspeed_zero import (
 )
 from lightning_par.precision.parallel import ParallelPrecision
 from lightning_par.strategies.parallel import ParallelStrategy
-from lightning_par.strategies.registry import strategy_kwargs
-
-DEEPSPEED_STRATEGY_NAMES = (
-    "deepspeed_zero1",
-    "deepspeed_zero2",
-    "deepspeed_zero3",
-    "deepspeed_zero3_offload",
-    "deepspeed_zero3_nvme",
-)
 
 
 class DeepSpeedPrecision(ParallelPrecision):
@@ -134,7 +123,7 @@ class DeepSpeedParallelStrategy(ParallelStrategy):
         offload_device: with ``offload=True``: ``"cpu"`` (default) or ``"nvme"``.
         nvme_path: folder for NVMe offload on a fast local disk; DeepSpeed adds one sub-folder per rank. Default: a
             new ``lightning_par_nvme_*`` folder in the temp directory per process, removed when the process exits.
-        **kwargs: `ParallelStrategy`'s arguments.
+        **kwargs: `ParallelStrategy`'s arguments; ``backend`` may be given only as ``"deepspeed"``.
     """
 
     def __init__(
@@ -145,12 +134,12 @@ class DeepSpeedParallelStrategy(ParallelStrategy):
         nvme_path: Union[str, Path, None] = None,
         **kwargs: Any,
     ) -> None:
-        kwargs["backend"] = "deepspeed"
-        # Before ParallelStrategy's own checks, so a dimension DeepSpeed cannot combine with is refused with its
-        # reason even once that dimension has landed natively.
-        fields = {f.name for f in dataclasses.fields(ParallelConfig)}
-        check_deepspeed_layout(ParallelConfig(**{k: v for k, v in kwargs.items() if k in fields}))
+        backend = kwargs.pop("backend", "deepspeed")
+        if backend != "deepspeed":
+            raise ValueError(f"DeepSpeedParallelStrategy runs backend='deepspeed', not {backend!r}; use ParallelStrategy")
         super().__init__(*args, **kwargs)
+        # A dimension DeepSpeed cannot combine with is refused here with its reason, also once it runs natively.
+        check_deepspeed_layout(self.config)
         self._user_config = load_user_config(deepspeed_config)
         if offload_device is not None and not self.config.offload:
             raise DeepSpeedConfigError(f"offload_device={offload_device!r} needs offload=True with zero_stage=3")
@@ -205,7 +194,9 @@ class DeepSpeedParallelStrategy(ParallelStrategy):
         self._set_metric_groups(module)
         optimizer = None
         if fitting:
-            pl.strategies.Strategy.setup_optimizers(self, trainer)
+            # No ParallelRun exists under DeepSpeed, so this only builds the client optimizers (nothing to wrap),
+            # and post_backward has nothing to reduce: the engine reduces in its own backward.
+            self.setup_optimizers(trainer)
             if len(self.optimizers) != 1:
                 raise DeepSpeedConfigError(
                     f"configure_optimizers returned {len(self.optimizers)} optimizers; the DeepSpeed engine steps "
@@ -245,23 +236,11 @@ class DeepSpeedParallelStrategy(ParallelStrategy):
         engine.step()
 
     @override
-    def setup_optimizers(self, trainer: pl.Trainer) -> None:
-        pass  # done in setup: DeepSpeed wraps the optimizer when it builds the engine
-
-    @override
-    def model_to_device(self) -> None:
-        pass  # deepspeed.initialize placed and sharded the module
-
-    @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         # Lightning runs the micro-batches that precede a step inside block_backward_sync; tell the engine, which
         # otherwise counts micro-steps itself, so its reduction happens at the same boundary as the trainer's step.
         self.engine.set_gradient_accumulation_boundary(not self._accumulating)
         return super().backward(closure_loss, optimizer, *args, **kwargs)
-
-    @override
-    def post_backward(self, closure_loss: Tensor) -> None:
-        pass  # the engine reduced (and, at the boundary, partitioned) the gradients in its backward
 
     # ---- checkpoints -----------------------------------------------------------------------------------------
     def _group_options(self) -> list[dict[str, Any]]:
@@ -309,30 +288,3 @@ class DeepSpeedParallelStrategy(ParallelStrategy):
             for group, saved in zip(self._client.param_groups, state["optimizer_0"]["param_groups"]):
                 group.update({k: v for k, v in saved.items() if k != "params"})
         return meta
-
-
-def deepspeed_strategy_kwargs(name: str) -> dict[str, Any]:
-    """Constructor arguments of `DeepSpeedParallelStrategy` for a name in `DEEPSPEED_STRATEGY_NAMES`."""
-    if name not in DEEPSPEED_STRATEGY_NAMES:
-        raise ValueError(f"unknown DeepSpeed strategy {name!r}; choose one of {DEEPSPEED_STRATEGY_NAMES}")
-    base = name[len("deepspeed_") :]
-    nvme = base.endswith("_nvme")
-    kwargs = strategy_kwargs(base[: -len("_nvme")] + "_offload" if nvme else base)
-    if nvme:
-        kwargs["offload_device"] = "nvme"
-    return kwargs
-
-
-class _LazyDeepSpeedStrategy(DeepSpeedParallelStrategy):
-    """Registered constructor for the ``deepspeed_*`` names."""
-
-    def __init__(self, preset: str, **kwargs: Any) -> None:
-        super().__init__(**{**deepspeed_strategy_kwargs(preset), **kwargs})
-        self.registered_name = preset
-
-
-def register_deepspeed_strategies(registry: Any) -> None:
-    """Register every name in `DEEPSPEED_STRATEGY_NAMES` (idempotent; DeepSpeed is imported only at setup)."""
-    for name in DEEPSPEED_STRATEGY_NAMES:
-        if name not in registry:
-            registry.register(name, _LazyDeepSpeedStrategy, description=f"lightning_par {name}", preset=name)

@@ -1,80 +1,54 @@
-"""`ParallelStrategy`: the Lightning glue around `lightning_par.parallel`.
+"""`ParallelStrategy`: the Lightning glue around `lightning_par.parallel.compose.parallelize`.
 
-It builds the mesh, calls `compose.parallelize`, reduces and logs over the right process groups, and delegates
-precision and sharded checkpoints to their modules. The parallel code itself lives in `parallel/`.
+It resolves the layout and builds the mesh (`ProcessGroupStrategy`), calls `parallelize` once and then only asks
+the `ParallelRun` it returned (optimizer wrapping, what follows backward, checkpoint entries, gradient-norm groups,
+the pipeline step). Two components do the rest: `PipelineSteps` runs Lightning's step hooks through a pipeline
+schedule, `ShardedCheckpoints` writes and reads checkpoint folders. Every hook below is a short delegation.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 import warnings
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import ParallelStrategy as _LightningParallelStrategy
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
-from torch import Tensor, nn
-from torch.distributed.device_mesh import DeviceMesh
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor
 from typing_extensions import override
 
-from lightning_par.checkpoint.async_save import AsyncSaver
-from lightning_par.config import AUTO, ACMode, ParallelConfig, split_world
-from lightning_par.mesh import ParallelMesh, build_mesh
-from lightning_par.parallel.compose import Parallelized, parallelize
+from lightning_par.checkpoint.dcp import OptimizerEntry, model_state
+from lightning_par.config import AUTO, ACMode, ParallelConfig
+from lightning_par.parallel.compose import parallelize
+from lightning_par.parallel.run import ParallelRun
 from lightning_par.precision.parallel import ParallelPrecision
-from lightning_par.strategies._checkpointing import CheckpointingMixin
-from lightning_par.strategies._pipeline import PipelineSteps, PipelineStepsMixin
+from lightning_par.strategies._checkpointing import ShardedCheckpoints, Where, optimizer_entries
+from lightning_par.strategies._pipeline import PipelineSteps
+from lightning_par.strategies._processes import ProcessGroupStrategy
 
 
-class _BackendDispatch:
-    """``ParallelStrategy(backend="deepspeed")`` builds a `DeepSpeedParallelStrategy`.
-
-    In a base class, not on `ParallelStrategy` itself: jsonargparse (LightningCLI) reads a class's own ``__new__``
-    signature instead of ``__init__``'s, and recipes would lose every argument.
-    """
-
-    def __new__(cls, *args: Any, backend: str = "native", **kwargs: Any) -> Any:
-        if backend == "deepspeed" and cls is ParallelStrategy:
-            from lightning_par.strategies.deepspeed import DeepSpeedParallelStrategy
-
-            return super().__new__(DeepSpeedParallelStrategy)
-        return super().__new__(cls)
-
-
-class ParallelStrategy(_BackendDispatch, CheckpointingMixin, PipelineStepsMixin, _LightningParallelStrategy):
+class ParallelStrategy(ProcessGroupStrategy):
     """One strategy for every combination of parallelism; `Trainer(strategy="zero2")` picks a preset of it.
 
     Args:
         pp, dp_replicate, dp_shard, ep, tp, zero_stage, offload, activation_checkpointing, ac_every,
-            sequence_parallel, pp_schedule, microbatches, bucket_cap_mb, pp_split, pp_costs: see
-            `lightning_par.config.ParallelConfig`.
-        auto_dims: for registered names: the dimensions (``"pp"``, ``"tp"``, ``"dp"``) whose degrees are split
-            from the world size at start-up by `lightning_par.config.split_world`; explicit degrees are used as
-            given when this is ``None``. ``"ep"`` makes ``ep`` every data-parallel rank.
+            sequence_parallel, pp_schedule, microbatches, bucket_cap_mb, pp_split, pp_costs, auto_dims: see
+            `lightning_par.config.ParallelConfig` (listed one by one because LightningCLI recipes set them by
+            name from this signature).
         timeout_s: collective timeout in seconds; a rank stuck in a collective past this fails instead of
             hanging.
         process_group_backend: ``"gloo"`` / ``"nccl"``; default from the device.
-        backend: who runs the ZeRO dimension: ``"native"`` (FSDP2 / our ZeRO 0-2 engine) or ``"deepspeed"``
-            (DeepSpeed's engine; data parallelism only, see docs/deepspeed.md). ``ParallelStrategy(...,
-            backend="deepspeed")`` builds a `lightning_par.strategies.deepspeed.DeepSpeedParallelStrategy`, which
-            also takes ``deepspeed_config``, ``offload_device`` and ``nvme_path``.
+        backend: who runs the ZeRO dimension: only ``"native"`` here (FSDP2 / our ZeRO 0-2 engine). DeepSpeed's
+            engine is `lightning_par.DeepSpeedParallelStrategy` (or the ``deepspeed_*`` names, or
+            ``lightning_par.strategies.registry.make_strategy(backend="deepspeed", ...)``); see docs/deepspeed.md.
         async_save: checkpoints saved during ``fit`` are written in the background: ``save_checkpoint`` returns
             at once; parameters and optimizer state are copied to CPU memory while the next forward and backward
             run (the next optimizer step waits for that copy), and training goes on while the copy is written. A
@@ -115,69 +89,35 @@ class ParallelStrategy(_BackendDispatch, CheckpointingMixin, PipelineStepsMixin,
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
     ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-        )
-        if backend not in ("native", "deepspeed"):
+        if backend == "deepspeed":
+            raise ValueError(
+                "ParallelStrategy(backend='deepspeed') is DeepSpeedParallelStrategy now: use "
+                "lightning_par.DeepSpeedParallelStrategy(...) with the same arguments, strategy='deepspeed_zero2' "
+                "(and the other deepspeed_* names), or lightning_par.strategies.registry.make_strategy(backend="
+                "'deepspeed', ...)"
+            )
+        if backend != "native":
             raise ValueError(f"backend={backend!r} is unknown; choose 'native' or 'deepspeed'")
-        # Validated now, before any process exists; world-size checks follow in `setup_environment`.
-        self._config = ParallelConfig(
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s={timeout_s} must be > 0 seconds (600 is the default)")
+        # Validated now (static checks, unsupported combinations), before any process exists; the world-size checks
+        # follow once, when the processes exist (`ProcessGroupStrategy.setup_environment`).
+        config = ParallelConfig(
             pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, ep=ep, tp=tp, zero_stage=zero_stage,
             offload=offload, activation_checkpointing=activation_checkpointing, ac_every=ac_every,
             sequence_parallel=sequence_parallel, pp_schedule=pp_schedule, microbatches=microbatches,
-            bucket_cap_mb=bucket_cap_mb, pp_split=pp_split, pp_costs=pp_costs,
+            bucket_cap_mb=bucket_cap_mb, pp_split=pp_split, pp_costs=pp_costs, auto_dims=auto_dims,
         )  # fmt: skip
-        self._config.check_supported()
-        if auto_dims:
-            # A registered name's degrees come from the world size later; reject its combination now, before any
-            # process starts (2 stands for "more than one").
-            pp, tp = (2 if d in auto_dims else getattr(self._config, d) for d in ("pp", "tp"))
-            dataclasses.replace(self._config, pp=pp, tp=tp).check_supported()
+        super().__init__(
+            config, timedelta(seconds=timeout_s), process_group_backend, accelerator=accelerator,
+            parallel_devices=parallel_devices, cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )  # fmt: skip
         self._tp_plan = dict(tp_plan) if tp_plan else None
-        self._auto_dims = auto_dims
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s={timeout_s} must be > 0 seconds (600 is the default)")
-        self._timeout = timedelta(seconds=timeout_s)
-        self._process_group_backend = process_group_backend
-        self._async_saver = AsyncSaver(self._timeout) if async_save else None
-        self._saving_async = False  # between on_train_start and on_train_end: other saves are synchronous
-        self._mesh: Optional[ParallelMesh] = None
-        self._parallel: Optional[Parallelized] = None
+        self._checkpoints = ShardedCheckpoints(self._timeout, async_save)
+        self._run: Optional[ParallelRun] = None
         self._pipeline: Optional[PipelineSteps] = None
         self._accumulating = False
-        self.num_nodes = 1
-
-    # ---- layout ----------------------------------------------------------------------------------------------
-    @property
-    def config(self) -> ParallelConfig:
-        """The configuration; resolved against the world size once processes exist."""
-        return self._config
-
-    @property
-    def meshes(self) -> ParallelMesh:
-        """The job's meshes: the root mesh, the flattened ``dp`` axis and the 2-D data-parallel mesh."""
-        if self._mesh is None:
-            raise RuntimeError("the device mesh exists only after the processes have started (setup_environment)")
-        return self._mesh
-
-    @property
-    def device_mesh(self) -> DeviceMesh:
-        """The job's root mesh (axes ``pp``, ``dp_replicate``, ``dp_shard``, ``tp``)."""
-        return self.meshes.root
-
-    @property
-    def dp_size(self) -> int:
-        """Number of data-parallel ranks (ranks that see different batches)."""
-        return self.meshes.dp.size()
-
-    @property
-    def parallel_layout(self) -> dict[str, Any]:
-        """The resolved layout, for logs and the logger's config."""
-        return {"world_size": self.world_size, "num_nodes": self.num_nodes, **self._config.layout()}
 
     def precision_plugin_for(self, flag: str, device: str) -> Precision:
         """The precision plugin Lightning should use for ``Trainer(precision=flag)`` (see precision/_connector)."""
@@ -193,29 +133,6 @@ class ParallelStrategy(_BackendDispatch, CheckpointingMixin, PipelineStepsMixin,
             )
         return plugin
 
-    # ---- processes -------------------------------------------------------------------------------------------
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Split batches over data-parallel ranks only: tensor/pipeline ranks of one replica see the same batch.
-        dp = self.meshes.dp
-        return {"num_replicas": dp.size(), "rank": dp.get_local_rank()}
-
-    @property
-    def is_distributed(self) -> bool:
-        """Lightning inserts a DistributedSampler only for strategies that say so (accelerator_connector)."""
-        return True
-
     @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
@@ -226,46 +143,6 @@ class ParallelStrategy(_BackendDispatch, CheckpointingMixin, PipelineStepsMixin,
     def lightning_restore_optimizer(self) -> bool:
         return False
 
-    @override
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-
-    @override
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        self._setup_distributed()
-        config = self._config
-        if self._auto_dims is not None:
-            degrees = split_world(self._auto_dims, self.world_size, tp_cap=self.num_processes)
-            config = dataclasses.replace(config, pp=degrees["pp"], tp=degrees["tp"], dp_shard=AUTO)
-        self._config = config.resolve(self.world_size, devices_per_node=self.num_processes)
-        if self._auto_dims is not None and "ep" in self._auto_dims:
-            self._config = dataclasses.replace(self._config, ep=self._config.dp)
-        self._mesh = build_mesh(self._config, self.root_device.type)
-        c = self._config
-        rank_zero_info(
-            f"lightning_par layout: world {self.world_size} = pp {c.pp} x dp_replicate {c.dp_replicate} x dp_shard "
-            f"{c.dp_shard} x tp {c.tp} (ep {c.ep}); zero_stage {c.zero_stage}, offload {c.offload}, activation "
-            f"checkpointing {c.activation_checkpointing}"
-        )
-
-    def _setup_distributed(self) -> None:
-        reset_seed()
-        self.set_world_ranks()
-        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
-        self._process_group_backend = backend
-        assert self.cluster_environment is not None
-        device_id = self.root_device if self.root_device.type != "cpu" else None
-        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
-
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
-
     # ---- model and optimizers --------------------------------------------------------------------------------
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -274,47 +151,33 @@ class ParallelStrategy(_BackendDispatch, CheckpointingMixin, PipelineStepsMixin,
         precision = self._precision
         module = self.lightning_module
         assert module is not None
-        if self._parallel is None:
+        if self._run is None:
             precision.convert_module(module)  # in place (bf16-true casts the parameters)
             module.to(self.root_device)
             low = precision.compute_dtype if precision.mixed else None
-            self._parallel = parallelize(
-                module,
-                self.meshes,
-                self._config,
-                param_dtype=low,
-                reduce_dtype=torch.float32 if low else None,
+            self._run = parallelize(
+                module, self.meshes, self._config, param_dtype=low, reduce_dtype=torch.float32 if low else None,
                 tp_plan=self._tp_plan,
-            )
+            )  # fmt: skip
             self._set_metric_groups(module)
-            if self._parallel.pipeline is not None:
-                self._pipeline = PipelineSteps(self._parallel.pipeline, self.device_mesh.get_group("pp"))
-                rank_zero_info(f"lightning_par {self._parallel.pipeline.describe()}")
-                precision.norm_groups = (self.device_mesh.get_group("pp"),)  # clip by the norm over all stages
-        self.model = self._parallel.model
+            precision.norm_groups = self._run.norm_groups  # clipping's global norm spans what the run says
+            if self._run.pipeline is not None:
+                self._pipeline = PipelineSteps(self._run.pipeline)
+            for line in self._run.describe():
+                rank_zero_info(f"lightning_par {line}")
+        self.model = self._run.model
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
 
-    def _set_metric_groups(self, module: nn.Module) -> None:
-        # torchmetrics sync over the default (world) group unless told otherwise; they must reduce over
-        # data-parallel ranks only, or tensor/pipeline ranks would count the same samples twice.
-        from torchmetrics import Metric
-
-        group = self.meshes.dp.get_group()
-        for m in module.modules():
-            if isinstance(m, Metric):
-                m.process_group = group
-
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         self._reset_optimizers_and_schedulers()
         super().setup_optimizers(trainer)
-        zero = self._parallel.zero if self._parallel else None
-        if zero is not None:
+        if self._run is not None:
             for opt in self.optimizers:
-                zero.shard_optimizer(opt)
+                self._run.wrap_optimizer(opt)
 
     @override
     def model_to_device(self) -> None:
@@ -333,49 +196,143 @@ class ParallelStrategy(_BackendDispatch, CheckpointingMixin, PipelineStepsMixin,
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
-        zero = self._parallel.zero if self._parallel else None
-        # Under a pipeline, ZeRO-2 reduces every step (its hooks are off), so full gradients never outlive a step.
-        pipe_zero2 = self._pipeline is not None and zero is not None and zero.stage == 2
-        if zero is not None and (not self._accumulating or pipe_zero2):
-            zero.reduce_gradients()  # before on_before_optimizer_step and clipping see the gradients
-        experts = self._parallel.experts if self._parallel else None
-        if experts is not None and not self._accumulating:
-            experts.reduce_gradients()
+        if self._run is not None:
+            self._run.after_backward(self._accumulating)  # before clipping and on_before_optimizer_step
 
-    # ---- collectives -----------------------------------------------------------------------------------------
+    # ---- steps: through the pipeline schedule when there is one ------------------------------------------------
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().training_step(*args, **kwargs)
+        assert self.lightning_module is not None
+        with self.precision_plugin.train_step_context():
+            return self._pipeline.training_step(self.lightning_module, self.precision_plugin, *args, **kwargs)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        if self._pipeline is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        return self._pipeline.backward(self, closure_loss)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().validation_step(*args, **kwargs)
+        return self._eval_step("validation_step", self.precision_plugin.val_step_context(), args, kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().test_step(*args, **kwargs)
+        return self._eval_step("test_step", self.precision_plugin.test_step_context(), args, kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().predict_step(*args, **kwargs)
+        return self._eval_step("predict_step", self.precision_plugin.predict_step_context(), args, kwargs)
+
+    def _eval_step(self, hook: str, context: Any, args: tuple, kwargs: dict) -> Any:
+        assert self.lightning_module is not None and self._pipeline is not None
+        with context:
+            return self._pipeline.eval_step(self.lightning_module, hook, *args, **kwargs)
+
+    # ---- checkpoints (ShardedCheckpoints) ----------------------------------------------------------------------
+    def _where(self) -> Where:
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        return Where(trainer, self.global_rank, self.world_size, self.root_device, self.broadcast)
+
+    def _optimizer_entries(self) -> list[OptimizerEntry]:
+        assert self.lightning_module is not None
+        return optimizer_entries(self._run, self.lightning_module, self.optimizers)
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        self._checkpoints.on_train_loader(self._where().trainer, dataloader)
+        return super().process_dataloader(dataloader)
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self._checkpoints.on_train_start(self._where().trainer, self.root_device)
+
+    @override
+    def on_train_end(self) -> None:
+        self._checkpoints.on_train_end()
+        super().on_train_end()
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.lightning_module is not None
+        return model_state(self.lightning_module, self._run.distribute_model() if self._run else None)
+
+    @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return self._checkpoints.optimizer_state(self._run, self._optimizer_entries(), optimizer)
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Union[str, Path], storage_options: Optional[Any] = None
+    ) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} saves sharded folders itself; drop storage_options")
+        assert self.lightning_module is not None
+        self._checkpoints.save(checkpoint, Path(filepath), self._where(), self.lightning_module,
+                               self._optimizer_entries())  # fmt: skip
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Union[str, Path], weights_only: Optional[bool] = None) -> dict[str, Any]:
+        return self._checkpoints.load(Path(checkpoint_path), self._where(), self.lightning_module,
+                                      self._optimizer_entries(), self._run)  # fmt: skip
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        pass  # `load_checkpoint` already loaded the sharded weights in place
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        pass  # `load_checkpoint` already loaded the sharded optimizer state in place
+
+    @override
+    def remove_checkpoint(self, filepath: Union[str, Path]) -> None:
+        self._checkpoints.remove(Path(filepath), self.is_global_zero)
+
+    @property
+    def checkpoint_in_flight(self) -> Optional[Path]:
+        """The checkpoint being written in the background (``async_save=True``) on this rank, or ``None``."""
+        return self._checkpoints.in_flight
+
+    def wait_for_staging(self) -> None:
+        """Wait until the checkpoint being saved in the background has copied the parameters and optimizer state.
+
+        Runs by itself before every optimizer step; call it only from code that changes parameters in place outside
+        ``optimizer.step()`` right after a save (a weight-averaging callback, say).
+
+        Raises:
+            CheckpointError: a tensor changed in place before its copy was taken.
+        """
+        self._checkpoints.wait_for_staging()
+
+    def wait_for_checkpoint(self) -> None:
+        """Wait until the checkpoint being written in the background, if any, is complete under its name.
+
+        Raises:
+            CheckpointError: that save failed.
+        """
+        self._checkpoints.wait()
+
     @override
     def barrier(self, name: Optional[str] = None) -> None:
-        if _distributed_is_initialized() and not self._holds_no_rank(name):
-            dist.barrier()
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src)
-        return box[0]
-
-    @override
-    def reduce(
-        self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[str, Any]] = "mean"
-    ) -> Union[Tensor, Any]:
-        # `self.log(sync_dist=True)` lands here: average over data-parallel ranks, not the whole world.
-        if not isinstance(tensor, Tensor):
-            return tensor
-        if group is None and self._mesh is not None:
-            group = self._mesh.dp.get_group()
-        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        if not self._checkpoints.holds_no_rank(name):
+            super().barrier(name)
 
     @override
     def teardown(self) -> None:
         assert self.cluster_environment is not None and self.accelerator is not None
-        self._saving_async = False
         propagating = sys.exc_info()[0] is not None  # Lightning tears down inside `except` when fit failed
         try:
-            if self._async_saver is not None:
-                # Waits for the last save (on_train_end did not run if fit failed), then frees the staging buffers.
-                self._async_saver.release()
+            # Waits for the last save (on_train_end did not run if fit failed), then frees the staging buffers.
+            self._checkpoints.release()
         except Exception as err:
             if not propagating:
                 raise
@@ -383,3 +340,4 @@ class ParallelStrategy(_BackendDispatch, CheckpointingMixin, PipelineStepsMixin,
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
+

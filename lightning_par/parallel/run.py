@@ -1,0 +1,121 @@
+"""`ParallelRun`: everything a parallelized model needs after set-up, in one object.
+
+`compose.parallelize` builds it; the strategy (Trainer glue, or any other loop) only calls it and re-derives no
+rule of its own. What a technique needs at run time is a hook here:
+
+| hook | who acts |
+|---|---|
+| `wrap_optimizer` | ZeRO 1-2 points the optimizer at this rank's shards |
+| `after_backward` | ZeRO 0-2 reduces gradients (when: the engine's rule); experts reduce expert gradients |
+| `optimizer_owner`, `distribute_model` | ZeRO 1-2 and experts describe their shards as DTensors (checkpoints) |
+| `merge_param_groups`, `other_stage_keys` | a pipeline's checkpoint entries span the stages of other ranks |
+| `norm_groups` | a pipeline: the gradient norm sums over the stages |
+| `pipeline` | a pipeline runs the training / evaluation step through its schedule |
+
+No Lightning here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Optional, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_par.parallel.expert_parallel import ExpertParallel
+from lightning_par.parallel.pipeline_schedule import PipelineRunner
+from lightning_par.parallel.zero_replicated import ReplicatedZero
+
+Distribute = Callable[[str, Any], Any]  # (qualified name, tensor) -> the tensor as its DTensor, for checkpoints
+
+
+@dataclasses.dataclass
+class ParallelRun:
+    """What `lightning_par.parallel.compose.parallelize` built.
+
+    Args:
+        model: the module the trainer calls (the user's module, or a `StepRoot` around it under ZeRO-3).
+        module: the user's module (parameter names, checkpoints).
+        zero: the ZeRO 0-2 engine, or ``None`` under ZeRO-3 (FSDP2 reduces in its own hooks).
+        experts: the expert parallelism, or ``None`` when the model has no MoE layer.
+        pipeline: the runner of pipeline steps when ``pp > 1``.
+        norm_groups: groups over which ranks hold different parameters altogether (pipeline stages): the gradient
+            norm sums its squares over them too.
+    """
+
+    model: nn.Module
+    module: nn.Module
+    zero: Optional[ReplicatedZero] = None
+    experts: Optional[ExpertParallel] = None
+    pipeline: Optional[PipelineRunner] = None
+    norm_groups: tuple[dist.ProcessGroup, ...] = ()
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make an optimizer built over the module's parameters step on this rank's shards (in place)."""
+        if self.zero is not None:
+            self.zero.shard_optimizer(optimizer)
+
+    def after_backward(self, accumulating: bool) -> None:
+        """Reduce gradients after a backward pass, before clipping and ``on_before_optimizer_step`` see them.
+
+        Args:
+            accumulating: more backward passes follow before the optimizer step (gradient accumulation).
+        """
+        if self.zero is not None:
+            self.zero.after_backward(accumulating)
+        if self.experts is not None and not accumulating:
+            self.experts.reduce_gradients()
+
+    def optimizer_owner(self) -> tuple[nn.Module, Optional[Distribute]]:
+        """The module whose parameter names key the optimizer's state, and how to wrap that state for DCP."""
+        owner, distribute = self.module, cast(Optional[Distribute], None)
+        if self.zero is not None and self.zero.stage >= 1:
+            owner, distribute = self.zero.masters_module(), self.zero.distribute_state
+        if self.experts is not None and self.experts.params:
+            distribute = self.experts.distribute_then(distribute)
+        return owner, distribute
+
+    def distribute_model(self) -> Optional[Distribute]:
+        """How to wrap model tensors that are plain shards (expert shards) as DTensors, or ``None``."""
+        # As DTensors, DCP saves every rank's experts, not rank 0's alone.
+        return self.experts.distribute if self.experts is not None and self.experts.params else None
+
+    def merge_param_groups(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The optimizer state with every pipeline rank's parameter names in its ``param_groups``.
+
+        A checkpoint keeps one copy of non-tensor entries, so each rank's groups (listing only its own stage's
+        parameters) would overwrite the others'; merged, every rank finds its parameters' hyperparameters on load.
+        Groups are matched by their hyperparameters, so a stage without some group is fine. Collective over the
+        pipeline group; the state unchanged without a pipeline.
+        """
+        if self.pipeline is None:
+            return state
+        every: list[Any] = [None] * dist.get_world_size(self.pipeline.group)
+        dist.all_gather_object(every, state["param_groups"], group=self.pipeline.group)
+        merged: dict[str, dict[str, Any]] = {}
+        for groups in every:
+            for group in groups:
+                key = repr(sorted((k, v) for k, v in group.items() if k != "params"))
+                if key not in merged:
+                    merged[key] = {**group, "params": []}
+                merged[key]["params"] += [p for p in group["params"] if p not in merged[key]["params"]]
+        return {**state, "param_groups": list(merged.values())}
+
+    def other_stage_keys(self) -> frozenset[str]:
+        """Checkpoint keys (``state_dict.<name>``) of the parameters and buffers other pipeline ranks hold.
+
+        Collective over the pipeline group; empty without a pipeline.
+        """
+        if self.pipeline is None:
+            return frozenset()
+        mine = {f"state_dict.{k}" for k in self.module.state_dict()}
+        every: list[Any] = [None] * dist.get_world_size(self.pipeline.group)
+        dist.all_gather_object(every, mine, group=self.pipeline.group)
+        return frozenset(set().union(*every) - mine)
+
+    def describe(self) -> list[str]:
+        """Lines for the start-up log (the pipeline's stages)."""
+        return [self.pipeline.describe()] if self.pipeline is not None else []

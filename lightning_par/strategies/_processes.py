@@ -1,0 +1,170 @@
+"""`ProcessGroupStrategy`: the processes, the layout and the collectives every lightning_par strategy shares.
+
+What it does for both ZeRO backends (native and DeepSpeed): start or join the processes, resolve the layout once
+they exist (`lightning_par.config.ParallelConfig.resolve`, called once) and build the mesh, split the data over the
+data-parallel ranks only, and reduce logged values and torchmetrics over those ranks only. It knows nothing of how
+the model is parallelized.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.strategies import ParallelStrategy as _LightningParallelStrategy
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from typing_extensions import override
+
+from lightning_par.config import ParallelConfig
+from lightning_par.mesh import ParallelMesh, build_mesh
+
+
+class ProcessGroupStrategy(_LightningParallelStrategy):
+    """Processes, layout, mesh and data-parallel reductions (the base of `ParallelStrategy`).
+
+    Args:
+        config: the requested layout, validated (`ParallelConfig`); resolved against the world size at
+            `setup_environment`.
+        timeout: collective timeout; a rank stuck in a collective past this fails instead of hanging.
+        process_group_backend: ``"gloo"`` / ``"nccl"``; default from the device.
+        **kwargs: Lightning's strategy arguments (accelerator, parallel_devices, cluster_environment, ...).
+    """
+
+    def __init__(
+        self, config: ParallelConfig, timeout: timedelta, process_group_backend: Optional[str], **kwargs: Any
+    ) -> None:
+        super().__init__(**kwargs)
+        self._config = config
+        self._timeout = timeout
+        self._process_group_backend = process_group_backend
+        self._mesh: Optional[ParallelMesh] = None
+        self.num_nodes = 1
+
+    # ---- layout ----------------------------------------------------------------------------------------------
+    @property
+    def config(self) -> ParallelConfig:
+        """The configuration; resolved against the world size once processes exist."""
+        return self._config
+
+    @property
+    def meshes(self) -> ParallelMesh:
+        """The job's meshes: the root mesh, the flattened ``dp`` axis and the 2-D data-parallel mesh."""
+        if self._mesh is None:
+            raise RuntimeError("the device mesh exists only after the processes have started (setup_environment)")
+        return self._mesh
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The job's root mesh (axes ``pp``, ``dp_replicate``, ``dp_shard``, ``tp``)."""
+        return self.meshes.root
+
+    @property
+    def dp_size(self) -> int:
+        """Number of data-parallel ranks (ranks that see different batches)."""
+        return self.meshes.dp.size()
+
+    @property
+    def parallel_layout(self) -> dict[str, Any]:
+        """The resolved layout, for logs and the logger's config."""
+        return {"world_size": self.world_size, "num_nodes": self.num_nodes, **self._config.layout()}
+
+    # ---- processes -------------------------------------------------------------------------------------------
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Split batches over data-parallel ranks only: tensor/pipeline ranks of one replica see the same batch.
+        dp = self.meshes.dp
+        return {"num_replicas": dp.size(), "rank": dp.get_local_rank()}
+
+    @property
+    def is_distributed(self) -> bool:
+        """Lightning inserts a DistributedSampler only for strategies that say so (accelerator_connector)."""
+        return True
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = backend
+        assert self.cluster_environment is not None
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
+        self._config = self._config.resolve(self.world_size, devices_per_node=self.num_processes)
+        self._mesh = build_mesh(self._config, self.root_device.type)
+        c = self._config
+        rank_zero_info(
+            f"lightning_par layout: world {self.world_size} = pp {c.pp} x dp_replicate {c.dp_replicate} x dp_shard "
+            f"{c.dp_shard} x tp {c.tp} (ep {c.ep}); zero_stage {c.zero_stage}, offload {c.offload}, activation "
+            f"checkpointing {c.activation_checkpointing}"
+        )
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+
+    def _set_metric_groups(self, module: nn.Module) -> None:
+        # torchmetrics sync over the default (world) group unless told otherwise; they must reduce over
+        # data-parallel ranks only, or tensor/pipeline ranks would count the same samples twice.
+        from torchmetrics import Metric
+
+        group = self.meshes.dp.get_group()
+        for m in module.modules():
+            if isinstance(m, Metric):
+                m.process_group = group
+
+    # ---- collectives -----------------------------------------------------------------------------------------
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        if _distributed_is_initialized():
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    @override
+    def reduce(
+        self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[str, Any]] = "mean"
+    ) -> Union[Tensor, Any]:
+        # `self.log(sync_dist=True)` lands here: average over data-parallel ranks, not the whole world.
+        if not isinstance(tensor, Tensor):
+            return tensor
+        if group is None and self._mesh is not None:
+            group = self._mesh.dp.get_group()
+        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)

@@ -1,0 +1,132 @@
+"""The strategy's side of deterministic resume: what to save and what was loaded, read off the trainer's loops.
+
+The mechanisms (the resumable sampler, RNG states, the per-rank file) are in `lightning_par.checkpoint.resume_state`;
+this is the part that knows where Lightning keeps the training loaders and the batch progress, so it lives with the
+Lightning glue.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from lightning_par.checkpoint.dcp import rank_file
+from lightning_par.checkpoint.reader import CheckpointError
+from lightning_par.checkpoint.resume_state import (
+    KEY,
+    ResumableSampler,
+    install,
+    read_rank_state,
+    rng_state,
+    set_rng_state,
+)
+
+# Lightning warns on a mid-epoch resume unless the loader implements its `_Stateful` protocol; a loader whose
+# position `ResumableSampler` restored is resumable, so that one message is silenced once a position was restored.
+_NOT_RESUMABLE = r"You're resuming from a checkpoint that ended before the epoch ended"
+
+
+class ResumeState:
+    """The strategy's side of deterministic resume: what to save, and what was loaded for the next ``fit``."""
+
+    def __init__(self) -> None:
+        self._positions: list[Optional[dict[str, Any]]] = []  # loaded; one per training loader, in Lightning's order
+        self._installed = 0  # training loaders processed since the positions were loaded
+        self._rank_state: Optional[dict[str, Any]] = None  # loaded; restored at on_train_start
+
+    def install(self, dataloader: object, epoch_fn: Callable[[], int]) -> None:
+        """Make a training loader resumable (`install`) and give it the loaded position, if any."""
+        sampler = install(dataloader, epoch_fn)
+        index, self._installed = self._installed, self._installed + 1
+        state = self._positions[index] if index < len(self._positions) else None
+        if sampler is not None and state is not None:
+            sampler.resume_from(state)
+            warnings.filterwarnings("ignore", message=_NOT_RESUMABLE)
+
+    def checkpoint_state(self, trainer: Any, world_size: int) -> dict[str, Any]:
+        """The global (rank-independent) part, saved in Lightning's checkpoint dict under `KEY`.
+
+        Args:
+            trainer: the Trainer, or ``None`` outside one (then no data position is saved).
+            world_size: the number of ranks, each of which saves its own `rank_file`.
+        """
+        positions: list[Optional[dict[str, Any]]] = []
+        loaders = _train_loaders(trainer)
+        if loaders:
+            progress = trainer.fit_loop.epoch_loop.batch_progress.current
+            complete = progress.ready >= trainer.num_training_batches
+            for dl in loaders:
+                batches = getattr(dl, "batch_sampler", None)
+                sampler = getattr(batches, "sampler", None)
+                positions.append(
+                    sampler.position(progress.ready, batches.batch_size, complete)  # type: ignore[union-attr]
+                    if isinstance(sampler, ResumableSampler)
+                    else None
+                )
+        return {"world_size": world_size, "data": positions}
+
+    def loaded(self, path: Path, meta: dict[str, Any], rank: int, world_size: int) -> None:
+        """Keep what a checkpoint holds for resuming ``fit``: data positions, and this rank's RNG states.
+
+        Args:
+            path: the checkpoint folder.
+            meta: its non-tensor part (Lightning's checkpoint dict).
+            rank: this process's global rank.
+            world_size: the number of ranks now.
+        """
+        state = meta.get(KEY)
+        self._positions, self._installed, self._rank_state = [], 0, None
+        if not isinstance(state, dict):
+            warnings.warn(
+                f"checkpoint {path} holds no data position or RNG states (written by an older lightning_par): a "
+                "mid-epoch resume starts the epoch's data again, and random ops draw differently",
+                stacklevel=2,
+            )
+            return
+        self._positions = list(state.get("data", []))
+        saved_world = int(state["world_size"])
+        self._rank_state = read_rank_state(path, rank % saved_world)
+        if self._rank_state is None:
+            raise CheckpointError(
+                f"checkpoint {path}: {rank_file(rank % saved_world)} is missing (one per writing rank); copy the "
+                "whole folder again"
+            )
+        if saved_world != world_size and rank == 0:
+            warnings.warn(
+                f"checkpoint {path} was written by {saved_world} ranks and is resumed on {world_size}: RNG streams "
+                f"are per rank and cannot be resharded, so rank r continues the stream of rank r % {saved_world}; "
+                "random ops (dropout) draw differently from an uninterrupted run (each rank also holds other "
+                "samples now). The data order carries over exactly (docs/checkpointing.md)",
+                stacklevel=2,
+            )
+
+    def rank_state(self, trainer: Any, device: torch.device) -> dict[str, Any]:
+        """This rank's part, saved by every rank as `rank_file`: its RNG states and its training loaders'
+        generators (which seed their worker processes)."""
+        return {"rng": rng_state(device), "loader_generators": [_generator(dl) for dl in _train_loaders(trainer)]}
+
+    def restore_rng(self, trainer: Any, device: torch.device) -> None:
+        """Restore the loaded RNG states (once; at ``on_train_start``, just before the first resumed step)."""
+        state, self._rank_state = self._rank_state, None
+        self._positions, self._installed = [], 0
+        if state is None:
+            return
+        set_rng_state(state["rng"], device)
+        for dl, saved in zip(_train_loaders(trainer), state.get("loader_generators", [])):
+            generator = getattr(dl, "generator", None)
+            if isinstance(generator, torch.Generator) and saved is not None:
+                generator.set_state(saved)
+
+
+def _train_loaders(trainer: Any) -> list[object]:
+    loader = getattr(trainer.fit_loop, "_combined_loader", None) if trainer is not None else None
+    return list(loader.flattened) if loader is not None else []
+
+
+def _generator(dataloader: object) -> Optional[torch.Tensor]:
+    generator = getattr(dataloader, "generator", None)
+    return generator.get_state() if isinstance(generator, torch.Generator) else None
