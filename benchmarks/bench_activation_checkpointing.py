@@ -1,7 +1,7 @@
 """Activation memory and step time of each activation-checkpointing policy, as ratios to no checkpointing.
 
 Launch (one process, one thread; the script re-executes itself with ``MALLOC_MMAP_THRESHOLD_=131072`` so that
-freed tensors go back to the OS and the resident-set peak follows tensor memory, CPU_FACTS.md):
+freed tensors go back to the OS and the resident-set peak follows tensor memory, docs/testing.md):
 
     OMP_NUM_THREADS=1 python benchmarks/bench_activation_checkpointing.py [--quick]
 

@@ -17,7 +17,7 @@ nowhere and imported by nothing; the subclass changes no training code path, onl
 
 Every config runs once per round with a fresh Trainer; the order reverses every other round (ABBA). Memory per
 rank: the peak resident set during ``fit`` above the resident set just before it (VmHWM reset through
-``/proc/self/clear_refs``; ``MALLOC_MMAP_THRESHOLD_`` makes freed tensors go back to the OS, CPU_FACTS.md).
+``/proc/self/clear_refs``; ``MALLOC_MMAP_THRESHOLD_`` makes freed tensors go back to the OS, docs/testing.md).
 Last, on rank 0 alone: one optimizer step of DeepSpeedCPUAdam against torch AdamW (for-loop and foreach) over the
 model's parameters. Asserts nothing about time; results in docs/benchmarks.md.
 """

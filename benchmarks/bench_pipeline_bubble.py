@@ -12,7 +12,7 @@ Launch with p ranks (p = 2 or 4), one thread each:
    point-to-point waits, before its first action and after its last) over the step time, averaged over ranks;
    the median over steps.
    Theory: the schedule's own action table replayed with F = B = W and free communication
-   (`lightning_par.parallel.pipeline_timeline`), which is (p-1)/(m+p-1) for GPipe and 1F1B (Huang et al. arXiv
+   (`lightning_par.analysis.pipeline_timeline`), which is (p-1)/(m+p-1) for GPipe and 1F1B (Huang et al. arXiv
    1811.06965; Narayanan et al. arXiv 2104.04473) and (p-1)/(v m + p-1) for interleaved 1F1B with v stages per
    rank (both printed as a check), and the exact figure for the zero-bubble and DualPipeV orders torch runs.
    Also printed: the host overhead per action (Python, gloo sends; 1 - (sleeps + waits) / step spread over the
@@ -39,8 +39,8 @@ from torch import Tensor, nn  # noqa: E402
 from torch.distributed.pipelining import PipelineStage  # noqa: E402
 from torch.distributed.pipelining import schedules as torch_schedules  # noqa: E402
 
+from lightning_par.analysis.pipeline_timeline import compute_actions, one_f_one_b_order, replay  # noqa: E402
 from lightning_par.parallel.pipeline_schedule import SCHEDULES, local_stages, n_stages  # noqa: E402
-from lightning_par.parallel.pipeline_timeline import compute_actions, one_f_one_b_order, replay  # noqa: E402
 from lightning_par.utils import clean_exit  # noqa: E402
 
 BUSY = [0.0]  # seconds this rank spent in its stages' work (sleeps), as measured, not as requested

@@ -2,7 +2,7 @@
 
 ``python tests/_worker.py SPEC.json``: SPEC has ``out`` (a .pt path written by global rank 0) and ``jobs``, a list
 of dicts (see `run_job`). All jobs run in this one process group, since a spawn costs seconds here. The process
-ends with barrier, destroy_process_group and ``os._exit`` (CPU_FACTS.md: avoids exit-time aborts).
+ends with barrier, destroy_process_group and ``os._exit`` (avoids exit-time aborts, docs/testing.md).
 """
 
 from __future__ import annotations

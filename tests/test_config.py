@@ -158,7 +158,7 @@ def test_registered_names_build_the_strategy(name):
 
 
 def test_tp_from_a_name_never_spans_nodes():
-    # "tp" on 2 nodes x 2 devices: tp takes what one node has, data parallel the rest (DESIGN.md, "Names").
+    # "tp" on 2 nodes x 2 devices: tp takes what one node has, data parallel the rest (docs/strategies.md, "Names").
     assert split_world(("tp",), 4, tp_cap=2) == {"tp": 2, "pp": 1, "dp": 2}
     assert split_world(("tp", "dp"), 8, tp_cap=2) == {"tp": 2, "pp": 1, "dp": 4}
     assert split_world(("pp", "tp"), 16, tp_cap=2) == {"tp": 2, "pp": 8, "dp": 1}

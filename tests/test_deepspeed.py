@@ -118,7 +118,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("deepspeed")
     jobs = {**_parity_jobs(tmp), **_ckpt_jobs(tmp / "ckpts")}
     # deepspeed_zero3_nvme's default swap folder is a temp folder removed at exit, but the workers end with
-    # os._exit (CPU_FACTS.md), which skips that: keep those folders inside the test's tmp.
+    # os._exit (docs/testing.md), which skips that: keep those folders inside the test's tmp.
     (tmp / "tmpdir").mkdir()
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TMPDIR", str(tmp / "tmpdir"))

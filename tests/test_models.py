@@ -123,7 +123,7 @@ def test_generate_greedy_is_deterministic() -> None:
 
 
 def test_models_and_data_import_nothing_from_lightning_par() -> None:
-    # Except lightning_par.nn (DESIGN.md: building blocks such as MoE), which itself imports only lightning_par.nn.
+    # Except lightning_par.nn (building blocks such as MoE), which itself imports only lightning_par.nn.
     root = Path(__file__).parents[1] / "lightning_par"
     other = r"lightning_par\b(?!\.nn\b)"
     pattern = re.compile(rf"^\s*(from\s+({other}|\.\.)|import\s+{other})", re.MULTILINE)

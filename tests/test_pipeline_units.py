@@ -10,6 +10,7 @@ import torch
 from _worker import DictTrunkLM, SeqTrunkLM
 from torch import nn
 
+from lightning_par.analysis.pipeline_timeline import Action, one_f_one_b_order, replay
 from lightning_par.config import PP_SCHEDULES, ParallelConfig, ParallelConfigError
 from lightning_par.models import GPT, Llama
 from lightning_par.parallel.pipeline import PipelineError, PipelineModel, StageSpec
@@ -20,7 +21,6 @@ from lightning_par.parallel.pipeline_schedule import (
     n_stages,
     split_microbatches,
 )
-from lightning_par.parallel.pipeline_timeline import Action, one_f_one_b_order, replay
 from lightning_par.plans.partition import (
     PartitionError,
     even_split,
@@ -297,7 +297,7 @@ def test_split_is_described_for_the_start_up_log() -> None:
     )
 
 
-# ---- the bubble a schedule has by construction (pipeline_timeline.py; used by benchmarks/) ---------------------
+# ---- the bubble a schedule has by construction (analysis/pipeline_timeline.py; used by benchmarks/) ------------
 def _interleaved_table(p: int, m: int, v: int = 2) -> dict[int, list[Any]]:
     # torch builds the table in __init__ from a few attributes; the stages themselves are not needed.
     from types import SimpleNamespace

@@ -202,7 +202,7 @@ class AsyncSaver:
             return None
         if self._group is None:
             # DCP's collectives run in the writer thread while training issues its own: on one group their order
-            # would differ between ranks, and gloo crashes (CPU_FACTS.md). gloo, because the staged copies are on
+            # would differ between ranks, and gloo crashes (docs/testing.md). gloo, because the staged copies are on
             # the CPU whatever the device. Created on the first save, which every rank reaches at the same point.
             self._group = dist.new_group(backend="gloo", timeout=self._timeout)
         return self._group

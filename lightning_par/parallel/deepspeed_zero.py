@@ -122,7 +122,7 @@ def build_config(
         device = offload_device or "cpu"
         if device not in ("cpu", "nvme"):
             raise DeepSpeedConfigError(f"offload_device={device!r} is unknown; choose 'cpu' or 'nvme'")
-        # pin_memory needs an accelerator (CPU_FACTS.md); on GPUs pinned buffers speed up the copies.
+        # pin_memory needs an accelerator (docs/testing.md); on GPUs pinned buffers speed up the copies.
         pin = torch.cuda.is_available()
         target: dict[str, Any] = {"device": device, "pin_memory": pin}
         if device == "nvme":

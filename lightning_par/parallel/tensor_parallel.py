@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from lightning_par.plans.tp import TPPlan, TPPlanError
+from lightning_par.plans.tp_types import TPPlan, TPPlanError
 from lightning_par.plans.trunk import find_trunk
 
 _SEQ = 1  # batch-first models: (batch, sequence, hidden)

@@ -71,7 +71,7 @@ def apply_fsdp(
         ignored_params: parameters FSDP2 must leave alone (expert shards, reduced by expert parallelism).
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    # Pinned memory needs an accelerator (CPU_FACTS.md); pinning only matters for async H2D copies anyway.
+    # Pinned memory needs an accelerator (docs/testing.md); pinning only matters for async H2D copies anyway.
     off: OffloadPolicy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
     if mesh.ndim == 2 and mesh.size(0) == 1:
         mesh = mesh["dp_shard"]  # HSDP with one replica is plain FSDP; skip the size-1 all-reduce

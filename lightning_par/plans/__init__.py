@@ -1,14 +1,7 @@
 """Model introspection without process groups: the trunk of repeated blocks and a tensor-parallel plan for them."""
 
-from lightning_par.plans.tp import (
-    STYLES,
-    HeadInfo,
-    MLPInfo,
-    ModuleShape,
-    TPPlan,
-    TPPlanError,
-    infer_tp_plan,
-)
+from lightning_par.plans.tp import infer_tp_plan
+from lightning_par.plans.tp_types import STYLES, HeadInfo, MLPInfo, ModuleShape, TPPlan, TPPlanError
 from lightning_par.plans.tp_validate import format_plan, validate_tp
 from lightning_par.plans.trunk import Trunk, find_trunk
 

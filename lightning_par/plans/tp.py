@@ -1,119 +1,30 @@
 """Infer a tensor-parallel plan for a model's repeated blocks from structure and shapes; no process groups.
 
-Megatron-LM pairing (arXiv 1909.08053): a Linear is split by columns only when its output is read by exactly one
-Linear, split by rows, that maps back to the hidden width E, so each pair costs one all-reduce (or reduce-scatter
-plus all-gather under sequence parallelism, arXiv 2205.05198). Who reads whom comes from the autograd graph of one
-forward pass on a (1, 8) token batch; widths say what a pair is, names only break ties: one or two E->H into H->E
-is an MLP (plain or gated); E->Q, E->K, E->K (K < Q: grouped query) or one fused E->Q+2K into Q->E is attention.
+The blocks must share one structure; block 0 is probed once (`lightning_par.plans._probe`), its Linears are paired
+Megatron-style (`lightning_par.plans.tp_pairs`), its norms on the residual stream go sequence-parallel, and the
+user's ``tp_plan`` overrides are applied last. The plan's types live in `lightning_par.plans.tp_types`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import fnmatch
-from collections.abc import Mapping
-from typing import Any
 
 from torch import nn
 
 from lightning_par.plans._probe import _is_norm, _norm_size, _registration_order, _Trace, _trace
-from lightning_par.plans.trunk import Trunk, find_trunk
+from lightning_par.plans.tp_pairs import _Inference, _Region
+from lightning_par.plans.tp_types import (
+    _ALLOWED,
+    STYLES,
+    HeadInfo,
+    MLPInfo,
+    ModuleShape,
+    TPPlan,
+    TPPlanError,
+)
+from lightning_par.plans.trunk import find_trunk
 
-STYLES = ("colwise", "rowwise", "colwise_fused_qkv", "sequence_parallel", "replicate")
-_SHARDED = ("colwise", "rowwise", "colwise_fused_qkv")
-_ALLOWED = {
-    "linear": ("colwise", "rowwise", "colwise_fused_qkv", "replicate"),
-    "embedding": ("colwise", "rowwise", "replicate"),
-    "norm": ("sequence_parallel", "replicate"),
-}
-_HEAD_DIM = ("head_dim", "head_size", "attention_head_size", "d_head")
-_N_HEADS = ("n_heads", "n_head", "num_heads", "num_attention_heads")
-_N_KV = ("n_kv_heads", "num_key_value_heads", "n_kv_head", "num_kv_heads", "n_head_kv")
-_WIDTH = ("n_embd", "hidden_size", "embed_dim", "all_head_size")
-_QKV_HINTS = (("q", "wq", "q_proj", "query"), ("k", "wk", "k_proj", "key"), ("v", "wv", "v_proj", "value"))
-
-
-class TPPlanError(ValueError):
-    """A tensor-parallel plan cannot be inferred, overridden or used at the requested tp."""
-
-
-@dataclasses.dataclass(frozen=True)
-class ModuleShape:
-    """Kind and the two dims a style can split: Linear (in, out), Embedding (vocab, dim), norm (size, size)."""
-
-    kind: str
-    in_dim: int
-    out_dim: int
-
-
-@dataclasses.dataclass(frozen=True)
-class HeadInfo:
-    """Head counts of one attention module (``n_kv_heads < n_heads`` under grouped-query attention).
-
-    Args:
-        source: the attribute ``head_dim`` was read (or derived) from.
-        local_attrs: the module's int attributes holding a global count, by kind ("n_heads", "n_kv_heads",
-            "q_width"): code that uses them in ``view`` needs them rewritten to per-rank values.
-        fused_split: fused projection pattern -> widths of its output chunks, ``(q, k, v)`` or ``(k, v)``.
-        projections: q, k, v (or the fused one), then the output projection.
-    """
-
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    source: str
-    local_attrs: dict[str, str]
-    fused_split: dict[str, tuple[int, ...]]
-    projections: tuple[str, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class MLPInfo:
-    """One feed-forward: ``hidden`` inner width, ``gated`` for two input projections, then the output one."""
-
-    hidden: int
-    gated: bool
-    projections: tuple[str, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class TPPlan:
-    """A tensor-parallel plan: styles by module pattern plus what tp has to divide. Print with `format_plan`.
-
-    Args:
-        trunk: path of the block container; patterns name blocks ``{trunk}.*``; first_block names block 0.
-        styles: pattern -> one of `STYLES` for every Linear and norm of a block, plus overridden outer modules.
-        heads, mlps: attention / MLP module pattern -> head counts / inner width.
-        shapes: every Linear, Embedding and norm (block ones as patterns) -> kind and dims, for overrides.
-        vocab_size, embedding, output, final_norm: the head's width, token embedding, head and the norm before it.
-        traced: False when the forward pass failed and pairs were guessed from registration order.
-    """
-
-    trunk: str
-    first_block: str
-    n_blocks: int
-    hidden_size: int
-    styles: dict[str, str]
-    heads: dict[str, HeadInfo]
-    mlps: dict[str, MLPInfo]
-    shapes: dict[str, ModuleShape]
-    vocab_size: int | None
-    embedding: str | None
-    output: str | None
-    final_norm: str | None
-    traced: bool
-    notes: tuple[str, ...]
-
-    @property
-    def mlp_hidden(self) -> dict[str, int]:
-        return {k: m.hidden for k, m in self.mlps.items()}
-
-    @property
-    def sequence_parallel(self) -> tuple[str, ...]:
-        return tuple(k for k, s in self.styles.items() if s == "sequence_parallel")
-
-    def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+__all__ = ["STYLES", "HeadInfo", "MLPInfo", "ModuleShape", "TPPlan", "TPPlanError", "infer_tp_plan"]
 
 
 def _shape(m: nn.Module) -> ModuleShape | None:
@@ -122,158 +33,6 @@ def _shape(m: nn.Module) -> ModuleShape | None:
     if isinstance(m, nn.Embedding):
         return ModuleShape("embedding", m.num_embeddings, m.embedding_dim)
     return ModuleShape("norm", _norm_size(m), _norm_size(m)) if _is_norm(m) else None
-
-
-def _lookup(obj: Any, names: tuple[str, ...]) -> tuple[str, int] | None:
-    for name in names:
-        v = obj.get(name) if isinstance(obj, Mapping) else getattr(obj, name, None)
-        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-            return name, v
-    return None
-
-
-@dataclasses.dataclass
-class _Region:
-    parent: str
-    ins: tuple[str, ...]
-    out: str
-    hidden: int
-    head: HeadInfo | None
-
-
-class _Inference:
-    def __init__(self, model: nn.Module, trunk: Trunk, tr: _Trace, mods: dict[str, nn.Module]) -> None:
-        self.model, self.trunk, self.tr, self.mods = model, trunk, tr, mods
-        self.lin = {n: m for n, m in mods.items() if isinstance(m, nn.Linear)}
-        self.idx = {n: i for i, n in enumerate(tr.order)}
-        self.prefix = f"{trunk.path}.*" if trunk.path else "*"
-        self.problems: dict[str, tuple[str, ...]] = {}  # message -> patterns an override must cover to silence it
-
-    def pat(self, rel: str) -> str:
-        return f"{self.prefix}.{rel}" if rel else self.prefix
-
-    def problem(self, msg: str, hint: dict[str, str]) -> None:
-        plan = ", ".join(f'"{self.pat(k)}": "{v}"' for k, v in hint.items())
-        self.problems[f"{msg}; pass e.g. tp_plan={{{plan}}} (styles: {', '.join(STYLES)})"] = tuple(
-            self.pat(k) for k in hint
-        )
-
-    def desc(self, names: Any) -> str:
-        return ", ".join(f"{self.pat(n)} ({self.lin[n].in_features}->{self.lin[n].out_features})" for n in names)
-
-    def by_hint(self, names: list[str]) -> list[str]:
-        def key(n: str) -> tuple[int, int]:
-            last = n.rsplit(".", 1)[-1].lower()
-            return next((i for i, h in enumerate(_QKV_HINTS) if last in h), 3), self.idx.get(n, 0)
-
-        return sorted(names, key=key)
-
-    def sources(self, parent: str) -> list[tuple[str, Any]]:
-        block, pmod, model = self.trunk.names[0], self.mods[parent], self.model
-        here = f"{block}.{parent}" if parent else block
-        got = [(here, pmod), (f"{here}.config", getattr(pmod, "config", None)), (block, self.trunk.blocks[0])]
-        got += [(f"model{a}", getattr(model, a[1:], None) if a else model) for a in ("", ".config", ".hparams")]
-        return [(label, obj) for label, obj in got if obj is not None]
-
-    def classify(self, o: str, ins: list[str]) -> _Region | None:
-        lin, e = self.lin, self.tr.hidden
-        q, parent = lin[o].in_features, o.rpartition(".")[0]
-        pmod = self.mods[parent]
-        own = _lookup(vars(pmod), _HEAD_DIM + _N_HEADS) is not None
-        pair = {**dict.fromkeys(ins, "colwise"), o: "rowwise"}
-        a = [p for p in ins if lin[p].out_features == q]
-        b = [p for p in ins if lin[p].out_features != q]
-        bw = [lin[p].out_features for p in b]
-        what = f"{self.pat(o)} ({q}->{e}) reads {self.desc(ins)}"
-        if any(lin[p].in_features != e for p in ins):
-            self.problem(f"{what}, which do not all read the hidden width {e}", dict.fromkeys(pair, "replicate"))
-            return None
-        if not b and (len(a) == 1 or (len(a) == 2 and not own)):
-            return _Region(parent, tuple(ins), o, q, None)
-        if (not own and len(b) == 1 and bw[0] != 3 * q) or (own and not b and len(a) == 2):
-            # E->2H may be a fused gate+up, E->H twice a gate and up; only a head attribute marks attention.
-            self.problem(f"{what}: an MLP or attention with fused projections? ('replicate' is always safe)", pair)
-            return None
-        fused: dict[str, tuple[int, ...]] = {}
-        if not b and len(a) == 3:
-            qkv, kw = tuple(self.by_hint(a)), q
-        elif len(a) == 1 and len(b) == 2 and bw[0] == bw[1]:
-            qkv, kw = (a[0], *self.by_hint(b)), bw[0]
-        elif len(a) == 1 and len(b) == 1:
-            qkv, kw = (a[0], b[0]), bw[0] // 2
-            fused[self.pat(b[0])] = (kw, bw[0] - kw)
-        elif not a and len(b) == 1 and bw[0] > q:
-            qkv, kw = (b[0],), (bw[0] - q) // 2
-            fused[self.pat(b[0])] = (q, kw, bw[0] - q - kw)
-        else:
-            self.problem(f"{what}: neither an MLP (E->H, H->E) nor attention (E->Q, E->K, E->K or E->Q+2K, Q->E)", pair)
-            return None
-        srcs, hd, src = self.sources(parent), 0, ""
-        for label, obj in srcs:
-            hit = _lookup(obj, _HEAD_DIM) or _lookup(obj, _N_HEADS)
-            if hit:
-                hd, src = (hit[1] if hit[0] in _HEAD_DIM else q // hit[1]), f"{label}.{hit[0]}"
-                break
-        where = f"attention {self.pat(parent)} ({self.desc(qkv)} into {self.pat(o)})"
-        if not hd:
-            self.problem(f"{where} has no head count: give it a head_dim or n_heads attribute", pair)
-            return None
-        n_heads, n_kv = q // hd, kw // hd
-        if q % hd or kw % hd or any(w[-1] != w[-2] for w in fused.values()) or n_kv == 0 or n_heads % n_kv:
-            widths = f"q={q}" + "".join(f", {k}={w}" for k, w in fused.items())
-            self.problem(
-                f"{where}: {widths} does not split into whole heads of head_dim={hd} (from {src}) with k and v of "
-                f"{kw} each and n_heads a multiple of n_kv_heads",
-                dict.fromkeys(pair, "replicate"),
-            )
-            return None
-        for names, value, kind in ((_N_HEADS, n_heads, "heads"), (_N_KV, n_kv, "k/v heads")):
-            first = next(((lb, h) for lb, obj in srcs if (h := _lookup(obj, names))), None)
-            if first and first[1][1] != value:
-                self.problem(
-                    f"{where} has {value} {kind} by its widths but {first[0]}.{first[1][0]}={first[1][1]}", pair
-                )
-                return None
-        local = {}
-        for names, kind, value in ((_N_HEADS, "n_heads", n_heads), (_N_KV, "n_kv_heads", n_kv), (_WIDTH, "q_width", q)):
-            local.update({a_: kind for a_ in names if vars(pmod).get(a_) == value})
-        projs = tuple(self.pat(n) for n in (*qkv, o))
-        return _Region(parent, tuple(ins), o, q, HeadInfo(n_heads, n_kv, hd, src, local, fused, projs))
-
-    def pair(self) -> list[_Region]:
-        """Megatron pairs: each Linear back to E with the Linears it alone reads, in call order."""
-        lin, tr = self.lin, self.tr
-        called = sorted((n for n in lin if n in tr.producers or n in self.idx), key=lambda n: self.idx.get(n, 0))
-        readers: dict[str, set[str]] = {n: set() for n in lin}
-        for o in lin:
-            for p in tr.producers.get(o, ()):
-                readers[p].add(o)
-        regions: list[_Region] = []
-        taken_in: set[str] = set()
-        taken_out: set[str] = set()
-        for o in called:
-            # Width-1 outputs (a per-token gate) broadcast over the shards and stay replicated.
-            ins = sorted((p for p in tr.producers.get(o, ()) if lin[p].out_features > 1), key=lambda n: self.idx[n])
-            if lin[o].out_features != tr.hidden or not ins or o in taken_in or taken_out.intersection(ins):
-                continue  # no input projection, or it reads an earlier pair's output (the residual stream)
-            others = set().union(*(readers[p] for p in ins)) - {o}
-            if others:
-                rivals = sorted(others | {o}, key=lambda n: self.idx.get(n, 0))
-                if all(lin[r].out_features == tr.hidden for r in others):
-                    msg, hint = "could each be the output projection", "rowwise"
-                else:
-                    msg, hint = "all read them, so they cannot be split by columns", "replicate"
-                self.problem(
-                    f"{self.desc(ins)}: {' and '.join(map(self.pat, rivals))} {msg}",
-                    {**dict.fromkeys(ins, "colwise" if hint == "rowwise" else hint), **dict.fromkeys(rivals, hint)},
-                )
-                continue
-            region = self.classify(o, ins)
-            if region is not None:
-                regions.append(region)
-                taken_in.update(ins)
-                taken_out.add(o)
-        return regions
 
 
 def _signature(block: nn.Module) -> list[tuple[str, str, list[tuple[int, ...]]]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from lightning_par.plans.tp import _SHARDED, TPPlan, TPPlanError
+from lightning_par.plans.tp_types import _SHARDED, TPPlan, TPPlanError
 
 
 def _concrete(plan: TPPlan, pattern: str) -> str:

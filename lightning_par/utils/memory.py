@@ -1,6 +1,6 @@
 """Count the bytes of tensor storages that ops create, live and at peak: exact activation memory on any device.
 
-tracemalloc does not see tensor memory and RSS is noisy (CPU_FACTS.md); `saved_tensors_hooks` miss what
+tracemalloc does not see tensor memory and RSS is noisy (docs/testing.md); `saved_tensors_hooks` miss what
 checkpointing keeps inside its own hooks. A dispatch mode sees every op, inside checkpointed regions too.
 """
 

@@ -11,8 +11,9 @@ import torch.distributed as dist
 def clean_exit(code: int = 0) -> None:
     """End a rank: barrier, destroy the process group, flush, then `os._exit(code)`.
 
-    CPU_FACTS.md: gloo ranks sometimes abort at interpreter exit after the work is done ("terminate called
-    without an active exception"); leaving through `os._exit` after an orderly teardown avoided it in 46 of 46 runs.
+    Measured on CPU (docs/testing.md): gloo ranks sometimes abort at interpreter exit after the work is done
+    ("terminate called without an active exception"); leaving through `os._exit` after an orderly teardown avoided
+    it in 46 of 46 runs.
 
     Args:
         code: the process exit status.

@@ -1,0 +1,97 @@
+"""The data of a tensor-parallel plan: styles, module shapes, head counts and the plan itself; no torch needed."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+STYLES = ("colwise", "rowwise", "colwise_fused_qkv", "sequence_parallel", "replicate")
+_SHARDED = ("colwise", "rowwise", "colwise_fused_qkv")
+_ALLOWED = {
+    "linear": ("colwise", "rowwise", "colwise_fused_qkv", "replicate"),
+    "embedding": ("colwise", "rowwise", "replicate"),
+    "norm": ("sequence_parallel", "replicate"),
+}
+
+
+class TPPlanError(ValueError):
+    """A tensor-parallel plan cannot be inferred, overridden or used at the requested tp."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleShape:
+    """Kind and the two dims a style can split: Linear (in, out), Embedding (vocab, dim), norm (size, size)."""
+
+    kind: str
+    in_dim: int
+    out_dim: int
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadInfo:
+    """Head counts of one attention module (``n_kv_heads < n_heads`` under grouped-query attention).
+
+    Args:
+        source: the attribute ``head_dim`` was read (or derived) from.
+        local_attrs: the module's int attributes holding a global count, by kind ("n_heads", "n_kv_heads",
+            "q_width"): code that uses them in ``view`` needs them rewritten to per-rank values.
+        fused_split: fused projection pattern -> widths of its output chunks, ``(q, k, v)`` or ``(k, v)``.
+        projections: q, k, v (or the fused one), then the output projection.
+    """
+
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    source: str
+    local_attrs: dict[str, str]
+    fused_split: dict[str, tuple[int, ...]]
+    projections: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class MLPInfo:
+    """One feed-forward: ``hidden`` inner width, ``gated`` for two input projections, then the output one."""
+
+    hidden: int
+    gated: bool
+    projections: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class TPPlan:
+    """A tensor-parallel plan: styles by module pattern plus what tp has to divide. Print with `format_plan`.
+
+    Args:
+        trunk: path of the block container; patterns name blocks ``{trunk}.*``; first_block names block 0.
+        styles: pattern -> one of `STYLES` for every Linear and norm of a block, plus overridden outer modules.
+        heads, mlps: attention / MLP module pattern -> head counts / inner width.
+        shapes: every Linear, Embedding and norm (block ones as patterns) -> kind and dims, for overrides.
+        vocab_size, embedding, output, final_norm: the head's width, token embedding, head and the norm before it.
+        traced: False when the forward pass failed and pairs were guessed from registration order.
+    """
+
+    trunk: str
+    first_block: str
+    n_blocks: int
+    hidden_size: int
+    styles: dict[str, str]
+    heads: dict[str, HeadInfo]
+    mlps: dict[str, MLPInfo]
+    shapes: dict[str, ModuleShape]
+    vocab_size: int | None
+    embedding: str | None
+    output: str | None
+    final_norm: str | None
+    traced: bool
+    notes: tuple[str, ...]
+
+    @property
+    def mlp_hidden(self) -> dict[str, int]:
+        return {k: m.hidden for k, m in self.mlps.items()}
+
+    @property
+    def sequence_parallel(self) -> tuple[str, ...]:
+        return tuple(k for k, s in self.styles.items() if s == "sequence_parallel")
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
