@@ -56,6 +56,13 @@ BAD = [
         r"in \{1, 2, 4\}",
     ),
     ({"tp": 4}, (4, 2), ParallelConfigError, r"tp=4 spans nodes \(2 devices per node\); choose tp in \{1, 2\}"),
+    (
+        {"tp": 4},
+        (12, 6),
+        ParallelConfigError,
+        r"tp=4 does not divide the 6 devices per node, so some tensor-parallel groups would straddle two nodes; "
+        r"choose tp in \{1, 2, 3, 6\}",
+    ),
     ({"dp_replicate": 2, "dp_shard": 2}, 4, ParallelConfigError, r"hybrid sharding .* needs zero_stage >= 1"),
     ({}, 0, ParallelConfigError, r"world_size=0 must be >= 1"),
 ]
@@ -163,3 +170,24 @@ def test_tp_from_a_name_never_spans_nodes():
     assert split_world(("tp", "dp"), 8, tp_cap=2) == {"tp": 2, "pp": 1, "dp": 4}
     assert split_world(("pp", "tp"), 16, tp_cap=2) == {"tp": 2, "pp": 8, "dp": 1}
     assert split_world(("tp",), 4, tp_cap=4) == {"tp": 4, "pp": 1, "dp": 1}
+    # 6-device nodes: tp grows only while it divides them (4 would put a tp group on two nodes).
+    assert split_world(("tp",), 12, tp_cap=6) == {"tp": 2, "pp": 1, "dp": 6}
+
+
+def test_one_function_resolves_names_and_degrees_and_validates_once(monkeypatch):
+    # A registered name and explicit degrees go through the same ParallelConfig.resolve, at start-up.
+    named = ParallelConfig(**strategy_kwargs("tp_zero3")).resolve(12, devices_per_node=6)
+    assert (named.tp, named.dp_shard, named.zero_stage) == (2, 6, 3)
+    moe = ParallelConfig(**strategy_kwargs("moe_zero1")).resolve(4, devices_per_node=4)
+    assert (moe.ep, moe.dp, moe.tp, moe.pp) == (4, 4, 1, 1)
+    explicit = ParallelConfig(pp=2, tp=2, zero_stage=1).resolve(8, devices_per_node=4)
+    assert (explicit.pp, explicit.tp, explicit.dp_shard) == (2, 2, 2)
+    # The static checks (unsupported combinations included) run once on a path: at construction, not again when
+    # the world size is known.
+    calls = []
+    real = ParallelConfig.check_supported
+    monkeypatch.setattr(ParallelConfig, "check_supported", lambda self: calls.append(1) or real(self))
+    strategy = lightning_par.ParallelStrategy(**strategy_kwargs("pipe_tp_zero1"))
+    assert len(calls) == 1
+    resolved = strategy.config.resolve(8, devices_per_node=8)
+    assert len(calls) == 1 and (resolved.pp, resolved.tp, resolved.dp_shard) == (2, 2, 2)

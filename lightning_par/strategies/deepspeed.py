@@ -136,7 +136,7 @@ class DeepSpeedParallelStrategy(ParallelStrategy):
     ) -> None:
         backend = kwargs.pop("backend", "deepspeed")
         if backend != "deepspeed":
-            raise ValueError(f"DeepSpeedParallelStrategy runs backend='deepspeed', not {backend!r}; use ParallelStrategy")
+            raise ValueError(f"DeepSpeedParallelStrategy is backend='deepspeed', not {backend!r}; use ParallelStrategy")
         super().__init__(*args, **kwargs)
         # A dimension DeepSpeed cannot combine with is refused here with its reason, also once it runs natively.
         check_deepspeed_layout(self.config)
