@@ -63,7 +63,7 @@ class SaveTimer(L.Callback):
         self._t0 = time.perf_counter()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        saver = getattr(trainer.strategy, "_async_saver", None)
+        saver = trainer.strategy._checkpoints.saver  # type: ignore[attr-defined]
         waited = saver.staging_wait_s if saver is not None else 0.0
         if self.fences and waited > self._waited:  # this step's optimizer waited for the last save's staging
             self.fences[-1] += waited - self._waited

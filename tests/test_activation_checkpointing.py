@@ -162,8 +162,11 @@ def test_offload_frees_gpu_memory(name):
 
 # One 2-rank spawn: the new modes under the strategy, ZeRO-3 (FSDP2 hooks outside the wrapped forward) and ZeRO-1
 # (gradient hooks of the replicated engine), against the one-process references of conftest.py.
-CASES = [("gpt", 3, "selective_op"), ("gpt", 1, "selective_op"), ("gpt", 3, "offload"), ("gpt", 1, "offload"),
-         ("llama", 3, "selective_op"), ("llama", 1, "offload")]  # fmt: skip
+# The GPT cases train with SGD ("gpt_sgd"): its updates are linear in the gradients, so parameters are held to
+# 1e-5. Under AdamW the float noise that a recomputed backward's other summation order adds to ~0 gradients becomes
+# steps of up to lr, and how much noise differs between CPUs (an AVX2 machine parted at one element by 1% of lr).
+CASES = [("gpt_sgd", 3, "selective_op"), ("gpt_sgd", 1, "selective_op"), ("gpt_sgd", 3, "offload"),
+         ("gpt_sgd", 1, "offload"), ("llama", 3, "selective_op"), ("llama", 1, "offload")]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -180,8 +183,9 @@ def test_new_modes_under_the_strategy_match_one_process(key, strategy_runs, refe
     assert got["layout"]["activation_checkpointing"] == mode and got["layout"]["zero_stage"] == stage
     assert len(got["losses"]) == len(ref["losses"]) == 3
     torch.testing.assert_close(got["losses"], ref["losses"], rtol=1e-5, atol=1e-6)
+    sgd = model.endswith("_sgd")
     for n, p in ref["params"].items():
-        torch.testing.assert_close(got["params"][n], p, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got["params"][n], p, rtol=1e-5 if sgd else 1e-4, atol=1e-7 if sgd else 1e-5)
 
 
 def test_trunk_detection():

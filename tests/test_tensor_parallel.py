@@ -73,7 +73,10 @@ def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
         jobs.append({"model": "llama", "strategy": {"tp": 2, "sequence_parallel": False}, "dp": 1})
         jobs.append({"model": "gpt_3heads", "strategy": "tp", "dp": 1, "expect_error": True})
     variants = spec.get("variants", {})
-    jobs += [{"model": "gpt", "strategy": kw, "dp": spec["dp"]} for kw in variants.values()]
+    # SGD: its updates are linear in the gradients, so the variants' parameters are held to 1e-5. (AdamW turns the
+    # float noise of another summation order on ~0 gradients into steps of up to lr, and how much noise a
+    # recomputed backward adds differs between CPUs: AVX2 and AVX-512 machines part at another element.)
+    jobs += [{"model": "gpt_sgd", "strategy": kw, "dp": spec["dp"]} for kw in variants.values()]
     if "ckpt" in spec:
         jobs += _ckpt_jobs(spec["strategy"], spec["dp"], *spec["ckpt"], str(tmp / "ckpts"))
     results = run_jobs(tmp, jobs, nproc=spec["nproc"], timeout=420)
@@ -181,9 +184,9 @@ def test_activation_checkpointing_and_offload_compose_with_tp(run, references):
     variants = RUNS[name].get("variants", {})
     assert variants or name in ("tp_zero1", "tp_zero2")
     for key in variants:  # full / selective_op recomputation under tp; ZeRO-3 CPU offload of tp shards
-        got, ref = out[key], references["gpt"]
+        got, ref = out[key], references["gpt_sgd"]
         assert rel(got["losses"], ref["losses"]) < 1e-5, key
-        params_close(got["params"], ref["params"], rtol=1e-5, atol=0.02 * LR)
+        params_close(got["params"], ref["params"], rtol=1e-5, atol=1e-7)
     if "plan_override" in variants:
         # Replicated MLPs: only the attention Linears are split, so the rank holds more than under the full plan.
         full, kept = out["gpt"]["mem"]["params"], out["plan_override"]["mem"]["params"]
