@@ -310,7 +310,7 @@ class RoutingRecorder(L.Callback):
 
 def _gather_experts(trainer: L.Trainer, model: torch.nn.Module, params: dict[str, torch.Tensor]) -> None:
     """Replace the local expert shards in ``params`` by the full stacked weights (all-gathered over ep)."""
-    experts = getattr(getattr(trainer.strategy, "_parallel", None), "experts", None)
+    experts = getattr(getattr(trainer.strategy, "parallel_run", None), "experts", None)
     if experts is None or experts.mesh is None:
         return
     group = experts.mesh.ep.get_group()

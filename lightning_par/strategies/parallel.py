@@ -134,6 +134,12 @@ class ParallelStrategy(ProcessGroupStrategy):
         return plugin
 
     @property
+    def parallel_run(self) -> Optional[ParallelRun]:
+        """What `lightning_par.parallel.compose.parallelize` built (the ZeRO engine, the expert parallelism, the
+        pipeline runner, ...), once the strategy is set up; ``None`` before, and under the DeepSpeed backend."""
+        return self._run
+
+    @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
         return True
