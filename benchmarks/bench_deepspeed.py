@@ -42,6 +42,7 @@ import torch.distributed as dist  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy  # noqa: E402
 
 import lightning_par  # noqa: E402, F401  (registers the names)
+from lightning_par import _compat  # noqa: E402
 from lightning_par.data import ByteTextDataModule  # noqa: E402
 from lightning_par.models import GPT  # noqa: E402
 from lightning_par.utils import clean_exit  # noqa: E402
@@ -58,7 +59,7 @@ class CPUDeepSpeedStrategy(DeepSpeedStrategy):
 
         reset_seed()
         self.set_world_ranks()
-        self._init_deepspeed_distributed()  # the parent first checks CUDA device indices, which are None on CPU
+        _compat.init_deepspeed_distributed(self)  # the parent first checks CUDA device indices, which are None on CPU
 
     def _setup_model_and_optimizer(self, *args: Any, **kwargs: Any) -> Any:
         import argparse as ap

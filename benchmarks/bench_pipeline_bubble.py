@@ -37,15 +37,15 @@ torch.set_num_threads(1)
 import torch.distributed as dist  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 from torch.distributed.pipelining import PipelineStage  # noqa: E402
-from torch.distributed.pipelining import schedules as torch_schedules  # noqa: E402
 
+from lightning_par import _compat  # noqa: E402
 from lightning_par.analysis.pipeline_timeline import compute_actions, one_f_one_b_order, replay  # noqa: E402
 from lightning_par.parallel.pipeline_schedule import SCHEDULES, local_stages, n_stages  # noqa: E402
 from lightning_par.utils import clean_exit  # noqa: E402
 
 BUSY = [0.0]  # seconds this rank spent in its stages' work (sleeps), as measured, not as requested
 WAIT = [0.0]  # seconds this rank spent blocked on point-to-point transfers from its peers
-_torch_wait = torch_schedules._wait_batch_p2p
+_torch_wait = _compat.pipeline_p2p_wait()
 
 
 def _timed_wait(work: list[Any]) -> None:
@@ -56,7 +56,7 @@ def _timed_wait(work: list[Any]) -> None:
     WAIT[0] += time.perf_counter() - start
 
 
-torch_schedules._wait_batch_p2p = _timed_wait
+_compat.set_pipeline_p2p_wait(_timed_wait)
 
 
 def _work(seconds: float) -> None:
@@ -148,7 +148,7 @@ def bubble(name: str, m: int, f: float, steps: int) -> Row:
     loss_fn = lambda out, _t: out.sum()  # noqa: E731
     sched = info.cls(stages[0], m, loss_fn=loss_fn) if v == 1 else info.cls(stages, m, loss_fn=loss_fn)
     # Schedule1F1B's own table is descriptive only (and misnumbers the last stage): replay the order it runs.
-    table = one_f_one_b_order(p, m) if name == "1f1b" else sched.pipeline_order
+    table = one_f_one_b_order(p, m) if name == "1f1b" else _compat.pipeline_order(sched)
     theory = replay(table, f / v, f / v, f / v).bubble
     n_actions = len(compute_actions(table)[rank])
     x, target = torch.ones(m, 4), torch.zeros(m, 4)

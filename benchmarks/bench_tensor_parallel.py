@@ -46,9 +46,9 @@ from torch.distributed.tensor.parallel import (  # noqa: E402
     SequenceParallel,
     parallelize_module,
 )
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import lightning_par  # noqa: E402, F401  (registers "tp")
+from lightning_par import _compat  # noqa: E402
 from lightning_par.models import GPT, Llama  # noqa: E402
 from lightning_par.parallel.tensor_parallel import apply_tensor_parallel  # noqa: E402
 from lightning_par.plans import infer_tp_plan  # noqa: E402
@@ -57,7 +57,7 @@ from lightning_par.utils import clean_exit  # noqa: E402
 _RING = {"all_reduce": 2.0, "reduce_scatter_tensor": 1.0, "all_gather_into_tensor": 1.0}
 
 
-class CommCounter(TorchDispatchMode):
+class CommCounter(_compat.TorchDispatchMode):
     """Sums the wire bytes per rank of every functional collective (what DTensor redistribution calls)."""
 
     def __init__(self, n: int) -> None:
@@ -66,9 +66,9 @@ class CommCounter(TorchDispatchMode):
         self.calls: list[tuple[str, float]] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        name = func._schema.name
+        name = _compat.op_name(func)
         kind = name.split("::")[-1]
-        if name.startswith("_c10d_functional::") and kind in _RING:  # not wait_tensor and friends
+        if name.startswith(f"{_compat.C10D_FUNCTIONAL}::") and kind in _RING:  # not wait_tensor and friends
             t = args[0]
             payload = t.numel() * t.element_size() * (self.n if kind == "all_gather_into_tensor" else 1)
             self.calls.append((kind, _RING[kind] * payload * (self.n - 1) / self.n))

@@ -256,6 +256,14 @@ class ParallelConfig:
                 "whole activations, so sequence parallelism is off inside them; pass sequence_parallel=None or False"
             )
 
+    def describe(self, world_size: int) -> str:
+        """The resolved layout in one line, printed at start-up (every mesh axis, then ep and the techniques)."""
+        axes = " x ".join(f"{axis} {getattr(self, axis)}" for axis in AXES if axis != "ep")
+        return (
+            f"world {world_size} = {axes} (ep {self.ep}); zero_stage {self.zero_stage}, offload {self.offload}, "
+            f"activation checkpointing {self.activation_checkpointing}"
+        )
+
     def layout(self) -> dict[str, Union[int, str, bool, tuple, None]]:
         """The resolved layout as a flat dict, for logs and the logger's config."""
         return dataclasses.asdict(self)

@@ -13,6 +13,7 @@ from typing import Optional
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from lightning_par import _compat
 from lightning_par.config import ParallelConfig
 
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "tp")
@@ -66,7 +67,7 @@ def build_mesh(config: ParallelConfig, device_type: str) -> ParallelMesh:
     shape = tuple(getattr(config, axis) for axis in MESH_AXES)
     root = init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES)
     dp_2d = root[("dp_replicate", "dp_shard")]
-    dp = dp_2d._flatten("dp")
+    dp = _compat.flatten_mesh(dp_2d, "dp")
     dp_tp = root[("dp_replicate", "dp_shard", "tp")]
     experts = _expert_mesh(root, dp, config.ep, device_type) if config.ep > 1 else None
     return ParallelMesh(root=root, dp=dp, dp_2d=dp_2d, tp=root["tp"], dp_tp=dp_tp, experts=experts)

@@ -32,6 +32,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
+from lightning_par import _compat
 from lightning_par.checkpoint.dcp import commit, prepare_tmp, serialize, tmp_path, write_small
 from lightning_par.checkpoint.reader import CheckpointError
 from lightning_par.checkpoint.strided import canonicalize
@@ -78,21 +79,15 @@ class _BufferStager:
             buf = self._buffers[key] = torch.empty_like(tensor, device="cpu")
         source = tensor.detach()
         if source.device.type == "cpu" and source.untyped_storage().data_ptr() in self.deferred:
-            self._later.append((buf, source, source._version, key))
+            self._later.append((buf, source, _compat.tensor_version(source), key))
         else:
             buf.copy_(source)
         return buf
 
     def _stage(self, key: tuple[Any, ...], value: Any) -> Any:
         if isinstance(value, DTensor):
-            local = self._copy(key, value._local_tensor)  # not to_local(): an autograd call, ~10 us each
-            try:
-                return DTensor(local, value._spec, requires_grad=False)
-            except TypeError:  # another constructor signature: the public, slower way
-                mesh, placements = value.device_mesh, value.placements
-                return DTensor.from_local(
-                    local, mesh, placements, shape=value.shape, stride=value.stride(), run_check=False
-                )
+            local = self._copy(key, _compat.dtensor_local(value))  # not to_local(): an autograd call, ~10 us each
+            return _compat.dtensor_like(local, value)
         if isinstance(value, torch.Tensor):
             return self._copy(key, value)
         if isinstance(value, dict):
@@ -114,7 +109,7 @@ class _BufferStager:
     def _copy_later(copies: list[_Copy]) -> None:
         for buf, source, version, key in copies:
             buf.copy_(source)
-            if source._version != version:
+            if _compat.tensor_version(source) != version:
                 name = ".".join(str(k) for k in key)
                 raise StagingError(
                     f"{name} was changed in place while an asynchronous save was copying it (before the next "

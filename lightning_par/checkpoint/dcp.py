@@ -25,7 +25,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
-    _init_optim_state,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -33,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from lightning_par import _compat
 from lightning_par.checkpoint.fast_state import model_state_dict, optimizer_state_dict
 from lightning_par.checkpoint.reader import META, load_tensors, read_index, read_meta
 from lightning_par.checkpoint.strided import canonicalize, restore
@@ -239,7 +239,7 @@ def load_sharded(
     index = read_index(path)
     meta = read_meta(path)
     for entry in optimizers:
-        _init_optim_state(entry.optimizer)  # DCP loads into existing tensors, so the state must exist first
+        _compat.init_optim_state(entry.optimizer)  # DCP loads into existing tensors, so the state must exist first
     state = state_for(module, optimizers, distribute_model)
     canonical, swaps = canonicalize(state)  # fused tensor-parallel tensors are stored whole (strided.py)
     load_tensors(path, index, canonical, strict=strict, elsewhere=elsewhere)

@@ -22,13 +22,15 @@ from typing import Any, Optional, Union
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
+from typing_extensions import override
+
+from lightning_par import _compat
 
 META = "meta.pt"
 INDEX = ".metadata"
@@ -55,12 +57,9 @@ _METADATA_GLOBALS = {
         "TensorStorageMetadata",
         "BytesStorageMetadata",
         "TensorProperties",
-        "_MEM_FORMAT_ENCODING",
     )
-} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+} | set(_compat.DCP_INDEX_PRIVATE_GLOBALS) | {
     ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),  # maps a layout's name to the layout
     ("pathlib", "PosixPath"),
     ("pathlib", "WindowsPath"),
     ("pathlib", "PurePosixPath"),
@@ -84,15 +83,15 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise _Disallowed(f"{module}.{name} is not allowed in a checkpoint index")
 
 
-class SafeFileSystemReader(FileSystemReader):
+class SafeFileSystemReader(_compat.FileSystemReaderSliceHook):
     """`FileSystemReader` whose ``.metadata`` is unpickled with an allow-list instead of plain `pickle.load`, and
     whose read errors name the data file and byte range that failed."""
 
     _reading: Any = None
 
-    def _slice_file(self, file: Any, sinfo: Any) -> Any:
+    @override
+    def before_slice(self, sinfo: Any) -> None:
         self._reading = sinfo  # DCP slices each item just before reading it; remembered for the error message
-        return super()._slice_file(file, sinfo)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         self._reading = None

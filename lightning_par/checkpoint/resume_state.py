@@ -44,9 +44,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from lightning.fabric.utilities.types import _Stateful
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Sampler
 
+from lightning_par import _compat
 from lightning_par.checkpoint.dcp import rank_file
 from lightning_par.checkpoint.reader import CheckpointError
 
@@ -157,7 +157,7 @@ def install(dataloader: object, epoch_fn: Callable[[], int]) -> Optional[Resumab
     Returns:
         the installed sampler, or ``None``.
     """
-    if not isinstance(dataloader, DataLoader) or isinstance(dataloader, _Stateful):
+    if not isinstance(dataloader, DataLoader) or isinstance(dataloader, _compat.stateful_protocol()):
         return None  # a stateful loader (torchdata's StatefulDataLoader) is restored by Lightning itself
     batches = dataloader.batch_sampler
     if type(batches) is not BatchSampler or type(batches.sampler) is not DistributedSampler:

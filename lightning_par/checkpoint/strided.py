@@ -16,13 +16,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.placement_types import _StridedShard
+
+from lightning_par import _compat
 
 
 def _tp_dim(t: DTensor) -> int | None:
     names = t.device_mesh.mesh_dim_names or ()
     for i, (name, pl) in enumerate(zip(names, t.placements)):
-        if name == "tp" and isinstance(pl, _StridedShard):
+        if name == "tp" and isinstance(pl, _compat.StridedShard):
             return i
     return None
 

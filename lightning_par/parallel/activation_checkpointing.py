@@ -30,6 +30,8 @@ from torch.autograd.graph import save_on_cpu
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from lightning_par import _compat
+
 MODES = ("full", "selective", "selective_op", "offload")
 
 
@@ -54,7 +56,7 @@ SAVE_OPS = _ops(
     "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_cudnn_attention",
     "_scaled_dot_product_fused_attention_overrideable",
-) | _ops("reduce_scatter_tensor", namespace=torch.ops._c10d_functional)
+) | _ops("reduce_scatter_tensor", namespace=_compat.c10d_functional_ops())
 
 
 def op_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:

@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_par import _compat
+
 
 @dataclasses.dataclass
 class EngineParts:
@@ -51,16 +53,15 @@ class EngineParts:
 def engine_parts(engine: Any) -> EngineParts:
     """Find the inner optimizer and its fp32 partitions for ZeRO 1/2, ZeRO-3, bf16 ZeRO-0 and fp32 ZeRO-0."""
     opt = engine.optimizer
-    for attr in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition"):
-        flats = getattr(opt, attr, None)
-        if flats is not None:
-            return EngineParts(opt.optimizer, list(flats), opt)
+    flats = _compat.zero_fp32_partitions(opt)
+    if flats is not None:
+        return EngineParts(opt.optimizer, list(flats), opt)
     return EngineParts(opt, [p for g in opt.param_groups for p in g["params"]], None)
 
 
 def _swapped(parts: EngineParts) -> bool:
     # ZeRO-3 with the optimizer state on NVMe: the partitions are swapped in and out by DeepSpeed.
-    return getattr(parts.wrapper, "swap_optimizer", False)
+    return _compat.zero_swaps_optimizer(parts.wrapper)
 
 
 def _full_fp32(param: nn.Parameter) -> torch.Tensor:
@@ -70,8 +71,9 @@ def _full_fp32(param: nn.Parameter) -> torch.Tensor:
     return param.detach().float() if value is None else value
 
 
-def _shape(param: nn.Parameter) -> torch.Size:
-    return param.ds_shape if hasattr(param, "ds_shape") else param.shape  # ZeRO-3 params are empty placeholders
+def param_shape(param: nn.Parameter) -> torch.Size:
+    """A parameter's full shape (under ZeRO-3 the parameter itself is an empty placeholder)."""
+    return _compat.zero3_shape(param)  # ZeRO-3 params are empty placeholders
 
 
 def state_keys(parts: EngineParts) -> list[str]:
@@ -106,7 +108,7 @@ def materialize_optimizer_state(parts: EngineParts) -> None:
     # DeepSpeed steps one partition at a time with only its param group installed (ZeRO-3 even keeps the groups
     # empty between steps), so do the same: the other groups' partitions may hold gradient buffers (offload).
     groups = parts.inner.param_groups
-    to_group = getattr(parts.wrapper, "sub_group_to_group_id", None)
+    to_group = _compat.zero_sub_group_to_group_id(parts.wrapper)
     for i, flat in enumerate(parts.flats):
         if parts.inner.state.get(flat):
             continue
@@ -133,10 +135,7 @@ def link_optimizer_state(parts: EngineParts) -> None:
     groups have no state yet (DeepSpeed 0.19): with two groups (decayed / not decayed, as most models have) the
     second group's link stays empty. Linking again once every group has state fixes it; it only makes views.
     """
-    relink = getattr(parts.wrapper, "_lazy_init_hp_params_optimizer_state", None)
-    if relink is not None and parts.wrapper is not None:
-        parts.wrapper._hp_optimizer_states_linked = False
-        relink()
+    _compat.zero_relink_optimizer_state(parts.wrapper)
 
 
 def set_step_count(parts: EngineParts, step: int) -> None:
@@ -165,10 +164,10 @@ def gather_model(engine: Any, module: nn.Module) -> dict[str, torch.Tensor]:
     for i, (name, param) in enumerate(module.named_parameters()):
         full = _full_fp32(param)
         if i % world == rank:
-            model[name] = full.reshape(_shape(param)).detach().clone()
+            model[name] = full.reshape(param_shape(param)).detach().clone()
     if rank == 0:
         for name, buf in module.named_buffers():
-            if _persistent(module, name):
+            if is_persistent(module, name):
                 model[name] = buf.detach().clone()
     return model
 
@@ -209,17 +208,18 @@ def gather_optimizer(
             if value is None:  # plain fp32 ZeRO-0: the optimizer steps on the parameter itself
                 value = parts.inner.state[param][key]
             if keep:
-                entry[key] = value.reshape(_shape(param)).detach().float().clone()
+                entry[key] = value.reshape(param_shape(param)).detach().float().clone()
         if keep:
             state[name] = {**entry, "step": step.clone()}
     groups = [{**opts, "params": list(names)} for opts, names in zip(group_options, group_names)]
     return {"state": state, "param_groups": groups}
 
 
-def _persistent(module: nn.Module, name: str) -> bool:
+def is_persistent(module: nn.Module, name: str) -> bool:
+    """Whether the buffer ``name`` of ``module`` is saved in its state dict."""
     owner_name, _, buf = name.rpartition(".")
     owner = module.get_submodule(owner_name) if owner_name else module
-    return buf not in owner._non_persistent_buffers_set
+    return buf not in _compat.non_persistent_buffers(owner)
 
 
 def scatter_state(
@@ -251,7 +251,7 @@ def scatter_state(
                 "step per parameter group, so it cannot resume this state"
             )
         set_step_count(parts, int(steps.pop()) if steps else 0)
-    zero3 = getattr(parts.wrapper, "fp32_partitioned_groups_flat", None) is not None
+    zero3 = _compat.is_zero3(parts.wrapper)
     for name, param in module.named_parameters():
         value = model[name].float()
         if parts.wrapper is None:

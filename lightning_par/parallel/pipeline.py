@@ -28,8 +28,8 @@ from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_map_only
 
+from lightning_par import _compat
 from lightning_par.plans.trunk import Trunk
 
 
@@ -122,9 +122,9 @@ class _Shadow(nn.Module):
                 "the pipeline gives modules registered before the trunk to the first stage and those after it to "
                 "the last: register it after the trunk in __init__"
             )
-        meta_args, meta_kwargs = tree_map_only(Tensor, lambda t: t.to("meta"), (args, kwargs))
+        meta_args, meta_kwargs = _compat.tree_map_only(Tensor, lambda t: t.to("meta"), (args, kwargs))
         out = self._meta(*meta_args, **meta_kwargs)
-        return tree_map_only(Tensor, lambda t: torch.zeros(t.shape, dtype=t.dtype, device=self.device), out)
+        return _compat.tree_map_only(Tensor, lambda t: torch.zeros(t.shape, dtype=t.dtype, device=self.device), out)
 
 
 class _Missing(nn.Module):
@@ -327,7 +327,7 @@ class PipelineModel:
 def _replace(root: nn.Module, name: str, new: nn.Module) -> None:
     parent_name, _, leaf = name.rpartition(".")
     parent = root.get_submodule(parent_name) if parent_name else root
-    parent._modules[leaf] = new
+    _compat.set_child_module(parent, leaf, new)
 
 
 def outer_modules(module: nn.Module, trunk: Trunk) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Module]]]:
@@ -347,7 +347,7 @@ def outer_modules(module: nn.Module, trunk: Trunk) -> tuple[list[tuple[str, nn.M
             continue
         if name.startswith(prefix) or any(name.startswith(n + ".") for n, _ in pre + post):
             continue
-        direct = [n for n, p in m._parameters.items() if p is not None]
+        direct = [n for n, p in _compat.module_parameters(m).items() if p is not None]
         if not direct:
             continue
         if name == "" or prefix.startswith(name + "."):

@@ -39,8 +39,8 @@ from torch.distributed.pipelining import (
     ScheduleLoopedBFS,
     ScheduleZBVZeroBubble,
 )
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from lightning_par import _compat
 from lightning_par.parallel.pipeline import PipelineError, PipelineModel, StageSpec
 
 
@@ -126,7 +126,7 @@ def split_microbatches(batch: Any, m: int) -> list[Any]:
 
     Non-tensor leaves and 0-dim tensors are repeated in every microbatch.
     """
-    leaves, spec = tree_flatten(batch)
+    leaves, spec = _compat.tree_flatten(batch)
     sizes = {t.shape[0] for t in leaves if isinstance(t, Tensor) and t.dim() > 0}
     if not sizes:
         raise PipelineError("the batch holds no tensor with a batch dimension to split into microbatches")
@@ -143,11 +143,11 @@ def split_microbatches(batch: Any, m: int) -> list[Any]:
             "short last batch)"
         )
     chunks = [t.chunk(m) if isinstance(t, Tensor) and t.dim() > 0 else [t] * m for t in leaves]
-    return [tree_unflatten([c[i] for c in chunks], spec) for i in range(m)]
+    return [_compat.tree_unflatten([c[i] for c in chunks], spec) for i in range(m)]
 
 
 def _signature(batch: Any) -> tuple:
-    leaves, spec = tree_flatten(batch)
+    leaves, spec = _compat.tree_flatten(batch)
     return (str(spec), tuple((tuple(t.shape), t.dtype) if isinstance(t, Tensor) else type(t) for t in leaves))
 
 
@@ -270,7 +270,7 @@ class PipelineRunner:
         A batch the training microbatch count does not divide (a short last batch) uses the largest divisor of
         its size that is <= that count.
         """
-        leaves, _ = tree_flatten(batch)
+        leaves, _ = _compat.tree_flatten(batch)
         size = next((t.shape[0] for t in leaves if isinstance(t, Tensor) and t.dim() > 0), self.microbatches)
         m = max(d for d in range(1, min(self.microbatches, size) + 1) if size % d == 0)
         mbs = split_microbatches(batch, m)

@@ -31,8 +31,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
-from torch.distributed.tensor.placement_types import _StridedShard
+from typing_extensions import override
 
+from lightning_par import _compat
 from lightning_par.plans.tp_types import TPPlan, TPPlanError
 from lightning_par.plans.trunk import find_trunk
 
@@ -40,7 +41,7 @@ _SEQ = 1  # batch-first models: (batch, sequence, hidden)
 _SPLIT = ("colwise", "colwise_fused_qkv", "rowwise")
 
 
-class _FusedColwise(ColwiseParallel):
+class _FusedColwise(_compat.ColwiseParallelHook):
     """Column split of a fused projection laid out as ``chunks`` equal parts (``[q | k | v]``): each rank holds its
     slice of every part, i.e. whole heads of each, as a ``_StridedShard(0, split_factor=chunks)`` DTensor."""
 
@@ -48,10 +49,11 @@ class _FusedColwise(ColwiseParallel):
         super().__init__(use_local_output=True)
         self.chunks = chunks
 
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+    @override
+    def distribute(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
             for pname, param in list(mod.named_parameters(recurse=False)):
-                placement = _StridedShard(0, split_factor=self.chunks)
+                placement = _compat.StridedShard(0, split_factor=self.chunks)
                 dist_param = nn.Parameter(distribute_tensor(param, mesh, [placement]), param.requires_grad)
                 mod.register_parameter(pname, dist_param)
 
@@ -59,7 +61,7 @@ class _FusedColwise(ColwiseParallel):
             module,
             device_mesh,
             partition,
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),  # type: ignore[arg-type]
+            self.prepare_input(),
             _local_output,
         )
 

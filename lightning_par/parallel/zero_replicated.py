@@ -16,13 +16,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 
+from lightning_par import _compat
 from lightning_par.parallel.grad_norm import mark_sharded
 
-# torch 2.13 renamed the flat-tensor collectives; older releases only have the *_tensor names.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+# Module attributes, not calls of _compat's: benchmarks/bench_comm_bytes.py patches these two to count bytes.
+_reduce_scatter = _compat.reduce_scatter_single
+_all_gather = _compat.all_gather_single
 
 # DDP's choice: a small first bucket so the first reduction starts early in backward and overlaps the rest.
 _FIRST_BUCKET_MB = 1.0
@@ -261,9 +261,9 @@ class ReplicatedZero:
         spec_key = (name, value.dtype)
         spec = self._state_specs.get(spec_key)
         if spec is not None:
-            return DTensor(value, spec, requires_grad=False)
+            return _compat.dtensor_from_spec(value, spec)
         wrapped = self._wrap_state(full, value)
-        self._state_specs[spec_key] = wrapped._spec
+        self._state_specs[spec_key] = _compat.dtensor_spec(wrapped)
         return wrapped
 
     def _wrap_state(self, full: torch.Tensor, value: torch.Tensor) -> DTensor:
@@ -275,7 +275,7 @@ class ReplicatedZero:
             # one, as FSDP2 describes 2-D sharding; a fused parameter's layout is canonicalized when saved.
             rows: Placement = Shard(0)
             if type(tp_placement) is Shard and tp_placement.dim == 0:
-                rows = _StridedShard(0, split_factor=full.device_mesh.size())
+                rows = _compat.StridedShard(0, split_factor=full.device_mesh.size())
             return DTensor.from_local(
                 value,
                 self.state_mesh,

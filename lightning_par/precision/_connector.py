@@ -12,25 +12,27 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from lightning.pytorch.trainer.connectors import accelerator_connector as _ac
+from lightning_par import _compat
 
 _PATCHED = "_lightning_par_patched"
 
 
 def install() -> None:
     """Wrap the connector's precision choice once per process (idempotent)."""
-    cls = _ac._AcceleratorConnector
-    original = cls._check_and_init_precision
+    original = _compat.connector_precision_choice()
     if getattr(original, _PATCHED, False):
         return
 
     @functools.wraps(original)
-    def _check_and_init_precision(self: Any) -> Any:
+    def choose_precision(self: Any) -> Any:
         choose = getattr(getattr(self, "strategy", None), "precision_plugin_for", None)
-        if choose is None or self._precision_plugin_flag is not None:
+        if choose is None:
             return original(self)
-        device = "cuda" if self._accelerator_flag in ("cuda", "gpu") else "cpu"
-        return choose(self._precision_flag, device)
+        plugin_flag, accelerator_flag, precision_flag = _compat.connector_flags(self)
+        if plugin_flag is not None:
+            return original(self)
+        device = "cuda" if accelerator_flag in ("cuda", "gpu") else "cpu"
+        return choose(precision_flag, device)
 
-    setattr(_check_and_init_precision, _PATCHED, True)
-    cls._check_and_init_precision = _check_and_init_precision  # type: ignore[method-assign]
+    setattr(choose_precision, _PATCHED, True)
+    _compat.set_connector_precision_choice(choose_precision)

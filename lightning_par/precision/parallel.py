@@ -25,13 +25,14 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
+from lightning_par import _compat
 from lightning_par.parallel.grad_norm import clip_grad_norm
 
 PrecisionFlag = Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true"]
 SUPPORTED = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
 
 
-class ShardedGradScaler(torch.amp.GradScaler):
+class ShardedGradScaler(_compat.GradScalerUnscaleHook):
     """A grad scaler whose inf/nan check sees every rank's gradient shards.
 
     Each rank only holds some gradients (ZeRO-2/3 shards), so an overflow on one rank must skip the step on all:
@@ -39,7 +40,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
     """
 
     @override
-    def _unscale_grads_(  # type: ignore[override]
+    def unscale_grads(
         self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
     ) -> dict[torch.device, torch.Tensor]:
         by_key: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
@@ -54,7 +55,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         total = torch.zeros_like(found_inf)
         for (device, _), grads in by_key.items():
             found = torch.zeros_like(total, device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale.to(device))
+            _compat.amp_unscale_and_check_(grads, found, inv_scale.to(device))
             total += found.to(total.device)
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(total, op=dist.ReduceOp.MAX)

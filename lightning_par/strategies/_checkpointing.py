@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lightning_par import _compat
 from lightning_par.checkpoint.async_save import AsyncSaver
 from lightning_par.checkpoint.dcp import OptimizerEntry, load_sharded, optimizer_state, save_sharded, tmp_path
 from lightning_par.checkpoint.resume_state import KEY
@@ -52,7 +52,7 @@ def optimizer_entries(run: Optional[ParallelRun], module: nn.Module, optimizers:
 
 
 def _inner(optimizer: Any) -> torch.optim.Optimizer:
-    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+    return _compat.unwrap_optimizer(optimizer)
 
 
 class ShardedCheckpoints:
@@ -119,7 +119,7 @@ class ShardedCheckpoints:
                 tensors.extend(group["params"])
             for state in entry.optimizer.state.values():
                 tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor))
-        local = (t._local_tensor if isinstance(t, DTensor) else t for t in tensors)  # not to_local(): autograd
+        local = (_compat.dtensor_local(t) if isinstance(t, DTensor) else t for t in tensors)
         return frozenset(t.untyped_storage().data_ptr() for t in local)
 
     def holds_no_rank(self, barrier_name: Optional[str]) -> bool:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torchmetrics import Metric
 
+from lightning_par import _compat
 from lightning_par.parallel.pipeline import StageSpec
 from lightning_par.parallel.pipeline_schedule import PipelineRunner
 
@@ -32,9 +33,7 @@ _REDUCE = {"mean": torch.mean, "sum": torch.sum, "max": torch.max, "min": torch.
 
 
 def _to(obj: Any, device: torch.device) -> Any:
-    from torch.utils._pytree import tree_map_only
-
-    return tree_map_only(Tensor, lambda t: t.detach().to(device), obj)
+    return _compat.tree_map_only(Tensor, lambda t: t.detach().to(device), obj)
 
 
 class PipelineSteps:
@@ -168,12 +167,12 @@ class PipelineSteps:
         if dist.get_rank() == src:
             logs = _reduce_logs(self._logs, metric_names)
             names = {v for _, v, _ in logs if isinstance(v, str)}
-            metrics = {n: _metric_state(cast(Metric, module.get_submodule(n))) for n in names}
+            metrics = {n: _compat.metric_state(cast(Metric, module.get_submodule(n))) for n in names}
             payload = [_to({"result": result, "logs": logs, "metrics": metrics}, torch.device("cpu"))]
         dist.broadcast_object_list(payload, src=src, group=self.group)
         data = _to(payload[0], device)
         for name, state in data["metrics"].items():
-            _set_metric_state(cast(Metric, module.get_submodule(name)), state)
+            _compat.set_metric_state(cast(Metric, module.get_submodule(name)), state)
         for name, value, kwargs in data["logs"]:
             if isinstance(value, str):  # a Metric, by its module name
                 value = module.get_submodule(value)
@@ -184,11 +183,9 @@ class PipelineSteps:
 
 def _join(outputs: list[Any]) -> Any:
     """Microbatch outputs of one structure joined into the batch's: tensors concatenated along dim 0."""
-    from torch.utils._pytree import tree_flatten, tree_unflatten
-
     if not outputs:
         return None
-    flat = [tree_flatten(o) for o in outputs]
+    flat = [_compat.tree_flatten(o) for o in outputs]
     spec = flat[0][1]
     if any(s != spec for _, s in flat):
         return outputs
@@ -196,7 +193,7 @@ def _join(outputs: list[Any]) -> Any:
     for column in zip(*(leaves for leaves, _ in flat)):
         first = column[0]
         leaves.append(torch.cat(column) if isinstance(first, Tensor) and first.dim() > 0 else first)
-    return tree_unflatten(leaves, spec)
+    return _compat.tree_unflatten(leaves, spec)
 
 
 def _reduce_logs(
@@ -220,19 +217,3 @@ def _reduce_logs(
         stacked = torch.stack([torch.as_tensor(v, dtype=torch.float32).detach().float() for v in values])
         out.append((name, reduce(stacked), kwargs))
     return out
-
-
-def _metric_state(metric: Metric) -> dict[str, Any]:
-    return {
-        "state": {k: getattr(metric, k) for k in metric._defaults},
-        "update_count": metric._update_count,
-        "forward_cache": metric._forward_cache,
-    }
-
-
-def _set_metric_state(metric: Metric, data: dict[str, Any]) -> None:
-    for k, v in data["state"].items():
-        setattr(metric, k, v)
-    metric._update_count = data["update_count"]
-    metric._forward_cache = data["forward_cache"]
-    metric._computed = None

@@ -13,20 +13,14 @@ from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import ParallelStrategy as _LightningParallelStrategy
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
+from lightning_par import _compat
 from lightning_par.config import ParallelConfig
 from lightning_par.mesh import ParallelMesh, build_mesh
 
@@ -107,26 +101,21 @@ class ProcessGroupStrategy(_LightningParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            _compat.set_subprocess_launcher(self)
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
-        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        backend = self._process_group_backend or _compat.default_process_group_backend(self.root_device)
         self._process_group_backend = backend
         assert self.cluster_environment is not None
         device_id = self.root_device if self.root_device.type != "cpu" else None
-        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
+        _compat.init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
         self._config = self._config.resolve(self.world_size, devices_per_node=self.num_processes)
         self._mesh = build_mesh(self._config, self.root_device.type)
-        c = self._config
-        rank_zero_info(
-            f"lightning_par layout: world {self.world_size} = pp {c.pp} x dp_replicate {c.dp_replicate} x dp_shard "
-            f"{c.dp_shard} x tp {c.tp} (ep {c.ep}); zero_stage {c.zero_stage}, offload {c.offload}, activation "
-            f"checkpointing {c.activation_checkpointing}"
-        )
+        rank_zero_info(f"lightning_par layout: {self._config.describe(self.world_size)}")
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -147,12 +136,12 @@ class ProcessGroupStrategy(_LightningParallelStrategy):
     # ---- collectives -----------------------------------------------------------------------------------------
     @override
     def barrier(self, name: Optional[str] = None) -> None:
-        if _distributed_is_initialized():
+        if _compat.distributed_is_initialized():
             dist.barrier()
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
+        if not _compat.distributed_is_initialized():
             return obj
         box = [obj]
         dist.broadcast_object_list(box, src)
@@ -167,4 +156,4 @@ class ProcessGroupStrategy(_LightningParallelStrategy):
             return tensor
         if group is None and self._mesh is not None:
             group = self._mesh.dp.get_group()
-        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return _compat.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)

@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 import torch
 
+from lightning_par import _compat
 from lightning_par.checkpoint.dcp import rank_file
 from lightning_par.checkpoint.reader import CheckpointError
 from lightning_par.checkpoint.resume_state import (
@@ -123,7 +124,7 @@ class ResumeState:
 
 
 def _train_loaders(trainer: Any) -> list[object]:
-    loader = getattr(trainer.fit_loop, "_combined_loader", None) if trainer is not None else None
+    loader = _compat.combined_loader(trainer) if trainer is not None else None
     return list(loader.flattened) if loader is not None else []
 
 

@@ -20,12 +20,12 @@ from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_par import _compat
 from lightning_par.checkpoint.reader import load_tensors, read_index, read_meta
 from lightning_par.parallel import deepspeed_state as ds_state
 from lightning_par.parallel.deepspeed_zero import (
@@ -203,7 +203,7 @@ class DeepSpeedParallelStrategy(ParallelStrategy):
                     "exactly one; return one optimizer or use backend='native'"
                 )
             client = self.optimizers[0]
-            self._client = client._optimizer if isinstance(client, LightningOptimizer) else client
+            self._client = _compat.unwrap_optimizer(client)
             names = {p: n for n, p in module.named_parameters()}
             self._group_names = [[names[p] for p in g["params"]] for g in self._client.param_groups]
             optimizer = deepspeed_optimizer(self._client, offloaded=self.config.offload)
@@ -254,7 +254,7 @@ class DeepSpeedParallelStrategy(ParallelStrategy):
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        inner = _compat.unwrap_optimizer(optimizer)
         if inner is not self._client:
             raise ValueError("optimizer_state() got an optimizer the strategy does not manage")
         assert self.lightning_module is not None
@@ -268,15 +268,15 @@ class DeepSpeedParallelStrategy(ParallelStrategy):
         assert module is not None
         index, meta = read_index(path), read_meta(path)
         params = dict(module.named_parameters())
-        model = {n: torch.empty(ds_state._shape(p), dtype=torch.float32) for n, p in params.items()}
-        model.update({n: torch.empty_like(b) for n, b in module.named_buffers() if ds_state._persistent(module, n)})
+        model = {n: torch.empty(ds_state.param_shape(p), dtype=torch.float32) for n, p in params.items()}
+        model.update({n: torch.empty_like(b) for n, b in module.named_buffers() if ds_state.is_persistent(module, n)})
         state: dict[str, Any] = {"state_dict": model}
         if self._client is not None:
             parts = ds_state.engine_parts(self.engine)
             ds_state.materialize_optimizer_state(parts)
             keys = ds_state.state_keys(parts)
             per_param = {
-                n: {**{k: torch.empty(ds_state._shape(params[n])) for k in keys}, "step": torch.tensor(0.0)}
+                n: {**{k: torch.empty(ds_state.param_shape(params[n])) for k in keys}, "step": torch.tensor(0.0)}
                 for names in self._group_names for n in names
             }  # fmt: skip
             groups = [{**opts, "params": names} for opts, names in zip(self._group_options(), self._group_names)]

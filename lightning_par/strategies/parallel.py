@@ -25,6 +25,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_par import _compat
 from lightning_par.checkpoint.dcp import OptimizerEntry, model_state
 from lightning_par.config import AUTO, ACMode, ParallelConfig
 from lightning_par.parallel.compose import parallelize
@@ -179,7 +180,7 @@ class ParallelStrategy(ProcessGroupStrategy):
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
-        self._reset_optimizers_and_schedulers()
+        _compat.reset_optimizers_and_schedulers(self)
         super().setup_optimizers(trainer)
         if self._run is not None:
             for opt in self.optimizers:
@@ -245,7 +246,7 @@ class ParallelStrategy(ProcessGroupStrategy):
 
     # ---- checkpoints (ShardedCheckpoints) ----------------------------------------------------------------------
     def _where(self) -> Where:
-        trainer = getattr(self.lightning_module, "_trainer", None)
+        trainer = _compat.attached_trainer(self.lightning_module)
         return Where(trainer, self.global_rank, self.world_size, self.root_device, self.broadcast)
 
     def _optimizer_entries(self) -> list[OptimizerEntry]:

@@ -9,12 +9,11 @@ from __future__ import annotations
 from typing import Any
 
 from torch import Tensor
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+
+from lightning_par import _compat
 
 
-class LiveStorageBytes(TorchDispatchMode):
+class LiveStorageBytes(_compat.TorchDispatchMode):
     """Bytes of the tensor storages created under this mode, while alive, and their peak at op boundaries.
 
     Entered around a forward, `now()` afterwards is the activation memory held until backward; tensors created
@@ -23,17 +22,18 @@ class LiveStorageBytes(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.live: dict[int, tuple[_compat.StorageWeakRef, int]] = {}
         self.peak = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         # Outputs that share an input's storage (views, in-place ops: a parameter's .t()) allocate nothing.
-        inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)}
-        for t in tree_leaves(out):
-            if isinstance(t, Tensor) and t.untyped_storage()._cdata not in inputs:
+        leaves = _compat.tree_leaves((args, kwargs))
+        inputs = {_compat.storage_id(t.untyped_storage()) for t in leaves if isinstance(t, Tensor)}
+        for t in _compat.tree_leaves(out):
+            if isinstance(t, Tensor) and _compat.storage_id(t.untyped_storage()) not in inputs:
                 storage = t.untyped_storage()
-                self.live.setdefault(storage._cdata, (StorageWeakRef(storage), storage.nbytes()))
+                self.live.setdefault(_compat.storage_id(storage), (_compat.StorageWeakRef(storage), storage.nbytes()))
         self.peak = max(self.peak, self.now())
         return out
 

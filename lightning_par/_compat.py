@@ -1,0 +1,417 @@
+"""The one place lightning_par reaches private APIs of torch, Lightning, torchmetrics and DeepSpeed: a thin accessor
+each, commented with its use and the version checked (torch 2.13.0, lightning 2.6.6, torchmetrics 1.9.0, deepspeed
+0.19.8). ``tests/_private_apis.py`` probes each one and ``tests/test_compat.py`` fails naming the API, the installed
+version and the fix when an upgrade moves it. Only torch is imported at module level (the lower layers never import
+Lightning, and DeepSpeed is slow to import); a private torch name that is gone does not break this import.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import TYPE_CHECKING, Any, NoReturn, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel
+
+
+def _resolve(module: str, name: str) -> Any:
+    """``module.name``, or, when this torch has no such name, a stand-in class that raises on any call."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+
+        def moved(*args: Any, **kwargs: Any) -> NoReturn:
+            raise ImportError(
+                f"{module}.{name} is not in torch {torch.__version__}; update lightning_par/_compat.py "
+                "(tests/test_compat.py lists every private API that moved)"
+            )
+
+        return type(name, (), {"__new__": staticmethod(moved)})
+
+
+# ---- torch: DTensor and DeviceMesh ------------------------------------------------------------------------------
+if TYPE_CHECKING:
+    from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
+else:
+    # _StridedShard, torch 2.13.0: a dim split chunk by chunk, so each tp rank holds whole heads of a fused [q|k|v].
+    StridedShard = _resolve("torch.distributed.tensor.placement_types", "_StridedShard")
+
+
+def dtensor_local(t: DTensor) -> Tensor:
+    """The local shard of ``t`` without ``to_local()``, which is an autograd call (~10 us each)."""
+    # DTensor._local_tensor, torch 2.13.0: the shard a DTensor wraps.
+    return t._local_tensor
+
+
+def dtensor_spec(t: DTensor) -> Any:
+    """The (immutable) spec of ``t``: mesh, placements, global shape and stride, for `dtensor_from_spec`."""
+    # DTensor._spec, torch 2.13.0: DTensorSpec, reused to rewrap many tensors of one layout.
+    return t._spec
+
+
+def dtensor_from_spec(local: Tensor, spec: Any) -> DTensor:
+    """Wrap ``local`` with a spec from `dtensor_spec` (~2 us, against ~20-50 us for ``DTensor.from_local``)."""
+    # DTensor(local_tensor, spec, *, requires_grad), torch 2.13.0: the constructor torch's own ops use.
+    return DTensor(local, spec, requires_grad=False)
+
+
+def dtensor_like(local: Tensor, like: DTensor) -> DTensor:
+    """Wrap ``local`` as a DTensor of ``like``'s layout: the private constructor, or ``from_local`` if it changed."""
+    # DTensor(local_tensor, spec, *, requires_grad) and DTensor._spec, torch 2.13.0; from_local is the fallback.
+    try:
+        return DTensor(local, like._spec, requires_grad=False)
+    except TypeError:  # another constructor signature: the public, slower way
+        mesh, placements = like.device_mesh, like.placements
+        return DTensor.from_local(local, mesh, placements, shape=like.shape, stride=like.stride(), run_check=False)
+
+
+def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """All axes of ``mesh`` as one axis called ``name`` (over the same ranks)."""
+    # DeviceMesh._flatten, torch 2.13.0: the one way torch offers to merge mesh axes into one.
+    return mesh._flatten(name)
+
+
+# ---- torch: collectives ------------------------------------------------------------------------------------------
+# dist.reduce_scatter_single / all_gather_single, torch 2.13.0: the flat-tensor collectives, renamed in 2.13;
+# older releases only have the *_tensor names.
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+# torch.ops._c10d_functional, torch 2.13.0: the namespace of the functional collectives DTensor redistributes with.
+C10D_FUNCTIONAL = "_c10d_functional"
+
+
+def c10d_functional_ops() -> Any:
+    """``torch.ops._c10d_functional``: its ops are what a dispatch mode sees of DTensor's collectives."""
+    return getattr(torch.ops, C10D_FUNCTIONAL)
+
+
+def op_name(func: Any) -> str:
+    """``namespace::name`` of an op overload seen by a dispatch mode, without the overload (``aten::mm``)."""
+    # OpOverload._schema, torch 2.13.0: the op's schema; its name has no overload suffix.
+    return func._schema.name
+
+
+# ---- torch: nn.Module, Tensor and storage internals --------------------------------------------------------------
+def tensor_version(t: Tensor) -> int:
+    """``t``'s in-place version counter: it moves on every in-place change to ``t`` or a view of it."""
+    # Tensor._version, torch 2.13.0: what autograd checks saved tensors with.
+    return t._version
+
+
+def storage_id(storage: torch.UntypedStorage) -> int:
+    """An id of ``storage`` that all tensors viewing it share (``data_ptr`` is 0 for empty storages)."""
+    # UntypedStorage._cdata, torch 2.13.0: the address of the C++ StorageImpl.
+    return storage._cdata
+
+
+if TYPE_CHECKING:
+    from torch.multiprocessing.reductions import StorageWeakRef
+else:
+    # StorageWeakRef, torch 2.13.0 (torch.multiprocessing.reductions): a weak reference to a storage.
+    StorageWeakRef = _resolve("torch.multiprocessing.reductions", "StorageWeakRef")
+
+
+def module_parameters(module: nn.Module) -> dict[str, Optional[nn.Parameter]]:
+    """The parameters registered directly on ``module`` by name, ``None`` entries included."""
+    # Module._parameters, torch 2.13.0.
+    return module._parameters
+
+
+def set_child_module(parent: nn.Module, name: str, child: nn.Module) -> None:
+    """Put ``child`` in ``parent``'s slot ``name`` without ``__setattr__``'s checks (keeps registration order)."""
+    # Module._modules, torch 2.13.0.
+    parent._modules[name] = child
+
+
+def non_persistent_buffers(module: nn.Module) -> set[str]:
+    """Names of ``module``'s own buffers registered with ``persistent=False`` (left out of its state dict)."""
+    # Module._non_persistent_buffers_set, torch 2.13.0.
+    return module._non_persistent_buffers_set
+
+
+# ---- torch: AMP --------------------------------------------------------------------------------------------------
+def amp_unscale_and_check_(grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:
+    """Multiply ``grads`` (one device and dtype) by ``inv_scale`` in place; set ``found_inf`` to 1 on inf/nan."""
+    # torch._amp_foreach_non_finite_check_and_unscale_, torch 2.13.0: GradScaler's own fused kernel.
+    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+
+
+class GradScalerUnscaleHook(torch.amp.GradScaler):
+    """`torch.amp.GradScaler` whose per-optimizer unscale and inf/nan check is the overridable `unscale_grads`."""
+
+    # GradScaler._unscale_grads_, torch 2.13.0: what unscale_() calls once per optimizer.
+    def _unscale_grads_(  # type: ignore[override]
+        self, optimizer: torch.optim.Optimizer, inv_scale: Tensor, found_inf: Tensor, allow_fp16: bool
+    ) -> dict[torch.device, Tensor]:
+        return self.unscale_grads(optimizer, inv_scale, found_inf, allow_fp16)
+
+    def unscale_grads(
+        self, optimizer: torch.optim.Optimizer, inv_scale: Tensor, found_inf: Tensor, allow_fp16: bool
+    ) -> dict[torch.device, Tensor]:
+        """Unscale ``optimizer``'s gradients in place; return ``{device: found_inf}`` (torch's own by default)."""
+        return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+
+
+# ---- torch: pytree and dispatch ----------------------------------------------------------------------------------
+if TYPE_CHECKING:
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten, tree_leaves, tree_map_only, tree_unflatten
+else:
+    # torch.utils._pytree, torch 2.13.0: flatten nested batches and outputs (lists, tuples, dicts) to tensors.
+    tree_flatten = _resolve("torch.utils._pytree", "tree_flatten")
+    tree_unflatten = _resolve("torch.utils._pytree", "tree_unflatten")
+    tree_leaves = _resolve("torch.utils._pytree", "tree_leaves")
+    tree_map_only = _resolve("torch.utils._pytree", "tree_map_only")
+    # TorchDispatchMode, torch 2.13.0 (torch.utils._python_dispatch): sees every op, inside checkpointed regions too.
+    TorchDispatchMode = _resolve("torch.utils._python_dispatch", "TorchDispatchMode")
+
+
+# ---- torch: distributed checkpoint -------------------------------------------------------------------------------
+def init_optim_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create ``optimizer``'s state with one zero-gradient, zero-learning-rate step (DCP loads into it)."""
+    # torch.distributed.checkpoint.state_dict._init_optim_state, torch 2.13.0.
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    _init_optim_state(optimizer)
+
+
+# Private globals that DCP's index (.metadata) pickles, torch 2.13.0; the checkpoint reader allows them by name.
+DCP_INDEX_PRIVATE_GLOBALS = (
+    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),  # maps a layout's name to the layout
+)
+
+
+class FileSystemReaderSliceHook(FileSystemReader):
+    """DCP's `FileSystemReader` that calls `before_slice` with each item's file location before reading it."""
+
+    # FileSystemReader._slice_file(file, sinfo), torch 2.13.0: called for each item just before its bytes are read.
+    def _slice_file(self, file: Any, sinfo: Any) -> Any:
+        self.before_slice(sinfo)
+        return super()._slice_file(file, sinfo)
+
+    def before_slice(self, sinfo: Any) -> None:
+        """Called with the item's ``_StorageInfo`` (``relative_path``, ``offset``, ``length``)."""
+
+
+# ---- torch: tensor-parallel styles -------------------------------------------------------------------------------
+class ColwiseParallelHook(ColwiseParallel):
+    """torch's `ColwiseParallel` whose sharding is the overridable `distribute`, with its input hook `prepare_input`."""
+
+    # ParallelStyle._apply(module, device_mesh), torch 2.13.0: what parallelize_module calls for each style.
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return self.distribute(module, device_mesh)
+
+    def distribute(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        """Shard ``module`` over ``device_mesh`` (torch's column split by default)."""
+        return super()._apply(module, device_mesh)
+
+    def prepare_input(self) -> Callable[..., Any]:
+        """ColwiseParallel's input hook bound to this style's layouts: ``fn(module, inputs, mesh)``."""
+        # ColwiseParallel._prepare_input_fn, torch 2.13.0: a static method that takes the two layouts first.
+        return partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts)  # type: ignore[arg-type]
+
+
+# ---- torch: pipelining (benchmarks) ------------------------------------------------------------------------------
+def pipeline_p2p_wait() -> Callable[[list[Any]], None]:
+    """The function every torch pipeline schedule waits on its point-to-point transfers through."""
+    # torch.distributed.pipelining.schedules._wait_batch_p2p, torch 2.13.0.
+    from torch.distributed.pipelining import schedules
+
+    return schedules._wait_batch_p2p
+
+
+def set_pipeline_p2p_wait(fn: Callable[[list[Any]], None]) -> None:
+    """Make every torch pipeline schedule wait on its transfers through ``fn`` (see `pipeline_p2p_wait`)."""
+    from torch.distributed.pipelining import schedules
+
+    schedules._wait_batch_p2p = fn  # type: ignore[assignment]
+
+
+def pipeline_order(schedule: Any) -> dict[int, list[Any]]:
+    """A torch schedule's action table ``{rank: [action or None, ...]}``, as `parallel.pipeline_timeline` replays."""
+    # PipelineSchedule*.pipeline_order, torch 2.13.0: set in __init__, undocumented.
+    return schedule.pipeline_order
+
+
+# ---- Lightning ---------------------------------------------------------------------------------------------------
+def connector_precision_choice() -> Callable[[Any], Any]:
+    """The method with which Lightning's accelerator connector picks the precision plugin (see `set_...`)."""
+    # _AcceleratorConnector._check_and_init_precision, lightning 2.6.6: no hook for third-party strategies there.
+    from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
+
+    return _AcceleratorConnector._check_and_init_precision
+
+
+def set_connector_precision_choice(method: Callable[[Any], Any]) -> None:
+    """Replace the connector's precision choice (`connector_precision_choice`) for every later Trainer."""
+    from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
+
+    _AcceleratorConnector._check_and_init_precision = method  # type: ignore[method-assign, assignment]
+
+
+def connector_flags(connector: Any) -> tuple[Any, Any, Any]:
+    """The Trainer's precision plugin, ``accelerator`` and ``precision`` arguments, as its connector holds them."""
+    # _AcceleratorConnector._precision_plugin_flag / _accelerator_flag / _precision_flag, lightning 2.6.6.
+    return connector._precision_plugin_flag, connector._accelerator_flag, connector._precision_flag
+
+
+def stateful_protocol() -> type:
+    """Lightning's protocol of objects with ``state_dict`` / ``load_state_dict``: a loader it can resume mid-epoch."""
+    # lightning.fabric.utilities.types._Stateful, lightning 2.6.6 (a runtime-checkable Protocol).
+    from lightning.fabric.utilities.types import _Stateful
+
+    return _Stateful
+
+
+def combined_loader(trainer: Any) -> Optional[Any]:
+    """The fit loop's `CombinedLoader` over the training loaders, or ``None`` before fit set it up."""
+    # _FitLoop._combined_loader, lightning 2.6.6.
+    return getattr(trainer.fit_loop, "_combined_loader", None)
+
+
+def attached_trainer(module: Any) -> Optional[Any]:
+    """The Trainer a LightningModule is attached to, or ``None`` (``module.trainer`` raises when detached)."""
+    # LightningModule._trainer, lightning 2.6.6.
+    return getattr(module, "_trainer", None)
+
+
+def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside a `LightningOptimizer`, or ``optimizer`` itself."""
+    # LightningOptimizer._optimizer, lightning 2.6.6.
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+def init_dist_connection(cluster_environment: Any, backend: str, **kwargs: Any) -> None:
+    """Initialize the default process group from a Lightning cluster environment; ``kwargs`` go to torch."""
+    # lightning.fabric.utilities.distributed._init_dist_connection, lightning 2.6.6.
+    from lightning.fabric.utilities.distributed import _init_dist_connection
+
+    _init_dist_connection(cluster_environment, backend, **kwargs)
+
+
+def default_process_group_backend(device: torch.device) -> str:
+    """Lightning's process-group backend for ``device`` (``"nccl"`` on CUDA, ``"gloo"`` otherwise)."""
+    # lightning.fabric.utilities.distributed._get_default_process_group_backend_for_device, lightning 2.6.6.
+    from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
+
+    return _get_default_process_group_backend_for_device(device)
+
+
+def distributed_is_initialized() -> bool:
+    """Whether torch.distributed is available and its default process group initialized."""
+    # lightning.fabric.utilities.distributed._distributed_is_initialized, lightning 2.6.6.
+    from lightning.fabric.utilities.distributed import _distributed_is_initialized
+
+    return _distributed_is_initialized()
+
+
+def sync_ddp_if_available(tensor: Tensor, group: Optional[Any] = None, reduce_op: Optional[Any] = None) -> Tensor:
+    """All-reduce ``tensor`` over ``group`` with Lightning's ``reduce_op`` names (``"mean"``), if distributed."""
+    # lightning.fabric.utilities.distributed._sync_ddp_if_available, lightning 2.6.6.
+    from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+
+    return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+
+
+def set_subprocess_launcher(strategy: Any) -> None:
+    """Give ``strategy`` Lightning's launcher that re-runs the script once per local rank (as DDP's does)."""
+    # _SubprocessScriptLauncher and Strategy._launcher, lightning 2.6.6.
+    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+    env = strategy.cluster_environment
+    strategy._launcher = _SubprocessScriptLauncher(env, strategy.num_processes, strategy.num_nodes)
+
+
+def reset_optimizers_and_schedulers(strategy: Any) -> None:
+    """Forget ``strategy``'s optimizers, schedulers and their Lightning wrappers, before it sets them up again."""
+    # Strategy._reset_optimizers_and_schedulers, lightning 2.6.6.
+    strategy._reset_optimizers_and_schedulers()
+
+
+def init_deepspeed_distributed(strategy: Any) -> None:
+    """Initialize DeepSpeed's process group the way Lightning's `DeepSpeedStrategy` does (benchmarks)."""
+    # DeepSpeedStrategy._init_deepspeed_distributed, lightning 2.6.6.
+    strategy._init_deepspeed_distributed()
+
+
+# ---- torchmetrics ------------------------------------------------------------------------------------------------
+def metric_state(metric: Any) -> dict[str, Any]:
+    """What a `torchmetrics.Metric` has accumulated: its states, update count and last forward value."""
+    # Metric._defaults / _update_count / _forward_cache, torchmetrics 1.9.0.
+    return {
+        "state": {k: getattr(metric, k) for k in metric._defaults},
+        "update_count": metric._update_count,
+        "forward_cache": metric._forward_cache,
+    }
+
+
+def set_metric_state(metric: Any, data: dict[str, Any]) -> None:
+    """Install a `metric_state` into ``metric`` (another rank's), dropping its cached ``compute()`` result."""
+    # Metric._update_count / _forward_cache / _computed, torchmetrics 1.9.0.
+    for k, v in data["state"].items():
+        setattr(metric, k, v)
+    metric._update_count = data["update_count"]
+    metric._forward_cache = data["forward_cache"]
+    metric._computed = None
+
+
+# ---- DeepSpeed ---------------------------------------------------------------------------------------------------
+# Attributes of DeepSpeed's ZeRO 1/2, ZeRO-3 and bf16 optimizer wrappers that hold the flat fp32 partitions the inner
+# optimizer steps on, deepspeed 0.19.8 (public names, undocumented).
+_FP32_PARTITIONS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition")
+
+
+def zero_fp32_partitions(optimizer: Any) -> Optional[Sequence[Tensor]]:
+    """The flat fp32 partitions a DeepSpeed optimizer wrapper steps on, or ``None`` (plain fp32 ZeRO-0)."""
+    for attr in _FP32_PARTITIONS:
+        flats = getattr(optimizer, attr, None)
+        if flats is not None:
+            return flats
+    return None
+
+
+def is_zero3(wrapper: Any) -> bool:
+    """Whether a DeepSpeed optimizer wrapper is ZeRO-3's (parameters partitioned too)."""
+    # DeepSpeedZeroOptimizer_Stage3.fp32_partitioned_groups_flat, deepspeed 0.19.8.
+    return getattr(wrapper, "fp32_partitioned_groups_flat", None) is not None
+
+
+def zero_swaps_optimizer(wrapper: Any) -> bool:
+    """Whether ZeRO-3 keeps the optimizer state on NVMe and swaps it in and out."""
+    # DeepSpeedZeroOptimizer_Stage3.swap_optimizer, deepspeed 0.19.8.
+    return getattr(wrapper, "swap_optimizer", False)
+
+
+def zero_sub_group_to_group_id(wrapper: Any) -> Optional[Sequence[int]]:
+    """ZeRO-3's param group index of each flat partition (it splits groups into sub-groups), or ``None``."""
+    # DeepSpeedZeroOptimizer_Stage3.sub_group_to_group_id, deepspeed 0.19.8.
+    return getattr(wrapper, "sub_group_to_group_id", None)
+
+
+def zero_relink_optimizer_state(wrapper: Any) -> None:
+    """Relink each parameter to its slice of the optimizer state (ZeRO 1/2 and bf16; a no-op elsewhere)."""
+    # _lazy_init_hp_params_optimizer_state and _hp_optimizer_states_linked of DeepSpeedZeroOptimizer and
+    # BF16_Optimizer, deepspeed 0.19.8: linked once, after the first step; the flag makes it link again.
+    relink = getattr(wrapper, "_lazy_init_hp_params_optimizer_state", None)
+    if relink is not None and wrapper is not None:
+        wrapper._hp_optimizer_states_linked = False
+        relink()
+
+
+def zero3_shape(param: nn.Parameter) -> torch.Size:
+    """A parameter's full shape: ZeRO-3 parameters are empty placeholders that keep it in ``ds_shape``."""
+    # Parameter.ds_shape (set by deepspeed.runtime.zero.partition_parameters), deepspeed 0.19.8.
+    return param.ds_shape if hasattr(param, "ds_shape") else param.shape

@@ -1,0 +1,339 @@
+"""The probes of every private API `lightning_par._compat` reaches: what depends on each, and a check that it is still
+where the accessor expects it. `tests/test_compat.py` turns each into a test, so an upgrade that moves one fails
+with the API's name, the installed version and the fix, not deep inside a training run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.metadata
+import inspect
+import re
+from collections.abc import Callable
+from functools import partial
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from lightning_par import _compat
+
+
+# ---- checks ------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class PrivateAPI:
+    """A private API reached from this module, and what in lightning_par depends on it.
+
+    Args:
+        library: the distribution it comes from (``"torch"``, ``"lightning"``, ``"torchmetrics"``, ``"deepspeed"``).
+        name: its dotted name.
+        used_by: what depends on it, as the end of "..., which <used_by>".
+        accessors: the names in this module that reach it.
+        probe: raises (ImportError, AttributeError, ...) when the installed library no longer has it as used here.
+    """
+
+    library: str
+    name: str
+    used_by: str
+    accessors: tuple[str, ...]
+    probe: Callable[[], object]
+
+
+def _attr(path: str) -> Any:
+    """The object at dotted ``path``: the longest importable module prefix, then attributes."""
+    parts = path.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for part in parts[i:]:
+            obj = getattr(obj, part)
+        return obj
+    raise ImportError(f"no module in {path}")
+
+
+def _params(path: str, *names: str) -> Any:
+    """The callable at ``path``; fails unless it takes parameters ``names``."""
+    fn = _attr(path)
+    have = inspect.signature(fn).parameters
+    if any(n not in have for n in names):
+        raise TypeError(f"it takes ({', '.join(have)}), lightning_par passes ({', '.join(names)})")
+    return fn
+
+
+def _sets(path: str, *attrs: str) -> Any:
+    """Fail unless the source of the class or module at ``path`` assigns each of ``attrs`` (instance attributes
+    that exist only on a built object, which a check cannot afford to build: a process group, an engine)."""
+    source = inspect.getsource(_attr(path))
+    missing = [a for a in attrs if not re.search(rf"\.{a}\s*(:[^=\n]*)?=(?!=)", source)]
+    if missing:
+        raise AttributeError(f"{path} no longer sets {', '.join(missing)}")
+    return source
+
+
+def _dtensor_constructor() -> None:
+    # The constructor is a C++ function without a signature; torch mirrors it in a Python stub for mypy.
+    source = inspect.getsource(_attr(DTensor.from_local.__module__))  # where DTensor is defined
+    if "local_tensor: torch.Tensor,\n        spec: DTensorSpec,\n        *,\n        requires_grad: bool" not in source:
+        raise TypeError("DTensor.__new__ no longer reads (local_tensor, spec, *, requires_grad)")
+
+
+def _slots(path: str, *names: str) -> None:
+    if any(n not in _attr(path).__slots__ for n in names):
+        raise AttributeError(f"{path}.__slots__ is {_attr(path).__slots__}")
+
+
+def _fields(path: str, *names: str) -> None:
+    if any(n not in _attr(path)._fields for n in names):
+        raise AttributeError(f"{path} has fields {_attr(path)._fields}")
+
+
+_D = "torch.distributed"
+_DT = "torch.distributed.tensor"
+_PS = "torch.distributed.pipelining.schedules"
+_LF = "lightning.fabric.utilities.distributed"
+_LS = "lightning.pytorch.strategies"
+_CONNECTOR = "lightning.pytorch.trainer.connectors.accelerator_connector._AcceleratorConnector"
+_ZERO12 = "deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer"
+_ZERO3 = "deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3"
+_BF16 = "deepspeed.runtime.bf16_optimizer.BF16_Optimizer"
+_ENGINE = "lightning_par.parallel.deepspeed_state finds DeepSpeed's fp32 partitions (checkpoints) with"
+_METRIC = "lightning_par.strategies._pipeline sends metrics from the last pipeline stage to the others with"
+_TREE = "lightning_par.parallel.pipeline(_schedule), utils.memory, strategies._pipeline walk batches and outputs with"
+
+# One entry per private API; the accessors are this module's names that reach it.
+PRIVATE_APIS: tuple[PrivateAPI, ...] = (
+    # torch: DTensor and DeviceMesh
+    PrivateAPI("torch", f"{_DT}.placement_types._StridedShard",
+               "lightning_par.parallel.tensor_parallel shards fused [q|k|v] projections with (checkpoint.strided, "
+               "parallel.zero_replicated read it)",
+               ("StridedShard",), lambda: _params(f"{_DT}.placement_types._StridedShard", "dim", "split_factor")),
+    PrivateAPI("torch", f"{_DT}.DTensor._local_tensor",
+               "lightning_par.checkpoint.async_save and strategies._checkpointing read shards without autograd with",
+               ("dtensor_local",), lambda: _slots(f"{_DT}.DTensor", "_local_tensor")),
+    PrivateAPI("torch", f"{_DT}.DTensor._spec",
+               "lightning_par.parallel.zero_replicated and checkpoint.async_save rewrap state and staged shards with",
+               ("dtensor_spec", "dtensor_like"), lambda: _slots(f"{_DT}.DTensor", "_spec")),
+    PrivateAPI("torch", f"{_DT}.DTensor(local_tensor, spec, *, requires_grad)",
+               "lightning_par.parallel.zero_replicated wraps optimizer state for DCP with (checkpoint.async_save "
+               "falls back to DTensor.from_local)",
+               ("dtensor_from_spec", "dtensor_like"), _dtensor_constructor),
+    PrivateAPI("torch", f"{_D}.device_mesh.DeviceMesh._flatten",
+               "lightning_par.mesh builds the flat dp axis (loss averaging, sampler, metrics) with",
+               ("flatten_mesh",), lambda: _params(f"{_D}.device_mesh.DeviceMesh._flatten", "mesh_dim_name")),
+    # torch: collectives
+    PrivateAPI("torch", f"{_D}.reduce_scatter_single (or reduce_scatter_tensor)",
+               "lightning_par.parallel.zero_replicated reduces ZeRO-1/2 gradient buckets with",
+               ("reduce_scatter_single",),
+               lambda: getattr(dist, "reduce_scatter_single", None) or _attr(f"{_D}.reduce_scatter_tensor")),
+    PrivateAPI("torch", f"{_D}.all_gather_single (or all_gather_into_tensor)",
+               "lightning_par.parallel.zero_replicated gathers ZeRO-1/2 parameter shards with",
+               ("all_gather_single",),
+               lambda: getattr(dist, "all_gather_single", None) or _attr(f"{_D}.all_gather_into_tensor")),
+    PrivateAPI("torch", "torch.ops._c10d_functional.reduce_scatter_tensor",
+               "lightning_par.parallel.activation_checkpointing saves under 'selective_op' (and "
+               "benchmarks/bench_tensor_parallel.py counts)",
+               ("C10D_FUNCTIONAL", "c10d_functional_ops"),
+               lambda: _compat.c10d_functional_ops().reduce_scatter_tensor.default),
+    PrivateAPI("torch", "torch._ops.OpOverload._schema",
+               "benchmarks/bench_tensor_parallel.py names the ops it counts with",
+               ("op_name",), lambda: _compat.op_name(torch.ops.aten.mm.default)),
+    # torch: nn.Module, Tensor and storage internals
+    PrivateAPI("torch", "torch.Tensor._version",
+               "lightning_par.checkpoint.async_save detects tensors changed during a background copy with",
+               ("tensor_version",), lambda: int(_compat.tensor_version(torch.empty(1)))),
+    PrivateAPI("torch", "torch.UntypedStorage._cdata",
+               "lightning_par.utils.memory.LiveStorageBytes tells storages apart with",
+               ("storage_id",), lambda: int(_compat.storage_id(torch.empty(1).untyped_storage()))),
+    PrivateAPI("torch", "torch.multiprocessing.reductions.StorageWeakRef",
+               "lightning_par.utils.memory.LiveStorageBytes sees storages die with",
+               ("StorageWeakRef",), lambda: _attr("torch.multiprocessing.reductions.StorageWeakRef.expired")),
+    PrivateAPI("torch", "torch.nn.Module._parameters",
+               "lightning_par.parallel.pipeline finds the modules outside the trunk that own parameters with",
+               ("module_parameters",), lambda: dict(_compat.module_parameters(nn.Module()))),
+    PrivateAPI("torch", "torch.nn.Module._modules",
+               "lightning_par.parallel.pipeline swaps blocks for stage stand-ins with",
+               ("set_child_module",), lambda: _compat.set_child_module(nn.Module(), "x", nn.Module())),
+    PrivateAPI("torch", "torch.nn.Module._non_persistent_buffers_set",
+               "lightning_par.parallel.deepspeed_state leaves non-persistent buffers out of checkpoints with",
+               ("non_persistent_buffers",), lambda: set(_compat.non_persistent_buffers(nn.Module()))),
+    # Overridden in lightning_par/models/llama.py itself: models/ imports nothing from lightning_par (test_models.py).
+    PrivateAPI("torch", "torch.nn.Module._apply",
+               "lightning_par.models.Llama overrides to rebuild its rope table after .to() and to_empty()",
+               (), lambda: _params("torch.nn.Module._apply", "fn", "recurse")),
+    # torch: AMP
+    PrivateAPI("torch", "torch._amp_foreach_non_finite_check_and_unscale_",
+               "lightning_par.precision.parallel.ShardedGradScaler unscales gradient shards with",
+               ("amp_unscale_and_check_",), lambda: _attr("torch._amp_foreach_non_finite_check_and_unscale_")),
+    PrivateAPI("torch", "torch.amp.GradScaler._unscale_grads_",
+               "lightning_par.precision.parallel.ShardedGradScaler overrides to skip a step on every rank when one "
+               "overflows",
+               ("GradScalerUnscaleHook",),
+               lambda: _params("torch.amp.GradScaler._unscale_grads_", "optimizer", "inv_scale", "found_inf",
+                               "allow_fp16")),
+    # torch: pytree and dispatch
+    *(
+        PrivateAPI("torch", f"torch.utils._pytree.{fn}", _TREE, (fn,), partial(_attr, f"torch.utils._pytree.{fn}"))
+        for fn in ("tree_flatten", "tree_unflatten", "tree_leaves", "tree_map_only")
+    ),
+    PrivateAPI("torch", "torch.utils._python_dispatch.TorchDispatchMode",
+               "lightning_par.utils.memory.LiveStorageBytes and benchmarks/bench_tensor_parallel.py see every op with",
+               ("TorchDispatchMode",),
+               lambda: _attr("torch.utils._python_dispatch.TorchDispatchMode.__torch_dispatch__")),
+    # torch: distributed checkpoint
+    PrivateAPI("torch", f"{_D}.checkpoint.state_dict._init_optim_state",
+               "lightning_par.checkpoint.dcp creates optimizer state before loading into it with",
+               ("init_optim_state",), lambda: _params(f"{_D}.checkpoint.state_dict._init_optim_state", "optim")),
+    PrivateAPI("torch", f"{_D}.checkpoint.FileSystemReader._slice_file",
+               "lightning_par.checkpoint.reader names the data file and bytes of a failed read with",
+               ("FileSystemReaderSliceHook",),
+               lambda: _params(f"{_D}.checkpoint.FileSystemReader._slice_file", "file", "sinfo")),
+    *(
+        PrivateAPI("torch", f"{module}.{name}",
+                   "lightning_par.checkpoint.reader allows in a checkpoint index (else no checkpoint loads)",
+                   ("DCP_INDEX_PRIVATE_GLOBALS",), partial(_attr, f"{module}.{name}"))
+        for module, name in _compat.DCP_INDEX_PRIVATE_GLOBALS
+    ),
+    # torch: tensor-parallel styles
+    PrivateAPI("torch", f"{_DT}.parallel.ColwiseParallel._apply",
+               "lightning_par.parallel.tensor_parallel overrides to shard fused [q|k|v] projections",
+               ("ColwiseParallelHook",),
+               lambda: _params(f"{_DT}.parallel.ColwiseParallel._apply", "module", "device_mesh")),
+    PrivateAPI("torch", f"{_DT}.parallel.ColwiseParallel._prepare_input_fn",
+               "lightning_par.parallel.tensor_parallel prepares the inputs of fused projections with",
+               ("ColwiseParallelHook",),
+               lambda: _params(f"{_DT}.parallel.ColwiseParallel._prepare_input_fn", "input_layouts",
+                               "desired_input_layouts", "mod", "inputs", "device_mesh")),
+    # torch: pipelining
+    PrivateAPI("torch", f"{_PS}._wait_batch_p2p",
+               "benchmarks/bench_pipeline_bubble.py times the waits on peers by wrapping",
+               ("pipeline_p2p_wait", "set_pipeline_p2p_wait"), lambda: _params(f"{_PS}._wait_batch_p2p", "work")),
+    PrivateAPI("torch", f"{_PS}.PipelineSchedule{{Single,Multi}}.pipeline_order",
+               "benchmarks/bench_pipeline_bubble.py replays (lightning_par.parallel.pipeline_timeline) for theory",
+               ("pipeline_order",),
+               lambda: [_sets(f"{_PS}.PipelineSchedule{kind}", "pipeline_order") for kind in ("Single", "Multi")]),
+    PrivateAPI("torch", f"{_PS}._Action",
+               "lightning_par.parallel.pipeline_timeline reads (stage_index, computation_type, microbatch_index, "
+               "sub_actions) of",
+               (), lambda: _fields(f"{_PS}._Action", "stage_index", "computation_type", "microbatch_index",
+                                   "sub_actions")),
+    PrivateAPI("torch", f"{_PS}.Schedule1F1B._step_microbatches",
+               "lightning_par.parallel.pipeline_timeline.one_f_one_b_order copies the order of (check the copy)",
+               (), lambda: _attr(f"{_PS}.Schedule1F1B._step_microbatches")),
+    # Lightning
+    PrivateAPI("lightning", f"{_CONNECTOR}._check_and_init_precision",
+               "lightning_par.precision._connector wraps so our strategies choose their precision plugin",
+               ("connector_precision_choice", "set_connector_precision_choice"),
+               lambda: _attr(f"{_CONNECTOR}._check_and_init_precision")),
+    PrivateAPI("lightning", f"{_CONNECTOR}._precision_plugin_flag, _accelerator_flag, _precision_flag",
+               "lightning_par.precision._connector reads the Trainer's precision arguments with",
+               ("connector_flags",),
+               lambda: _sets(_CONNECTOR, "_precision_plugin_flag", "_accelerator_flag", "_precision_flag")),
+    PrivateAPI("lightning", "lightning.fabric.utilities.types._Stateful",
+               "lightning_par.checkpoint.resume_state leaves the loaders Lightning resumes itself alone with",
+               ("stateful_protocol",), lambda: _attr("lightning.fabric.utilities.types._Stateful.state_dict")),
+    PrivateAPI("lightning", "lightning.pytorch.loops.fit_loop._FitLoop._combined_loader",
+               "lightning_par.checkpoint.resume_state finds the training loaders (data position, loader RNG) with",
+               ("combined_loader",), lambda: _sets("lightning.pytorch.loops.fit_loop._FitLoop", "_combined_loader")),
+    PrivateAPI("lightning", "lightning.pytorch.LightningModule._trainer",
+               "lightning_par.strategies._checkpointing finds the Trainer of a possibly detached module with",
+               ("attached_trainer",), lambda: _sets("lightning.pytorch.core.module.LightningModule", "_trainer")),
+    PrivateAPI("lightning", "lightning.pytorch.core.optimizer.LightningOptimizer._optimizer",
+               "lightning_par.strategies unwrap the optimizers they checkpoint and hand to DeepSpeed with",
+               ("unwrap_optimizer",),
+               lambda: _sets("lightning.pytorch.core.optimizer.LightningOptimizer", "_optimizer")),
+    PrivateAPI("lightning", f"{_LF}._init_dist_connection",
+               "lightning_par.strategies.parallel initializes the process group with",
+               ("init_dist_connection",),
+               lambda: _params(f"{_LF}._init_dist_connection", "cluster_environment", "torch_distributed_backend")),
+    PrivateAPI("lightning", f"{_LF}._get_default_process_group_backend_for_device",
+               "lightning_par.strategies.parallel picks its default process-group backend with",
+               ("default_process_group_backend",),
+               lambda: _params(f"{_LF}._get_default_process_group_backend_for_device", "device")),
+    PrivateAPI("lightning", f"{_LF}._distributed_is_initialized",
+               "lightning_par.strategies.parallel guards its barrier with",
+               ("distributed_is_initialized",), lambda: _params(f"{_LF}._distributed_is_initialized")),
+    PrivateAPI("lightning", f"{_LF}._sync_ddp_if_available",
+               "lightning_par.strategies.parallel reduces logged tensors with",
+               ("sync_ddp_if_available",),
+               lambda: _params(f"{_LF}._sync_ddp_if_available", "result", "group", "reduce_op")),
+    PrivateAPI("lightning", f"{_LS}.launchers.subprocess_script._SubprocessScriptLauncher",
+               "lightning_par.strategies.parallel starts one process per device with",
+               ("set_subprocess_launcher",),
+               lambda: _params(f"{_LS}.launchers.subprocess_script._SubprocessScriptLauncher", "cluster_environment",
+                               "num_processes", "num_nodes")),
+    PrivateAPI("lightning", f"{_LS}.Strategy._launcher and _configure_launcher",
+               "lightning_par.strategies.parallel sets (in its _configure_launcher override) to launch processes",
+               ("set_subprocess_launcher",),
+               lambda: (_sets(f"{_LS}.strategy.Strategy", "_launcher"), _attr(f"{_LS}.Strategy._configure_launcher"))),
+    PrivateAPI("lightning", f"{_LS}.Strategy._reset_optimizers_and_schedulers",
+               "lightning_par.strategies.parallel sets optimizers up again (ZeRO shards them) with",
+               ("reset_optimizers_and_schedulers",), lambda: _attr(f"{_LS}.Strategy._reset_optimizers_and_schedulers")),
+    PrivateAPI("lightning", f"{_LS}.DeepSpeedStrategy._init_deepspeed_distributed",
+               "benchmarks/bench_deepspeed.py runs Lightning's DeepSpeed on CPU with",
+               ("init_deepspeed_distributed",), lambda: _attr(f"{_LS}.DeepSpeedStrategy._init_deepspeed_distributed")),
+    PrivateAPI("lightning", f"{_LS}.DeepSpeedStrategy._setup_model_and_optimizer",
+               "benchmarks/bench_deepspeed.py overrides to run Lightning's DeepSpeed on CPU",
+               (), lambda: _params(f"{_LS}.DeepSpeedStrategy._setup_model_and_optimizer", "model", "optimizer")),
+    # torchmetrics
+    *(
+        PrivateAPI("torchmetrics", f"torchmetrics.Metric.{attr}", _METRIC, ("metric_state", "set_metric_state"),
+                   partial(_sets, "torchmetrics.metric.Metric", attr))
+        for attr in ("_defaults", "_update_count", "_forward_cache", "_computed")
+    ),
+    # DeepSpeed
+    PrivateAPI("deepspeed", f"{_ZERO12}.single_partition_of_fp32_groups", _ENGINE,
+               ("zero_fp32_partitions",), lambda: _sets(_ZERO12, "single_partition_of_fp32_groups")),
+    PrivateAPI("deepspeed", f"{_ZERO3}.fp32_partitioned_groups_flat", _ENGINE,
+               ("zero_fp32_partitions", "is_zero3"), lambda: _sets(_ZERO3, "fp32_partitioned_groups_flat")),
+    PrivateAPI("deepspeed", f"{_BF16}.fp32_groups_flat_partition", _ENGINE,
+               ("zero_fp32_partitions",), lambda: _sets(_BF16, "fp32_groups_flat_partition")),
+    PrivateAPI("deepspeed", f"{_ZERO3}.sub_group_to_group_id", _ENGINE,
+               ("zero_sub_group_to_group_id",), lambda: _sets(_ZERO3, "sub_group_to_group_id")),
+    PrivateAPI("deepspeed", f"{_ZERO3}.swap_optimizer",
+               "lightning_par.parallel.deepspeed_state refuses NVMe-offloaded state, which it cannot load, with",
+               ("zero_swaps_optimizer",), lambda: _sets(_ZERO3, "swap_optimizer")),
+    PrivateAPI("deepspeed", "{DeepSpeedZeroOptimizer,BF16_Optimizer}._lazy_init_hp_params_optimizer_state and "
+               "._hp_optimizer_states_linked",
+               "lightning_par.parallel.deepspeed_state relinks every param group's optimizer state (else the second "
+               "group's reads empty) with",
+               ("zero_relink_optimizer_state",),
+               lambda: [(_attr(f"{c}._lazy_init_hp_params_optimizer_state"), _sets(c, "_hp_optimizer_states_linked"))
+                        for c in (_ZERO12, _BF16)]),
+    PrivateAPI("deepspeed", "deepspeed.runtime.zero.partition_parameters (Parameter.ds_shape)",
+               "lightning_par.parallel.deepspeed_state and strategies.deepspeed size ZeRO-3 parameters with",
+               ("zero3_shape",), lambda: _sets("deepspeed.runtime.zero.partition_parameters", "ds_shape")),
+)  # fmt: skip
+
+
+def _version(library: str) -> str:
+    try:
+        return f"{library} {importlib.metadata.version(library)}"
+    except importlib.metadata.PackageNotFoundError:
+        return f"{library} (not installed)"
+
+
+def check(api: PrivateAPI) -> Optional[str]:
+    """Probe one private API.
+
+    Returns:
+        ``None`` when it is where lightning_par expects it, else a message naming it, the installed version, what
+        depends on it and the fix.
+    """
+    try:
+        api.probe()
+    except Exception as err:
+        return (
+            f"{_version(api.library)} moved {api.name}, which {api.used_by}; update lightning_par/_compat.py "
+            f"({type(err).__name__}: {err})"
+        )
+    return None
+
+
+def check_private_apis() -> list[str]:
+    """One message (see `check`) per private API in `PRIVATE_APIS` that the installed libraries no longer have."""
+    return [msg for api in PRIVATE_APIS if (msg := check(api)) is not None]
