@@ -5,13 +5,18 @@
 """
 
 from lightning_par.config import ParallelConfig, ParallelConfigError
-from lightning_par.precision import _connector
 from lightning_par.precision.parallel import ParallelPrecision
-from lightning_par.strategies import STRATEGY_NAMES, DeepSpeedParallelStrategy, ParallelStrategy, register_strategies
+from lightning_par.strategies import (
+    STRATEGY_NAMES,
+    DeepSpeedParallelStrategy,
+    ParallelStrategy,
+    _precision_choice,
+    register_strategies,
+)
 
 __version__ = "0.1.0"
 
-_connector.install()
+_precision_choice.install()
 register_strategies()
 
 __all__ = [

@@ -226,11 +226,11 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                (), lambda: _attr(f"{_PS}.Schedule1F1B._step_microbatches")),
     # Lightning
     PrivateAPI("lightning", f"{_CONNECTOR}._check_and_init_precision",
-               "lightning_par.precision._connector wraps so our strategies choose their precision plugin",
+               "lightning_par.strategies._precision_choice wraps so our strategies choose their precision plugin",
                ("connector_precision_choice", "set_connector_precision_choice"),
                lambda: _attr(f"{_CONNECTOR}._check_and_init_precision")),
     PrivateAPI("lightning", f"{_CONNECTOR}._precision_plugin_flag, _accelerator_flag, _precision_flag",
-               "lightning_par.precision._connector reads the Trainer's precision arguments with",
+               "lightning_par.strategies._precision_choice reads the Trainer's precision arguments with",
                ("connector_flags",),
                lambda: _sets(_CONNECTOR, "_precision_plugin_flag", "_accelerator_flag", "_precision_flag")),
     PrivateAPI("lightning", "lightning.fabric.utilities.types._Stateful",

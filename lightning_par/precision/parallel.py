@@ -9,7 +9,7 @@
 
 Under ZeRO-3 the mixed modes also gather parameters in the low-precision dtype (FSDP2 `MixedPrecisionPolicy`),
 which halves all-gather traffic; the fp32 shards stay the master weights. Lightning turns `16-mixed` into
-`bf16-mixed` on CPU; our strategies keep real fp16 there (slow but correct), through `precision/_connector.py`.
+`bf16-mixed` on CPU; our strategies keep real fp16 there (slow but correct), through `strategies/_precision_choice.py`.
 """
 
 from __future__ import annotations

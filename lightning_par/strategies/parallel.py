@@ -121,7 +121,7 @@ class ParallelStrategy(ProcessGroupStrategy):
         self._accumulating = False
 
     def precision_plugin_for(self, flag: str, device: str) -> Precision:
-        """The precision plugin Lightning should use for ``Trainer(precision=flag)`` (see precision/_connector)."""
+        """The precision plugin for ``Trainer(precision=flag)`` (Lightning asks: strategies/_precision_choice.py)."""
         return ParallelPrecision(str(flag), device)
 
     @property
