@@ -133,6 +133,43 @@ class _TinyLM(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
 
 
+class AdafactorGPT(GPT):
+    """The GPT with torch's Adafactor: second moments factored over each weight's rows and columns."""
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adafactor(self.parameters(), lr=1e-2)
+
+
+class _Mix(torch.nn.Module):
+    """x + W2 gelu(W1 x), no biases: every parameter of `MuonLM` is a matrix, as torch's Muon requires."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(d, 2 * d, bias=False), torch.nn.Linear(2 * d, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+class MuonLM(_TinyLM):
+    """A user model trained with torch's Muon, which orthogonalizes each whole weight matrix (not element-wise)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(256, 32)
+        self.blocks = torch.nn.ModuleList([_Mix(32) for _ in range(2)])
+        self.head = torch.nn.Linear(32, 256, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Muon(self.parameters(), lr=0.02)
+
+
 _MOE = dict(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=32, n_experts=4, top_k=2)
 
 
@@ -191,6 +228,8 @@ MODELS = {
     "llama4": lambda: Llama(vocab_size=256, max_seq_len=32, dim=32, n_layers=4, n_heads=4, n_kv_heads=2,
                             ffn_hidden=64, lr=3e-3),
     "gpt4_sgd": lambda: SGDGPT(vocab_size=256, block_size=32, n_layer=4, n_head=4, n_embd=32),
+    "gpt_adafactor": lambda: AdafactorGPT(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=32),
+    "muon_lm": MuonLM,
     "seq_trunk": lambda: SeqTrunkLM(),
     "dict_trunk": lambda: DictTrunkLM(),
 }  # fmt: skip

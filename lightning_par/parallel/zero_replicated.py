@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from lightning_par import _compat
 from lightning_par.parallel.grad_norm import mark_sharded
+from lightning_par.parallel.optimizers import check_elementwise
 
 # Module attributes, not calls of _compat's: benchmarks/bench_comm_bytes.py patches these two to count bytes.
 _reduce_scatter = _compat.reduce_scatter_single
@@ -205,9 +206,15 @@ class ReplicatedZero:
         """Point ``optimizer`` (built over the model's parameters) at the sharded masters, in place.
 
         In place, so LR schedulers that hold the optimizer keep working. Stage 0 leaves it alone.
+
+        Raises:
+            ValueError: the optimizer's update is not known to be element-wise (`parallel.optimizers`): on row slices
+                it would compute another update than on whole weights, silently.
         """
         if self.stage == 0:
             return
+        where = f"zero_stage={self.stage}: each rank steps the optimizer on row slices of the weights"
+        check_elementwise(optimizer, where)
         if optimizer.state:
             raise RuntimeError("shard the optimizer before its first step (its state would be full-size)")
         for group in optimizer.param_groups:
@@ -385,3 +392,4 @@ class ReplicatedZero:
             work.wait()
             for d, off, chunk in zip(bucket.data, bucket.offsets, bucket.chunks):
                 d.view(-1).copy_(recv[:, off : off + chunk].reshape(-1)[: d.numel()])
+

@@ -39,6 +39,7 @@ from lightning_par.parallel.deepspeed_zero import (
     merge_user_config,
     use_cpu_accelerator,
 )
+from lightning_par.parallel.optimizers import check_elementwise
 from lightning_par.precision.parallel import ParallelPrecision
 from lightning_par.strategies.parallel import ParallelStrategy
 
@@ -204,6 +205,8 @@ class DeepSpeedParallelStrategy(ParallelStrategy):
                 )
             client = self.optimizers[0]
             self._client = _compat.unwrap_optimizer(client)
+            stage = self.config.zero_stage
+            check_elementwise(self._client, f"DeepSpeed ZeRO-{stage}: it steps the optimizer on flat fp32 partitions")
             names = {p: n for n, p in module.named_parameters()}
             self._group_names = [[names[p] for p in g["params"]] for g in self._client.param_groups]
             optimizer = deepspeed_optimizer(self._client, offloaded=self.config.offload)
