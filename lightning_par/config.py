@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import warnings
 from typing import Literal, Optional, Union
 
 AXES = ("pp", "dp_replicate", "dp_shard", "ep", "tp")
@@ -194,6 +195,17 @@ class ParallelConfig:
         if self.auto_dims is not None:
             degrees = split_world(self.auto_dims, world_size, tp_cap=devices_per_node)
             pp, tp, dp_shard = degrees["pp"], degrees["tp"], AUTO
+            for dim, axis in (("tp", "tp"), ("pp", "pp")):
+                if dim in self.auto_dims and degrees[axis] == 1:
+                    # Silently training as plain data parallelism would hide that the name did nothing.
+                    warnings.warn(
+                        f"the strategy name asks for {dim}, but world size {world_size}"
+                        + (f" ({devices_per_node} devices per node)" if devices_per_node else "")
+                        + f" gives {dim}=1, so that dimension is off: degrees are split in powers of two"
+                        + (" that divide the devices per node" if dim == "tp" else "")
+                        + "; run on 2, 4 or 8 devices (per node for tp), or pass explicit degrees",
+                        stacklevel=2,
+                    )
         fixed = pp * self.dp_replicate * tp
         if dp_shard == AUTO:
             if world_size % fixed:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 
 import lightning as L
 import pytest
@@ -172,6 +173,16 @@ def test_tp_from_a_name_never_spans_nodes():
     assert split_world(("tp",), 4, tp_cap=4) == {"tp": 4, "pp": 1, "dp": 1}
     # 6-device nodes: tp grows only while it divides them (4 would put a tp group on two nodes).
     assert split_world(("tp",), 12, tp_cap=6) == {"tp": 2, "pp": 1, "dp": 6}
+
+
+def test_a_name_whose_dimension_gets_one_rank_warns():
+    with pytest.warns(UserWarning, match=r"asks for tp, but world size 3 \(3 devices per node\) gives tp=1"):
+        assert ParallelConfig(**strategy_kwargs("tp")).resolve(3, devices_per_node=3).tp == 1
+    with pytest.warns(UserWarning, match=r"asks for pp, but world size 1 gives pp=1"):
+        ParallelConfig(**strategy_kwargs("pipe")).resolve(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ParallelConfig(**strategy_kwargs("tp_zero3")).resolve(4, devices_per_node=4)  # tp 2 x dp 2: no warning
 
 
 def test_one_function_resolves_names_and_degrees_and_validates_once(monkeypatch):
