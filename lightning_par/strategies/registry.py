@@ -19,15 +19,6 @@ from lightning_par.names import (
 from lightning_par.strategies.deepspeed import DeepSpeedParallelStrategy
 from lightning_par.strategies.parallel import ParallelStrategy
 
-__all__ = [
-    "STRATEGY_NAMES",
-    "DeepSpeedParallelStrategy",
-    "ParallelStrategy",
-    "make_strategy",
-    "register_strategies",
-    "strategy_kwargs",
-]
-
 
 def make_strategy(backend: str = "native", **kwargs: Any) -> ParallelStrategy:
     """Build the strategy for a ZeRO ``backend``: `ParallelStrategy` (``"native"``) or `DeepSpeedParallelStrategy`.
