@@ -9,6 +9,9 @@ file (`lightning_par.checkpoint.consolidate`).
 
 ``lightning-par plan --config RECIPE`` prints the tensor-parallel plan inferred for the recipe's model (with the
 strategy's ``tp_plan`` overrides applied, and checked against its ``tp`` when that is set), without training.
+
+``lightning-par check --config RECIPE`` reports, without training, which strategy names can train the recipe's model
+and why the others cannot (`lightning_par.analysis.compatibility`).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import os
 import sys
 from typing import Any, Optional
 
+import torch
 from lightning.pytorch.cli import LightningCLI
 
 import lightning_par  # registers the strategy names
@@ -63,6 +67,30 @@ def print_plan(args: list[str]) -> str:
     return text
 
 
+def _first_optimizer(configured: Any) -> Optional[torch.optim.Optimizer]:
+    # configure_optimizers may return an optimizer, a list or tuple of them (and schedulers), or a dict.
+    if isinstance(configured, torch.optim.Optimizer):
+        return configured
+    if isinstance(configured, dict):
+        return _first_optimizer(configured.get("optimizer"))
+    if isinstance(configured, (list, tuple)) and configured:
+        return _first_optimizer(configured[0])
+    return None
+
+
+def check_recipe(args: list[str]) -> str:
+    """Build the recipe's model (no processes, no training) and return which strategies can train it, and why not.
+
+    Args:
+        args: LightningCLI arguments without a subcommand, e.g. ``["--config", "recipes/demo.yaml"]``.
+    """
+    from lightning_par.analysis.compatibility import check_model, format_verdicts
+
+    cli = build_cli(args, run=False)
+    optimizer = _first_optimizer(cli.model.configure_optimizers())
+    return format_verdicts(check_model(cli.model, optimizer))
+
+
 def main() -> None:
     """Entry point of the ``lightning-par`` console script."""
     if len(sys.argv) > 1 and sys.argv[1] == "consolidate":  # not a LightningCLI subcommand: no trainer, no model
@@ -72,6 +100,9 @@ def main() -> None:
         return
     if len(sys.argv) > 1 and sys.argv[1] == "plan":
         print(print_plan(sys.argv[2:]))
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "check":
+        print(check_recipe(sys.argv[2:]))
         return
     build_cli()
 

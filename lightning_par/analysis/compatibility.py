@@ -1,0 +1,175 @@
+"""Which strategies a model can train under, and why the others cannot: the checks set-up runs, without processes.
+
+Each dimension a strategy name uses has one check here, and every check calls the same code set-up calls before
+training (plan inference, trunk detection, the pipeline's ownership rules, MoE recognition, the optimizer rule of
+ZeRO-1/2), so a verdict cannot drift from what training does. A strategy works when every dimension it uses does;
+its reason is the first failing dimension's message (which names the fix) or a summary of what each found.
+``lightning-par check --config RECIPE`` prints the table (`lightning_par.cli`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from typing import Optional
+
+import torch
+from torch import nn
+
+from lightning_par.names import ALIASES, DEEPSPEED_STRATEGY_NAMES, STRATEGY_NAMES, strategy_kwargs
+from lightning_par.parallel.optimizers import check_elementwise
+from lightning_par.parallel.pipeline import PipelineError, outer_modules
+from lightning_par.plans.moe import find_moe_layers
+from lightning_par.plans.tp import infer_tp_plan
+from lightning_par.plans.tp_types import TPPlanError
+from lightning_par.plans.tp_validate import validate_tp
+from lightning_par.plans.trunk import find_trunk
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """Whether one strategy name can train the model.
+
+    Args:
+        strategy: the registered name (``"pipe_tp"``).
+        ok: every dimension it uses passed its check.
+        reason: what the checks found; for a failure, the first failing check's message, which names the fix.
+    """
+
+    strategy: str
+    ok: bool
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _Result:
+    ok: bool
+    reason: str
+
+
+def _guard(fn: Callable[[], str], *errors: type[Exception]) -> _Result:
+    try:
+        return _Result(True, fn())
+    except errors as e:
+        return _Result(False, str(e).splitlines()[0])
+
+
+class _Checks:
+    """One check per dimension, each run once (a strategy name reuses the results of the dimensions it uses)."""
+
+    def __init__(self, module: nn.Module, optimizer: Optional[torch.optim.Optimizer], degree: int) -> None:
+        self.module, self.optimizer, self.degree = module, optimizer, degree
+        self._done: dict[str, _Result] = {}
+
+    def get(self, dim: str) -> _Result:
+        if dim not in self._done:
+            self._done[dim] = getattr(self, f"_{dim}")()
+        return self._done[dim]
+
+    def _tp(self) -> _Result:
+        def run() -> str:
+            plan = infer_tp_plan(self.module)
+            validate_tp(plan, self.degree)
+            return f"tp plan: {len(plan.heads)} attention and {len(plan.mlps)} MLP regions per block"
+
+        return _guard(run, TPPlanError)
+
+    def _pp(self) -> _Result:
+        def run() -> str:
+            trunk = find_trunk(self.module)
+            if trunk is None:
+                raise PipelineError(
+                    "found no trunk of >= 2 same-class blocks to cut into stages; train with zero3 or tp instead"
+                )
+            if len(trunk.blocks) < self.degree:
+                raise PipelineError(
+                    f"{trunk.path} has {len(trunk.blocks)} blocks, fewer than pp={self.degree} stages; use fewer "
+                    "pipeline ranks"
+                )
+            pre, post = outer_modules(self.module, trunk)
+            outside = f"{len(pre)} modules before it, {len(post)} after"
+            return f"pipeline over the {len(trunk.blocks)} blocks of {trunk.path} ({outside})"
+
+        return _guard(run, PipelineError)
+
+    def _ep(self) -> _Result:
+        layers = find_moe_layers(self.module)
+        if not layers:
+            return _Result(False, "no mixture-of-experts layer recognised; train with zero3, tp or pipe instead")
+        bad = [m for m in layers if m.n_experts % self.degree]
+        if bad:
+            return _Result(
+                False,
+                f"{bad[0].name} has {bad[0].n_experts} experts, which ep={self.degree} does not divide; choose an ep "
+                f"that divides {bad[0].n_experts}",
+            )
+        return _Result(True, f"{len(layers)} MoE layers ({layers[0].kind}, {layers[0].n_experts} experts)")
+
+    def _shard_optimizer(self) -> _Result:
+        optimizer = self.optimizer
+        if optimizer is None:
+            return _Result(True, "no optimizer to check")
+
+        def run() -> str:
+            check_elementwise(optimizer, "ZeRO-1/2 and DeepSpeed")
+            return f"{type(optimizer).__name__} updates element by element, so row shards step exactly"
+
+        return _guard(run, ValueError)
+
+    def _zero3(self) -> _Result:
+        trunk = find_trunk(self.module)
+        units = f"{len(trunk.blocks)} blocks of {trunk.path}" if trunk else "the whole model as one unit"
+        return _Result(True, f"sharded by {units}")
+
+
+def _dims(kwargs: dict) -> list[str]:
+    dims = [d for d in kwargs["auto_dims"] if d != "dp"]
+    stage = kwargs["zero_stage"]
+    dims += ["shard_optimizer"] if stage in (1, 2) else ["zero3"] if stage == 3 else []
+    return dims
+
+
+def check_model(
+    module: nn.Module,
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    *,
+    strategies: Optional[Iterable[str]] = None,
+    degree: int = 2,
+) -> list[Verdict]:
+    """Check every strategy name (or ``strategies``) against ``module``, as set-up would on ``degree`` ranks per
+    dimension.
+
+    Args:
+        module: the user's module; it is only inspected (the tp plan probe runs one forward in eval mode).
+        optimizer: what the module's ``configure_optimizers`` returns (ZeRO-1/2 and DeepSpeed need an element-wise
+            one); ``None`` skips that check.
+        strategies: names to check (default: every registered name but the aliases).
+        degree: the degree each dimension is checked for (tp, pp, ep).
+    """
+    checks = _Checks(module, optimizer, degree)
+    names = list(strategies) if strategies is not None else [
+        n for n in (*STRATEGY_NAMES, *DEEPSPEED_STRATEGY_NAMES) if n not in ALIASES
+    ]  # fmt: skip
+    out = []
+    for name in names:
+        deepspeed = name.startswith("deepspeed_")
+        base = name[len("deepspeed_") :].replace("_nvme", "_offload") if deepspeed else name
+        try:
+            dims = _dims(strategy_kwargs(base))
+        except (NotImplementedError, ValueError) as e:
+            out.append(Verdict(name, False, str(e).splitlines()[0]))
+            continue
+        if deepspeed and "shard_optimizer" not in dims:
+            dims.append("shard_optimizer")  # DeepSpeed steps every stage's optimizer on flat shards
+        results = [(d, checks.get(d)) for d in dims]
+        failed = [r for _, r in results if not r.ok]
+        reason = failed[0].reason if failed else "; ".join(r.reason for _, r in results) or "plain data parallel"
+        out.append(Verdict(name, not failed, reason))
+    return out
+
+
+def format_verdicts(verdicts: Iterable[Verdict]) -> str:
+    """The table ``lightning-par check`` prints: one line per strategy, ``ok`` or ``no`` and the reason."""
+    rows = list(verdicts)
+    width = max(len(v.strategy) for v in rows)
+    return "\n".join(f"{v.strategy:<{width}}  {'ok' if v.ok else 'no':<2}  {v.reason}" for v in rows)

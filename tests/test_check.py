@@ -1,0 +1,59 @@
+"""`lightning-par check` and `lightning_par.analysis.compatibility.check_model`: which strategies a model can train
+under, decided by the same checks set-up runs, with the reason for each refusal."""
+
+from __future__ import annotations
+
+import torch
+from _worker import MODELS
+
+from lightning_par.analysis.compatibility import check_model, format_verdicts
+from lightning_par.cli import check_recipe
+
+
+def _verdicts(model_key: str, optimizer: torch.optim.Optimizer | None = None, **kwargs) -> dict:
+    model = MODELS[model_key]()
+    return {v.strategy: v for v in check_model(model, optimizer, **kwargs)}
+
+
+def test_dense_gpt_trains_under_every_dense_strategy_and_moe_names_why_not():
+    got = _verdicts("gpt")
+    dense = [n for n in got if "moe" not in n]
+    assert all(got[n].ok for n in dense), [(n, got[n].reason) for n in dense if not got[n].ok]
+    assert not got["moe"].ok and "no mixture-of-experts layer" in got["moe"].reason
+    assert "2 blocks of transformer.h" in got["zero3"].reason
+
+
+def test_moe_model_passes_moe_and_refuses_an_ep_that_does_not_divide_its_experts():
+    assert _verdicts("moe_gpt", strategies=["moe"])["moe"].ok
+    bad = _verdicts("moe_gpt_3experts", strategies=["moe", "zero3"])
+    assert not bad["moe"].ok and "3 experts" in bad["moe"].reason and bad["zero3"].ok
+
+
+def test_tp_refusal_names_the_degrees_that_divide():
+    got = _verdicts("gpt_3heads", strategies=["tp", "pipe_tp", "zero2"])
+    assert not got["tp"].ok and not got["pipe_tp"].ok and got["zero2"].ok
+    assert got["tp"].reason == got["pipe_tp"].reason
+    assert "does not divide n_heads=3" in got["tp"].reason and "choose tp in {1, 3}" in got["tp"].reason
+
+
+def test_a_non_elementwise_optimizer_is_refused_only_where_shards_step_it():
+    model = MODELS["gpt"]()
+    got = {v.strategy: v for v in check_model(model, torch.optim.Adafactor(model.parameters()))}
+    for name in ("zero1", "zero2", "pipe_zero1", "deepspeed_zero3"):
+        assert not got[name].ok and "Adafactor" in got[name].reason, name
+    for name in ("zero3", "tp", "pipe", "tp_zero3"):
+        assert got[name].ok, (name, got[name].reason)
+
+
+def test_check_recipe_builds_the_recipe_model_and_prints_one_line_per_strategy():
+    text = check_recipe(["--config", "recipes/moe.yaml"])
+    lines = {line.split()[0]: line.split()[1] for line in text.splitlines()}
+    assert lines["moe"] == "ok" and lines["zero3"] == "ok"
+    assert text == format_verdicts(check_model(*_recipe_model_and_optimizer()))
+
+
+def _recipe_model_and_optimizer():
+    from lightning_par.cli import _first_optimizer, build_cli
+
+    cli = build_cli(["--config", "recipes/moe.yaml"], run=False)
+    return cli.model, _first_optimizer(cli.model.configure_optimizers())
