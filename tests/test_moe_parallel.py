@@ -35,7 +35,16 @@ JOBS: dict[str, dict[str, Any]] = {
     # A Hugging Face MixtralForCausalLM built from a config, in a LightningModule that knows nothing of lightning_par.
     "hf_mixtral": {"model": "hf_mixtral", "strategy": "moe"},
     "hf_mixtral_zero3": {"model": "hf_mixtral", "strategy": "moe_zero3"},
+    # MoE families we did not write, recognised by structure (tests/_families_moe.py), each with its own router
+    # and its own loss (the Hugging Face ones with their load-balancing term, statistics over the global batch).
+    "hf_qwen2_moe": {"model": "hf_qwen2_moe", "strategy": "moe"},  # + a gated shared expert, replicated
+    "hf_qwen3_moe": {"model": "hf_qwen3_moe", "strategy": "moe"},
+    "hf_olmoe": {"model": "hf_olmoe", "strategy": "moe"},
+    "hf_deepseek_v3": {"model": "hf_deepseek_v3", "strategy": "moe"},  # dense layer 0, grouped routing, shared
+    "hf_gpt_oss": {"model": "hf_gpt_oss", "strategy": "moe"},  # router bias, expert biases, interleaved gate_up
+    "user_moe_list": {"model": "user_moe_list", "strategy": "moe"},  # experts in an nn.ModuleList
 }
+SGD_MODELS = ("sgd", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss", "moe_list")
 LOW_PRECISION_JOBS: dict[str, dict[str, Any]] = {
     "bf16_mixed": {"model": "moe_gpt_sgd", "strategy": "moe", "precision": "bf16-mixed"},
     "bf16_true": {"model": "moe_gpt_sgd", "strategy": "moe_zero2", "precision": "bf16-true"},
@@ -46,6 +55,7 @@ LOW_PRECISION_JOBS: dict[str, dict[str, Any]] = {
 ERROR_JOBS: dict[str, dict[str, Any]] = {
     "bad_ep": {"model": "moe_gpt_3experts", "strategy": "moe", "expect_error": True},
     "no_moe_layer": {"model": "gpt", "strategy": "moe", "expect_error": True},
+    "unrecognised_experts": {"model": "user_moe_uneven", "strategy": "moe", "expect_error": True},
 }
 # Sharded checkpoints: written under moe (expert shards as Shard(0) DTensors over ep), resumed in the same layout
 # and in others (moe_zero2; zero1 with ep=1, where every rank loads all experts). One step per epoch, as test_zero.
@@ -142,13 +152,19 @@ def test_moe_matches_one_process(got2, refs, name):
     assert got["layout"]["ep"] == ep and got["layout"]["dp_shard"] == 2
     if name == "capacity_ac":
         assert got["layout"]["activation_checkpointing"] == "full"
-    _check(got, ref, sgd=JOBS[name]["model"].endswith(("sgd", "mixtral")), ep=ep)
+    _check(got, ref, sgd=JOBS[name]["model"].endswith(SGD_MODELS), ep=ep)
     if "zero3" in name:  # non-expert parameters sharded by FSDP2 too: each rank holds half of everything
         assert got["fsdp_units"] == 3
         assert [m["params"] for m in got["mem_all"]] == [ref["mem"]["params"] // 2] * 2
     if name.startswith("hf_mixtral"):  # the experts keep their Hugging Face names, with E/ep = 2 of 4 rows
         shapes = got["mem"]["expert_shapes"]
         assert shapes["model.model.layers.0.mlp.experts.gate_up_proj"] == (2, 96, 32)
+    if name in ("hf_qwen2_moe", "hf_deepseek_v3"):  # shared experts are dense: whole on every rank
+        shared = {n: s for n, s in got["param_shapes"].items() if "shared_expert" in n}
+        assert shared and shared == {n: s for n, s in ref["param_shapes"].items() if "shared_expert" in n}
+    if name == "user_moe_list":  # each rank keeps 2 of the 4 expert modules, under their own names
+        held = [n for n in got["mem"]["expert_shapes"] if n.startswith("blocks.0.moe.experts.")]
+        assert {n.split(".")[4] for n in held} == {"0", "1"}
 
 
 @pytest.mark.parametrize("name", list(LOW_PRECISION_JOBS))
@@ -190,6 +206,9 @@ def test_bad_layouts_fail_before_training(got2):
     err = got2["no_moe_layer"]["error"]
     assert err is not None and "ep=2 but GPT has no MoE layer of a recognised kind" in err
     assert got2["no_moe_layer"]["losses"] == []
+    err = got2["unrecognised_experts"]["error"]
+    assert err is not None and "has experts that expert parallelism does not recognise, in blocks.0.moe" in err
+    assert "expected a router" in err and "'zero3'" in err and got2["unrecognised_experts"]["losses"] == []
 
 
 def _check_resume(full: dict[str, Any], resumed: dict[str, Any]) -> None:
