@@ -58,6 +58,8 @@ class ExpertParallel:
         self.names = params  # qualified name -> this rank's shard
         self.params = list(params.values())
         self._full_shapes = full_shapes
+        # Checkpoint keys of the nn.ModuleList experts other ep ranks hold: expected in a checkpoint, not loaded here.
+        self.remote_keys: frozenset[str] = frozenset()
 
     def distribute(self, name: str, value: Any) -> Any:
         """Wrap a tensor shaped like the named expert shard (the weight, or its optimizer state) as the ``Shard(0)``
@@ -139,6 +141,7 @@ def apply_expert_parallel(
         )
     params: dict[str, nn.Parameter] = {}
     full_shapes: dict[str, torch.Size] = {}
+    remote: set[str] = set()
     for layer in layers:
         if layer.n_experts % ep:
             choices = "{" + ", ".join(str(d) for d in range(1, layer.n_experts + 1) if layer.n_experts % d == 0) + "}"
@@ -158,6 +161,9 @@ def apply_expert_parallel(
         prefix = _qualified_name(model, experts)
         hooks = ExpertDispatch(mesh.ep.get_group(), ep, n_local)
         if layer.kind == "module_list":
+            local = range(rank * n_local, (rank + 1) * n_local)
+            entries = [n for n, _ in layer.experts[0].state_dict().items()]  # type: ignore[index]
+            remote |= {f"state_dict.{prefix}{e}.{n}" for e in range(layer.n_experts) if e not in local for n in entries}
             kept = shard_module_list_experts(layer.module, experts, hooks, rank, n_local, prefix[:-1])  # type: ignore[arg-type]
             for i, module in enumerate(kept):
                 for name, p in module.named_parameters():
@@ -175,7 +181,9 @@ def apply_expert_parallel(
         else:
             experts.register_forward_pre_hook(hooks.dispatch)
             experts.register_forward_hook(hooks.combine)
-    return ExpertParallel(layers, params, full_shapes, mesh)
+    applied = ExpertParallel(layers, params, full_shapes, mesh)
+    applied.remote_keys = frozenset(remote)
+    return applied
 
 
 def _qualified_name(model: nn.Module, module: nn.Module) -> str:
