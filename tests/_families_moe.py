@@ -149,7 +149,7 @@ class _UserMoE(nn.Module):
             token, slot = torch.where(chosen == e)
             if token.numel() == 0:
                 continue
-            out.index_add_(0, token, expert(flat[token]) * weights[token, slot, None])
+            out.index_add_(0, token, (expert(flat[token]) * weights[token, slot, None]).to(out.dtype))
         return out.view_as(x)
 
 
