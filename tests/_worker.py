@@ -223,6 +223,14 @@ MODELS = {
     "moe_gpt_cap_sgd": lambda: SGDMoEGPT(**_MOE, capacity_factor=0.75),
     "moe_gpt_3experts": lambda: MoEGPT(**{**_MOE, "n_experts": 3}),
     "hf_mixtral": HFMixtralLM,
+    # MoE families we did not write (tests/_families_moe.py): experts recognised by structure.
+    "hf_qwen2_moe": lambda: _families_moe().HFQwen2MoE(),
+    "hf_qwen3_moe": lambda: _families_moe().HFQwen3MoE(),
+    "hf_olmoe": lambda: _families_moe().HFOlmoe(),
+    "hf_deepseek_v3": lambda: _families_moe().HFDeepseekV3(),
+    "hf_gpt_oss": lambda: _families_moe().HFGptOss(),
+    "user_moe_list": lambda: _families_moe().UserMoEList(),
+    "user_moe_uneven": lambda: _families_moe().UserMoEList(uneven=True),  # refused under ep > 1
     # Four blocks: room for 2 stages x 2 virtual stages per rank (interleaved and V schedules).
     "gpt4": lambda: GPT(vocab_size=256, block_size=32, n_layer=4, n_head=4, n_embd=32, lr=3e-3),
     "llama4": lambda: Llama(vocab_size=256, max_seq_len=32, dim=32, n_layers=4, n_heads=4, n_kv_heads=2,
@@ -233,6 +241,12 @@ MODELS = {
     "seq_trunk": lambda: SeqTrunkLM(),
     "dict_trunk": lambda: DictTrunkLM(),
 }  # fmt: skip
+
+
+def _families_moe() -> Any:
+    import _families_moe  # test-only: needs transformers
+
+    return _families_moe
 
 
 def _hf_models() -> Any:
@@ -348,13 +362,21 @@ class RoutingRecorder(L.Callback):
 
 
 def _gather_experts(trainer: L.Trainer, model: torch.nn.Module, params: dict[str, torch.Tensor]) -> None:
-    """Replace the local expert shards in ``params`` by the full stacked weights (all-gathered over ep)."""
+    """Replace the local expert shards in ``params`` by the full stacked weights (all-gathered over ep); add the
+    ``nn.ModuleList`` experts other ep ranks hold, under their names."""
     experts = getattr(getattr(trainer.strategy, "parallel_run", None), "experts", None)
     if experts is None or experts.mesh is None:
         return
     group = experts.mesh.ep.get_group()
     names = {p: n for n, p in model.named_parameters()}
-    for p in experts.params:
+    whole = {names[p]: p.detach().float().cpu() for n, p in experts.names.items() if n not in experts._full_shapes}
+    held: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(held, whole, group=group)
+    for part in held:
+        params.update(part)
+    for n, p in experts.names.items():
+        if n not in experts._full_shapes:
+            continue
         parts = [torch.empty_like(p) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, p.detach().contiguous(), group=group)
         params[names[p]] = torch.cat(parts).float().cpu()

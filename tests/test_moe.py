@@ -192,7 +192,66 @@ def test_moe_layers_are_found_in_our_model_and_in_hugging_face_mixtral():
                            num_experts_per_tok=2)  # fmt: skip
     hf = find_moe_layers(MixtralForCausalLM(config))
     assert [(x.name, x.kind, x.n_experts, x.top_k) for x in hf] == [
-        (f"model.layers.{i}.mlp", "hf_mixtral", 6, 2) for i in range(2)
+        (f"model.layers.{i}.mlp", "stacked", 6, 2) for i in range(2)
     ]
     assert all(x.experts is x.module.experts for x in hf)
     assert find_moe_layers(torch.nn.Sequential(torch.nn.Linear(4, 4))) == []
+
+
+@pytest.mark.parametrize(
+    "model, layers, n_experts",
+    [("hf_qwen2_moe", [0, 1], 4), ("hf_qwen3_moe", [0, 1], 4), ("hf_olmoe", [0, 1], 4),
+     ("hf_deepseek_v3", [1], 4), ("hf_gpt_oss", [0, 1], 4)],
+)  # fmt: skip
+def test_moe_families_are_recognised_by_structure(model, layers, n_experts):
+    from _worker import MODELS
+
+    from lightning_par.plans.moe import find_moe_layers, unrecognised_experts
+
+    lm = MODELS[model]()
+    found = find_moe_layers(lm)
+    assert [(x.name, x.kind, x.n_experts, x.top_k) for x in found] == [
+        (f"model.model.layers.{i}.mlp", "stacked", n_experts, 2) for i in layers
+    ]
+    for x in found:
+        assert x.experts is x.module.experts and x.router is getattr(x.module, "gate", getattr(x.module, "router", 0))
+        # Shared experts (Qwen2-MoE shared_expert, DeepSeek-V3 shared_experts) are not part of the experts container.
+        assert not any("shared" in n for n, _ in x.experts.named_parameters())
+    assert unrecognised_experts(lm, found) == []
+
+
+def test_module_list_experts_are_recognised_and_mismatched_ones_refused():
+    from _worker import MODELS
+
+    from lightning_par.plans.moe import find_moe_layers, unrecognised_experts
+
+    found = find_moe_layers(MODELS["user_moe_list"]())
+    assert [(x.name, x.kind, x.n_experts, x.top_k) for x in found] == [
+        (f"blocks.{i}.moe", "module_list", 4, 2) for i in range(2)
+    ]
+    assert all(x.router is x.module.router and x.experts is x.module.experts for x in found)
+    # A stack of identical decoder blocks is not a ModuleList of experts, although a head could have E outputs.
+    assert find_moe_layers(MODELS["gpt"]()) == []
+
+    uneven = MODELS["user_moe_uneven"]()  # expert 0 is wider than the others
+    assert find_moe_layers(uneven) == []
+    problems = unrecognised_experts(uneven)
+    assert [p.split(" ", 1)[0] for p in problems] == ["blocks.0.moe", "blocks.1.moe"]
+    assert "experts: ModuleList of 4" in problems[0] and "router: Linear (weight [4, 32])" in problems[0]
+    assert "expected a router (a module with weight [E, d]" in problems[0]
+
+
+def test_unrecognised_experts_are_refused_before_any_exchange():
+    from _worker import MODELS
+
+    from lightning_par.parallel.expert_parallel import apply_expert_parallel
+
+    class _Mesh:  # apply_expert_parallel reads the ep size only before refusing
+        class ep:
+            @staticmethod
+            def size() -> int:
+                return 2
+
+    with pytest.raises(ValueError, match=r"ep=2: UserMoEList has experts that expert parallelism does not recognise, "
+                       r"in blocks\.0\.moe .*'zero3'"):  # fmt: skip
+        apply_expert_parallel(MODELS["user_moe_uneven"](), _Mesh(), None)  # type: ignore[arg-type]

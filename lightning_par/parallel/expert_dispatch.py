@@ -5,7 +5,7 @@ Per MoE layer and step, four all-to-alls of the dispatched rows: dispatch and co
 transposes in backward, each moving the ``(n-1)/n`` of this rank's kept assignments that belong to other ranks
 (plus a tiny all-to-all of the per-expert counts). Splits are uneven and may be zero (gloo's ``all_to_all_single``
 takes split sizes). Shared by the layer-sharding driver (`expert_parallel`) and the adapters for MoE layers we did
-not write (`moe_hf`).
+not write (`moe_stacked`, `moe_module_list`).
 """
 
 from __future__ import annotations

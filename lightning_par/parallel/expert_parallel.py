@@ -6,7 +6,9 @@ Layout. ``ep`` is carved out of the data-parallel ranks: the ``dp`` ranks are vi
 ``edp = dp/ep`` ranks of a column hold the same experts (expert data parallelism).
 
 Tokens travel with `expert_dispatch.ExpertDispatch` (four all-to-alls per MoE layer and step); MoE layers we did
-not write get an adapter of their call (`moe_hf`) around the same exchange.
+not write get an adapter around the same exchange: `moe_stacked` (stacked expert weights, the Hugging Face
+families) and `moe_module_list` (an ``nn.ModuleList`` of MLPs). Their own routers and losses are kept;
+`moe_router_stats` makes a Hugging Face router's recorded logits span the data-parallel batch.
 
 Gradients. Each rank's loss is the mean over its own batch, and the strategy averages dense gradients over the
 ``dp`` ranks. An expert's gradient on a rank already sums the contributions of the tokens of every rank of its
@@ -28,8 +30,10 @@ from torch.distributed.tensor import DTensor, Shard
 from lightning_par.mesh import ExpertMesh
 from lightning_par.parallel.expert_dispatch import ExpertDispatch
 from lightning_par.parallel.grad_norm import mark_sharded
-from lightning_par.parallel.moe_hf import shard_mixtral_experts
-from lightning_par.plans.moe import MoELayer, find_moe_layers
+from lightning_par.parallel.moe_module_list import shard_module_list_experts
+from lightning_par.parallel.moe_router_stats import gather_router_logits
+from lightning_par.parallel.moe_stacked import shard_stacked_experts
+from lightning_par.plans.moe import MoELayer, find_moe_layers, unrecognised_experts
 
 
 class ExpertParallel:
@@ -38,7 +42,8 @@ class ExpertParallel:
     Args:
         layers: the MoE layers found in the model.
         params: the expert-shard parameters by qualified name (excluded from the data-parallel / ZeRO engine).
-        full_shapes: the shape of each of them before sharding (all ``E`` experts).
+        full_shapes: the shape before sharding (all ``E`` experts) of each stacked expert weight; the parameters of
+            ``nn.ModuleList`` experts, whole on their rank, have none.
         mesh: the expert mesh; ``None`` when ``ep == 1``.
     """
 
@@ -53,6 +58,8 @@ class ExpertParallel:
         self.names = params  # qualified name -> this rank's shard
         self.params = list(params.values())
         self._full_shapes = full_shapes
+        # Checkpoint keys of the nn.ModuleList experts other ep ranks hold: expected in a checkpoint, not loaded here.
+        self.remote_keys: frozenset[str] = frozenset()
 
     def distribute(self, name: str, value: Any) -> Any:
         """Wrap a tensor shaped like the named expert shard (the weight, or its optimizer state) as the ``Shard(0)``
@@ -61,7 +68,9 @@ class ExpertParallel:
         Ranks of different ``edp`` rows write the same chunks; DCP keeps one copy of each.
         """
         shard = self.names.get(name)
-        if shard is None or self.mesh is None or not isinstance(value, Tensor) or value.shape != shard.shape:
+        if shard is None or name not in self._full_shapes or self.mesh is None:
+            return value  # a ModuleList expert is whole on its rank: saved under its own name as is
+        if not isinstance(value, Tensor) or value.shape != shard.shape:
             return value
         full = self._full_shapes[name]
         return DTensor.from_local(
@@ -116,13 +125,23 @@ def apply_expert_parallel(
     """
     ep = mesh.ep.size() if mesh is not None else 1
     layers = find_moe_layers(model)
+    unknown = unrecognised_experts(model, layers) if ep > 1 else []
+    if unknown:
+        raise ValueError(
+            f"ep={ep}: {type(model).__name__} has experts that expert parallelism does not recognise, in "
+            + "; and in ".join(unknown)
+            + ". Train it with a data-parallel strategy (e.g. 'zero3', which shards every parameter whatever the "
+            "model's structure) or ep=1"
+        )
     if ep > 1 and not layers:
         raise ValueError(
-            f"ep={ep} but {type(model).__name__} has no MoE layer of a recognised kind (lightning_par.nn.MoE, Hugging "
-            "Face MixtralSparseMoeBlock); use a data-parallel strategy (e.g. 'zero2') or ep=1"
+            f"ep={ep} but {type(model).__name__} has no MoE layer of a recognised kind (lightning_par.nn.MoE, or a "
+            "block with a router [E, d] and E experts, stacked or in an nn.ModuleList); use a data-parallel strategy "
+            "(e.g. 'zero2') or ep=1"
         )
     params: dict[str, nn.Parameter] = {}
     full_shapes: dict[str, torch.Size] = {}
+    remote: set[str] = set()
     for layer in layers:
         if layer.n_experts % ep:
             choices = "{" + ", ".join(str(d) for d in range(1, layer.n_experts + 1) if layer.n_experts % d == 0) + "}"
@@ -131,25 +150,40 @@ def apply_expert_parallel(
                 "(and dividing the data-parallel size)"
             )
         layer.set_token_group(token_group)
+        if layer.kind == "stacked" and layer.router is not None and token_group is not None:
+            if dist.get_world_size(token_group) > 1:
+                gather_router_logits(layer.router, token_group)
         if mesh is None or ep == 1:
             continue
         rank = mesh.ep.get_local_rank()
         n_local = layer.n_experts // ep
         experts = layer.experts
         prefix = _qualified_name(model, experts)
+        hooks = ExpertDispatch(mesh.ep.get_group(), ep, n_local)
+        if layer.kind == "module_list":
+            local = range(rank * n_local, (rank + 1) * n_local)
+            entries = [n for n, _ in layer.experts[0].state_dict().items()]  # type: ignore[index]
+            remote |= {f"state_dict.{prefix}{e}.{n}" for e in range(layer.n_experts) if e not in local for n in entries}
+            kept = shard_module_list_experts(layer.module, experts, hooks, rank, n_local, prefix[:-1])  # type: ignore[arg-type]
+            for i, module in enumerate(kept):
+                for name, p in module.named_parameters():
+                    mark_sharded(p, (mesh.ep.get_group(),))
+                    params[f"{prefix}{rank * n_local + i}.{name}"] = p
+            continue
         for name, p in list(experts.named_parameters(recurse=False)):
             shard = nn.Parameter(p.detach()[rank * n_local : (rank + 1) * n_local].clone(), p.requires_grad)
             mark_sharded(shard, (mesh.ep.get_group(),))  # the global gradient norm sums these over ep
             setattr(experts, name, shard)
             params[prefix + name] = shard
             full_shapes[prefix + name] = p.shape
-        hooks = ExpertDispatch(mesh.ep.get_group(), ep, n_local)
-        if layer.kind == "hf_mixtral":
-            shard_mixtral_experts(experts, hooks, layer.n_experts)
+        if layer.kind == "stacked":
+            shard_stacked_experts(experts, hooks, layer.n_experts, prefix[:-1])
         else:
             experts.register_forward_pre_hook(hooks.dispatch)
             experts.register_forward_hook(hooks.combine)
-    return ExpertParallel(layers, params, full_shapes, mesh)
+    applied = ExpertParallel(layers, params, full_shapes, mesh)
+    applied.remote_keys = frozenset(remote)
+    return applied
 
 
 def _qualified_name(model: nn.Module, module: nn.Module) -> str:

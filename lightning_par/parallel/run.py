@@ -105,16 +105,18 @@ class ParallelRun:
         return {**state, "param_groups": list(merged.values())}
 
     def other_stage_keys(self) -> frozenset[str]:
-        """Checkpoint keys (``state_dict.<name>``) of the parameters and buffers other pipeline ranks hold.
+        """Checkpoint keys (``state_dict.<name>``) of the parameters and buffers other pipeline ranks hold, and of
+        the ``nn.ModuleList`` experts other ep ranks hold.
 
-        Collective over the pipeline group; empty without a pipeline.
+        Collective over the pipeline group; only the experts' keys without a pipeline.
         """
+        remote = self.experts.remote_keys if self.experts is not None else frozenset()
         if self.pipeline is None:
-            return frozenset()
+            return remote
         mine = {f"state_dict.{k}" for k in self.module.state_dict()}
         every: list[Any] = [None] * dist.get_world_size(self.pipeline.group)
         dist.all_gather_object(every, mine, group=self.pipeline.group)
-        return frozenset(set().union(*every) - mine)
+        return frozenset(set().union(*every) - mine) | remote
 
     def describe(self) -> list[str]:
         """Lines for the start-up log (the pipeline's stages)."""

@@ -2,11 +2,13 @@
 
 Recognised kinds:
 - ``lightning_par``: `lightning_par.nn.MoE` (stacked expert weights in ``.experts``).
-- ``hf_mixtral``: Hugging Face ``MixtralSparseMoeBlock`` (``.gate`` router, ``.experts`` a ``MixtralExperts`` with
-  stacked ``gate_up_proj`` / ``down_proj``), recognised by structure so transformers need not be imported here.
+- ``stacked``: a block with a router ``[E, d]`` and an experts module of stacked ``[E, ...]`` weights called as
+  ``experts(hidden [N, d], top_k_index [N, k], top_k_weights [N, k])`` (Hugging Face transformers 5 MoE families).
+- ``module_list``: a block with a router ``[E, d]`` and an ``nn.ModuleList`` of ``E`` identical MLP experts.
 
-A kind is described by where its stacked expert weights live and how its token group is set, so adding an
-adapter for another implementation is one entry here.
+The last two are recognised by structure (`moe_structure`), never by class name, so transformers need not be
+imported here. `unrecognised_experts` lists what looks like experts but matches neither, for the refusal that
+expert parallelism gives before training.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_par.nn.moe import MoE
+from lightning_par.plans.moe_structure import EXPECTED, describe, match_block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,12 +29,12 @@ class MoELayer:
 
     Args:
         name: qualified module name.
-        kind: which implementation (``"lightning_par"`` or ``"hf_mixtral"``).
+        kind: which implementation (``"lightning_par"``, ``"stacked"`` or ``"module_list"``).
         module: the MoE module.
-        experts: the module whose parameters are the experts stacked along dim 0, and whose call takes rows
-            grouped by expert and the per-expert counts (the call expert parallelism intercepts).
+        experts: the experts container (stacked weights along dim 0, or the ``nn.ModuleList``).
         n_experts: number of experts.
-        top_k: experts per token.
+        top_k: experts per token (``0`` where the block states none).
+        router: the router module (``None``: our MoE, or a router parameter of the block itself).
     """
 
     name: str
@@ -40,34 +43,58 @@ class MoELayer:
     experts: nn.Module
     n_experts: int
     top_k: int
+    router: Optional[nn.Module] = None
 
     def set_token_group(self, group: Optional[dist.ProcessGroup]) -> None:
-        """Make capacity and the balancing statistics span ``group``'s tokens."""
+        """Make capacity and the balancing statistics span ``group``'s tokens (our layer; the others get their
+        router statistics gathered by `lightning_par.parallel.moe_router_stats`)."""
         if isinstance(self.module, MoE):
             self.module.token_group = group
 
 
 def find_moe_layers(model: nn.Module) -> list[MoELayer]:
-    """Every recognised MoE layer of ``model``, in module order.
+    """Every recognised MoE layer of ``model``, in module order (a layer's own submodules are not searched).
 
     Args:
         model: any module; it is only inspected.
     """
-    found = []
+    found: list[MoELayer] = []
     for name, m in model.named_modules():
+        if any(_within(name, x.name) for x in found):
+            continue
         if isinstance(m, MoE):
             found.append(MoELayer(name, "lightning_par", m, m.experts, m.n_experts, m.top_k))
-        elif _is_mixtral_block(m):
-            experts = m.get_submodule("experts")
-            found.append(MoELayer(name, "hf_mixtral", m, experts, int(experts.num_experts), int(m.top_k)))  # type: ignore[arg-type]
+            continue
+        s = match_block(m)
+        if s is not None:
+            router = m.get_submodule(s.router) if s.router else None
+            experts = m.get_submodule(s.experts)
+            found.append(MoELayer(name, s.layout, m, experts, s.n_experts, s.top_k, router))
     return found
 
 
-def _is_mixtral_block(m: nn.Module) -> bool:
-    experts = getattr(m, "experts", None)
-    return (
-        type(m).__name__ == "MixtralSparseMoeBlock"
-        and isinstance(experts, nn.Module)
-        and hasattr(m, "gate")
-        and all(getattr(getattr(experts, w, None), "dim", lambda: 0)() == 3 for w in ("gate_up_proj", "down_proj"))
-    )
+def unrecognised_experts(model: nn.Module, layers: Optional[list[MoELayer]] = None) -> list[str]:
+    """Modules named like experts (``*expert*``, not shared experts) outside every recognised layer, each with
+    what its parent holds and what was expected, for the error expert parallelism raises.
+
+    Args:
+        model: the model.
+        layers: its recognised layers (found again when omitted).
+    """
+    layers = find_moe_layers(model) if layers is None else layers
+    covered = [x.name for x in layers]
+    out = []
+    for name, _ in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1].lower()
+        if "expert" not in leaf or "shared" in leaf or any(_within(name, c) for c in covered):
+            continue
+        parent_name = name.rsplit(".", 1)[0] if "." in name else ""
+        parent = model.get_submodule(parent_name)
+        covered.append(name)  # report the outermost experts module only
+        where = parent_name or type(model).__name__
+        out.append(f"{where} ({type(parent).__name__}: {describe(parent)}; expected {EXPECTED})")
+    return out
+
+
+def _within(name: str, outer: str) -> bool:
+    return not outer or name == outer or name.startswith(f"{outer}.")
