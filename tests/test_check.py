@@ -57,3 +57,20 @@ def _recipe_model_and_optimizer():
 
     cli = build_cli(["--config", "recipes/moe.yaml"], run=False)
     return cli.model, _first_optimizer(cli.model.configure_optimizers())
+
+
+def test_moe_families_pass_moe_and_unrecognised_experts_are_named():
+    for key in (
+        "hf_mixtral",
+        "hf_qwen2_moe",
+        "hf_qwen3_moe",
+        "hf_olmoe",
+        "hf_deepseek_v3",
+        "hf_gpt_oss",
+        "user_moe_list",
+    ):
+        got = _verdicts(key, strategies=["moe", "moe_zero3", "zero3"])
+        assert all(v.ok for v in got.values()), (key, {n: v.reason for n, v in got.items()})
+        assert "4 experts" in got["moe"].reason, key
+    bad = _verdicts("user_moe_uneven", strategies=["moe", "zero3"])
+    assert not bad["moe"].ok and "blocks.0.moe" in bad["moe"].reason and bad["zero3"].ok

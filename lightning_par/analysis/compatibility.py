@@ -19,7 +19,7 @@ from torch import nn
 from lightning_par.names import ALIASES, DEEPSPEED_STRATEGY_NAMES, STRATEGY_NAMES, strategy_kwargs
 from lightning_par.parallel.optimizers import check_elementwise
 from lightning_par.parallel.pipeline import PipelineError, outer_modules
-from lightning_par.plans.moe import find_moe_layers
+from lightning_par.plans.moe import find_moe_layers, unrecognised_experts
 from lightning_par.plans.tp import infer_tp_plan
 from lightning_par.plans.tp_types import TPPlanError
 from lightning_par.plans.tp_validate import validate_tp
@@ -94,6 +94,9 @@ class _Checks:
 
     def _ep(self) -> _Result:
         layers = find_moe_layers(self.module)
+        unknown = unrecognised_experts(self.module, layers)
+        if unknown:  # the refusal expert parallelism's set-up raises
+            return _Result(False, f"experts not recognised in {unknown[0]}; train with zero3 or ep=1")
         if not layers:
             return _Result(False, "no mixture-of-experts layer recognised; train with zero3, tp or pipe instead")
         bad = [m for m in layers if m.n_experts % self.degree]
