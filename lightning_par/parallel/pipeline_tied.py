@@ -11,8 +11,10 @@ stage 0 and the last on rank 0), the parameter is simply shared by its two stage
 The sum runs on each step's fresh gradients, before anything else reads them: ZeRO 0-2 reduce over data-parallel
 ranks afterwards (summing over the tie group commutes with that reduction), gradient clipping and norms come
 later still. The gradient norm counts the weight once: the last stage's copy is marked as a replica
-(`lightning_par.parallel.grad_norm.mark_replica`). Each copy is saved under the names it has on its rank, so a
-checkpoint holds every name of the one-process model's state dict once.
+(`lightning_par.parallel.grad_norm.mark_replica`). Checkpoints: each copy's values are saved under the names it
+has on its rank, so the model state holds every name of the one-process state dict once; its optimizer state is
+keyed by the name one process gives the weight (the first in ``named_parameters``), the same on both end stages,
+so it is written once and resumes on any layout.
 """
 
 from __future__ import annotations
@@ -52,6 +54,26 @@ class TiedWeights:
         # The name each parameter has on this rank (a shadow keeps the other names, unregistered).
         self.names = [next(n for n in names if n in held) for names in tied]
         self.module, self.group, self.first_rank, self.is_replica = module, group, first_rank, is_replica
+        self._renames = {local: names[0] for local, names in zip(self.names, tied) if local != names[0]}
+        self._owners: dict[int, tuple[nn.Module, nn.Module]] = {}
+
+    def optimizer_owner(self, owner: nn.Module) -> nn.Module:
+        """``owner`` (the module whose parameter names key the optimizer state) with each tied copy under its
+        one-process name. The same object on every call for one ``owner`` (checkpoint code caches by owner)."""
+        if not self._renames:
+            return owner
+        if id(owner) not in self._owners:
+            root = nn.Module()
+            for name, param in owner.named_parameters():
+                *path, leaf = self._renames.get(name, name).split(".")
+                node = root
+                for part in path:
+                    if not hasattr(node, part):
+                        node.add_module(part, nn.Module())
+                    node = getattr(node, part)
+                node.register_parameter(leaf, param)
+            self._owners[id(owner)] = (owner, root)  # the owner kept alive: its id stays its own
+        return self._owners[id(owner)][1]
 
     def params(self) -> list[nn.Parameter]:
         """The tied parameters as they are now (ZeRO-3 and tensor parallelism replace parameter objects)."""
