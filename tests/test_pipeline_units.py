@@ -397,6 +397,9 @@ def test_split_is_described_for_the_start_up_log() -> None:
         "transformer.h.1..transformer.h.3; before the trunk ['transformer.wte', 'transformer.wpe'] on stage 0, after "
         "it ['transformer.ln_f', 'lm_head'] on the last"
     )
+    tied = GPT(n_layer=2, tie_weights=True)
+    runner.model = PipelineModel(tied, find_trunk(tied), [(0, 1), (1, 2)], [1], torch.device("cpu"))
+    assert runner.describe().endswith("on the last; tied ['transformer.wte.weight'] held by both")
 
 
 # ---- the bubble a schedule has by construction (analysis/pipeline_timeline.py; used by benchmarks/) ------------

@@ -188,6 +188,11 @@ class PipelineRunner:
         names = model.trunk.names
         stages = [f"stage {s}: {names[a]}..{names[b - 1]}" for s, (a, b) in enumerate(model.ranges)]
         ends = f"before the trunk {model.pre_names or '-'} on stage 0, after it {model.post_names or '-'} on the last"
+        own = model.ownership
+        if own.tied:
+            ends += f"; tied {[names[0] for names in own.tied]} held by both"
+        if own.source != "probe":
+            ends += f" (by registration order: {own.reason})"
         return (f"pipeline {self.schedule_name}, {model.n_stages} stages over pp={self.pp}, {self.microbatches} "
                 f"microbatches; " + "; ".join(stages) + f"; {ends}")  # fmt: skip
 
