@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from _worker import DictTrunkLM, SeqTrunkLM
+from _worker import DictTrunkLM, SeqTrunkLM, _Residual
 from torch import nn
 
 from lightning_par.analysis.pipeline_timeline import Action, one_f_one_b_order, replay
@@ -122,6 +122,23 @@ def _loss(model: Any, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     return nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
 
 
+class _OneTable(nn.Module):
+    """The embedding table doubles as the head, read functionally after the trunk (``h @ self.emb.weight.T``):
+    one module used on both sides of the trunk."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(64, 32)
+        self.blocks = nn.ModuleList(_Residual(32) for _ in range(4))
+        self.norm = nn.LayerNorm(32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.norm(h) @ self.emb.weight.T
+
+
 def _family(name: str) -> Any:
     import _families
 
@@ -132,7 +149,7 @@ def _family(name: str) -> Any:
 FAMILIES = ("LitGPTPythia", "LitGPTLlama", "HFGPT2", "HFQwen2Tied", "HFViT")
 
 
-@pytest.mark.parametrize("name", ["gpt", "llama", "seq", "dict", "gpt_tied", *FAMILIES])
+@pytest.mark.parametrize("name", ["gpt", "llama", "seq", "dict", "gpt_tied", "one_table", *FAMILIES])
 def test_stages_chained_by_hand_give_the_full_model_loss_and_gradients(name: str) -> None:
     import copy
 
@@ -142,9 +159,9 @@ def test_stages_chained_by_hand_give_the_full_model_loss_and_gradients(name: str
     else:
         torch.manual_seed(0)
         tied_gpt = GPT(vocab_size=64, block_size=16, n_layer=4, n_head=4, n_embd=32, tie_weights=True)
-        full = tied_gpt if name == "gpt_tied" else _models()[name]
+        full = {"gpt_tied": tied_gpt, "one_table": _OneTable()}.get(name) or _models()[name]
         loss_of = _loss
-    vocab = 64 if name in ("gpt", "llama", "gpt_tied") else 256
+    vocab = 64 if name in ("gpt", "llama", "gpt_tied", "one_table") else 256
     seq = 16 if vocab == 64 else 32  # the ViT reads (x, y) as one 8 x 8 image
     batch = (torch.randint(0, vocab, (2, seq)), torch.randint(0, vocab, (2, seq)))
     ref = loss_of(full, batch)
@@ -167,7 +184,7 @@ def test_stages_chained_by_hand_give_the_full_model_loss_and_gradients(name: str
     held = [(n, p.grad) for m in cuts for n, p in m.named_parameters()]
     got = dict(held)
     tied = pipes[0].ownership.tied
-    assert bool(tied) == (name in ("gpt_tied", "HFGPT2", "HFQwen2Tied"))
+    assert bool(tied) == (name in ("gpt_tied", "one_table", "HFGPT2", "HFQwen2Tied"))
     for names in tied:  # the first and the last stage each hold a copy: their gradients sum to the model's
         copies = [g for n, g in held if n in names]
         assert len(copies) == 2
