@@ -3,9 +3,9 @@
 Families (tests/_families.py, plain user LightningModules): litgpt's GPT (Pythia and Llama configs; litgpt registers
 ``lm_head`` before the embedding, so ownership must come from execution order), Hugging Face GPT-2 (Conv1D, head tied
 to the embedding), Qwen2 with ``tie_word_embeddings=True`` and ViT (whose forward reads attributes of the embedding
-on every stage). Tied weights: a copy on each end stage, gradients summed over the two (pp 2, and pp 2 x dp 2 under
-ZeRO-1 / ZeRO-2), or one shared parameter where one rank runs both ends (zbv); the gradient norm counts the weight
-once (accumulation + clipping at 0.05 with norms > 0.5). pp 3 splits 4 blocks unevenly.
+on every stage). Tied weights: a copy on each end stage, gradients summed over the two (pp 2, pp 2 x dp 2 under
+ZeRO-1 / ZeRO-2 / ZeRO-3, pp 2 x tp 2), or one shared parameter where one rank runs both ends (zbv); the gradient
+norm counts the weight once (accumulation + clipping at 0.05 with norms > 0.5). pp 3 splits 4 blocks unevenly.
 
 Tolerances as in tests/test_pipeline.py: fp32 losses and gradient norms 1e-5 relative, SGD parameters 1e-5 relative
 / 1e-7 absolute, AdamW parameters 1% of lr. Every model here trains with SGD + momentum except ``llama4`` (AdamW).
@@ -41,7 +41,7 @@ JOBS_3: dict[str, dict[str, Any]] = {
     "qwen2_tied_pp3": {"model": "hf_qwen2_tied", "strategy": {"pp": 3, "microbatches": 4}, "validate": True},
 }
 
-# 4 ranks: pp 4 (dp 1), and pp 2 x dp 2 with ZeRO on a tied model.
+# 4 ranks: pp 4 (dp 1), pp 2 x dp 2 with ZeRO on tied models, and pp 2 x tp 2 on a tied model.
 JOBS_4: dict[str, dict[str, Any]] = {
     "llama_pp4": {"model": "llama4", "strategy": {"pp": 4}, "dp": 1},
     "litgpt_llama_pp4": {"model": "litgpt_llama", "strategy": {"pp": 4}, "dp": 1},
@@ -49,6 +49,7 @@ JOBS_4: dict[str, dict[str, Any]] = {
     "gpt_tied_zero1": {"model": "gpt4_tied_sgd", "strategy": {"pp": 2, "zero_stage": 1}, "dp": 2},
     "gpt_tied_zero3_accum_clip": {"model": "gpt4_tied_sgd", "strategy": {"pp": 2, "zero_stage": 3}, "dp": 2,
                                   "accumulate": 2, "clip": 0.05},
+    "gpt_tied_pipe_tp": {"model": "gpt4_tied_sgd", "strategy": {"pp": 2, "tp": 2}, "dp": 1},
     "qwen2_tied_zero2_accum_clip": {"model": "hf_qwen2_tied", "strategy": {"pp": 2, "zero_stage": 2}, "dp": 2,
                                     "accumulate": 2, "clip": 0.05},
 }  # fmt: skip

@@ -139,6 +139,7 @@ def _probe(module: nn.Module, trunk: Trunk, units: Units, run: Callable[[], Any]
         uses.phase = "post"
 
     handles = [trunk.blocks[0].register_forward_pre_hook(enter), trunk.blocks[-1].register_forward_hook(leave)]
+
     def called(name: str) -> None:  # a unit called without touching its parameters still runs where it is called
         uses.mark(name)
         uses.running.append(name)
