@@ -201,8 +201,9 @@ def find_ownership(module: nn.Module, trunk: Trunk, run: Optional[Callable[[], A
     for name, phases in seen.items():
         if "trunk" in phases:
             raise PipelineError(
-                f"{name} runs between the trunk's blocks ({trunk.path}), where the pipeline cuts; only the trunk's "
-                "blocks may run there: move that work into the blocks or before / after the loop over them"
+                f"{name} runs between the trunk's blocks ({trunk.path}), where the pipeline cuts, so no stage can own "
+                "it; train this model without pipeline parallelism (pp=1, e.g. strategy='zero2'), or run that work "
+                "inside the blocks or before / after the loop over them"
             )
     pre = [(n, m) for n, m in units if "pre" in seen.get(n, {"pre"})]  # never used: the first stage keeps it
     post = [(n, m) for n, m in units if "post" in seen.get(n, set())]
