@@ -4,8 +4,9 @@ Families (tests/_families.py, plain user LightningModules): litgpt's GPT (Pythia
 ``lm_head`` before the embedding, so ownership must come from execution order), Hugging Face GPT-2 (Conv1D, head tied
 to the embedding), Qwen2 with ``tie_word_embeddings=True`` and ViT (whose forward reads attributes of the embedding
 on every stage). Tied weights: a copy on each end stage, gradients summed over the two (pp 2, pp 2 x dp 2 under
-ZeRO-1 / ZeRO-2 / ZeRO-3, pp 2 x tp 2), or one shared parameter where one rank runs both ends (zbv); the gradient
-norm counts the weight once (accumulation + clipping at 0.05 with norms > 0.5). pp 3 splits 4 blocks unevenly.
+ZeRO-1 / ZeRO-2 / ZeRO-3, pp 2 x tp 2), or one shared parameter where one rank runs both ends (zbv, dualpipev);
+the gradient norm counts the weight once (accumulation + clipping at 0.05 with norms > 0.5). pp 3 splits 4 blocks
+unevenly.
 
 Tolerances as in tests/test_pipeline.py: fp32 losses and gradient norms 1e-5 relative, SGD parameters 1e-5 relative
 / 1e-7 absolute, AdamW parameters 1% of lr. Every model here trains with SGD + momentum except ``llama4`` (AdamW).
@@ -32,6 +33,7 @@ JOBS_2: dict[str, dict[str, Any]] = {
     "gpt_tied_accum_clip": {"model": "gpt4_tied_sgd", "strategy": {"pp": 2}, "accumulate": 2, "clip": 0.05},
     # zbv: rank 0 runs stage 0 and the last stage, so the tied weight is one parameter there.
     "qwen2_tied_zbv": {"model": "hf_qwen2_tied", "strategy": {"pp": 2, "pp_schedule": "zbv"}},
+    "gpt_tied_dualpipev": {"model": "gpt4_tied_sgd", "strategy": {"pp": 2, "pp_schedule": "dualpipev"}},
 }
 
 # 3 ranks, pp 3: 4 blocks split unevenly.
