@@ -240,6 +240,13 @@ MODELS = {
     "muon_lm": MuonLM,
     "seq_trunk": lambda: SeqTrunkLM(),
     "dict_trunk": lambda: DictTrunkLM(),
+    "gpt4_tied_sgd": lambda: SGDGPT(vocab_size=256, block_size=32, n_layer=4, n_head=4, n_embd=32, tie_weights=True),
+    # Families we did not write (tests/_families.py), each a plain user LightningModule with SGD + momentum.
+    "litgpt_pythia": lambda: _families().LitGPTPythia(),
+    "litgpt_llama": lambda: _families().LitGPTLlama(),
+    "hf_gpt2": lambda: _families().HFGPT2(),
+    "hf_qwen2_tied": lambda: _families().HFQwen2Tied(),
+    "hf_vit": lambda: _families().HFViT(),
 }  # fmt: skip
 
 
@@ -247,6 +254,12 @@ def _families_moe() -> Any:
     import _families_moe  # test-only: needs transformers
 
     return _families_moe
+
+
+def _families() -> Any:
+    import _families  # test-only: needs litgpt and transformers
+
+    return _families
 
 
 def _hf_models() -> Any:
@@ -717,6 +730,9 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         local: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(local, recorder.local_losses)
         result["local_losses_all"] = local
+        # Tied weights have a copy on each end stage, each under its rank's name for it (tests/test_pipeline_tied.py).
+        pipeline = trainer.strategy.parallel_run.pipeline
+        result["tied"] = pipeline.model.ownership.tied if pipeline is not None else []
     if job.get("validate"):
         result["val"] = {k: float(v) for k, v in trainer.validate(model, datamodule=data, verbose=False)[0].items()}
     if job.get("test"):

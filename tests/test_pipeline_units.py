@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from _worker import DictTrunkLM, SeqTrunkLM
+from _worker import DictTrunkLM, SeqTrunkLM, _Residual
 from torch import nn
 
 from lightning_par.analysis.pipeline_timeline import Action, one_f_one_b_order, replay
@@ -122,14 +122,49 @@ def _loss(model: Any, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     return nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
 
 
-@pytest.mark.parametrize("name", ["gpt", "llama", "seq", "dict"])
+class _OneTable(nn.Module):
+    """The embedding table doubles as the head, read functionally after the trunk (``h @ self.emb.weight.T``):
+    one module used on both sides of the trunk."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(64, 32)
+        self.blocks = nn.ModuleList(_Residual(32) for _ in range(4))
+        self.norm = nn.LayerNorm(32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.norm(h) @ self.emb.weight.T
+
+
+def _family(name: str) -> Any:
+    import _families
+
+    torch.manual_seed(0)
+    return getattr(_families, name)()
+
+
+FAMILIES = ("LitGPTPythia", "LitGPTLlama", "HFGPT2", "HFQwen2Tied", "HFViT")
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama", "seq", "dict", "gpt_tied", "one_table", *FAMILIES])
 def test_stages_chained_by_hand_give_the_full_model_loss_and_gradients(name: str) -> None:
     import copy
 
-    full = _models()[name]
-    vocab = 64 if name in ("gpt", "llama") else 256
-    batch = (torch.randint(0, vocab, (2, 16)), torch.randint(0, vocab, (2, 16)))
-    ref = _loss(full, batch)
+    if name in FAMILIES:
+        full = _family(name)
+        loss_of: Any = lambda m, b: m._loss(b)  # noqa: E731  (the user's own loss)
+    else:
+        torch.manual_seed(0)
+        tied_gpt = GPT(vocab_size=64, block_size=16, n_layer=4, n_head=4, n_embd=32, tie_weights=True)
+        full = {"gpt_tied": tied_gpt, "one_table": _OneTable()}.get(name) or _models()[name]
+        loss_of = _loss
+    vocab = 64 if name in ("gpt", "llama", "gpt_tied", "one_table") else 256
+    seq = 16 if vocab == 64 else 32  # the ViT reads (x, y) as one 8 x 8 image
+    batch = (torch.randint(0, vocab, (2, seq)), torch.randint(0, vocab, (2, seq)))
+    ref = loss_of(full, batch)
     ref.backward()
     ref_grads = {n: p.grad.clone() for n, p in full.named_parameters()}
     ranges = [(0, 1), (1, 3), (3, 4)]
@@ -141,12 +176,22 @@ def test_stages_chained_by_hand_give_the_full_model_loss_and_gradients(name: str
     hidden = None
     for pipe, m in zip(pipes, cuts):
         pipe.install()
-        pipe.step_fn = lambda _mb, _spec, m=m: _loss(m, batch)
+        pipe.step_fn = lambda _mb, _spec, m=m: loss_of(m, batch)
         hidden = pipe.run_stage(pipe.specs[0], hidden, 0)  # activation, then activation, then the loss
     torch.testing.assert_close(hidden, ref, rtol=1e-6, atol=0)
     # In one process the stages' graphs are chained, so one backward reaches every stage's parameters.
     hidden.backward()
-    got = {n: p.grad for m in cuts for n, p in m.named_parameters()}
+    held = [(n, p.grad) for m in cuts for n, p in m.named_parameters()]
+    got = dict(held)
+    tied = pipes[0].ownership.tied
+    assert bool(tied) == (name in ("gpt_tied", "one_table", "HFGPT2", "HFQwen2Tied"))
+    for names in tied:  # the first and the last stage each hold a copy: their gradients sum to the model's
+        copies = [g for n, g in held if n in names]
+        assert len(copies) == 2
+        for n in names:
+            got.pop(n, None)
+        got[names[0]] = copies[0] + copies[1]
+    assert len(held) == len(got) + len(tied)  # no other parameter is held twice
     assert set(got) == set(ref_grads)  # every parameter is owned by exactly one stage, under its original name
     for n, g in ref_grads.items():
         torch.testing.assert_close(got[n], g, rtol=1e-5, atol=1e-7, msg=lambda msg, n=n: f"{n}: {msg}")
@@ -173,10 +218,6 @@ def test_model_outside_the_pipeline_and_broken_contracts_fail_clearly() -> None:
     with pytest.raises(RuntimeError, match=r"transformer.h.0 was called outside the pipeline"):
         model(torch.zeros(1, 4, dtype=torch.long))
 
-    tied = GPT(n_layer=2, tie_weights=True)
-    with pytest.raises(PipelineError, match=r"lm_head.weight is shared .*tied embeddings.*tie_weights=False"):
-        PipelineModel(tied, find_trunk(tied), [(0, 1), (1, 2)], [0], torch.device("cpu"))
-
     class RootParam(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -186,6 +227,84 @@ def test_model_outside_the_pipeline_and_broken_contracts_fail_clearly() -> None:
     root = RootParam()
     with pytest.raises(PipelineError, match=r"parameter scale sits on a module that contains the trunk"):
         PipelineModel(root, find_trunk(root), [(0, 1), (1, 2)], [0], torch.device("cpu"))
+
+
+class _HeadFirst(nn.Module):
+    """Registers its head and final norm before the embedding and the blocks (litgpt's GPT does so too)."""
+
+    def __init__(self, tokens: bool = True, between: bool = False) -> None:
+        super().__init__()
+        self.head = nn.Linear(8, 16)
+        self.norm = nn.LayerNorm(8)
+        self.unused = nn.Linear(8, 8)
+        self.emb = nn.Embedding(16, 8) if tokens else nn.Linear(3, 8)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.between = between
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        for i, block in enumerate(self.blocks):
+            h = block(h)
+            if self.between and i == 0:
+                h = self.norm(h)
+        return self.head(self.norm(h))
+
+
+def test_ownership_follows_what_runs_before_and_after_the_trunk() -> None:
+    from lightning_par.parallel.pipeline_owners import find_ownership
+
+    model = _HeadFirst()
+    own = find_ownership(model, find_trunk(model))
+    # Never-run modules stay with the first stage (and in its checkpoints).
+    assert own.source == "probe" and [n for n, _ in own.pre] == ["unused", "emb"]
+    assert [n for n, _ in own.post] == ["head", "norm"] and own.tied == []
+    lit = _family("LitGPTPythia").model  # lm_head registered before transformer.wte
+    lit_own = find_ownership(lit, find_trunk(lit))
+    assert [n for n, _ in lit_own.pre] == ["transformer.wte"]
+    assert [n for n, _ in lit_own.post] == ["lm_head", "transformer.ln_f"]
+    tied = GPT(n_layer=2, tie_weights=True)  # one weight, two modules: each placed by its own calls
+    tied_own = find_ownership(tied, find_trunk(tied))
+    assert [n for n, _ in tied_own.pre] == ["transformer.wte", "transformer.wpe"]
+    assert tied_own.tied == [("transformer.wte.weight", "lm_head.weight")]
+    # A forward the probe cannot call (float inputs of 3 features): registration order, and the reason kept.
+    floats = _HeadFirst(tokens=False)
+    fallback = find_ownership(floats, find_trunk(floats))
+    assert fallback.source == "registration order" and "Error" in fallback.reason
+    assert [n for n, _ in fallback.pre] == ["head", "norm", "unused", "emb"] and fallback.post == []
+    floats.example_input_array = torch.zeros(2, 3)  # Lightning's convention: then the probe runs
+    assert [n for n, _ in find_ownership(floats, find_trunk(floats)).post] == ["head", "norm"]
+    between = _HeadFirst(between=True)
+    with pytest.raises(PipelineError, match=r"norm runs between the trunk's blocks \(blocks\)"):
+        find_ownership(between, find_trunk(between))
+
+
+def test_a_stage_reads_the_attribute_tree_of_modules_it_does_not_own() -> None:
+    vit = _family("HFViT")
+    pipe = PipelineModel(vit, find_trunk(vit), [(0, 2), (2, 4)], [1], torch.device("cpu"))
+    emb = vit.model.vit.embeddings  # owned by stage 0: a meta copy of the whole subtree stands in
+    weight = emb.patch_embeddings.projection.weight
+    assert type(emb).__name__ == "ViTEmbeddings" and emb.patch_embeddings.num_patches == 16
+    assert weight.device.type == "meta" and weight.dtype == torch.float32 and weight.shape == (32, 1, 2, 2)
+    assert emb.cls_token.shape == (1, 1, 32) and vit.model.config.hidden_size == 32
+    names = [n for n, _ in vit.named_parameters()]
+    assert names and not any(".embeddings." in n for n in names)  # no optimizer, checkpoint or ZeRO sees them
+    assert not any(".embeddings." in k for k in vit.state_dict())
+    vit.to(torch.float64)  # Lightning's dtype and device moves leave the stand-in alone
+    assert emb.patch_embeddings.projection.weight.dtype == torch.float32
+    vit.to(torch.float32)
+    pipe.install()
+    received = torch.randn(2, 17, 32, requires_grad=True)  # 16 patches + the class token
+    pipe.step_fn = lambda _mb, _spec: vit._loss((torch.randint(0, 256, (2, 32)), torch.randint(0, 256, (2, 32))))
+    loss = pipe.run_stage(pipe.specs[0], received, 0)  # ViTModel.forward reads the projection's dtype first
+    loss.backward()
+    assert received.grad is not None and received.grad.abs().sum() > 0
+    # The last stage's modules, on the first stage: readable, and calling them names the module and the fix.
+    first = _family("HFViT")
+    PipelineModel(first, find_trunk(first), [(0, 2), (2, 4)], [0], torch.device("cpu"))
+    assert first.model.classifier.weight.shape == (16, 32) and first.model.classifier.weight.is_meta
+    with pytest.raises(PipelineError, match=r"model.classifier belongs to the last pipeline stage \(it ran after "
+                                            r"the trunk .*example_input_array"):  # fmt: skip
+        first.model.classifier(torch.zeros(1, 32))
 
 
 def test_stage_that_skips_its_last_block_is_reported() -> None:
@@ -295,6 +414,9 @@ def test_split_is_described_for_the_start_up_log() -> None:
         "transformer.h.1..transformer.h.3; before the trunk ['transformer.wte', 'transformer.wpe'] on stage 0, after "
         "it ['transformer.ln_f', 'lm_head'] on the last"
     )
+    tied = GPT(n_layer=2, tie_weights=True)
+    runner.model = PipelineModel(tied, find_trunk(tied), [(0, 1), (1, 2)], [1], torch.device("cpu"))
+    assert runner.describe().endswith("on the last; tied ['transformer.wte.weight'] held by both")
 
 
 # ---- the bubble a schedule has by construction (analysis/pipeline_timeline.py; used by benchmarks/) ------------

@@ -18,7 +18,7 @@ from torch import nn
 
 from lightning_par.names import ALIASES, DEEPSPEED_STRATEGY_NAMES, STRATEGY_NAMES, strategy_kwargs
 from lightning_par.parallel.optimizers import check_elementwise
-from lightning_par.parallel.pipeline import PipelineError, outer_modules
+from lightning_par.parallel.pipeline_owners import PipelineError, find_ownership
 from lightning_par.plans.moe import find_moe_layers, unrecognised_experts
 from lightning_par.plans.tp import infer_tp_plan
 from lightning_par.plans.tp_types import TPPlanError
@@ -86,9 +86,10 @@ class _Checks:
                     f"{trunk.path} has {len(trunk.blocks)} blocks, fewer than pp={self.degree} stages; use fewer "
                     "pipeline ranks"
                 )
-            pre, post = outer_modules(self.module, trunk)
-            outside = f"{len(pre)} modules before it, {len(post)} after"
-            return f"pipeline over the {len(trunk.blocks)} blocks of {trunk.path} ({outside})"
+            own = find_ownership(self.module, trunk)
+            outside = f"{len(own.pre)} modules on the first stage, {len(own.post)} on the last, by {own.source}"
+            tied = f", {len(own.tied)} tied weights on both" if own.tied else ""
+            return f"pipeline over the {len(trunk.blocks)} blocks of {trunk.path} ({outside}{tied})"
 
         return _guard(run, PipelineError)
 

@@ -7,6 +7,7 @@ runs on what is left, each stage (`ModelPart`) treated like a whole model. Addin
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Optional
 
 import torch
@@ -36,6 +37,7 @@ def parallelize(
     param_dtype: Optional[torch.dtype] = None,
     reduce_dtype: Optional[torch.dtype] = None,
     tp_plan: Optional[dict[str, str]] = None,
+    timeout: Optional[timedelta] = None,
 ) -> ParallelRun:
     """Apply the configured parallelism to ``module`` in place and return what the run needs afterwards.
 
@@ -46,13 +48,14 @@ def parallelize(
         param_dtype: compute dtype for ZeRO-3 gathered parameters under mixed precision.
         reduce_dtype: gradient reduction dtype under ZeRO-3.
         tp_plan: the user's overrides of the inferred tensor-parallel plan (module pattern -> style).
+        timeout: collective timeout of process groups created here (a pipeline's tied-weight group).
     """
     trunk = _trunk(module, config)
     # Inferred on the whole model (one small forward), before a pipeline cut leaves a stage unable to run it.
     plan = _tp_plan(module, config, tp_plan)
 
     # 1. Pipeline first: it removes other stages' modules, so every later step sees only this rank's parameters.
-    cut = _split(module, trunk, mesh, config) if config.pp > 1 else None
+    cut = _split(module, trunk, mesh, config, timeout) if config.pp > 1 else None
     parts = cut.parts if cut is not None else [_whole(module, trunk)]
 
     # 2. Replicas start equal (ranks may have initialised differently): over data-parallel ranks, and over tp for
@@ -99,9 +102,12 @@ def parallelize(
         zero = ReplicatedZero(module, mesh.dp_2d, config.zero_stage, config.bucket_cap_mb, state_mesh=state_mesh,
                               exclude=exclude, reduce_during_backward=cut is None)  # fmt: skip
 
-    # 7. The pipeline's own hooks last, outside every wrapping above (the recomputed region, FSDP2's pre-hooks).
+    # 7. The pipeline's own hooks last, outside every wrapping above (the recomputed region, FSDP2's pre-hooks); a
+    #    tied weight's second copy is marked once ZeRO built its masters (and FSDP2 its sharded parameters).
     if cut is not None:
         cut.install()
+        if cut.runner.tied is not None:
+            cut.runner.tied.mark_replicas(zero.masters if zero is not None else None)
 
     # The trainer calls a StepRoot under ZeRO-3 without a pipeline, so that FSDP2's root hooks fire; a pipeline's
     # schedule calls its stage modules itself.
@@ -145,11 +151,13 @@ def _whole(module: nn.Module, trunk: Optional[Trunk]) -> ModelPart:
     return ModelPart(StepRoot(module), blocks, whole_trunk=True)
 
 
-def _split(module: nn.Module, trunk: Optional[Trunk], mesh: ParallelMesh, config: ParallelConfig) -> PipelineSplit:
+def _split(
+    module: nn.Module, trunk: Optional[Trunk], mesh: ParallelMesh, config: ParallelConfig, timeout: Optional[timedelta]
+) -> PipelineSplit:
     assert trunk is not None  # `_trunk` requires one under pp > 1
     device = next(module.parameters()).device
     return split_pipeline(
         module, trunk, schedule=config.pp_schedule, pp=config.pp, pp_rank=mesh.root.get_local_rank("pp"),
         group=mesh.root.get_group("pp"), microbatches=config.microbatches or 2 * config.pp, device=device,
-        split=config.pp_split, costs=config.pp_costs,
+        split=config.pp_split, costs=config.pp_costs, timeout=timeout,
     )  # fmt: skip

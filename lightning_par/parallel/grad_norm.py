@@ -17,6 +17,9 @@ from torch.distributed.tensor import DTensor, Replicate
 # sharded over. (An attribute, not a WeakKeyDictionary: that compares tensors with `==`.) Every other plain
 # tensor is taken as replicated.
 _SHARD_GROUPS = "_lp_shard_groups"
+# Attribute set on a parameter that is a copy of one another rank also holds and counts (the last pipeline stage's
+# copy of a tied embedding): its gradient is left out of the norm, which counts the weight once.
+_REPLICA = "_lp_norm_replica"
 
 
 def mark_sharded(param: torch.Tensor, groups: tuple[dist.ProcessGroup, ...]) -> None:
@@ -27,6 +30,16 @@ def mark_sharded(param: torch.Tensor, groups: tuple[dist.ProcessGroup, ...]) -> 
         groups: the process groups whose ranks hold the other slices.
     """
     setattr(param, _SHARD_GROUPS, groups)
+
+
+def mark_replica(param: torch.Tensor) -> None:
+    """Declare that ``param`` copies a parameter another rank holds and counts (a tied weight's second copy): the
+    global gradient norm leaves its gradient out.
+
+    Args:
+        param: the copy (a parameter, or the ZeRO master built from it).
+    """
+    setattr(param, _REPLICA, True)
 
 
 def _local(g: torch.Tensor) -> torch.Tensor:
@@ -45,7 +58,7 @@ def global_grad_norm(params: Iterable[torch.Tensor], sum_groups: Sequence[dist.P
     device = None
     for p in params:
         g = p.grad
-        if g is None:
+        if g is None or getattr(p, _REPLICA, False):
             continue
         groups: tuple[dist.ProcessGroup, ...] = getattr(p, _SHARD_GROUPS, ())
         if isinstance(g, DTensor):

@@ -8,21 +8,22 @@ microbatch with the model cut down to what the stage owns:
 - the first block the stage owns swaps in the activation received from the previous stage;
 - the last block it owns ends the stage by raising `_StageEnd` with its output, which the stage module returns
   to the schedule; only the last stage runs on to the head and the loss, as the user wrote them;
-- modules registered before the trunk (embeddings) exist only on the first stage; elsewhere a `_Shadow` runs
-  them on the meta device and returns zeros of the right shape (the value is discarded by the swap), so side
-  inputs computed before the trunk (rotary tables, masks) are recomputed locally instead of sent;
-- modules registered after the trunk (final norm, head) exist only on the last stage.
+- modules that run before the trunk (embeddings) are owned by the first stage, those that run after it (final
+  norm, head) by the last (`pipeline_owners.find_ownership` probes the forward to tell); elsewhere a meta-device
+  copy stands in (`pipeline_owners.shadow`): before the trunk it returns zeros of the right shape (the value is
+  discarded by the swap), so side inputs computed before the trunk (rotary tables, masks) are recomputed locally
+  instead of sent;
+- a parameter used on both sides (a tied embedding and head) lives on both end stages
+  (`pipeline_tied.TiedWeights` sums its gradients).
 
-Modules other stages own are removed from the module tree, so a rank holds only its stages' parameters, under
-their original names (checkpoints move between layouts). Nothing here imports Lightning: the step function is
+Modules other stages own are replaced by their shadows, so a rank holds only its stages' parameters, under their
+original names (checkpoints move between layouts). Nothing here imports Lightning: the step function is
 any callable.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import itertools
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
@@ -30,11 +31,10 @@ import torch
 from torch import Tensor, nn
 
 from lightning_par import _compat
+from lightning_par.parallel.pipeline_owners import Ownership, PipelineError, find_ownership, shadow
 from lightning_par.plans.trunk import Trunk
 
-
-class PipelineError(ValueError):
-    """A model or step the pipeline cannot cut; the message names the fix."""
+__all__ = ["PipelineError", "PipelineModel", "StageModule", "StageSpec"]
 
 
 class _StageEnd(BaseException):
@@ -93,54 +93,6 @@ class _PassThrough(nn.Module):
         return self._owner._block_call(self.index, None, args, kwargs)
 
 
-class _Shadow(nn.Module):
-    """Stands in for a module before the trunk (an embedding) on a rank that does not run the first stage.
-
-    Runs a parameter-free meta-device copy for the output's shape and dtype and returns zeros: the stage's first
-    block replaces the hidden state with the received activation, so the value never matters, only the shape of
-    whatever the user's code computes from it before the trunk.
-    """
-
-    _owner: PipelineModel
-    _meta: nn.Module
-
-    def __init__(self, owner: PipelineModel, original: nn.Module, name: str, device: torch.device) -> None:
-        super().__init__()
-        memo: dict[int, Any] = {}
-        for t in itertools.chain(original.parameters(), original.buffers()):
-            meta = torch.empty_like(t, device="meta")
-            memo[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
-        object.__setattr__(self, "_meta", copy.deepcopy(original, memo))  # not registered: no parameters here
-        object.__setattr__(self, "_owner", owner)
-        self.module_name, self.device = name, device
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        active = self._owner._active
-        if active is not None and active.trunk_started:
-            raise PipelineError(
-                f"{self.module_name} is registered before the trunk ({self._owner.trunk.path}) but runs after it; "
-                "the pipeline gives modules registered before the trunk to the first stage and those after it to "
-                "the last: register it after the trunk in __init__"
-            )
-        meta_args, meta_kwargs = _compat.tree_map_only(Tensor, lambda t: t.to("meta"), (args, kwargs))
-        out = self._meta(*meta_args, **meta_kwargs)
-        return _compat.tree_map_only(Tensor, lambda t: torch.zeros(t.shape, dtype=t.dtype, device=self.device), out)
-
-
-class _Missing(nn.Module):
-    """Stands in for a module after the trunk (norm, head) on a rank that does not run the last stage."""
-
-    def __init__(self, name: str, trunk_path: str) -> None:
-        super().__init__()
-        self.module_name, self.trunk_path = name, trunk_path
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        raise PipelineError(
-            f"{self.module_name} is registered after the trunk ({self.trunk_path}) but runs before it; the "
-            "pipeline gives modules registered after the trunk to the last stage: register it before the trunk"
-        )
-
-
 class StageModule(nn.Module):
     """The module `torch.distributed.pipelining.PipelineStage` drives for one stage.
 
@@ -177,6 +129,7 @@ class PipelineModel:
         ranges: block range of every stage of the pipeline (`lightning_par.plans.partition.partition`).
         local_stages: indices of the stages this rank runs.
         device: the rank's device.
+        ownership: which stage owns each module outside the trunk (default: `find_ownership` probes the forward).
     """
 
     def __init__(
@@ -186,8 +139,10 @@ class PipelineModel:
         ranges: Sequence[tuple[int, int]],
         local_stages: Sequence[int],
         device: torch.device,
+        ownership: Optional[Ownership] = None,
     ) -> None:
-        self.module, self.trunk, self.device = module, trunk, device
+        own = ownership if ownership is not None else find_ownership(module, trunk)
+        self.module, self.trunk, self.device, self.ownership = module, trunk, device, own
         n = len(ranges)
         self.n_stages, self.ranges = n, list(ranges)
         self.specs = [StageSpec(s, *ranges[s], is_first=s == 0, is_last=s == n - 1) for s in sorted(local_stages)]
@@ -195,10 +150,9 @@ class PipelineModel:
         self.step_fn: Optional[StepFn] = None
         self.hidden_dtype: Optional[torch.dtype] = None
         self._stage_modules: Optional[list[StageModule]] = None
-        pre, post = outer_modules(module, trunk)
-        self.pre_names, self.post_names = [n for n, _ in pre], [n for n, _ in post]
-        owns_first = any(s.is_first for s in self.specs)
-        owns_last = any(s.is_last for s in self.specs)
+        self.pre_names, self.post_names = [n for n, _ in own.pre], [n for n, _ in own.post]
+        self.owns_first = any(s.is_first for s in self.specs)
+        self.owns_last = any(s.is_last for s in self.specs)
         owned_idx = {i for s in self.specs for i in range(s.start, s.end)}
         self.blocks: dict[int, nn.Module] = {}
         for i, (name, block) in enumerate(zip(trunk.names, trunk.blocks)):
@@ -206,14 +160,20 @@ class PipelineModel:
                 self.blocks[i] = block
             else:
                 _replace(module, name, _PassThrough(self, i, name))
-        self.pre = {n: m for n, m in pre} if owns_first else {}
-        self.post = {n: m for n, m in post} if owns_last else {}
-        if not owns_first:
-            for name, m in pre:
-                _replace(module, name, _Shadow(self, m, name, device))
-        if not owns_last:
-            for name, _ in post:
-                _replace(module, name, _Missing(name, trunk.path))
+        self.pre = dict(own.pre) if self.owns_first else {}
+        self.post = dict(own.post) if self.owns_last else {}
+        # A unit of both ends (an embedding used as the head) stays whole wherever either end runs.
+        kept = set(self.pre) | set(self.post)
+        for units, before in ((own.pre, True), (own.post, False)):
+            for name, m in units:
+                if name not in kept:
+                    kept.add(name)
+                    stand_in = shadow(m, name, before=before, device=device, why=own.why(before),
+                                      in_trunk=self._in_trunk)  # fmt: skip
+                    _replace(module, name, stand_in)
+
+    def _in_trunk(self) -> bool:
+        return self._active is not None and self._active.trunk_started
 
     @property
     def owned_blocks(self) -> list[nn.Module]:
@@ -328,46 +288,3 @@ def _replace(root: nn.Module, name: str, new: nn.Module) -> None:
     parent_name, _, leaf = name.rpartition(".")
     parent = root.get_submodule(parent_name) if parent_name else root
     _compat.set_child_module(parent, leaf, new)
-
-
-def outer_modules(module: nn.Module, trunk: Trunk) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Module]]]:
-    """Modules with parameters outside the trunk, split by registration order into before / after the trunk.
-
-    Registration order stands in for execution order (nanoGPT, Llama and Hugging Face models register the
-    embeddings, then the blocks, then the final norm and head); a module that breaks the rule fails with a
-    message when it runs on the wrong stage (`_Shadow`, `_Missing`).
-    """
-    pre: list[tuple[str, nn.Module]] = []
-    post: list[tuple[str, nn.Module]] = []
-    seen_trunk = False
-    prefix = trunk.path + "."
-    for name, m in module.named_modules():
-        if name == trunk.path:
-            seen_trunk = True
-            continue
-        if name.startswith(prefix) or any(name.startswith(n + ".") for n, _ in pre + post):
-            continue
-        direct = [n for n, p in _compat.module_parameters(m).items() if p is not None]
-        if not direct:
-            continue
-        if name == "" or prefix.startswith(name + "."):
-            where = f"{name}.{direct[0]}" if name else direct[0]
-            raise PipelineError(
-                f"parameter {where} sits on a module that contains the trunk, so no single stage can own it; move "
-                "it into a submodule registered before or after the trunk"
-            )
-        (post if seen_trunk else pre).append((name, m))
-    pre_ids = {id(p) for _, m in pre for p in m.parameters()}
-    for name, m in post:
-        for pname, p in m.named_parameters():
-            if id(p) in pre_ids:
-                raise PipelineError(
-                    f"{name}.{pname} is shared with a module before the trunk (tied embeddings): the first and last "
-                    "stages would both own it; untie the weights (e.g. GPT(tie_weights=False)) under pipelining"
-                )
-    trunk_ids = {id(p) for b in trunk.blocks for p in b.parameters()}
-    for name, m in pre + post:
-        for pname, p in m.named_parameters():
-            if id(p) in trunk_ids:
-                raise PipelineError(f"{name}.{pname} is shared with a trunk block; stages cannot share parameters")
-    return pre, post

@@ -42,6 +42,7 @@ from torch.distributed.pipelining import (
 
 from lightning_par import _compat
 from lightning_par.parallel.pipeline import PipelineError, PipelineModel, StageSpec
+from lightning_par.parallel.pipeline_tied import TiedWeights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +169,7 @@ class PipelineRunner:
         self._first_rank = dist.get_global_rank(group, 0)  # runs stage 0 under every schedule
         self._last_rank = dist.get_global_rank(group, _rank_of_last(schedule, self.pp))
         self._cache: dict[tuple, Any] = {}
+        self.tied: Optional[TiedWeights] = None  # set by `split_pipeline` on end-stage ranks of a tied model
         self._loss_fn: Callable[[Tensor], Tensor] = lambda t: t
 
     @property
@@ -175,12 +177,22 @@ class PipelineRunner:
         """Global rank that runs the last stage (it holds the losses and the user's logged values)."""
         return self._last_rank
 
+    @property
+    def first_stage_rank(self) -> int:
+        """Global rank that runs the first stage."""
+        return self._first_rank
+
     def describe(self) -> str:
         """One line naming the schedule, the microbatches and every stage's blocks (printed at start-up)."""
         model = self.model
         names = model.trunk.names
         stages = [f"stage {s}: {names[a]}..{names[b - 1]}" for s, (a, b) in enumerate(model.ranges)]
         ends = f"before the trunk {model.pre_names or '-'} on stage 0, after it {model.post_names or '-'} on the last"
+        own = model.ownership
+        if own.tied:
+            ends += f"; tied {[names[0] for names in own.tied]} held by both"
+        if own.source != "probe":
+            ends += f" (by registration order: {own.reason})"
         return (f"pipeline {self.schedule_name}, {model.n_stages} stages over pp={self.pp}, {self.microbatches} "
                 f"microbatches; " + "; ".join(stages) + f"; {ends}")  # fmt: skip
 
@@ -262,6 +274,8 @@ class PipelineRunner:
         device = self.model.device
         m = len(mbs)
         sched.step(target=torch.zeros(m, device=device), mb=torch.arange(m, device=device), return_outputs=False)
+        if self.tied is not None:  # this step's gradients of the two copies, before anything else reads them
+            self.tied.reduce_grads()
 
     @torch.no_grad()
     def eval_step(self, batch: Any, step_fn: Callable[[Any, StageSpec], Optional[Tensor]]) -> None:

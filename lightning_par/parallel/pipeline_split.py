@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Optional
 
 import torch
@@ -19,8 +20,10 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_par.parallel.parts import ModelPart
-from lightning_par.parallel.pipeline import PipelineError, PipelineModel, outer_modules
+from lightning_par.parallel.pipeline import PipelineError, PipelineModel
+from lightning_par.parallel.pipeline_owners import find_ownership
 from lightning_par.parallel.pipeline_schedule import PipelineRunner, check_schedule, local_stages, n_stages
+from lightning_par.parallel.pipeline_tied import TiedWeights, tie_group
 from lightning_par.plans.partition import param_costs, partition
 from lightning_par.plans.trunk import Trunk
 
@@ -63,6 +66,7 @@ def split_pipeline(
     device: torch.device,
     split: Optional[Sequence[int]] = None,
     costs: Optional[Sequence[float]] = None,
+    timeout: Optional[timedelta] = None,
 ) -> PipelineSplit:
     """Cut ``module`` in place for pipeline rank ``pp_rank``; return its stages and the runner of its steps.
 
@@ -76,20 +80,28 @@ def split_pipeline(
         split: blocks per stage, by hand (``pp x virtual`` counts); overrides ``costs``.
         costs: one cost per block (default: parameter counts; `lightning_par.plans.partition.measure_block_times`
             measures times).
+        timeout: collective timeout of the group that sums tied weights' gradients (default: the backend's).
     """
     check_schedule(schedule, pp, microbatches, len(trunk.blocks))
-    pre, post = outer_modules(module, trunk)
+    # Decided on the whole model, before the cut: who runs before and after the trunk.
+    own = find_ownership(module, trunk)
     block_costs = list(costs) if costs is not None else param_costs(trunk.blocks)
     if len(block_costs) != len(trunk.blocks):
         raise PipelineError(f"pp_costs has {len(block_costs)} entries but the trunk has {len(trunk.blocks)} blocks")
     ranges = partition(
-        block_costs, n_stages(schedule, pp), first_extra=_outer_cost([m for _, m in pre]),
-        last_extra=_outer_cost([m for _, m in post]), split=split,
+        block_costs, n_stages(schedule, pp), first_extra=_outer_cost([m for _, m in own.pre]),
+        last_extra=_outer_cost([m for _, m in own.post]), split=split,
     )  # fmt: skip
-    model = PipelineModel(module, trunk, ranges, local_stages(schedule, pp, pp_rank), device)
+    model = PipelineModel(module, trunk, ranges, local_stages(schedule, pp, pp_rank), device, own)
+    runner = PipelineRunner(model, schedule, group, microbatches)
+    if own.tied and runner.first_stage_rank != runner.last_stage_rank:
+        tied = tie_group(runner.first_stage_rank, runner.last_stage_rank, timeout)
+        if tied is not None:  # this rank runs an end stage
+            runner.tied = TiedWeights(module, own.tied, tied, runner.first_stage_rank, not model.owns_first)
+            runner.tied.sync_values()
     parts = [
         ModelPart(stage, tuple((trunk.names[i], model.blocks[i]) for i in range(stage.spec.start, stage.spec.end)),
                   whole_trunk=False)
         for stage in model.stage_modules()
     ]  # fmt: skip
-    return PipelineSplit(PipelineRunner(model, schedule, group, microbatches), parts)
+    return PipelineSplit(runner, parts)

@@ -76,6 +76,8 @@ class ParallelRun:
             owner, distribute = self.zero.masters_module(), self.zero.distribute_state
         if self.experts is not None and self.experts.params:
             distribute = self.experts.distribute_then(distribute)
+        if self.pipeline is not None and self.pipeline.tied is not None:  # a tied weight's copy: one name
+            owner = self.pipeline.tied.optimizer_owner(owner)
         return owner, distribute
 
     def distribute_model(self) -> Optional[Distribute]:

@@ -164,7 +164,7 @@ class ParallelStrategy(ProcessGroupStrategy):
             low = precision.compute_dtype if precision.mixed else None
             self._run = parallelize(
                 module, self.meshes, self._config, param_dtype=low, reduce_dtype=torch.float32 if low else None,
-                tp_plan=self._tp_plan,
+                tp_plan=self._tp_plan, timeout=self._timeout,
             )  # fmt: skip
             self._set_metric_groups(module)
             precision.norm_groups = self._run.norm_groups  # clipping's global norm spans what the run says

@@ -1,0 +1,277 @@
+"""Which pipeline stage owns each module outside the trunk (decided by what runs before and after the trunk), and
+what stands in for it on the stages that do not own it.
+
+Registration order is no guide (litgpt's ``GPT`` registers ``lm_head`` before ``transformer``, which holds the
+embedding, the blocks and the final norm), so `find_ownership` runs the model's forward once on a tiny input and
+records, for every outer module with parameters (a *unit*), whether its parameters were used (a forward of the
+module, or a functional use such as ``F.linear(h, self.wte.weight)``) before the first trunk block started or
+after the last one ended. Units used before the trunk belong to the first stage, units used after it to the last,
+units used on both sides to both (a tied embedding used as the head), units never used to the first stage (they
+stay in checkpoints). A parameter held by a unit of each side is *tied*: `lightning_par.parallel.pipeline_tied`
+keeps a copy on each end stage and sums their gradients. Where the probe cannot run (a forward that wants more than
+token ids, with no ``example_input_array``), registration order decides, as it always did.
+
+On a stage that does not own a unit, `shadow` puts a meta-device copy of the unit's whole subtree in its place:
+the user's code still reads its attributes, configs, dtypes and shapes (Hugging Face ``ViTModel.forward`` reads
+``self.embeddings.patch_embeddings.projection.weight.dtype``), but its tensors have no storage and are not
+registered, so optimizers, checkpoints and ZeRO never see them.
+
+The probe does not depend on the parameters' values, only on the order of calls; it runs without gradients, in
+eval mode (no dropout) and with the RNG state restored.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from lightning_par import _compat
+from lightning_par.plans.trunk import Trunk
+
+Units = list[tuple[str, nn.Module]]
+
+
+class PipelineError(ValueError):
+    """A model or step the pipeline cannot cut; the message names the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Ownership:
+    """Where the modules outside the trunk run.
+
+    Args:
+        pre: units the first stage owns (used before the trunk, or never), in registration order.
+        post: units the last stage owns (used after the trunk), in registration order; a unit used on both sides
+            is in both lists.
+        tied: parameters held by a unit of each list, each as its names in the whole model (the first is the name
+            ``named_parameters`` gives it: the one an optimizer and the one-process checkpoint key it by).
+        source: ``"probe"`` (decided by a run of the forward) or ``"registration order"`` (the probe could not run:
+            ``reason`` says why).
+    """
+
+    pre: Units
+    post: Units
+    tied: list[tuple[str, ...]]
+    source: str
+    reason: str = ""
+
+    def why(self, before: bool) -> str:
+        """How a unit of the first (``before``) or last stage got there, for error messages."""
+        side = "before" if before else "after"
+        if self.source == "probe":
+            return f"it ran {side} the trunk when the pipeline probed the model's forward"
+        return f"it is registered {side} the trunk; the probe of the forward could not run: {self.reason}"
+
+
+def outer_units(module: nn.Module, trunk: Trunk) -> Units:
+    """The outermost modules with parameters outside the trunk, in registration order (the ownership units).
+
+    Raises:
+        PipelineError: a parameter sits on a module that contains the trunk, or is shared with a trunk block.
+    """
+    units: Units = []
+    prefix = trunk.path + "."
+    for name, m in module.named_modules():
+        if name == trunk.path or name.startswith(prefix) or any(name.startswith(n + ".") for n, _ in units):
+            continue
+        direct = [n for n, p in _compat.module_parameters(m).items() if p is not None]
+        if not direct:
+            continue
+        if name == "" or prefix.startswith(name + "."):
+            where = f"{name}.{direct[0]}" if name else direct[0]
+            raise PipelineError(
+                f"parameter {where} sits on a module that contains the trunk, so no single stage can own it; move "
+                "it into a submodule registered before or after the trunk"
+            )
+        units.append((name, m))
+    trunk_ids = {id(p) for b in trunk.blocks for p in b.parameters()}
+    for name, m in units:
+        for pname, p in m.named_parameters():
+            if id(p) in trunk_ids:
+                raise PipelineError(f"{name}.{pname} is shared with a trunk block; stages cannot share parameters")
+    return units
+
+
+class _Uses(TorchFunctionMode):
+    """Records which units' parameters each torch call reads, and in which phase (before / in / after the trunk).
+
+    A use inside a unit's forward counts for that unit alone: a tied weight is read by the embedding before the
+    trunk and by the head after it, and each of the two units is placed by its own calls.
+    """
+
+    def __init__(self, unit_of: dict[int, set[str]]) -> None:
+        super().__init__()
+        self.unit_of, self.phase = unit_of, "pre"
+        self.seen: dict[str, set[str]] = {}
+        self.running: list[str] = []
+
+    def mark(self, unit: str) -> None:
+        self.seen.setdefault(unit, set()).add(self.phase)
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        for t in _compat.tree_flatten((args, kwargs or {}))[0]:
+            holders = self.unit_of.get(id(t), ()) if isinstance(t, Tensor) else ()
+            inside = self.running[-1] if self.running and self.running[-1] in holders else None
+            for unit in (inside,) if inside is not None else holders:
+                self.mark(unit)
+        return func(*args, **(kwargs or {}))
+
+
+def _probe(module: nn.Module, trunk: Trunk, units: Units, run: Callable[[], Any]) -> dict[str, set[str]] | str:
+    unit_of: dict[int, set[str]] = {}
+    for name, m in units:
+        for p in m.parameters():
+            unit_of.setdefault(id(p), set()).add(name)
+    uses = _Uses(unit_of)
+
+    def enter(*_: Any) -> None:
+        if uses.phase == "pre":
+            uses.phase = "trunk"
+
+    def leave(*_: Any) -> None:
+        uses.phase = "post"
+
+    handles = [trunk.blocks[0].register_forward_pre_hook(enter), trunk.blocks[-1].register_forward_hook(leave)]
+
+    def called(name: str) -> None:  # a unit called without touching its parameters still runs where it is called
+        uses.mark(name)
+        uses.running.append(name)
+
+    def returned(*_: Any) -> None:
+        uses.running.pop()
+
+    for name, m in units:
+        handles.append(m.register_forward_pre_hook(lambda *_, n=name: called(n)))
+        handles.append(m.register_forward_hook(returned))
+    modes = {m: m.training for m in module.modules()}
+    device = next(module.parameters()).device
+    try:
+        module.eval()  # no dropout, no running statistics updated
+        with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), uses:
+            run()
+    except Exception as err:
+        return f"{type(err).__name__}: {err}"
+    finally:
+        for h in handles:
+            h.remove()
+        for m, mode in modes.items():
+            m.training = mode
+    if uses.phase != "post":
+        return "the forward did not run the trunk to its last block"
+    return uses.seen
+
+
+def default_probe(module: nn.Module) -> Callable[[], Any]:
+    """How the probe calls the model: ``module(example_input_array)`` when the module has one (Lightning's
+    convention), else ``module(token_ids)`` with one sequence of 8 zeros, what language models take."""
+    example = getattr(module, "example_input_array", None)
+    device = next(module.parameters()).device
+    if example is None:
+        return lambda: module(torch.zeros((1, 8), dtype=torch.long, device=device))
+    example = _compat.tree_map_only(Tensor, lambda t: t.to(device), example)
+    if isinstance(example, tuple):
+        return lambda: module(*example)
+    if isinstance(example, dict):
+        return lambda: module(**example)
+    return lambda: module(example)
+
+
+def find_ownership(module: nn.Module, trunk: Trunk, run: Optional[Callable[[], Any]] = None) -> Ownership:
+    """Assign every module outside the trunk to the first stage, the last, or both (see the module docstring).
+
+    Args:
+        module: the whole model (its values do not matter, only what runs when).
+        trunk: its trunk.
+        run: runs the model's forward once (default: `default_probe`).
+
+    Raises:
+        PipelineError: a unit's parameters are used between trunk blocks, where no stage boundary can own them.
+    """
+    units = outer_units(module, trunk)
+    seen = _probe(module, trunk, units, run or default_probe(module)) if units else {}
+    if isinstance(seen, str):
+        return _by_registration(module, trunk, units, seen)
+    for name, phases in seen.items():
+        if "trunk" in phases:
+            raise PipelineError(
+                f"{name} runs between the trunk's blocks ({trunk.path}), where the pipeline cuts, so no stage can own "
+                "it; train this model without pipeline parallelism (pp=1, e.g. strategy='zero2'), or run that work "
+                "inside the blocks or before / after the loop over them"
+            )
+    pre = [(n, m) for n, m in units if "pre" in seen.get(n, {"pre"})]  # never used: the first stage keeps it
+    post = [(n, m) for n, m in units if "post" in seen.get(n, set())]
+    return Ownership(pre, post, _tied(module, pre, post), "probe")
+
+
+def _by_registration(module: nn.Module, trunk: Trunk, units: Units, reason: str) -> Ownership:
+    order = [n for n, _ in module.named_modules()]
+    cut = order.index(trunk.path)
+    pre = [(n, m) for n, m in units if order.index(n) < cut]
+    post = [(n, m) for n, m in units if order.index(n) > cut]
+    return Ownership(pre, post, _tied(module, pre, post), "registration order", reason)
+
+
+def _tied(module: nn.Module, pre: Units, post: Units) -> list[tuple[str, ...]]:
+    pre_ids = {id(p) for _, m in pre for p in m.parameters()}
+    post_ids = {id(p) for _, m in post for p in m.parameters()}
+    names: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in pre_ids and id(p) in post_ids:
+            names.setdefault(id(p), []).append(name)
+    return [tuple(n) for n in names.values()]
+
+
+def shadow(
+    original: nn.Module, name: str, *, before: bool, device: torch.device, why: str, in_trunk: Callable[[], bool]
+) -> nn.Module:
+    """A stand-in for the unit ``original`` on a stage that does not own it: a meta-device copy of its subtree.
+
+    Its parameters and buffers stay readable as attributes (meta tensors, no storage) but are unregistered, so the
+    rank's model holds none of them. Called, a unit of the first stage (``before``) runs on the meta device and
+    returns zeros of the output's shape and dtype on ``device`` (the stage's first block replaces the hidden state
+    with the received activation, so only the shapes of what the user's code computes from it matter); a unit of
+    the last stage raises: it cannot run where its weights are not.
+
+    Args:
+        original: the unit.
+        name: its qualified name (for errors).
+        before: it belongs to the first stage (else to the last).
+        device: this rank's device.
+        why: how its stage was chosen (for errors): `Ownership.why`.
+        in_trunk: whether the trunk has started in the current run of the user's code.
+    """
+    memo: dict[int, Any] = {}
+    for t in itertools.chain(original.parameters(), original.buffers()):
+        meta = torch.empty_like(t, device="meta")
+        memo[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    copied = copy.deepcopy(original, memo)
+    for m in copied.modules():
+        # Out of the registries (parameters(), state_dict(), .to()), still attributes: plain instance attributes.
+        tensors = [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]
+        for tname, t in tensors:
+            delattr(m, tname)
+            object.__setattr__(m, tname, t)
+    forward = copied.forward
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not before or in_trunk():
+            now = "after" if in_trunk() else "before"
+            raise PipelineError(
+                f"{name} belongs to the {'first' if before else 'last'} pipeline stage ({why}) but ran {now} the "
+                "trunk here, on a stage that does not hold its weights; give the "
+                "LightningModule an example_input_array of a real input, so that the probe sees the real call order"
+            )
+        meta_args, meta_kwargs = _compat.tree_map_only(Tensor, lambda t: t.to("meta"), (args, kwargs))
+        out = forward(*meta_args, **meta_kwargs)
+        return _compat.tree_map_only(Tensor, lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device), out)
+
+    object.__setattr__(copied, "forward", run)
+    object.__setattr__(copied, "_lp_shadow_of", name)
+    return copied

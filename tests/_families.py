@@ -1,0 +1,133 @@
+"""LightningModules around model families lightning_par did not write, as a user would write them.
+
+Plain user code: nothing here knows about the strategies. Each family is one self-contained class named after its
+family (the tests register them in `_worker.MODELS` with lazy imports); models are built from tiny configs, nothing
+is downloaded. Every class trains with SGD + momentum, whose update is linear in the gradient, so parameters can be
+compared to 1e-5 across layouts. Batches are the byte-text pairs ``(x, y)`` of `lightning_par.data`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+class _CausalLM(L.LightningModule):
+    """Next-token loss over ``self(x)``'s logits; what every causal-LM family below shares."""
+
+    lr = 0.1
+
+    def _loss(self, batch: Any) -> Tensor:
+        x, y = batch
+        return F.cross_entropy(self(x).flatten(0, 1).float(), y.flatten())
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self._loss(batch), sync_dist=True)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+class LitGPTPythia(_CausalLM):
+    """litgpt's ``GPT`` with a Pythia config (parallel residual, LayerNorm, partial rotary). litgpt registers
+    ``lm_head`` before ``transformer`` (embedding, blocks, final norm)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import litgpt
+
+        config = litgpt.Config.from_name("pythia-14m", n_layer=4, n_embd=32, n_head=4, padded_vocab_size=256,
+                                         block_size=64)  # fmt: skip
+        self.model = litgpt.GPT(config)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        return self.model(idx)
+
+
+class LitGPTLlama(_CausalLM):
+    """litgpt's ``GPT`` with a Llama 3.2 config (GQA, RMSNorm, SwiGLU, rotary)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import litgpt
+
+        config = litgpt.Config.from_name("Llama-3.2-1B", n_layer=4, n_embd=32, n_head=4, n_query_groups=2,
+                                         intermediate_size=64, padded_vocab_size=256, block_size=64, head_size=8)
+        self.model = litgpt.GPT(config)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        return self.model(idx)
+
+
+class HFGPT2(_CausalLM):
+    """Hugging Face ``GPT2LMHeadModel``: Conv1D projections, the head tied to the token embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(vocab_size=256, n_positions=64, n_embd=32, n_layer=4, n_head=4, resid_pdrop=0.0,
+                            embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager")  # fmt: skip
+        self.model = GPT2LMHeadModel(config)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        return self.model(input_ids=idx).logits
+
+
+class HFQwen2Tied(_CausalLM):
+    """Hugging Face ``Qwen2ForCausalLM`` with ``tie_word_embeddings=True`` (qkv biases, GQA)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        config = Qwen2Config(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                             tie_word_embeddings=True, attn_implementation="eager")  # fmt: skip
+        self.model = Qwen2ForCausalLM(config)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        return self.model(input_ids=idx).logits
+
+
+class HFViT(L.LightningModule):
+    """Hugging Face ``ViTForImageClassification``: each byte-text pair ``(x, y)`` read as a 1 x 8 x 8 image, the
+    class the first byte's high nibble."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import ViTConfig, ViTForImageClassification
+
+        config = ViTConfig(image_size=8, patch_size=2, num_channels=1, hidden_size=32, num_hidden_layers=4,
+                           num_attention_heads=4, intermediate_size=64, num_labels=16, hidden_dropout_prob=0.0,
+                           attention_probs_dropout_prob=0.0, attn_implementation="eager")  # fmt: skip
+        self.model = ViTForImageClassification(config)
+        self.example_input_array = torch.zeros(1, 1, 8, 8)
+
+    def forward(self, pixels: Tensor) -> Tensor:
+        return self.model(pixel_values=pixels).logits
+
+    def _loss(self, batch: Any) -> Tensor:
+        x, y = batch
+        pixels = torch.cat([x, y], dim=1).float().div(255.0).view(-1, 1, 8, 8)
+        return F.cross_entropy(self(pixels), x[:, 0] // 16)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self._loss(batch), sync_dist=True)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)

@@ -1,0 +1,145 @@
+"""Pipeline parallelism on model code we did not write, on tied weights and on pp 3 / pp 4, against one process.
+
+Families (tests/_families.py, plain user LightningModules): litgpt's GPT (Pythia and Llama configs; litgpt registers
+``lm_head`` before the embedding, so ownership must come from execution order), Hugging Face GPT-2 (Conv1D, head tied
+to the embedding), Qwen2 with ``tie_word_embeddings=True`` and ViT (whose forward reads attributes of the embedding
+on every stage). Tied weights: a copy on each end stage, gradients summed over the two (pp 2, pp 2 x dp 2 under
+ZeRO-1 / ZeRO-2 / ZeRO-3, pp 2 x tp 2), or one shared parameter where one rank runs both ends (zbv, dualpipev);
+the gradient norm counts the weight once (accumulation + clipping at 0.05 with norms > 0.5). pp 3 splits 4 blocks
+unevenly.
+
+Tolerances as in tests/test_pipeline.py: fp32 losses and gradient norms 1e-5 relative, SGD parameters 1e-5 relative
+/ 1e-7 absolute, AdamW parameters 1% of lr. Every model here trains with SGD + momentum except ``llama4`` (AdamW).
+Three spawns (2, 3 and 4 ranks) and one reference process.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import reference_job
+from launch import run_jobs
+from parity import params_close, rel
+
+# 2 ranks, pp 2.
+JOBS_2: dict[str, dict[str, Any]] = {
+    "litgpt_pythia": {"model": "litgpt_pythia", "strategy": {"pp": 2}, "validate": True},
+    "litgpt_llama": {"model": "litgpt_llama", "strategy": {"pp": 2, "pp_schedule": "interleaved_1f1b"}},
+    "hf_vit": {"model": "hf_vit", "strategy": {"pp": 2}, "validate": True},
+    "hf_gpt2_tied": {"model": "hf_gpt2", "strategy": {"pp": 2}, "validate": True},
+    "gpt_tied_accum_clip": {"model": "gpt4_tied_sgd", "strategy": {"pp": 2}, "accumulate": 2, "clip": 0.05},
+    # zbv: rank 0 runs stage 0 and the last stage, so the tied weight is one parameter there.
+    "qwen2_tied_zbv": {"model": "hf_qwen2_tied", "strategy": {"pp": 2, "pp_schedule": "zbv"}},
+    "gpt_tied_dualpipev": {"model": "gpt4_tied_sgd", "strategy": {"pp": 2, "pp_schedule": "dualpipev"}},
+}
+
+# 3 ranks, pp 3: 4 blocks split unevenly.
+JOBS_3: dict[str, dict[str, Any]] = {
+    "gpt_pp3": {"model": "gpt4_sgd", "strategy": {"pp": 3, "microbatches": 4}},
+    "litgpt_pythia_pp3": {"model": "litgpt_pythia", "strategy": {"pp": 3, "microbatches": 4}},
+    "qwen2_tied_pp3": {"model": "hf_qwen2_tied", "strategy": {"pp": 3, "microbatches": 4}, "validate": True},
+}
+
+# 4 ranks: pp 4 (dp 1), pp 2 x dp 2 with ZeRO on tied models, and pp 2 x tp 2 on a tied model.
+JOBS_4: dict[str, dict[str, Any]] = {
+    "llama_pp4": {"model": "llama4", "strategy": {"pp": 4}, "dp": 1},
+    "litgpt_llama_pp4": {"model": "litgpt_llama", "strategy": {"pp": 4}, "dp": 1},
+    "hf_gpt2_tied_pp4": {"model": "hf_gpt2", "strategy": {"pp": 4}, "dp": 1},
+    "gpt_tied_zero1": {"model": "gpt4_tied_sgd", "strategy": {"pp": 2, "zero_stage": 1}, "dp": 2},
+    "gpt_tied_zero3_accum_clip": {"model": "gpt4_tied_sgd", "strategy": {"pp": 2, "zero_stage": 3}, "dp": 2,
+                                  "accumulate": 2, "clip": 0.05},
+    "gpt_tied_pipe_tp": {"model": "gpt4_tied_sgd", "strategy": {"pp": 2, "tp": 2}, "dp": 1},
+    "qwen2_tied_zero2_accum_clip": {"model": "hf_qwen2_tied", "strategy": {"pp": 2, "zero_stage": 2}, "dp": 2,
+                                    "accumulate": 2, "clip": 0.05},
+}  # fmt: skip
+
+ALL = {**JOBS_2, **JOBS_3, **JOBS_4}
+TIED = {"hf_gpt2", "gpt4_tied_sgd", "hf_qwen2_tied"}
+
+
+def _checkpoint_jobs(tmp: Path) -> list[dict[str, Any]]:
+    # A tied model saved under pipe resumes under pipe and under zero1, and a zero1 checkpoint under pipe (one step
+    # per epoch, resumed after step 2, as tests/test_pipeline.py's checkpoint runs).
+    pipe, zero1 = str(tmp / "tied_pipe"), str(tmp / "tied_zero1")
+    base = {"model": "gpt4_tied_sgd", "epoch_steps": 1, "max_steps": 4}
+    return [
+        {**base, "strategy": "pipe", "dp": 1, "ckpt_dir": pipe},  # uninterrupted, saving each epoch
+        {**base, "strategy": "pipe", "dp": 1, "resume": f"{pipe}/epoch=1.ckpt"},
+        {**base, "strategy": "zero1", "dp": 2, "resume": f"{pipe}/epoch=1.ckpt"},
+        {**base, "strategy": "zero1", "dp": 2, "ckpt_dir": zero1},
+        {**base, "strategy": "pipe", "dp": 1, "resume": f"{zero1}/epoch=1.ckpt"},
+    ]
+
+
+@pytest.fixture(scope="module")
+def spawns(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, tuple[dict, dict]], list[dict[str, Any]]]:
+    tmp = tmp_path_factory.mktemp("pipeline_families")
+    refs = run_jobs(tmp, [reference_job({k: v for k, v in j.items() if k not in ("strategy", "dp")})
+                          for j in ALL.values()], nproc=1, timeout=900)  # fmt: skip
+    got = run_jobs(tmp, [{**j, "dp": 1} for j in JOBS_2.values()] + _checkpoint_jobs(tmp), nproc=2, timeout=900)
+    got, checkpoints = got[: len(JOBS_2)], got[len(JOBS_2) :]
+    got += run_jobs(tmp, [{**j, "dp": 1} for j in JOBS_3.values()], nproc=3, timeout=900)
+    got += run_jobs(tmp, list(JOBS_4.values()), nproc=4, timeout=900)
+    return dict(zip(ALL, zip(got, refs))), checkpoints
+
+
+@pytest.fixture(scope="module")
+def results(spawns: tuple[dict[str, tuple[dict, dict]], list[dict[str, Any]]]) -> dict[str, tuple[dict, dict]]:
+    return spawns[0]
+
+
+def _merge_tied(got: dict[str, Any], ref: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The pipeline's parameters with each tied weight once, under the one-process name: the copies must agree
+    bit for bit (same summed gradient, same update)."""
+    params = dict(got["params"])
+    for names in got.get("tied", []):
+        canonical = next(n for n in names if n in ref["params"])
+        held = [n for n in names if n in params]
+        assert canonical in params and len(held) >= 1
+        for alias in held:
+            assert torch.equal(params[alias], params[canonical]), alias
+            if alias != canonical:
+                del params[alias]
+    return params
+
+
+@pytest.mark.parametrize("name", list(ALL))
+def test_matches_one_process(results, name):
+    got, ref = results[name]
+    job = ALL[name]
+    assert len(got["losses"]) == len(ref["losses"]) >= 3
+    assert rel(got["losses"], ref["losses"]) < 1e-5
+    assert rel(got["grad_norms"], ref["grad_norms"]) < 1e-5  # tied weights counted once
+    assert bool(got["tied"]) == (job["model"] in TIED)
+    params = _merge_tied(got, ref)
+    params_close(params, ref["params"], rtol=1e-5, atol=1e-7 if job["model"] != "llama4" else 3e-5)
+    if "clip" in job:
+        assert min(ref["grad_norms"]) > 0.5  # clipping at 0.05 is active
+    if job.get("validate"):
+        assert got["val"]["val_loss"] == pytest.approx(ref["val"]["val_loss"], rel=1e-5)
+
+
+def test_tied_copies_live_on_both_end_stages_only(results):
+    got, ref = results["hf_gpt2_tied_pp4"]
+    # Four ranks, one stage each: the embedding on rank 0, the head (the second copy) on rank 3, neither between.
+    counts = got["param_counts_all"]
+    assert len(counts) == 4 and all(c > 0 for c in counts)
+    (names,) = got["tied"]
+    assert names == ("model.transformer.wte.weight", "model.lm_head.weight")
+    assert set(names) <= got["params"].keys()
+    per_rank = [m["params"] for m in got["mem_all"]]
+    vocab_rows = 256 * 32 * 4
+    total = sum(t.numel() * 4 for t in ref["params"].values())
+    assert sum(per_rank) == total + vocab_rows  # exactly one extra copy of the tied matrix
+
+
+def test_tied_checkpoints_resume_across_pipeline_and_data_parallel_layouts(spawns):
+    full, resumed, as_zero1, zero1_full, zero1_as_pipe = spawns[1]
+    assert full["tied"] and len(full["losses"]) == 4 and len(resumed["losses"]) == len(as_zero1["losses"]) == 2
+    for run, ref in ((resumed, full), (as_zero1, full), (zero1_as_pipe, zero1_full)):
+        assert rel(run["losses"], ref["losses"][2:]) < 1e-5
+        ref_params = _merge_tied(ref, {"params": zero1_full["params"]})  # one-process names, each tied weight once
+        params_close(_merge_tied(run, {"params": ref_params}), ref_params, rtol=1e-5, atol=1e-7)
