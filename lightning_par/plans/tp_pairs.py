@@ -16,12 +16,14 @@ from typing import Any
 from torch import nn
 
 from lightning_par.plans._probe import _Trace
+from lightning_par.plans.tp_affine import Affine
 from lightning_par.plans.tp_types import STYLES, HeadInfo
 from lightning_par.plans.trunk import Trunk
 
 _HEAD_DIM = ("head_dim", "head_size", "attention_head_size", "d_head")
 _N_HEADS = ("n_heads", "n_head", "num_heads", "num_attention_heads")
-_N_KV = ("n_kv_heads", "num_key_value_heads", "n_kv_head", "num_kv_heads", "n_head_kv")
+_N_KV = ("n_kv_heads", "num_key_value_heads", "n_kv_head", "num_kv_heads", "n_head_kv", "n_query_groups")
+_SPLITS = ("split", "split_with_sizes", "chunk", "tensor_split", "unsafe_split")
 _WIDTH = ("n_embd", "hidden_size", "embed_dim", "all_head_size")
 _QKV_HINTS = (("q", "wq", "q_proj", "query"), ("k", "wk", "k_proj", "key"), ("v", "wv", "v_proj", "value"))
 
@@ -44,11 +46,14 @@ class _Region:
 
 
 class _Inference:
-    def __init__(self, model: nn.Module, trunk: Trunk, tr: _Trace, mods: dict[str, nn.Module]) -> None:
+    def __init__(
+        self, model: nn.Module, trunk: Trunk, tr: _Trace, mods: dict[str, nn.Module], lin: dict[str, Affine]
+    ) -> None:
         self.model, self.trunk, self.tr, self.mods = model, trunk, tr, mods
-        self.lin = {n: m for n, m in mods.items() if isinstance(m, nn.Linear)}
+        self.lin = lin  # block projections (Linears and affine leaves), by widths
         self.idx = {n: i for i, n in enumerate(tr.order)}
         self.prefix = f"{trunk.path}.*" if trunk.path else "*"
+        self.guessed: set[str] = set()  # fused projections whose [q | k | v] layout no split confirmed
         self.problems: dict[str, tuple[str, ...]] = {}  # message -> patterns an override must cover to silence it
 
     def pat(self, rel: str) -> str:
@@ -92,7 +97,10 @@ class _Inference:
             return None
         if not b and (len(a) == 1 or (len(a) == 2 and not own)):
             return _Region(parent, tuple(ins), o, q, None)
-        if (not own and len(b) == 1 and bw[0] != 3 * q) or (own and not b and len(a) == 2):
+        parts = self.parts(b[0], bw[0]) if len(b) == 1 else None
+        # A split into (q, k, v) with k == v marks attention: a [gate | up] chunk(2) does not.
+        parts = parts if parts and len(parts) == 3 and parts[0] == q and parts[1] == parts[2] else None
+        if (not own and len(b) == 1 and bw[0] != 3 * q and not parts) or (own and not b and len(a) == 2):
             # E->2H may be a fused gate+up, E->H twice a gate and up; only a head attribute marks attention.
             self.problem(f"{what}: an MLP or attention with fused projections? ('replicate' is always safe)", pair)
             return None
@@ -106,7 +114,10 @@ class _Inference:
             fused[self.pat(b[0])] = (kw, bw[0] - kw)
         elif not a and len(b) == 1 and bw[0] > q:
             qkv, kw = (b[0],), (bw[0] - q) // 2
-            fused[self.pat(b[0])] = (q, kw, bw[0] - q - kw)
+            # The split after it gives the parts; without one, [q | k | v] by widths (a note says so).
+            fused[self.pat(b[0])] = parts or (q, kw, bw[0] - q - kw)
+            if not parts:
+                self.guessed.add(self.pat(b[0]))
         else:
             self.problem(f"{what}: neither an MLP (E->H, H->E) nor attention (E->Q, E->K, E->K or E->Q+2K, Q->E)", pair)
             return None
@@ -137,10 +148,26 @@ class _Inference:
                 )
                 return None
         local = {}
+        cfg = getattr(pmod, "config", None)
         for names, kind, value in ((_N_HEADS, "n_heads", n_heads), (_N_KV, "n_kv_heads", n_kv), (_WIDTH, "q_width", q)):
             local.update({a_: kind for a_ in names if vars(pmod).get(a_) == value})
+            if kind != "q_width" and not own and hasattr(cfg, "__dict__"):
+                # No count of its own: it reads them from the config it keeps (litgpt's self.config.n_head). tp gives
+                # the module its own copy with per-rank counts (the shared original stays global for other readers).
+                local.update({f"config.{a_}": kind for a_ in names if vars(cfg).get(a_) == value})
+        for w in {w for p in qkv if (ws := fused.get(self.pat(p))) and p not in self.guessed for w in ws}:
+            # The width a fused output is split by (GPT-2's split_size): rewritten like a head count.
+            local.update({a_: "split_width" for a_, v in vars(pmod).items() if type(v) is int and v == w and v > 1})
         projs = tuple(self.pat(n) for n in (*qkv, o))
         return _Region(parent, tuple(ins), o, q, HeadInfo(n_heads, n_kv, hd, src, local, fused, projs))
+
+    def parts(self, name: str, width: int) -> tuple[int, ...] | None:
+        """Widths of a fused output's concatenated parts, from the split (or chunk) that first reads it."""
+        op, shapes = self.tr.consumers.get(name, ("", []))
+        if op not in _SPLITS or len(shapes) < 2 or any(s[:-1] != shapes[0][:-1] for s in shapes):
+            return None
+        widths = tuple(s[-1] for s in shapes)
+        return widths if sum(widths) == width else None
 
     def pair(self) -> list[_Region]:
         """Megatron pairs: each Linear back to E with the Linears it alone reads, in call order."""

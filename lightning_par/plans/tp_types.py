@@ -34,7 +34,9 @@ class HeadInfo:
     Args:
         source: the attribute ``head_dim`` was read (or derived) from.
         local_attrs: the module's int attributes holding a global count, by kind ("n_heads", "n_kv_heads",
-            "q_width"): code that uses them in ``view`` needs them rewritten to per-rank values.
+            "q_width", "split_width": a width the fused output is split by): code that uses them in ``view`` or
+            ``split`` needs them rewritten to per-rank values. ``config.<name>`` is on the config object the module
+            keeps (tp gives the module its own copy).
         fused_split: fused projection pattern -> widths of its output chunks, ``(q, k, v)`` or ``(k, v)``.
         projections: q, k, v (or the fused one), then the output projection.
     """
