@@ -232,7 +232,18 @@ MODELS = {
     "muon_lm": MuonLM,
     "seq_trunk": lambda: SeqTrunkLM(),
     "dict_trunk": lambda: DictTrunkLM(),
+    # Families we did not write, under tensor parallelism (tests/_families_tp.py; transformers and litgpt).
+    "hf_gpt2": lambda: _families_tp().HFGPT2(),
+    "litgpt_llama": lambda: _families_tp().LitGPTLlama(),
+    "hf_vit": lambda: _families_tp().HFViT(),
+    "hf_bert": lambda: _families_tp().HFBert(),
 }  # fmt: skip
+
+
+def _families_tp() -> Any:
+    import _families_tp  # test-only: needs transformers and litgpt
+
+    return _families_tp
 
 
 def _hf_models() -> Any:

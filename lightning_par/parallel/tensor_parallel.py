@@ -9,6 +9,8 @@ all-reduce becomes a reduce-scatter (end of a region) plus an all-gather (start 
 What this module does to a model, per block:
 - colwise / rowwise Linears become DTensor-sharded (torch's `ColwiseParallel` / `RowwiseParallel`); a fused
   ``[q | k | v]`` projection is sharded chunk by chunk (`_StridedShard`) so each rank gets whole heads of q, k and v;
+  other affine projections (Hugging Face's ``Conv1D``) and fused parts of unequal widths (grouped-query ``[q | k |
+  v]``) are split by `lightning_par.parallel.tp_affine`;
 - each attention / MLP module (a "region") gets its hidden-state input as a replicated DTensor, so the input
   projections share one gradient reduction (Megatron's ``f`` operator) instead of one each;
 - head-count attributes that the plan found (``n_heads = 8`` used in a ``view``) are set to per-rank values;
@@ -21,6 +23,7 @@ vocabulary-parallel loss in the user's ``training_step``, which we do not rewrit
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Sequence
 from functools import partial
@@ -34,6 +37,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from typing_extensions import override
 
 from lightning_par import _compat
+from lightning_par.parallel.tp_affine import apply_affine
+from lightning_par.plans.tp_affine import affine
 from lightning_par.plans.tp_types import TPPlan, TPPlanError
 from lightning_par.plans.trunk import find_trunk
 
@@ -125,8 +130,8 @@ def apply_tensor_parallel(
             parallelism is then off (a stage's boundary activations travel whole between stages).
 
     Raises:
-        TPPlanError: a style this function cannot apply (a fused projection with unequal q/k/v widths, a
-            sharded embedding or head), naming the ``tp_plan`` that avoids it.
+        TPPlanError: a style this function cannot apply (a sharded embedding or head), naming the ``tp_plan``
+            that avoids it.
     """
     tp = mesh.size()
     if blocks is None:
@@ -150,13 +155,6 @@ def apply_tensor_parallel(
         )
     rel_styles = {k[len(prefix) + 1 :]: s for k, s in plan.styles.items() if k.startswith(prefix + ".")}
     fused = {k[len(prefix) + 1 :]: w for h in plan.heads.values() for k, w in h.fused_split.items()}
-    for rel, widths in fused.items():
-        if rel_styles.get(rel) == "colwise_fused_qkv" and len(set(widths)) != 1:
-            raise TPPlanError(
-                f"{prefix}.{rel} fuses projections of unequal widths {widths} (grouped-query attention); a rank "
-                f"cannot hold whole heads of each as one DTensor. Pass tp_plan={{'{prefix}.{rel}': 'replicate'}} "
-                "and the output projection as 'replicate' too, or separate the projections"
-            )
     why = sequence_parallel_blocker(plan, blocks[0][1]) if blocks else None
     if sequence_parallel and why is not None:
         raise TPPlanError(f"sequence_parallel=True is not exact for this model: {why}; pass sequence_parallel=False")
@@ -173,7 +171,15 @@ def apply_tensor_parallel(
     for name, block in blocks:
         styles: dict[str, Any] = {}
         for rel, style in rel_styles.items():
-            if style == "colwise":
+            if style in _SPLIT and _own_style(block.get_submodule(rel), fused.get(rel) if style != "rowwise" else None):
+                # Not an nn.Linear (Conv1D), or fused parts of unequal widths: our own split (parallel/tp_affine.py).
+                mod = block.get_submodule(rel)
+                layout = affine(mod)
+                assert layout is not None  # the plan styled it as a projection
+                apply_affine(mod, mesh, style, transposed=layout.transposed, parts=fused.get(rel),
+                             sequence_parallel=bool(sequence_parallel))  # fmt: skip
+                changed[f"{name}.{rel}"] = style
+            elif style == "colwise":
                 styles[rel] = ColwiseParallel(use_local_output=True)
             elif style == "colwise_fused_qkv":
                 styles[rel] = _FusedColwise(len(fused[rel]))
@@ -195,6 +201,10 @@ def apply_tensor_parallel(
         blocks[0][1].register_forward_pre_hook(partial(_scatter_sequence, mesh), with_kwargs=True)
         blocks[-1][1].register_forward_hook(partial(_gather_sequence, mesh))
     return TensorParallelInfo(tp, sequence_parallel, changed, tuple(regions))
+
+
+def _own_style(mod: nn.Module, parts: tuple[int, ...] | None) -> bool:
+    return not isinstance(mod, nn.Linear) or (parts is not None and len(set(parts)) > 1)
 
 
 def _style_name(style: Any) -> str:
@@ -233,8 +243,18 @@ def _set_local_head_counts(blocks: Sequence[nn.Module], plan: TPPlan, prefix: st
             continue
         for block in blocks:
             owner = block.get_submodule(rel) if rel else block
+            copied: set[str] = set()
             for attr in head.local_attrs:
-                setattr(owner, attr, getattr(owner, attr) // tp)
+                obj, _, leaf = attr.rpartition(".")
+                target = owner
+                if obj:
+                    # A count on a config object the module keeps (and other layers share): give the module its
+                    # own shallow copy, so the per-rank value reaches only the code of this sharded module.
+                    if obj not in copied:
+                        setattr(owner, obj, copy.copy(getattr(owner, obj)))
+                        copied.add(obj)
+                    target = getattr(owner, obj)
+                setattr(target, leaf, getattr(target, leaf) // tp)
 
 
 def _first_hidden(args: tuple[Any, ...], kwargs: dict[str, Any], hidden: int) -> tuple[str | int, torch.Tensor]:

@@ -1,0 +1,114 @@
+"""User LightningModules around model families lightning_par did not write, for the tensor-parallel tests.
+
+Plain user code: nothing here knows about the strategies. Every model is built from a tiny config (nothing is
+downloaded). SGD + momentum: parameter updates are linear in the gradients, so parameters are compared to 1e-5.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+class _LM(L.LightningModule):
+    """Next-token loss over byte tokens; subclasses build ``self.model`` and return its logits from ``forward``."""
+
+    def _loss(self, batch: Any) -> Tensor:
+        x, y = batch
+        return F.cross_entropy(self(x).flatten(0, 1).float(), y.flatten())
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self._loss(batch), sync_dist=True)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
+
+
+class HFGPT2(_LM):
+    """``GPT2LMHeadModel``: Conv1D projections (weight ``[in, out]``), a fused ``c_attn``, tied embedding/head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=256, n_positions=64, resid_pdrop=0.0,
+                            embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager")  # fmt: skip
+        self.model = GPT2LMHeadModel(config)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.model(input_ids=x).logits
+
+
+class LitGPTLlama(_LM):
+    """litgpt's ``GPT`` with a Llama-3.2 config: one fused grouped-query ``qkv`` (4 query, 2 key/value heads),
+    head counts read from a config object all layers share."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import litgpt
+
+        config = litgpt.Config.from_name(
+            "Llama-3.2-1B", n_layer=2, n_embd=32, n_head=4, n_query_groups=2, intermediate_size=64,
+            padded_vocab_size=256, block_size=64, head_size=8,
+        )  # fmt: skip
+        self.model = litgpt.GPT(config)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.model(x)
+
+
+class HFBert(_LM):
+    """``BertForMaskedLM`` trained on next-byte prediction (post-norm blocks, bidirectional attention)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import BertConfig, BertForMaskedLM
+
+        config = BertConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                            intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                            attention_probs_dropout_prob=0.0)  # fmt: skip
+        self.model = BertForMaskedLM(config)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.model(input_ids=x).logits
+
+
+class HFViT(L.LightningModule):
+    """``ViTForImageClassification`` on 16x16 images made from the byte batches: 16 patches + a class token = 17
+    tokens, which tp=2 does not divide."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import ViTConfig, ViTForImageClassification
+
+        config = ViTConfig(image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                           intermediate_size=64, num_labels=10)  # fmt: skip
+        self.model = ViTForImageClassification(config)
+
+    def forward(self, pixels: Tensor) -> Tensor:
+        return self.model(pixel_values=pixels).logits
+
+    def _loss(self, batch: Any) -> Tensor:
+        x, y = batch  # (B, 32) bytes: 3 x 16 x 16 pixels from the tokens, a label from the last one
+        pixels = (x.float() / 255.0).repeat(1, 24)[:, : 3 * 16 * 16].view(-1, 3, 16, 16)
+        return F.cross_entropy(self(pixels), y[:, -1] % 10)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self._loss(batch), sync_dist=True)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
