@@ -29,7 +29,6 @@ from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
@@ -38,8 +37,15 @@ from typing_extensions import override
 
 from lightning_par import _compat
 from lightning_par.parallel.tp_affine import apply_affine
+from lightning_par.parallel.tp_sequence import (
+    SequenceState,
+    gather_sequence,
+    pad_region_output,
+    region_input,
+    scatter_sequence,
+)
 from lightning_par.plans.tp_affine import affine
-from lightning_par.plans.tp_types import TPPlan, TPPlanError
+from lightning_par.plans.tp_types import HeadInfo, MLPInfo, TPPlan, TPPlanError
 from lightning_par.plans.trunk import find_trunk
 
 _SEQ = 1  # batch-first models: (batch, sequence, hidden)
@@ -102,11 +108,17 @@ def sequence_parallel_blocker(plan: TPPlan, block: nn.Module) -> str | None:
     (their gradients would cover only this rank's tokens).
     """
     prefix = f"{plan.trunk}.*" if plan.trunk else "*"
-    for key in (*plan.heads, *plan.mlps):
-        if key == prefix:
-            return f"the attention/MLP projections sit directly in the block ({prefix}), not in a submodule"
+    infos: list[tuple[str, HeadInfo | MLPInfo]] = [*plan.heads.items(), *plan.mlps.items()]
+    for key, info in infos:
+        if (info.region or key) == prefix:
+            where = f"{', '.join(info.projections[:-1])} share no submodule below the block ({prefix})"
+            return f"the input projections {where}, so their input cannot be gathered before their code runs"
     if any(True for _ in block.parameters(recurse=False)):
         return f"{type(block).__name__} owns parameters directly"
+    for key, head in plan.heads.items():
+        if not any(plan.styles.get(p) in _SPLIT for p in head.projections):
+            # Kept whole (a tp_plan), it would run on this rank's tokens only: attention mixes the sequence.
+            return f"the attention {key} is replicated, and attention mixes tokens along the sequence"
     return None
 
 
@@ -162,12 +174,13 @@ def apply_tensor_parallel(
         sequence_parallel = why is None
     # Regions whose projections are split (a tp_plan may keep a whole attention or MLP replicated).
     projections = {
-        **{k: h.projections for k, h in plan.heads.items()},
-        **{k: m.projections for k, m in plan.mlps.items()},
+        **{h.region or k: h.projections for k, h in plan.heads.items()},
+        **{m.region or k: m.projections for k, m in plan.mlps.items()},
     }
     split = {k for k, projs in projections.items() if any(plan.styles.get(p) in _SPLIT for p in projs)}
     regions = sorted(k[len(prefix) + 1 :] for k in split if k != prefix)
     changed: dict[str, str] = {}
+    seq = SequenceState() if sequence_parallel else None
     for name, block in blocks:
         styles: dict[str, Any] = {}
         for rel, style in rel_styles.items():
@@ -194,12 +207,15 @@ def apply_tensor_parallel(
         changed.update({f"{name}.{rel}": _style_name(s) for rel, s in styles.items()})
         for rel in regions:
             block.get_submodule(rel).register_forward_pre_hook(
-                partial(_region_input, mesh, sequence_parallel, plan.hidden_size), with_kwargs=True
+                partial(region_input, mesh, seq, plan.hidden_size), with_kwargs=True
             )
+        if seq is not None:  # after the styles' own output hooks: the padding goes on the local slice
+            for rel in (r for r, s in rel_styles.items() if s == "rowwise"):
+                block.get_submodule(rel).register_forward_hook(partial(pad_region_output, mesh, seq))
     _set_local_head_counts([b for _, b in blocks], plan, prefix, tp)
-    if sequence_parallel and blocks:
-        blocks[0][1].register_forward_pre_hook(partial(_scatter_sequence, mesh), with_kwargs=True)
-        blocks[-1][1].register_forward_hook(partial(_gather_sequence, mesh))
+    if seq is not None and blocks:
+        blocks[0][1].register_forward_pre_hook(partial(scatter_sequence, mesh, seq), with_kwargs=True)
+        blocks[-1][1].register_forward_hook(partial(gather_sequence, mesh, seq))
     return TensorParallelInfo(tp, sequence_parallel, changed, tuple(regions))
 
 
@@ -255,64 +271,3 @@ def _set_local_head_counts(blocks: Sequence[nn.Module], plan: TPPlan, prefix: st
                         copied.add(obj)
                     target = getattr(owner, obj)
                 setattr(target, leaf, getattr(target, leaf) // tp)
-
-
-def _first_hidden(args: tuple[Any, ...], kwargs: dict[str, Any], hidden: int) -> tuple[str | int, torch.Tensor]:
-    for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor) and a.dim() >= 2 and a.shape[-1] == hidden:
-            return i, a
-    named = [k for k in ("hidden_states", "x", "hidden", "input") if k in kwargs]
-    for k in [*named, *kwargs]:
-        a = kwargs[k]
-        if isinstance(a, torch.Tensor) and a.dim() >= 2 and a.shape[-1] == hidden:
-            return k, a
-    raise RuntimeError(f"no (batch, sequence, {hidden}) hidden-state argument found; pass tp_plan to fix the plan")
-
-
-def _replace(args: tuple[Any, ...], kwargs: dict[str, Any], where: str | int, value: Any) -> Any:
-    if isinstance(where, int):
-        return (*args[:where], value, *args[where + 1 :]), kwargs
-    return args, {**kwargs, where: value}
-
-
-def _region_input(mesh: DeviceMesh, sp: bool, hidden: int, mod: nn.Module, args: Any, kwargs: Any) -> Any:
-    """The region's hidden input as a replicated DTensor: its column-split projections then produce partial
-    input gradients that are summed as DTensors and reduced once (all-reduce; reduce-scatter under SP)."""
-    where, x = _first_hidden(args, kwargs, hidden)
-    if isinstance(x, DTensor):
-        return None
-    if sp:
-        full = DTensor.from_local(x, mesh, [Shard(_SEQ)], run_check=False).redistribute(mesh, [Replicate()])
-    else:
-        full = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-    return _replace(args, kwargs, where, full)
-
-
-def _scatter_sequence(mesh: DeviceMesh, mod: nn.Module, args: Any, kwargs: Any) -> Any:
-    """Entering the trunk: keep this rank's slice of the sequence (no communication; all-gather in backward)."""
-    where, x = next(
-        ((i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)),
-        next(((k, a) for k, a in kwargs.items() if isinstance(a, torch.Tensor)), (None, None)),
-    )
-    if x is None or where is None:
-        raise RuntimeError("the first block got no tensor input to split along the sequence")
-    if x.shape[_SEQ] % mesh.size():
-        raise ValueError(
-            f"sequence length {x.shape[_SEQ]} is not divisible by tp={mesh.size()} under sequence parallelism; "
-            f"use a sequence length that is a multiple of {mesh.size()} or sequence_parallel=False"
-        )
-    local = DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(_SEQ)]).to_local()
-    return _replace(args, kwargs, where, local)
-
-
-def _gather_sequence(mesh: DeviceMesh, mod: nn.Module, args: Any, out: Any) -> Any:
-    """Leaving the trunk: all-gather the sequence so the code after it (final norm, head, loss) runs as written."""
-
-    def gather(t: torch.Tensor) -> torch.Tensor:
-        return DTensor.from_local(t, mesh, [Shard(_SEQ)], run_check=False).redistribute(mesh, [Replicate()]).to_local()
-
-    if isinstance(out, torch.Tensor):
-        return gather(out)
-    if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
-        return (gather(out[0]), *out[1:])
-    raise RuntimeError("the last block returned no tensor (or tuple starting with one) to gather along the sequence")

@@ -13,7 +13,7 @@ from torch import nn
 
 from lightning_par.plans._probe import _is_norm, _norm_size, _registration_order, _Trace, _trace
 from lightning_par.plans.tp_affine import affine, affine_modules
-from lightning_par.plans.tp_pairs import _Inference, _Region
+from lightning_par.plans.tp_pairs import _common_parent, _Inference, _Region
 from lightning_par.plans.tp_types import (
     _ALLOWED,
     STYLES,
@@ -106,7 +106,8 @@ def infer_tp_plan(model: nn.Module, *, overrides: dict[str, str] | None = None) 
             heads[key if key not in heads else inf.pat(r.out)] = r.head
         else:
             projs = tuple(inf.pat(n) for n in (*r.ins, r.out))
-            mlps[key if key not in mlps else inf.pat(r.out)] = MLPInfo(r.hidden, len(r.ins) == 2, projs)
+            region = inf.pat(_common_parent(list(r.ins)))
+            mlps[key if key not in mlps else inf.pat(r.out)] = MLPInfo(r.hidden, len(r.ins) == 2, projs, region)
     shapes = {inf.pat(n): s for n, m in inf.mods.items() if n and (s := _shape(m)) is not None}
     shapes.update({n: s for n, m in outer.items() if (s := _shape(m)) is not None})
     covered = _override(styles, shapes, {k for h in heads.values() for k in h.fused_split}, overrides or {})

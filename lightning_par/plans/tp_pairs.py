@@ -36,6 +36,17 @@ def _lookup(obj: Any, names: tuple[str, ...]) -> tuple[str, int] | None:
     return None
 
 
+def _common_parent(names: list[str]) -> str:
+    """The deepest module that holds every one of ``names`` (block-relative; ``""`` is the block)."""
+    paths = [n.split(".")[:-1] for n in names]
+    common = []
+    for level in zip(*paths):
+        if len(set(level)) != 1:
+            break
+        common.append(level[0])
+    return ".".join(common)
+
+
 @dataclasses.dataclass
 class _Region:
     parent: str
@@ -75,10 +86,15 @@ class _Inference:
 
         return sorted(names, key=key)
 
-    def sources(self, parent: str) -> list[tuple[str, Any]]:
-        block, pmod, model = self.trunk.names[0], self.mods[parent], self.model
-        here = f"{block}.{parent}" if parent else block
-        got = [(here, pmod), (f"{here}.config", getattr(pmod, "config", None)), (block, self.trunk.blocks[0])]
+    def sources(self, parent: str, ins: tuple[str, ...] = ()) -> list[tuple[str, Any]]:
+        """Where head counts may live: the output projection's module, those of the input projections (BERT's
+        ``attention.self``), each one's config, the block, the model, its config and hparams."""
+        block, model = self.trunk.names[0], self.model
+        got: list[tuple[str, Any]] = []
+        for rel in dict.fromkeys([parent, *(p.rpartition(".")[0] for p in ins)]):
+            here, mod = (f"{block}.{rel}" if rel else block), self.mods[rel]
+            got += [(here, mod), (f"{here}.config", getattr(mod, "config", None))]
+        got.append((block, self.trunk.blocks[0]))
         got += [(f"model{a}", getattr(model, a[1:], None) if a else model) for a in ("", ".config", ".hparams")]
         return [(label, obj) for label, obj in got if obj is not None]
 
@@ -121,7 +137,7 @@ class _Inference:
         else:
             self.problem(f"{what}: neither an MLP (E->H, H->E) nor attention (E->Q, E->K, E->K or E->Q+2K, Q->E)", pair)
             return None
-        srcs, hd, src = self.sources(parent), 0, ""
+        srcs, hd, src = self.sources(parent, qkv), 0, ""
         for label, obj in srcs:
             hit = _lookup(obj, _HEAD_DIM) or _lookup(obj, _N_HEADS)
             if hit:
@@ -159,7 +175,8 @@ class _Inference:
             # The width a fused output is split by (GPT-2's split_size): rewritten like a head count.
             local.update({a_: "split_width" for a_, v in vars(pmod).items() if type(v) is int and v == w and v > 1})
         projs = tuple(self.pat(n) for n in (*qkv, o))
-        return _Region(parent, tuple(ins), o, q, HeadInfo(n_heads, n_kv, hd, src, local, fused, projs))
+        head = HeadInfo(n_heads, n_kv, hd, src, local, fused, projs, self.pat(_common_parent(list(ins))))
+        return _Region(parent, tuple(ins), o, q, head)
 
     def parts(self, name: str, width: int) -> tuple[int, ...] | None:
         """Widths of a fused output's concatenated parts, from the split (or chunk) that first reads it."""
