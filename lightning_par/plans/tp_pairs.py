@@ -173,7 +173,9 @@ class _Inference:
                 local.update({f"config.{a_}": kind for a_ in names if vars(cfg).get(a_) == value})
         for w in {w for p in qkv if (ws := fused.get(self.pat(p))) and p not in self.guessed for w in ws}:
             # The width a fused output is split by (GPT-2's split_size): rewritten like a head count.
-            local.update({a_: "split_width" for a_, v in vars(pmod).items() if type(v) is int and v == w and v > 1})
+            for a_, v in vars(pmod).items():
+                if type(v) is int and v == w and v > 1:
+                    local.setdefault(a_, "split_width")
         projs = tuple(self.pat(n) for n in (*qkv, o))
         head = HeadInfo(n_heads, n_kv, hd, src, local, fused, projs, self.pat(_common_parent(list(ins))))
         return _Region(parent, tuple(ins), o, q, head)

@@ -1,0 +1,129 @@
+"""Plan inference (no process group) on families lightning_par did not write, and the affine-projection probe."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_par.parallel.tensor_parallel import _set_local_head_counts, sequence_parallel_blocker
+from lightning_par.parallel.tp_affine import _part_rows
+from lightning_par.plans import infer_tp_plan
+from lightning_par.plans.tp_affine import Affine, affine
+
+transformers = pytest.importorskip("transformers")
+litgpt = pytest.importorskip("litgpt")
+warnings.filterwarnings("ignore", message=".*token_id must be")
+
+
+def _gpt2() -> nn.Module:
+    config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=256, n_positions=64,
+                                     attn_implementation="eager")  # fmt: skip
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _litgpt() -> nn.Module:
+    config = litgpt.Config.from_name(
+        "Llama-3.2-1B", n_layer=2, n_embd=32, n_head=4, n_query_groups=2, intermediate_size=64,
+        padded_vocab_size=256, block_size=64, head_size=8,
+    )  # fmt: skip
+    return litgpt.GPT(config)
+
+
+class _MyLinear(nn.Module):
+    """A user's own Linear class (not an nn.Linear): weight [out, in], F.linear."""
+
+    def __init__(self, i: int, o: int) -> None:
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.randn(o, i)), nn.Parameter(torch.randn(o))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class _Scale(nn.Module):
+    """A 2-D weight whose forward is not affine in the probed way (elementwise): not a projection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.weight.sum(0)
+
+
+def test_affine_probe_decides_the_weight_layout() -> None:
+    conv = transformers.pytorch_utils.Conv1D(96, 32)  # nf=96 outputs, nx=32 inputs: weight [32, 96]
+    assert affine(conv) == Affine(32, 96, True)
+    square = transformers.pytorch_utils.Conv1D(32, 32)  # [in, out] vs [out, in] only the forward tells apart
+    assert affine(square) == Affine(32, 32, True)
+    assert affine(_MyLinear(32, 32)) == Affine(32, 32, False)
+    assert affine(nn.Linear(8, 16)) == Affine(8, 16, False)
+    assert affine(_Scale()) is None and affine(nn.LayerNorm(8)) is None and affine(nn.Embedding(4, 8)) is None
+    with torch.device("meta"):
+        meta = transformers.pytorch_utils.Conv1D(96, 32)
+    assert affine(meta) == Affine(32, 96, True)  # no numbers to probe: the nf attribute says [in, out]
+
+
+def test_gpt2_conv1d_plan() -> None:
+    plan = infer_tp_plan(_gpt2())
+    p = "transformer.h.*."
+    assert plan.traced
+    assert {k: v for k, v in plan.styles.items() if "attn" in k or "mlp" in k} == {
+        p + "attn.c_attn": "colwise_fused_qkv",
+        p + "attn.c_proj": "rowwise",
+        p + "mlp.c_fc": "colwise",
+        p + "mlp.c_proj": "rowwise",
+    }
+    head = plan.heads[p + "attn"]
+    assert head.fused_split == {p + "attn.c_attn": (32, 32, 32)}  # read from split(self.split_size) in forward
+    # split_size sizes the split of the fused output: per-rank like the head count.
+    assert head.local_attrs == {"num_heads": "n_heads", "embed_dim": "q_width", "split_size": "split_width"}
+    assert not any("assumes a [q | k | v]" in n for n in plan.notes)  # the layout was observed, not guessed
+
+
+def test_litgpt_grouped_fused_qkv_and_counts_on_the_shared_config() -> None:
+    model = _litgpt()
+    plan = infer_tp_plan(model)
+    p = "transformer.h.*."
+    head = plan.heads[p + "attn"]
+    assert plan.styles[p + "attn.qkv"] == "colwise_fused_qkv" and plan.styles[p + "attn.proj"] == "rowwise"
+    assert (head.n_heads, head.n_kv_heads, head.head_dim) == (4, 2, 8)
+    assert head.fused_split == {p + "attn.qkv": (32, 16, 16)}  # q | k | v of unequal widths
+    assert head.local_attrs == {"config.n_head": "n_heads", "config.n_query_groups": "n_kv_heads"}
+    blocks = list(model.transformer.h)
+    _set_local_head_counts(blocks, plan, "transformer.h.*", 2)
+    # Each attention got its own copy with per-rank counts; the model's (and the blocks') config stays global.
+    assert [(b.attn.config.n_head, b.attn.config.n_query_groups) for b in blocks] == [(2, 1), (2, 1)]
+    assert blocks[0].attn.config is not blocks[1].attn.config
+    assert model.config.n_head == 4 and blocks[0].config is model.config and model.config.n_query_groups == 2
+
+
+def test_bert_region_is_the_module_of_its_input_projections() -> None:
+    config = transformers.BertConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=64, max_position_embeddings=64)  # fmt: skip
+    model = transformers.BertForMaskedLM(config)
+    plan = infer_tp_plan(model)
+    p = "bert.encoder.layer.*."
+    head = plan.heads[p + "attention.output"]
+    assert head.region == p + "attention.self"  # q/k/v there; the output projection and a residual add elsewhere
+    assert head.source.endswith("attention.self.attention_head_size")
+    assert plan.mlps[p + "output"].region == p + "intermediate"
+    assert sequence_parallel_blocker(plan, model.bert.encoder.layer[0]) is None
+
+
+def test_replicated_attention_turns_sequence_parallelism_off() -> None:
+    model = _gpt2()
+    p = "transformer.h.*.attn."
+    plan = infer_tp_plan(model, overrides={p + "c_attn": "replicate", p + "c_proj": "replicate"})
+    why = sequence_parallel_blocker(plan, model.transformer.h[0])
+    assert why is not None and "attention transformer.h.*.attn is replicated" in why
+
+
+def test_part_rows_give_each_rank_its_slice_of_every_part() -> None:
+    # q of 4 heads, k and v of 2 (head size 1): rank 0 gets q heads 0-1, k head 0, v head 0.
+    assert _part_rows((4, 2, 2), 2, 0).tolist() == [0, 1, 4, 6]
+    assert _part_rows((4, 2, 2), 2, 1).tolist() == [2, 3, 5, 7]
