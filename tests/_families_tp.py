@@ -11,7 +11,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 
 class _LM(L.LightningModule):
@@ -112,3 +112,45 @@ class HFViT(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
+
+
+class NanoAttn(nn.Module):
+    """nanoGPT's attention, sizing its split and view from the input width C = x.size(-1)."""
+
+    def __init__(self, e: int = 32, n_head: int = 4) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.c_attn, self.c_proj = nn.Linear(e, 3 * e), nn.Linear(e, e)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class NanoBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln_1, self.attn, self.ln_2 = nn.LayerNorm(32), NanoAttn(), nn.LayerNorm(32)
+        self.fc, self.proj = nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.proj(F.gelu(self.fc(self.ln_2(x))))
+
+
+class NanoLM(_LM):
+    """A nanoGPT-style LM (its attention sizes a split by the input width): tp must refuse it before training."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte, self.head = nn.Embedding(256, 32), nn.Linear(32, 256)
+        self.h = nn.ModuleList([NanoBlock() for _ in range(2)])
+
+    def forward(self, idx: Tensor) -> Tensor:  # type: ignore[override]
+        x = self.wte(idx)
+        for block in self.h:
+            x = block(x)
+        return self.head(x)

@@ -4,7 +4,8 @@ One 2-rank spawn (`tp`: tp=2), SGD + momentum: losses to 1e-5 relative, paramete
 under their original names and shapes. Hugging Face GPT-2 (Conv1D projections, weight ``[in, out]``, a fused
 ``c_attn``), litgpt's Llama (one fused grouped-query ``qkv`` of unequal parts, head counts on a shared config),
 Hugging Face ViT (17 tokens: sequence parallelism pads the stream), BERT (q/k/v and the output projection in sibling
-modules, post-norm), and our GPT on a 17-token sequence. Checkpoints written under tp resume under zero2.
+modules, post-norm), and our GPT on a 17-token sequence. Checkpoints written under tp resume under zero2; a
+nanoGPT-style attention sizing its split by the input width is refused at setup.
 """
 
 from __future__ import annotations
@@ -54,10 +55,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     jobs = [{**j, "strategy": "tp", "dp": 1} for j in FAMILIES.values()]
     for m in RESUMED:
         jobs += _resume_jobs(m, str(tmp / f"ckpt_{m}"))
+    jobs.append({"model": "nano_lm", "strategy": "tp", "dp": 1, "expect_error": True})
     got = run_jobs(tmp, jobs, nproc=2, timeout=600)
     n = len(FAMILIES)
     resumed = {m: (got[n + 2 * i], got[n + 2 * i + 1]) for i, m in enumerate(RESUMED)}
-    return {"ref": dict(zip(FAMILIES, refs)), "tp": dict(zip(FAMILIES, got[:n])), "resumed": resumed}
+    out = {"ref": dict(zip(FAMILIES, refs)), "tp": dict(zip(FAMILIES, got[:n])), "resumed": resumed}
+    return {**out, "refused": got[-1]}
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -93,3 +96,11 @@ def test_checkpoint_under_tp_resumes_under_zero2(runs: dict[str, Any], name: str
     assert len(full["losses"]) == 4 and len(resumed["losses"]) == 2
     assert rel(resumed["losses"], full["losses"][2:]) < 1e-5
     params_close(resumed["params"], full["params"], rtol=1e-5, atol=1e-7)
+
+
+def test_code_assuming_full_widths_is_refused_at_setup(runs: dict[str, Any]) -> None:
+    # nanoGPT's split(C) with C = x.size(-1): refused before the first step, naming the module and the override.
+    refused = runs["refused"]
+    assert refused["losses"] == []
+    assert "tp=2: h.0.attn (NanoAttn) fails on the shapes each rank gets (ValueError" in refused["error"]
+    assert 'tp_plan={"h.*.attn.c_attn": "replicate", "h.*.attn.c_proj": "replicate"}' in refused["error"]

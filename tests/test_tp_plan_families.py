@@ -7,11 +7,14 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from _families_tp import NanoLM
 from torch import Tensor, nn
 
+from lightning_par.models.gpt import GPT
 from lightning_par.parallel.tensor_parallel import _set_local_head_counts, sequence_parallel_blocker
 from lightning_par.parallel.tp_affine import _part_rows
-from lightning_par.plans import infer_tp_plan
+from lightning_par.parallel.tp_check import check_local_shapes
+from lightning_par.plans import TPPlanError, infer_tp_plan
 from lightning_par.plans.tp_affine import Affine, affine
 
 transformers = pytest.importorskip("transformers")
@@ -127,3 +130,26 @@ def test_part_rows_give_each_rank_its_slice_of_every_part() -> None:
     # q of 4 heads, k and v of 2 (head size 1): rank 0 gets q heads 0-1, k head 0, v head 0.
     assert _part_rows((4, 2, 2), 2, 0).tolist() == [0, 1, 4, 6]
     assert _part_rows((4, 2, 2), 2, 1).tolist() == [2, 3, 5, 7]
+
+
+def test_full_width_split_is_refused_before_training_with_the_override() -> None:
+    model = NanoLM()
+    plan = infer_tp_plan(model)  # widths alone look fine: fused [q | k | v], split into 3 by the probe
+    assert plan.styles["h.*.attn.c_attn"] == "colwise_fused_qkv"
+    with pytest.raises(TPPlanError, match=r"tp=2: h\.0\.attn \(NanoAttn\) fails on the shapes each rank gets "
+                       r"\(ValueError: .*\); its code sizes a split.*tp_plan=\{\"h\.\*\.attn\.c_attn\": \"replicate\", "
+                       r"\"h\.\*\.attn\.c_proj\": \"replicate\"\}"):  # fmt: skip
+        check_local_shapes(model, plan, 2)
+    # With that override the plan passes the check (the MLP is still split), and the model is untouched.
+    kept = infer_tp_plan(model, overrides={"h.*.attn.c_attn": "replicate", "h.*.attn.c_proj": "replicate"})
+    check_local_shapes(model, kept, 2)
+    assert model.h[0].attn.c_attn.weight.shape == (96, 32) and model.h[0].attn.n_head == 4
+
+
+@pytest.mark.parametrize("make", [_gpt2, _litgpt, lambda: GPT(vocab_size=256, block_size=32, n_layer=2, n_head=4,
+                                                               n_embd=32)])  # fmt: skip
+def test_models_that_shard_pass_the_local_shape_check(make: object) -> None:
+    model = make()  # type: ignore[operator]
+    check_local_shapes(model, infer_tp_plan(model), 2)
+    heads = [m for m in model.modules() if hasattr(m, "config") and hasattr(m.config, "n_head")]
+    assert all(m.config.n_head == 4 for m in heads)  # the check ran on a copy
