@@ -154,3 +154,50 @@ class NanoLM(_LM):
         for block in self.h:
             x = block(x)
         return self.head(x)
+
+
+class GroupedAttn(nn.Module):
+    """Older litgpt's fused qkv, laid out group by group: per k/v head, its q heads, then its k, then its v."""
+
+    def __init__(self, e: int = 32, n_head: int = 4, n_query_groups: int = 2) -> None:
+        super().__init__()
+        self.n_head, self.n_query_groups, self.head_size = n_head, n_query_groups, e // n_head
+        self.attn = nn.Linear(e, (n_head + 2 * n_query_groups) * self.head_size)
+        self.proj = nn.Linear(e, e)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, _ = x.size()
+        per = self.n_head // self.n_query_groups
+        qkv = self.attn(x).view(B, T, self.n_query_groups, per + 2, self.head_size)
+        q, k, v = qkv.split((per, 1, 1), dim=-2)
+        q = q.reshape(B, T, -1, self.head_size).transpose(1, 2)
+        k, v = (t.expand(B, T, self.n_query_groups, per, self.head_size).reshape(B, T, -1, self.head_size)
+                .transpose(1, 2) for t in (k, v))  # fmt: skip
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class GroupedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm_1, self.attn, self.norm_2 = nn.LayerNorm(32), GroupedAttn(), nn.LayerNorm(32)
+        self.fc, self.proj = nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.norm_1(x))
+        return x + self.proj(F.gelu(self.fc(self.norm_2(x))))
+
+
+class GroupedLM(_LM):
+    """An LM whose grouped-query qkv is interleaved per k/v group (older litgpt, GPT-NeoX style)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte, self.head = nn.Embedding(256, 32), nn.Linear(32, 256)
+        self.h = nn.ModuleList([GroupedBlock() for _ in range(2)])
+
+    def forward(self, idx: Tensor) -> Tensor:  # type: ignore[override]
+        x = self.wte(idx)
+        for block in self.h:
+            x = block(x)
+        return self.head(x)

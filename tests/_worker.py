@@ -238,6 +238,7 @@ MODELS = {
     "litgpt_llama": lambda: _families_tp().LitGPTLlama(),
     "hf_vit": lambda: _families_tp().HFViT(),
     "hf_bert": lambda: _families_tp().HFBert(),
+    "grouped_lm": lambda: _families_tp().GroupedLM(),  # fused qkv interleaved per k/v group
     "nano_lm": lambda: _families_tp().NanoLM(),  # sizes its split by x.size(-1): refused under tp
 }  # fmt: skip
 

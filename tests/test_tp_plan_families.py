@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from _families_tp import NanoLM
+from _families_tp import GroupedLM, NanoLM
 from torch import Tensor, nn
 
 from lightning_par.models.gpt import GPT
@@ -153,3 +153,48 @@ def test_models_that_shard_pass_the_local_shape_check(make: object) -> None:
     check_local_shapes(model, infer_tp_plan(model), 2)
     heads = [m for m in model.modules() if hasattr(m, "config") and hasattr(m.config, "n_head")]
     assert all(m.config.n_head == 4 for m in heads)  # the check ran on a copy
+
+
+class _ViewedAttn(nn.Module):
+    """A fused qkv first viewed as (B, T, heads, 3 * head_dim) (GPT-NeoX) or (B, T, 3, heads, head_dim)."""
+
+    def __init__(self, per_head: bool) -> None:
+        super().__init__()
+        self.num_heads, self.head_size, self.per_head = 4, 8, per_head
+        self.query_key_value, self.dense = nn.Linear(32, 96), nn.Linear(32, 32)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, _ = x.shape
+        if self.per_head:
+            q, k, v = self.query_key_value(x).view(B, T, self.num_heads, 3 * self.head_size).chunk(3, dim=-1)
+        else:
+            q, k, v = self.query_key_value(x).view(B, T, 3, self.num_heads, self.head_size).unbind(2)
+        y = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True)
+        return self.dense(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class _ViewedLM(nn.Module):
+    def __init__(self, per_head: bool) -> None:
+        super().__init__()
+        self.wte, self.head = nn.Embedding(256, 32), nn.Linear(32, 256)
+        self.h = nn.ModuleList([_ViewedAttn(per_head) for _ in range(2)])
+
+    def forward(self, idx: Tensor) -> Tensor:
+        x = self.wte(idx)
+        for block in self.h:
+            x = x + block(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize(("make", "style", "split"), [
+    (GroupedLM, "colwise", {}),  # view(B, T, n_kv, q_per_kv + 2, hd): whole groups per rank
+    (lambda: _ViewedLM(per_head=True), "colwise", {}),  # view(B, T, n_heads, 3 * hd): whole heads per rank
+    (lambda: _ViewedLM(per_head=False), "colwise_fused_qkv", {"h.*.query_key_value": (32, 32, 32)}),
+])  # fmt: skip
+def test_fused_layout_read_from_the_view_after_it(make: object, style: str, split: dict) -> None:
+    plan = infer_tp_plan(make())  # type: ignore[operator]
+    name = next(k for k in plan.styles if k.endswith(("attn.attn", "query_key_value")))
+    assert plan.styles[name] == style
+    head = next(iter(plan.heads.values()))
+    assert head.fused_split == split
+    assert not any("assumes a [q | k | v]" in n for n in plan.notes)

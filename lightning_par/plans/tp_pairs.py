@@ -10,6 +10,7 @@ is an MLP (plain or gated); E->Q, E->K, E->K (K < Q: grouped query) or one fused
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -116,7 +117,9 @@ class _Inference:
         parts = self.parts(b[0], bw[0]) if len(b) == 1 else None
         # A split into (q, k, v) with k == v marks attention: a [gate | up] chunk(2) does not.
         parts = parts if parts and len(parts) == 3 and parts[0] == q and parts[1] == parts[2] else None
-        if (not own and len(b) == 1 and bw[0] != 3 * q and not parts) or (own and not b and len(a) == 2):
+        # Or a view into (B, T, groups, ...) first: the output is laid out group by group (GPT-NeoX, older litgpt).
+        groups = self.groups(b[0], bw[0]) if len(b) == 1 and not parts and bw[0] > q else None
+        if (not own and len(b) == 1 and bw[0] != 3 * q and not parts and not groups) or (own and not b and len(a) == 2):
             # E->2H may be a fused gate+up, E->H twice a gate and up; only a head attribute marks attention.
             self.problem(f"{what}: an MLP or attention with fused projections? ('replicate' is always safe)", pair)
             return None
@@ -132,7 +135,7 @@ class _Inference:
             qkv, kw = (b[0],), (bw[0] - q) // 2
             # The split after it gives the parts; without one, [q | k | v] by widths (a note says so).
             fused[self.pat(b[0])] = parts or (q, kw, bw[0] - q - kw)
-            if not parts:
+            if not parts and not groups:
                 self.guessed.add(self.pat(b[0]))
         else:
             self.problem(f"{what}: neither an MLP (E->H, H->E) nor attention (E->Q, E->K, E->K or E->Q+2K, Q->E)", pair)
@@ -156,6 +159,15 @@ class _Inference:
                 dict.fromkeys(pair, "replicate"),
             )
             return None
+        if groups and not parts:
+            if groups == n_kv:  # whole k/v groups, each with its q heads: a plain column split gives each rank some
+                del fused[self.pat(qkv[0])]
+            elif not (groups == 3 and q == kw):  # view(B, T, 3, n_heads, head_dim) is [q | k | v] again
+                self.problem(
+                    f"{where}: its output is viewed as {groups} groups, neither its {n_kv} k/v heads nor [q | k | v]",
+                    dict.fromkeys(pair, "replicate"),
+                )
+                return None
         for names, value, kind in ((_N_HEADS, n_heads, "heads"), (_N_KV, n_kv, "k/v heads")):
             first = next(((lb, h) for lb, obj in srcs if (h := _lookup(obj, names))), None)
             if first and first[1][1] != value:
@@ -187,6 +199,14 @@ class _Inference:
             return None
         widths = tuple(s[-1] for s in shapes)
         return widths if sum(widths) == width else None
+
+    def groups(self, name: str, width: int) -> int | None:
+        """The leading group count of a (B, T, groups, ...) view that first reads a fused output, if any."""
+        op, shapes = self.tr.consumers.get(name, ("", []))
+        if op not in ("view", "reshape", "unflatten") or len(shapes) != 1 or len(shapes[0]) < 4:
+            return None
+        trailing = shapes[0][2:]
+        return trailing[0] if trailing[0] > 1 and math.prod(trailing) == width else None
 
     def pair(self) -> list[_Region]:
         """Megatron pairs: each Linear back to E with the Linears it alone reads, in call order."""
