@@ -93,6 +93,7 @@ class HFViT(L.LightningModule):
         config = ViTConfig(image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                            intermediate_size=64, num_labels=10)  # fmt: skip
         self.model = ViTForImageClassification(config)
+        self.example_input_array = torch.zeros(1, 3, 16, 16)  # Lightning's convention, for the model summary
 
     def forward(self, pixels: Tensor) -> Tensor:
         return self.model(pixel_values=pixels).logits

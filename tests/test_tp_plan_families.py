@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from _families_tp import GroupedLM, NanoLM
+from _families_tp import GroupedLM, HFViT, NanoLM
 from torch import Tensor, nn
 
 from lightning_par.models.gpt import GPT
@@ -198,3 +198,13 @@ def test_fused_layout_read_from_the_view_after_it(make: object, style: str, spli
     head = next(iter(plan.heads.values()))
     assert head.fused_split == split
     assert not any("assumes a [q | k | v]" in n for n in plan.notes)
+
+
+def test_vit_is_probed_with_its_example_input_array() -> None:
+    model = HFViT()  # forward takes pixels: the probe uses example_input_array, not token ids
+    plan = infer_tp_plan(model)
+    p = "model.vit.layers.*."
+    assert plan.traced and not plan.notes
+    assert plan.styles[p + "attention.q_proj"] == "colwise" and plan.styles[p + "mlp.fc2"] == "rowwise"
+    assert sequence_parallel_blocker(plan, model.model.vit.layers[0]) is None  # SP on, with 17 tokens padded
+    check_local_shapes(model, plan, 2)

@@ -4,7 +4,7 @@ A plan can be right about widths and still meet code that assumes the full width
 ``q, k, v = qkv.split(C, dim=2)`` with ``C = x.size(-1)``, or ``y.view(B, T, C)``, read sizes from the input, which
 tp does not change, instead of from a head-count attribute tp rewrites. Under tp that fails inside forward with an
 unrelated error (``not enough values to unpack``). Here a copy of block 0 gets rank 0's slices of its split
-projections and the per-rank head counts and runs on the input the real block 0 receives (one (1, 8) token batch,
+projections and the per-rank head counts and runs on the input the real block 0 receives (the plan probe's input,
 in eval mode, no gradients, on the model's device: meta works); a failure is reported before training, naming the
 module, the error and the ``tp_plan`` that keeps that region whole.
 """
@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_par.parallel.tensor_parallel import _set_local_head_counts
+from lightning_par.plans._probe import probe_call
 from lightning_par.plans.tp_affine import affine
 from lightning_par.plans.tp_types import _SHARDED, TPPlan, TPPlanError
 from lightning_par.plans.trunk import find_trunk
@@ -39,11 +40,10 @@ def _block_input(model: nn.Module, block: nn.Module) -> tuple[tuple[Any, ...], d
 
     handle = block.register_forward_pre_hook(grab, with_kwargs=True)
     modes = {m: m.training for m in model.modules()}
-    param = next(model.parameters(), None)
     try:
         model.eval()  # no dropout: no draw from the user's RNG streams
         with torch.no_grad():
-            model(torch.zeros((1, 8), dtype=torch.long, device=param.device if param is not None else None))
+            probe_call(model)  # the input the plan probe used
     except _Reached:
         pass
     except Exception:  # the plan probe could not run the model either (its notes say so): nothing to check

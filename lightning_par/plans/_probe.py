@@ -79,6 +79,26 @@ class _FirstUse(TorchFunctionMode):
         return out
 
 
+def probe_call(model: nn.Module) -> None:
+    """Call ``model`` once on its ``example_input_array`` (the LightningModule convention: a tensor, a tuple of
+    positional arguments or a dict of keyword arguments), or else on a (1, 8) batch of token 0."""
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else None
+    example = getattr(model, "example_input_array", None)
+
+    def to(x: Any) -> Any:
+        return x.to(device) if isinstance(x, torch.Tensor) else x
+
+    if isinstance(example, torch.Tensor):
+        model(to(example))
+    elif isinstance(example, tuple):
+        model(*map(to, example))
+    elif isinstance(example, dict):
+        model(**{k: to(v) for k, v in example.items()})
+    else:
+        model(torch.zeros((1, 8), dtype=torch.long, device=device))
+
+
 def _trace(
     model: nn.Module,
     block: nn.Module,
@@ -128,11 +148,10 @@ def _trace(
         handles += [m.register_forward_pre_hook(pre(name)), m.register_forward_hook(post(name, tr.order))]
     handles += [m.register_forward_hook(post(name, tr.outer)) for name, m in outer.items()]
     modes = {m: m.training for m in model.modules()}
-    param = next(model.parameters(), None)
     try:
         model.eval()  # no dropout: the probe must not draw from the user's RNG streams
         with torch.enable_grad(), first_use:
-            model(torch.zeros((1, 8), dtype=torch.long, device=param.device if param is not None else None))
+            probe_call(model)
     except Exception as err:
         return f"{type(err).__name__}: {err}"
     finally:

@@ -51,8 +51,8 @@ def infer_tp_plan(model: nn.Module, *, overrides: dict[str, str] | None = None) 
     """Infer which Linears of the model's blocks to split by columns or rows, and the head counts tp must divide.
 
     Args:
-        model: the user's module; it is only inspected (one forward pass on a (1, 8) batch of token 0, in eval
-            mode, with hooks that are removed afterwards).
+        model: the user's module; it is only inspected (one forward pass on its ``example_input_array`` or else a
+            (1, 8) batch of token 0, in eval mode, with hooks that are removed afterwards).
         overrides: the user's ``tp_plan``: module-name patterns (``*`` for the block index, globs allowed) to
             styles; they replace inferred styles, and silence inference errors about the modules they cover.
 
@@ -89,7 +89,10 @@ def infer_tp_plan(model: nn.Module, *, overrides: dict[str, str] | None = None) 
     got = _trace(model, trunk.blocks[0], inner, outer, set(projections) | outer_proj)
     traced = not isinstance(got, str)
     if isinstance(got, str):
-        notes.append(f"forward on a (1, 8) token batch failed ({got}); pairs guessed from registration order")
+        notes.append(
+            f"the probe forward failed ({got}); pairs guessed from registration order (set the module's "
+            "example_input_array to probe with a real input)"
+        )
         got = _registration_order(inner, list(outer), max(marker, 0), projections)
     inf = _Inference(model, trunk, got, dict(trunk.blocks[0].named_modules()), projections)
     if not inf.lin:
