@@ -71,6 +71,7 @@ def test_family_matches_one_process(runs: dict[str, Any], name: str) -> None:
     assert got["layout"]["tp"] == 2 and got["layout"]["dp_shard"] == 1
     assert len(got["losses"]) == len(ref["losses"]) == 3
     assert rel(got["losses"], ref["losses"]) < 1e-5
+    assert rel(got["grad_norms"], ref["grad_norms"]) < 1e-5  # over tp shards and replicated (partial) gradients
     assert got["param_shapes"] == ref["param_shapes"]  # original names, full shapes
     params_close(got["params"], ref["params"], rtol=1e-5, atol=1e-7)
 

@@ -126,7 +126,9 @@ def apply_affine(
         if not isinstance(x, DTensor):
             x = DTensor.from_local(x, mesh, [Shard(-1)], run_check=False)
         p: Any = self
-        y: Any = F.linear(x, p.weight.t() if transposed else p.weight, p.bias if has_bias else None)
-        return y.redistribute(mesh, [Shard(_SEQ) if sequence_parallel else Replicate()]).to_local()  # type: ignore[no-any-return]
+        y: Any = F.linear(x, p.weight.t() if transposed else p.weight)
+        y = y.redistribute(mesh, [Shard(_SEQ) if sequence_parallel else Replicate()])
+        # The bias once, on the reduced output (inside the matmul DTensor would add bias / tp on every rank).
+        return (y + p.bias if has_bias else y).to_local()  # type: ignore[no-any-return]
 
     module.forward = types.MethodType(rowwise if style == "rowwise" else colwise, module)  # type: ignore[method-assign]
