@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _families_tp import GroupedLM, HFViT, NanoLM
+from _hf_models import HFLlama
 from torch import Tensor, nn
 
 from lightning_par.models.gpt import GPT
@@ -146,8 +147,8 @@ def test_full_width_split_is_refused_before_training_with_the_override() -> None
     assert model.h[0].attn.c_attn.weight.shape == (96, 32) and model.h[0].attn.n_head == 4
 
 
-@pytest.mark.parametrize("make", [_gpt2, _litgpt, lambda: GPT(vocab_size=256, block_size=32, n_layer=2, n_head=4,
-                                                               n_embd=32)])  # fmt: skip
+@pytest.mark.parametrize("make", [_gpt2, _litgpt, HFLlama, lambda: GPT(vocab_size=256, block_size=32, n_layer=2,
+                                                                        n_head=4, n_embd=32)])  # fmt: skip
 def test_models_that_shard_pass_the_local_shape_check(make: object) -> None:
     model = make()  # type: ignore[operator]
     check_local_shapes(model, infer_tp_plan(model), 2)

@@ -87,8 +87,17 @@ def check_local_shapes(model: nn.Module, plan: TPPlan, tp: int) -> None:
     captured = _block_input(model, trunk.blocks[0])
     if captured is None:
         return
+    try:
+        # Copies of block 0 and of its input (a cache object in it would otherwise see two runs); the unsplit copy
+        # must run, or a failure below would say nothing about tp.
+        whole, local = copy.deepcopy(trunk.blocks[0]).eval(), copy.deepcopy(trunk.blocks[0]).eval()
+        with torch.no_grad():
+            args, kwargs = copy.deepcopy(captured)
+            whole(*args, **kwargs)
+        args, kwargs = copy.deepcopy(captured)
+    except Exception:
+        return
     prefix = f"{plan.trunk}.*" if plan.trunk else "*"
-    local = copy.deepcopy(trunk.blocks[0]).eval()
     split = {k: s for k, s in plan.styles.items() if s in _SHARDED and k.startswith(prefix + ".")}
     for key, style in split.items():
         _shrink(local.get_submodule(key[len(prefix) + 1 :]), style, tp)
@@ -106,7 +115,7 @@ def check_local_shapes(model: nn.Module, plan: TPPlan, tp: int) -> None:
         handles += [mod.register_forward_pre_hook(partial(enter, name)), mod.register_forward_hook(leave)]
     try:
         with torch.no_grad():
-            local(*captured[0], **captured[1])
+            local(*args, **kwargs)
     except Exception as err:
         where = stack[-1] if stack else ""
         pattern = f"{prefix}.{where}" if where else prefix
