@@ -13,7 +13,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 
 class _CausalLM(L.LightningModule):
@@ -99,6 +99,23 @@ class HFQwen2Tied(_CausalLM):
         return self.model(input_ids=idx).logits
 
 
+class HFBert(_CausalLM):
+    """Hugging Face ``BertForMaskedLM``, an encoder (post-norm blocks, bidirectional attention), trained on
+    next-byte prediction; its q/k/v and output projection live in sibling modules."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import BertConfig, BertForMaskedLM
+
+        config = BertConfig(vocab_size=256, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+                            intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                            attention_probs_dropout_prob=0.0)  # fmt: skip
+        self.model = BertForMaskedLM(config)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        return self.model(input_ids=idx).logits
+
+
 class HFViT(L.LightningModule):
     """Hugging Face ``ViTForImageClassification``: each byte-text pair ``(x, y)`` read as a 1 x 8 x 8 image, the
     class the first byte's high nibble."""
@@ -131,3 +148,95 @@ class HFViT(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+# ---- user-style attention variants (code as users write it) ------------------------------------------
+
+
+class NanoAttn(nn.Module):
+    """nanoGPT's attention, sizing its split and view from the input width C = x.size(-1)."""
+
+    def __init__(self, e: int = 32, n_head: int = 4) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.c_attn, self.c_proj = nn.Linear(e, 3 * e), nn.Linear(e, e)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class NanoBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln_1, self.attn, self.ln_2 = nn.LayerNorm(32), NanoAttn(), nn.LayerNorm(32)
+        self.fc, self.proj = nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.proj(F.gelu(self.fc(self.ln_2(x))))
+
+
+class NanoLM(_CausalLM):
+    """A nanoGPT-style LM (its attention sizes a split by the input width): tp must refuse it before training."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte, self.head = nn.Embedding(256, 32), nn.Linear(32, 256)
+        self.h = nn.ModuleList([NanoBlock() for _ in range(2)])
+
+    def forward(self, idx: Tensor) -> Tensor:  # type: ignore[override]
+        x = self.wte(idx)
+        for block in self.h:
+            x = block(x)
+        return self.head(x)
+
+
+class GroupedAttn(nn.Module):
+    """Older litgpt's fused qkv, laid out group by group: per k/v head, its q heads, then its k, then its v."""
+
+    def __init__(self, e: int = 32, n_head: int = 4, n_query_groups: int = 2) -> None:
+        super().__init__()
+        self.n_head, self.n_query_groups, self.head_size = n_head, n_query_groups, e // n_head
+        self.attn = nn.Linear(e, (n_head + 2 * n_query_groups) * self.head_size)
+        self.proj = nn.Linear(e, e)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, _ = x.size()
+        per = self.n_head // self.n_query_groups
+        qkv = self.attn(x).view(B, T, self.n_query_groups, per + 2, self.head_size)
+        q, k, v = qkv.split((per, 1, 1), dim=-2)
+        q = q.reshape(B, T, -1, self.head_size).transpose(1, 2)
+        k, v = (t.expand(B, T, self.n_query_groups, per, self.head_size).reshape(B, T, -1, self.head_size)
+                .transpose(1, 2) for t in (k, v))  # fmt: skip
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class GroupedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm_1, self.attn, self.norm_2 = nn.LayerNorm(32), GroupedAttn(), nn.LayerNorm(32)
+        self.fc, self.proj = nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.norm_1(x))
+        return x + self.proj(F.gelu(self.fc(self.norm_2(x))))
+
+
+class GroupedLM(_CausalLM):
+    """An LM whose grouped-query qkv is interleaved per k/v group (older litgpt, GPT-NeoX style)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte, self.head = nn.Embedding(256, 32), nn.Linear(32, 256)
+        self.h = nn.ModuleList([GroupedBlock() for _ in range(2)])
+
+    def forward(self, idx: Tensor) -> Tensor:  # type: ignore[override]
+        x = self.wte(idx)
+        for block in self.h:
+            x = block(x)
+        return self.head(x)

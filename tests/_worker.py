@@ -13,6 +13,7 @@ import random
 import signal
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -247,6 +248,9 @@ MODELS = {
     "hf_gpt2": lambda: _families().HFGPT2(),
     "hf_qwen2_tied": lambda: _families().HFQwen2Tied(),
     "hf_vit": lambda: _families().HFViT(),
+    "hf_bert": lambda: _families().HFBert(),
+    "grouped_lm": lambda: _families().GroupedLM(),  # fused qkv interleaved per k/v group
+    "nano_lm": lambda: _families().NanoLM(),  # sizes its split by x.size(-1): refused under tp
 }  # fmt: skip
 
 
@@ -563,6 +567,17 @@ def _patch_checkpoint_writes(job: dict[str, Any]) -> Iterator[None]:
         _FileSystemWriter.write_data = original  # type: ignore[method-assign]
 
 
+@contextmanager
+def _recorded_warnings(into: list[Any], record: bool) -> Iterator[None]:
+    if not record:
+        yield
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    into.extend(caught)
+
+
 def _checkpoint_callbacks(job: dict[str, Any]) -> list[L.Callback]:
     if not job.get("ckpt_dir"):
         return []
@@ -584,10 +599,10 @@ def _checkpoint_callbacks(job: dict[str, Any]) -> list[L.Callback]:
 
 
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
-    """One fit. Keys: model, strategy (name or kwargs for ParallelStrategy), precision, steps, global_batch,
+    """One fit. Keys: model, strategy (name or kwargs for ParallelStrategy), precision, steps, global_batch, seq_len,
     accumulate, clip, seed, devices, num_nodes, save (path), resume (path), fail_at_step, validate, predict,
     record_optim (the optimizer state at train start, after a resume), expect_error (return the fit's exception
-    as ``error`` instead of failing the spawn)."""
+    as ``error`` instead of failing the spawn), record_warnings (return the fit's warnings as ``warnings``)."""
     # Checkpoint options: ckpt_every_n_steps, save_top_k, save_last (see _checkpoint_callbacks); resume "last"
     # (Lightning's) or "latest" (lightning_par.checkpoint.latest(ckpt_dir)); sigkill_at_step {"step", "rank"};
     # sigkill_in_save {"nth", "rank"}; slow_write_s; slow_staging_s; record_step_params; limit_val_batches;
@@ -604,7 +619,8 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     steps = job.get("steps", 3)
     global_batch = job.get("global_batch", 8)
     samples = global_batch * accumulate * job.get("epoch_steps", steps)
-    data = ByteTextDataModule(seq_len=32, batch_size=global_batch // dp, num_samples=samples, seed=0)
+    seq_len = job.get("seq_len", 32)
+    data = ByteTextDataModule(seq_len=seq_len, batch_size=global_batch // dp, num_samples=samples, seed=0)
     if world == 1:
         # Lightning always shuffles a distributed training loader (DistributedSampler(shuffle=True, seed=0)); at
         # step k the ranks together read perm[k*B:(k+1)*B] of that permutation, so the one-process reference
@@ -665,7 +681,9 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         except Exception as err:
             return {"error": f"{type(err).__name__}: {err}", "losses": recorder.losses}
         return {"error": None, "losses": recorder.losses}
-    with _patch_checkpoint_writes(job):
+    caught: list[Any] = []
+    # record_warnings: what the strategy warned about during fit (tensor-parallel fallbacks).
+    with _patch_checkpoint_writes(job), _recorded_warnings(caught, bool(job.get("record_warnings"))):
         trainer.fit(model, datamodule=data, ckpt_path=resume)
     if job.get("save"):
         trainer.save_checkpoint(job["save"])
@@ -699,6 +717,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         "ckpt_listing_after": sorted(os.listdir(ckpt_dir)) if ckpt_dir and os.path.isdir(ckpt_dir) else [],
         "resumed_from": Path(trainer.ckpt_path).name if trainer.ckpt_path else None,
         "draws": getattr(model, "draws", None),
+        "warnings": [str(w.message) for w in caught] if job.get("record_warnings") else None,
         "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
         "logged": memory_logger.metrics if memory_logger is not None else None,
         "files_in_list_dir": sorted(str(p) for p in Path(job["list_dir"]).rglob("*") if p.is_file())

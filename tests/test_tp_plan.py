@@ -327,7 +327,8 @@ def test_falcon_fused_gqa_parallel_block() -> None:
     head = plan.heads["blocks.*.self_attention"]
     assert (head.n_heads, head.n_kv_heads, head.head_dim) == (4, 2, 16)
     assert head.fused_split == {p + "self_attention.query_key_value": (64, 32, 32)}
-    assert head.local_attrs == {"num_heads": "n_heads", "num_kv_heads": "n_kv_heads"}
+    # `kw` sizes the split after the fused projection (split([E, kw, kw])): a per-rank width under tp.
+    assert head.local_attrs == {"num_heads": "n_heads", "num_kv_heads": "n_kv_heads", "kw": "split_width"}
 
 
 @pytest.mark.parametrize("bias", [True, False])

@@ -54,15 +54,16 @@ def full_of_fused(t: DTensor) -> torch.Tensor:
     assert tp_dim is not None
     mesh, split = t.device_mesh, t.placements[tp_dim]
     tp = mesh.size(tp_dim)
-    chunks = int(split.split_factor)  # type: ignore[attr-defined]
-    tp_rows = t.shape[0] // tp
+    chunks, dim = int(split.split_factor), int(split.dim)  # type: ignore[attr-defined]
+    # Data-parallel sharding splits the tp-local rows; dim 1 is split by tp for [in, out] weights (Conv1D).
+    tp_rows = t.shape[0] // tp if dim == 0 else t.shape[0]
     local = t.to_local()
     for i in reversed(_row_dims(t, tp_dim)):
         local = _all_gather_rows(local, mesh.get_group(i), tp_rows)
     parts = [torch.empty_like(local) for _ in range(tp)]
     dist.all_gather(parts, local.contiguous(), group=mesh.get_group(tp_dim))
-    # Rank r holds [c_0 slice r | c_1 slice r | ...]; the full tensor is [c_0 | c_1 | ...].
-    return torch.cat([part.chunk(chunks)[j] for j in range(chunks) for part in parts])
+    # Rank r holds [c_0 slice r | c_1 slice r | ...] along `dim`; the full tensor is [c_0 | c_1 | ...].
+    return torch.cat([part.chunk(chunks, dim)[j] for j in range(chunks) for part in parts], dim)
 
 
 def local_of_fused(full: torch.Tensor, like: DTensor) -> torch.Tensor:
@@ -71,8 +72,8 @@ def local_of_fused(full: torch.Tensor, like: DTensor) -> torch.Tensor:
     assert tp_dim is not None
     mesh, split = like.device_mesh, like.placements[tp_dim]
     tp, r = mesh.size(tp_dim), mesh.get_local_rank(tp_dim)
-    chunks = int(split.split_factor)  # type: ignore[attr-defined]
-    local = torch.cat([c.chunk(tp)[r] for c in full.chunk(chunks)])
+    chunks, dim = int(split.split_factor), int(split.dim)  # type: ignore[attr-defined]
+    local = torch.cat([c.chunk(tp, dim)[r] for c in full.chunk(chunks, dim)], dim)
     for i in _row_dims(like, tp_dim):
         local = local.chunk(mesh.size(i))[mesh.get_local_rank(i)]
     return local

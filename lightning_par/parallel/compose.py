@@ -21,6 +21,7 @@ from lightning_par.parallel.parts import ModelPart
 from lightning_par.parallel.pipeline_split import PipelineSplit, split_pipeline
 from lightning_par.parallel.run import ParallelRun
 from lightning_par.parallel.tensor_parallel import apply_tensor_parallel
+from lightning_par.parallel.tp_check import check_local_shapes
 from lightning_par.parallel.zero import StepRoot, apply_fsdp, sync_module_states
 from lightning_par.parallel.zero_replicated import ReplicatedZero
 from lightning_par.plans.moe import find_moe_layers
@@ -143,6 +144,7 @@ def _tp_plan(module: nn.Module, config: ParallelConfig, overrides: Optional[dict
         return None
     plan = infer_tp_plan(module, overrides=overrides)
     validate_tp(plan, config.tp)
+    check_local_shapes(module, plan, config.tp)  # block 0 on per-rank shapes: code assuming full widths fails here
     return plan
 
 

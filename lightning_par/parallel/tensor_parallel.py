@@ -9,6 +9,8 @@ all-reduce becomes a reduce-scatter (end of a region) plus an all-gather (start 
 What this module does to a model, per block:
 - colwise / rowwise Linears become DTensor-sharded (torch's `ColwiseParallel` / `RowwiseParallel`); a fused
   ``[q | k | v]`` projection is sharded chunk by chunk (`_StridedShard`) so each rank gets whole heads of q, k and v;
+  other affine projections (Hugging Face's ``Conv1D``) and fused parts of unequal widths (grouped-query ``[q | k |
+  v]``) are split by `lightning_par.parallel.tp_affine`;
 - each attention / MLP module (a "region") gets its hidden-state input as a replicated DTensor, so the input
   projections share one gradient reduction (Megatron's ``f`` operator) instead of one each;
 - head-count attributes that the plan found (``n_heads = 8`` used in a ``view``) are set to per-rank values;
@@ -21,12 +23,12 @@ vocabulary-parallel loss in the user's ``training_step``, which we do not rewrit
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
@@ -34,7 +36,16 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from typing_extensions import override
 
 from lightning_par import _compat
-from lightning_par.plans.tp_types import TPPlan, TPPlanError
+from lightning_par.parallel.tp_affine import apply_affine
+from lightning_par.parallel.tp_sequence import (
+    SequenceState,
+    gather_sequence,
+    pad_region_output,
+    region_input,
+    scatter_sequence,
+)
+from lightning_par.plans.tp_affine import affine
+from lightning_par.plans.tp_types import HeadInfo, MLPInfo, TPPlan, TPPlanError
 from lightning_par.plans.trunk import find_trunk
 
 _SEQ = 1  # batch-first models: (batch, sequence, hidden)
@@ -97,11 +108,17 @@ def sequence_parallel_blocker(plan: TPPlan, block: nn.Module) -> str | None:
     (their gradients would cover only this rank's tokens).
     """
     prefix = f"{plan.trunk}.*" if plan.trunk else "*"
-    for key in (*plan.heads, *plan.mlps):
-        if key == prefix:
-            return f"the attention/MLP projections sit directly in the block ({prefix}), not in a submodule"
+    infos: list[tuple[str, HeadInfo | MLPInfo]] = [*plan.heads.items(), *plan.mlps.items()]
+    for key, info in infos:
+        if (info.region or key) == prefix:
+            where = f"{', '.join(info.projections[:-1])} share no submodule below the block ({prefix})"
+            return f"the input projections {where}, so their input cannot be gathered before their code runs"
     if any(True for _ in block.parameters(recurse=False)):
         return f"{type(block).__name__} owns parameters directly"
+    for key, head in plan.heads.items():
+        if not any(plan.styles.get(p) in _SPLIT for p in head.projections):
+            # Kept whole (a tp_plan), it would run on this rank's tokens only: attention mixes the sequence.
+            return f"the attention {key} is replicated, and attention mixes tokens along the sequence"
     return None
 
 
@@ -125,8 +142,8 @@ def apply_tensor_parallel(
             parallelism is then off (a stage's boundary activations travel whole between stages).
 
     Raises:
-        TPPlanError: a style this function cannot apply (a fused projection with unequal q/k/v widths, a
-            sharded embedding or head), naming the ``tp_plan`` that avoids it.
+        TPPlanError: a style this function cannot apply (a sharded embedding or head), naming the ``tp_plan``
+            that avoids it.
     """
     tp = mesh.size()
     if blocks is None:
@@ -150,13 +167,6 @@ def apply_tensor_parallel(
         )
     rel_styles = {k[len(prefix) + 1 :]: s for k, s in plan.styles.items() if k.startswith(prefix + ".")}
     fused = {k[len(prefix) + 1 :]: w for h in plan.heads.values() for k, w in h.fused_split.items()}
-    for rel, widths in fused.items():
-        if rel_styles.get(rel) == "colwise_fused_qkv" and len(set(widths)) != 1:
-            raise TPPlanError(
-                f"{prefix}.{rel} fuses projections of unequal widths {widths} (grouped-query attention); a rank "
-                f"cannot hold whole heads of each as one DTensor. Pass tp_plan={{'{prefix}.{rel}': 'replicate'}} "
-                "and the output projection as 'replicate' too, or separate the projections"
-            )
     why = sequence_parallel_blocker(plan, blocks[0][1]) if blocks else None
     if sequence_parallel and why is not None:
         raise TPPlanError(f"sequence_parallel=True is not exact for this model: {why}; pass sequence_parallel=False")
@@ -164,16 +174,25 @@ def apply_tensor_parallel(
         sequence_parallel = why is None
     # Regions whose projections are split (a tp_plan may keep a whole attention or MLP replicated).
     projections = {
-        **{k: h.projections for k, h in plan.heads.items()},
-        **{k: m.projections for k, m in plan.mlps.items()},
+        **{h.region or k: h.projections for k, h in plan.heads.items()},
+        **{m.region or k: m.projections for k, m in plan.mlps.items()},
     }
     split = {k for k, projs in projections.items() if any(plan.styles.get(p) in _SPLIT for p in projs)}
     regions = sorted(k[len(prefix) + 1 :] for k in split if k != prefix)
     changed: dict[str, str] = {}
+    seq = SequenceState() if sequence_parallel else None
     for name, block in blocks:
         styles: dict[str, Any] = {}
         for rel, style in rel_styles.items():
-            if style == "colwise":
+            if style in _SPLIT and _own_style(block.get_submodule(rel), fused.get(rel) if style != "rowwise" else None):
+                # Not an nn.Linear (Conv1D), or fused parts of unequal widths: our own split (parallel/tp_affine.py).
+                mod = block.get_submodule(rel)
+                layout = affine(mod)
+                assert layout is not None  # the plan styled it as a projection
+                apply_affine(mod, mesh, style, transposed=layout.transposed, parts=fused.get(rel),
+                             sequence_parallel=bool(sequence_parallel))  # fmt: skip
+                changed[f"{name}.{rel}"] = style
+            elif style == "colwise":
                 styles[rel] = ColwiseParallel(use_local_output=True)
             elif style == "colwise_fused_qkv":
                 styles[rel] = _FusedColwise(len(fused[rel]))
@@ -188,13 +207,20 @@ def apply_tensor_parallel(
         changed.update({f"{name}.{rel}": _style_name(s) for rel, s in styles.items()})
         for rel in regions:
             block.get_submodule(rel).register_forward_pre_hook(
-                partial(_region_input, mesh, sequence_parallel, plan.hidden_size), with_kwargs=True
+                partial(region_input, mesh, seq, plan.hidden_size), with_kwargs=True
             )
+        if seq is not None:  # after the styles' own output hooks: the padding goes on the local slice
+            for rel in (r for r, s in rel_styles.items() if s == "rowwise"):
+                block.get_submodule(rel).register_forward_hook(partial(pad_region_output, mesh, seq))
     _set_local_head_counts([b for _, b in blocks], plan, prefix, tp)
-    if sequence_parallel and blocks:
-        blocks[0][1].register_forward_pre_hook(partial(_scatter_sequence, mesh), with_kwargs=True)
-        blocks[-1][1].register_forward_hook(partial(_gather_sequence, mesh))
+    if seq is not None and blocks:
+        blocks[0][1].register_forward_pre_hook(partial(scatter_sequence, mesh, seq), with_kwargs=True)
+        blocks[-1][1].register_forward_hook(partial(gather_sequence, mesh, seq))
     return TensorParallelInfo(tp, sequence_parallel, changed, tuple(regions))
+
+
+def _own_style(mod: nn.Module, parts: tuple[int, ...] | None) -> bool:
+    return not isinstance(mod, nn.Linear) or (parts is not None and len(set(parts)) > 1)
 
 
 def _style_name(style: Any) -> str:
@@ -233,66 +259,15 @@ def _set_local_head_counts(blocks: Sequence[nn.Module], plan: TPPlan, prefix: st
             continue
         for block in blocks:
             owner = block.get_submodule(rel) if rel else block
+            copied: set[str] = set()
             for attr in head.local_attrs:
-                setattr(owner, attr, getattr(owner, attr) // tp)
-
-
-def _first_hidden(args: tuple[Any, ...], kwargs: dict[str, Any], hidden: int) -> tuple[str | int, torch.Tensor]:
-    for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor) and a.dim() >= 2 and a.shape[-1] == hidden:
-            return i, a
-    named = [k for k in ("hidden_states", "x", "hidden", "input") if k in kwargs]
-    for k in [*named, *kwargs]:
-        a = kwargs[k]
-        if isinstance(a, torch.Tensor) and a.dim() >= 2 and a.shape[-1] == hidden:
-            return k, a
-    raise RuntimeError(f"no (batch, sequence, {hidden}) hidden-state argument found; pass tp_plan to fix the plan")
-
-
-def _replace(args: tuple[Any, ...], kwargs: dict[str, Any], where: str | int, value: Any) -> Any:
-    if isinstance(where, int):
-        return (*args[:where], value, *args[where + 1 :]), kwargs
-    return args, {**kwargs, where: value}
-
-
-def _region_input(mesh: DeviceMesh, sp: bool, hidden: int, mod: nn.Module, args: Any, kwargs: Any) -> Any:
-    """The region's hidden input as a replicated DTensor: its column-split projections then produce partial
-    input gradients that are summed as DTensors and reduced once (all-reduce; reduce-scatter under SP)."""
-    where, x = _first_hidden(args, kwargs, hidden)
-    if isinstance(x, DTensor):
-        return None
-    if sp:
-        full = DTensor.from_local(x, mesh, [Shard(_SEQ)], run_check=False).redistribute(mesh, [Replicate()])
-    else:
-        full = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-    return _replace(args, kwargs, where, full)
-
-
-def _scatter_sequence(mesh: DeviceMesh, mod: nn.Module, args: Any, kwargs: Any) -> Any:
-    """Entering the trunk: keep this rank's slice of the sequence (no communication; all-gather in backward)."""
-    where, x = next(
-        ((i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)),
-        next(((k, a) for k, a in kwargs.items() if isinstance(a, torch.Tensor)), (None, None)),
-    )
-    if x is None or where is None:
-        raise RuntimeError("the first block got no tensor input to split along the sequence")
-    if x.shape[_SEQ] % mesh.size():
-        raise ValueError(
-            f"sequence length {x.shape[_SEQ]} is not divisible by tp={mesh.size()} under sequence parallelism; "
-            f"use a sequence length that is a multiple of {mesh.size()} or sequence_parallel=False"
-        )
-    local = DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(_SEQ)]).to_local()
-    return _replace(args, kwargs, where, local)
-
-
-def _gather_sequence(mesh: DeviceMesh, mod: nn.Module, args: Any, out: Any) -> Any:
-    """Leaving the trunk: all-gather the sequence so the code after it (final norm, head, loss) runs as written."""
-
-    def gather(t: torch.Tensor) -> torch.Tensor:
-        return DTensor.from_local(t, mesh, [Shard(_SEQ)], run_check=False).redistribute(mesh, [Replicate()]).to_local()
-
-    if isinstance(out, torch.Tensor):
-        return gather(out)
-    if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
-        return (gather(out[0]), *out[1:])
-    raise RuntimeError("the last block returned no tensor (or tuple starting with one) to gather along the sequence")
+                obj, _, leaf = attr.rpartition(".")
+                target = owner
+                if obj:
+                    # A count on a config object the module keeps (and other layers share): give the module its
+                    # own shallow copy, so the per-rank value reaches only the code of this sharded module.
+                    if obj not in copied:
+                        setattr(owner, obj, copy.copy(getattr(owner, obj)))
+                        copied.add(obj)
+                    target = getattr(owner, obj)
+                setattr(target, leaf, getattr(target, leaf) // tp)

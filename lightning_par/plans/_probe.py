@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 
 @dataclasses.dataclass
@@ -24,6 +25,9 @@ class _Trace:
     hidden: int
     outer: list[str]  # outer Linears/Embeddings/norms; those before index `marker` run before the trunk
     marker: int
+    # block projection -> (op, output shapes) of the first torch call on its output: the split or view that says
+    # how a fused projection's output is laid out ([q | k | v] parts, or interleaved per head group)
+    consumers: dict[str, tuple[str, list[tuple[int, ...]]]] = dataclasses.field(default_factory=dict)
 
 
 def _is_norm(m: nn.Module) -> bool:
@@ -55,13 +59,64 @@ def _walk(node: Any, outs: dict[Any, str], stop: set[Any]) -> set[str]:
     return found
 
 
+class _FirstUse(TorchFunctionMode):
+    """Records the first torch call on each watched tensor (a block projection's output) and what it returned."""
+
+    _SKIP = frozenset({"size", "dim", "__get__", "numel", "is_contiguous", "contiguous", "__format__"})
+
+    def __init__(self, consumers: dict[str, tuple[str, list[tuple[int, ...]]]]) -> None:
+        super().__init__()
+        self.watched: dict[int, tuple[torch.Tensor, str]] = {}  # id -> (tensor kept alive, so ids stay unique)
+        self.consumers = consumers
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        hit = self.watched.get(id(args[0])) if args and isinstance(args[0], torch.Tensor) else None
+        name = getattr(func, "__name__", "")
+        if hit is not None and hit[1] not in self.consumers and name not in self._SKIP:
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            self.consumers[hit[1]] = (name, [tuple(t.shape) for t in outs if isinstance(t, torch.Tensor)])
+        return out
+
+
+def probe_call(model: nn.Module) -> None:
+    """Call ``model`` once on its ``example_input_array`` (the LightningModule convention: a tensor, a tuple of
+    positional arguments or a dict of keyword arguments), or else on a (1, 8) batch of token 0."""
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else None
+    example = getattr(model, "example_input_array", None)
+
+    def to(x: Any) -> Any:
+        return x.to(device) if isinstance(x, torch.Tensor) else x
+
+    if isinstance(example, torch.Tensor):
+        model(to(example))
+    elif isinstance(example, tuple):
+        model(*map(to, example))
+    elif isinstance(example, dict):
+        model(**{k: to(v) for k, v in example.items()})
+    else:
+        model(torch.zeros((1, 8), dtype=torch.long, device=device))
+
+
 def _trace(
-    model: nn.Module, block: nn.Module, inner: dict[str, nn.Module], outer: dict[str, nn.Module]
+    model: nn.Module,
+    block: nn.Module,
+    inner: dict[str, nn.Module],
+    outer: dict[str, nn.Module],
+    projections: set[str] | None = None,
 ) -> _Trace | str:
-    """Run the model once on token 0 with hooks on block 0: who reads whom, call order; or why it failed."""
+    """Run the model once on token 0 with hooks on block 0: who reads whom, call order; or why it failed.
+
+    ``projections`` names the modules of ``inner`` and ``outer`` that are projections (Linears or affine leaves,
+    `lightning_par.plans.tp_affine`); by default the ``nn.Linear`` ones.
+    """
     tr = _Trace([], {}, {}, 0, [], -1)
     outs: dict[Any, str] = {}
     stop: set[Any] = set()
+    if projections is None:
+        projections = {n for n, m in (*inner.items(), *outer.items()) if isinstance(m, nn.Linear)}
+    first_use = _FirstUse(tr.consumers)
 
     def on_block(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         x = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
@@ -81,8 +136,10 @@ def _trace(
         def hook(mod: nn.Module, args: tuple[Any, ...], out: Any) -> None:
             if name not in order:
                 order.append(name)
-                if isinstance(mod, nn.Linear) and isinstance(out, torch.Tensor) and out.grad_fn is not None:
+                if name in projections and isinstance(out, torch.Tensor) and out.grad_fn is not None:
                     outs[out.grad_fn] = name
+                    if order is tr.order:
+                        first_use.watched[id(out)] = (out, name)
 
         return hook
 
@@ -91,11 +148,10 @@ def _trace(
         handles += [m.register_forward_pre_hook(pre(name)), m.register_forward_hook(post(name, tr.order))]
     handles += [m.register_forward_hook(post(name, tr.outer)) for name, m in outer.items()]
     modes = {m: m.training for m in model.modules()}
-    param = next(model.parameters(), None)
     try:
         model.eval()  # no dropout: the probe must not draw from the user's RNG streams
-        with torch.enable_grad():
-            model(torch.zeros((1, 8), dtype=torch.long, device=param.device if param is not None else None))
+        with torch.enable_grad(), first_use:
+            probe_call(model)
     except Exception as err:
         return f"{type(err).__name__}: {err}"
     finally:
@@ -108,9 +164,11 @@ def _trace(
     return tr
 
 
-def _registration_order(inner: dict[str, nn.Module], outer: list[str], marker: int) -> _Trace:
-    """Guess pairs without a forward pass: per submodule, the last Linear back to E reads the earlier ones."""
-    lin = {n: m for n, m in inner.items() if isinstance(m, nn.Linear)}
+def _registration_order(inner: dict[str, nn.Module], outer: list[str], marker: int, lin: dict[str, Any]) -> _Trace:
+    """Guess pairs without a forward pass: per submodule, the last projection back to E reads the earlier ones.
+
+    ``lin``: block projection name -> its widths (``in_features``, ``out_features``), in registration order.
+    """
     sizes = [_norm_size(m) for n, m in inner.items() if "." not in n and _is_norm(m)]
     hidden = Counter(sizes or [m.in_features for m in lin.values()] or [0]).most_common(1)[0][0]
     producers: dict[str, set[str]] = {}

@@ -12,7 +12,8 @@ import fnmatch
 from torch import nn
 
 from lightning_par.plans._probe import _is_norm, _norm_size, _registration_order, _Trace, _trace
-from lightning_par.plans.tp_pairs import _Inference, _Region
+from lightning_par.plans.tp_affine import affine, affine_modules
+from lightning_par.plans.tp_pairs import _common_parent, _Inference, _Region
 from lightning_par.plans.tp_types import (
     _ALLOWED,
     STYLES,
@@ -28,8 +29,8 @@ __all__ = ["STYLES", "HeadInfo", "MLPInfo", "ModuleShape", "TPPlan", "TPPlanErro
 
 
 def _shape(m: nn.Module) -> ModuleShape | None:
-    if isinstance(m, nn.Linear):
-        return ModuleShape("linear", m.in_features, m.out_features)
+    if (a := affine(m)) is not None:  # nn.Linear, or an affine leaf such as Hugging Face's Conv1D
+        return ModuleShape("linear", a.in_features, a.out_features)
     if isinstance(m, nn.Embedding):
         return ModuleShape("embedding", m.num_embeddings, m.embedding_dim)
     return ModuleShape("norm", _norm_size(m), _norm_size(m)) if _is_norm(m) else None
@@ -50,8 +51,8 @@ def infer_tp_plan(model: nn.Module, *, overrides: dict[str, str] | None = None) 
     """Infer which Linears of the model's blocks to split by columns or rows, and the head counts tp must divide.
 
     Args:
-        model: the user's module; it is only inspected (one forward pass on a (1, 8) batch of token 0, in eval
-            mode, with hooks that are removed afterwards).
+        model: the user's module; it is only inspected (one forward pass on its ``example_input_array`` or else a
+            (1, 8) batch of token 0, in eval mode, with hooks that are removed afterwards).
         overrides: the user's ``tp_plan``: module-name patterns (``*`` for the block index, globs allowed) to
             styles; they replace inferred styles, and silence inference errors about the modules they cover.
 
@@ -72,7 +73,8 @@ def infer_tp_plan(model: nn.Module, *, overrides: dict[str, str] | None = None) 
                 f"blocks differ: {trunk.names[0]} has {a} where {name} has {b}; one tp plan covers all blocks of "
                 f"{trunk.path or 'the model'}, so give them one structure"
             )
-    inner = {n: m for n, m in trunk.blocks[0].named_modules() if n and (isinstance(m, nn.Linear) or _is_norm(m))}
+    projections = affine_modules({n: m for n, m in trunk.blocks[0].named_modules() if n})
+    inner = {n: m for n, m in trunk.blocks[0].named_modules() if n and (n in projections or _is_norm(m))}
     in_blocks = set(trunk.names)
     outer: dict[str, nn.Module] = {}
     marker = -1
@@ -83,14 +85,21 @@ def infer_tp_plan(model: nn.Module, *, overrides: dict[str, str] | None = None) 
         if not any(".".join(parts[:j]) in in_blocks for j in range(1, len(parts) + 1)) and _shape(m) is not None:
             outer[n] = m
     notes: list[str] = []
-    got = _trace(model, trunk.blocks[0], inner, outer)
+    outer_proj = {n for n, m in outer.items() if affine(m) is not None}
+    got = _trace(model, trunk.blocks[0], inner, outer, set(projections) | outer_proj)
     traced = not isinstance(got, str)
     if isinstance(got, str):
-        notes.append(f"forward on a (1, 8) token batch failed ({got}); pairs guessed from registration order")
-        got = _registration_order(inner, list(outer), max(marker, 0))
-    inf = _Inference(model, trunk, got, dict(trunk.blocks[0].named_modules()))
+        notes.append(
+            f"the probe forward failed ({got}); pairs guessed from registration order (set the module's "
+            "example_input_array to probe with a real input)"
+        )
+        got = _registration_order(inner, list(outer), max(marker, 0), projections)
+    inf = _Inference(model, trunk, got, dict(trunk.blocks[0].named_modules()), projections)
     if not inf.lin:
-        raise TPPlanError(f"{trunk.names[0]} holds no nn.Linear, so tensor parallelism has nothing to split")
+        raise TPPlanError(
+            f"{trunk.names[0]} holds no nn.Linear or other projection (a leaf with a 2-D weight whose forward is "
+            "x @ W + b), so tensor parallelism has nothing to split"
+        )
     styles, regions = _block_styles(inf, traced, notes)
     heads: dict[str, HeadInfo] = {}
     mlps: dict[str, MLPInfo] = {}
@@ -100,7 +109,8 @@ def infer_tp_plan(model: nn.Module, *, overrides: dict[str, str] | None = None) 
             heads[key if key not in heads else inf.pat(r.out)] = r.head
         else:
             projs = tuple(inf.pat(n) for n in (*r.ins, r.out))
-            mlps[key if key not in mlps else inf.pat(r.out)] = MLPInfo(r.hidden, len(r.ins) == 2, projs)
+            region = inf.pat(_common_parent(list(r.ins)))
+            mlps[key if key not in mlps else inf.pat(r.out)] = MLPInfo(r.hidden, len(r.ins) == 2, projs, region)
     shapes = {inf.pat(n): s for n, m in inf.mods.items() if n and (s := _shape(m)) is not None}
     shapes.update({n: s for n, m in outer.items() if (s := _shape(m)) is not None})
     covered = _override(styles, shapes, {k for h in heads.values() for k in h.fused_split}, overrides or {})
@@ -163,7 +173,8 @@ def _block_styles(inf: _Inference, traced: bool, notes: list[str]) -> tuple[dict
     spare = [pat(n) for n in lin if n not in colwise and n not in rowwise]
     if spare and regions:
         notes.append(f"replicated, not in a column/row pair: {', '.join(spare)}")
-    if fused:
+    if fused & inf.guessed:
+        fused = fused & inf.guessed
         notes.append(
             f"colwise_fused_qkv ({', '.join(sorted(fused))}) assumes a [q | k | v] output; for a head-by-head "
             "interleaved one (GPT-NeoX query_key_value) override it with 'colwise'"

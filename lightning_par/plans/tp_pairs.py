@@ -10,18 +10,21 @@ is an MLP (plain or gated); E->Q, E->K, E->K (K < Q: grouped query) or one fused
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
 from torch import nn
 
 from lightning_par.plans._probe import _Trace
+from lightning_par.plans.tp_affine import Affine
 from lightning_par.plans.tp_types import STYLES, HeadInfo
 from lightning_par.plans.trunk import Trunk
 
 _HEAD_DIM = ("head_dim", "head_size", "attention_head_size", "d_head")
 _N_HEADS = ("n_heads", "n_head", "num_heads", "num_attention_heads")
-_N_KV = ("n_kv_heads", "num_key_value_heads", "n_kv_head", "num_kv_heads", "n_head_kv")
+_N_KV = ("n_kv_heads", "num_key_value_heads", "n_kv_head", "num_kv_heads", "n_head_kv", "n_query_groups")
+_SPLITS = ("split", "split_with_sizes", "chunk", "tensor_split", "unsafe_split")
 _WIDTH = ("n_embd", "hidden_size", "embed_dim", "all_head_size")
 _QKV_HINTS = (("q", "wq", "q_proj", "query"), ("k", "wk", "k_proj", "key"), ("v", "wv", "v_proj", "value"))
 
@@ -34,6 +37,17 @@ def _lookup(obj: Any, names: tuple[str, ...]) -> tuple[str, int] | None:
     return None
 
 
+def _common_parent(names: list[str]) -> str:
+    """The deepest module that holds every one of ``names`` (block-relative; ``""`` is the block)."""
+    paths = [n.split(".")[:-1] for n in names]
+    common = []
+    for level in zip(*paths):
+        if len(set(level)) != 1:
+            break
+        common.append(level[0])
+    return ".".join(common)
+
+
 @dataclasses.dataclass
 class _Region:
     parent: str
@@ -44,11 +58,14 @@ class _Region:
 
 
 class _Inference:
-    def __init__(self, model: nn.Module, trunk: Trunk, tr: _Trace, mods: dict[str, nn.Module]) -> None:
+    def __init__(
+        self, model: nn.Module, trunk: Trunk, tr: _Trace, mods: dict[str, nn.Module], lin: dict[str, Affine]
+    ) -> None:
         self.model, self.trunk, self.tr, self.mods = model, trunk, tr, mods
-        self.lin = {n: m for n, m in mods.items() if isinstance(m, nn.Linear)}
+        self.lin = lin  # block projections (Linears and affine leaves), by widths
         self.idx = {n: i for i, n in enumerate(tr.order)}
         self.prefix = f"{trunk.path}.*" if trunk.path else "*"
+        self.guessed: set[str] = set()  # fused projections whose [q | k | v] layout no split confirmed
         self.problems: dict[str, tuple[str, ...]] = {}  # message -> patterns an override must cover to silence it
 
     def pat(self, rel: str) -> str:
@@ -70,10 +87,15 @@ class _Inference:
 
         return sorted(names, key=key)
 
-    def sources(self, parent: str) -> list[tuple[str, Any]]:
-        block, pmod, model = self.trunk.names[0], self.mods[parent], self.model
-        here = f"{block}.{parent}" if parent else block
-        got = [(here, pmod), (f"{here}.config", getattr(pmod, "config", None)), (block, self.trunk.blocks[0])]
+    def sources(self, parent: str, ins: tuple[str, ...] = ()) -> list[tuple[str, Any]]:
+        """Where head counts may live: the output projection's module, those of the input projections (BERT's
+        ``attention.self``), each one's config, the block, the model, its config and hparams."""
+        block, model = self.trunk.names[0], self.model
+        got: list[tuple[str, Any]] = []
+        for rel in dict.fromkeys([parent, *(p.rpartition(".")[0] for p in ins)]):
+            here, mod = (f"{block}.{rel}" if rel else block), self.mods[rel]
+            got += [(here, mod), (f"{here}.config", getattr(mod, "config", None))]
+        got.append((block, self.trunk.blocks[0]))
         got += [(f"model{a}", getattr(model, a[1:], None) if a else model) for a in ("", ".config", ".hparams")]
         return [(label, obj) for label, obj in got if obj is not None]
 
@@ -92,7 +114,12 @@ class _Inference:
             return None
         if not b and (len(a) == 1 or (len(a) == 2 and not own)):
             return _Region(parent, tuple(ins), o, q, None)
-        if (not own and len(b) == 1 and bw[0] != 3 * q) or (own and not b and len(a) == 2):
+        parts = self.parts(b[0], bw[0]) if len(b) == 1 else None
+        # A split into (q, k, v) with k == v marks attention: a [gate | up] chunk(2) does not.
+        parts = parts if parts and len(parts) == 3 and parts[0] == q and parts[1] == parts[2] else None
+        # Or a view into (B, T, groups, ...) first: the output is laid out group by group (GPT-NeoX, older litgpt).
+        groups = self.groups(b[0], bw[0]) if len(b) == 1 and not parts and bw[0] > q else None
+        if (not own and len(b) == 1 and bw[0] != 3 * q and not parts and not groups) or (own and not b and len(a) == 2):
             # E->2H may be a fused gate+up, E->H twice a gate and up; only a head attribute marks attention.
             self.problem(f"{what}: an MLP or attention with fused projections? ('replicate' is always safe)", pair)
             return None
@@ -106,11 +133,14 @@ class _Inference:
             fused[self.pat(b[0])] = (kw, bw[0] - kw)
         elif not a and len(b) == 1 and bw[0] > q:
             qkv, kw = (b[0],), (bw[0] - q) // 2
-            fused[self.pat(b[0])] = (q, kw, bw[0] - q - kw)
+            # The split after it gives the parts; without one, [q | k | v] by widths (a note says so).
+            fused[self.pat(b[0])] = parts or (q, kw, bw[0] - q - kw)
+            if not parts and not groups:
+                self.guessed.add(self.pat(b[0]))
         else:
             self.problem(f"{what}: neither an MLP (E->H, H->E) nor attention (E->Q, E->K, E->K or E->Q+2K, Q->E)", pair)
             return None
-        srcs, hd, src = self.sources(parent), 0, ""
+        srcs, hd, src = self.sources(parent, qkv), 0, ""
         for label, obj in srcs:
             hit = _lookup(obj, _HEAD_DIM) or _lookup(obj, _N_HEADS)
             if hit:
@@ -129,6 +159,15 @@ class _Inference:
                 dict.fromkeys(pair, "replicate"),
             )
             return None
+        if groups and not parts:
+            if groups == n_kv:  # whole k/v groups, each with its q heads: a plain column split gives each rank some
+                del fused[self.pat(qkv[0])]
+            elif not (groups == 3 and q == kw):  # view(B, T, 3, n_heads, head_dim) is [q | k | v] again
+                self.problem(
+                    f"{where}: its output is viewed as {groups} groups, neither its {n_kv} k/v heads nor [q | k | v]",
+                    dict.fromkeys(pair, "replicate"),
+                )
+                return None
         for names, value, kind in ((_N_HEADS, n_heads, "heads"), (_N_KV, n_kv, "k/v heads")):
             first = next(((lb, h) for lb, obj in srcs if (h := _lookup(obj, names))), None)
             if first and first[1][1] != value:
@@ -137,10 +176,37 @@ class _Inference:
                 )
                 return None
         local = {}
+        cfg = getattr(pmod, "config", None)
         for names, kind, value in ((_N_HEADS, "n_heads", n_heads), (_N_KV, "n_kv_heads", n_kv), (_WIDTH, "q_width", q)):
             local.update({a_: kind for a_ in names if vars(pmod).get(a_) == value})
+            if kind != "q_width" and not own and hasattr(cfg, "__dict__"):
+                # No count of its own: it reads them from the config it keeps (litgpt's self.config.n_head). tp gives
+                # the module its own copy with per-rank counts (the shared original stays global for other readers).
+                local.update({f"config.{a_}": kind for a_ in names if vars(cfg).get(a_) == value})
+        for w in {w for p in qkv if (ws := fused.get(self.pat(p))) and p not in self.guessed for w in ws}:
+            # The width a fused output is split by (GPT-2's split_size): rewritten like a head count.
+            for a_, v in vars(pmod).items():
+                if type(v) is int and v == w and v > 1:
+                    local.setdefault(a_, "split_width")
         projs = tuple(self.pat(n) for n in (*qkv, o))
-        return _Region(parent, tuple(ins), o, q, HeadInfo(n_heads, n_kv, hd, src, local, fused, projs))
+        head = HeadInfo(n_heads, n_kv, hd, src, local, fused, projs, self.pat(_common_parent(list(ins))))
+        return _Region(parent, tuple(ins), o, q, head)
+
+    def parts(self, name: str, width: int) -> tuple[int, ...] | None:
+        """Widths of a fused output's concatenated parts, from the split (or chunk) that first reads it."""
+        op, shapes = self.tr.consumers.get(name, ("", []))
+        if op not in _SPLITS or len(shapes) < 2 or any(s[:-1] != shapes[0][:-1] for s in shapes):
+            return None
+        widths = tuple(s[-1] for s in shapes)
+        return widths if sum(widths) == width else None
+
+    def groups(self, name: str, width: int) -> int | None:
+        """The leading group count of a (B, T, groups, ...) view that first reads a fused output, if any."""
+        op, shapes = self.tr.consumers.get(name, ("", []))
+        if op not in ("view", "reshape", "unflatten") or len(shapes) != 1 or len(shapes[0]) < 4:
+            return None
+        trailing = shapes[0][2:]
+        return trailing[0] if trailing[0] > 1 and math.prod(trailing) == width else None
 
     def pair(self) -> list[_Region]:
         """Megatron pairs: each Linear back to E with the Linears it alone reads, in call order."""

@@ -34,9 +34,14 @@ class HeadInfo:
     Args:
         source: the attribute ``head_dim`` was read (or derived) from.
         local_attrs: the module's int attributes holding a global count, by kind ("n_heads", "n_kv_heads",
-            "q_width"): code that uses them in ``view`` needs them rewritten to per-rank values.
+            "q_width", "split_width": a width the fused output is split by): code that uses them in ``view`` or
+            ``split`` needs them rewritten to per-rank values. ``config.<name>`` is on the config object the module
+            keeps (tp gives the module its own copy).
         fused_split: fused projection pattern -> widths of its output chunks, ``(q, k, v)`` or ``(k, v)``.
         projections: q, k, v (or the fused one), then the output projection.
+        region: the smallest module holding the input projections (Hugging Face's BERT keeps q/k/v in
+            ``attention.self``, the output one and a residual add in ``attention.output``): its input becomes one
+            replicated DTensor for all of them (gathered along the sequence under SP).
     """
 
     n_heads: int
@@ -46,15 +51,18 @@ class HeadInfo:
     local_attrs: dict[str, str]
     fused_split: dict[str, tuple[int, ...]]
     projections: tuple[str, ...]
+    region: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
 class MLPInfo:
-    """One feed-forward: ``hidden`` inner width, ``gated`` for two input projections, then the output one."""
+    """One feed-forward: ``hidden`` inner width, ``gated`` for two input projections, then the output one;
+    ``region`` the smallest module holding the input projections (see `HeadInfo`)."""
 
     hidden: int
     gated: bool
     projections: tuple[str, ...]
+    region: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,133 @@
+"""Run block 0 once on the shapes tensor parallelism gives each rank, before any weight is split.
+
+A plan can be right about widths and still meet code that assumes the full width: nanoGPT-style
+``q, k, v = qkv.split(C, dim=2)`` with ``C = x.size(-1)``, or ``y.view(B, T, C)``, read sizes from the input, which
+tp does not change, instead of from a head-count attribute tp rewrites. Under tp that fails inside forward with an
+unrelated error (``not enough values to unpack``). Here a copy of block 0 gets rank 0's slices of its split
+projections and the per-rank head counts and runs on the input the real block 0 receives (the plan probe's input,
+in eval mode, no gradients, on the model's device: meta works); a failure is reported before training, naming the
+module, the error and the ``tp_plan`` that keeps that region whole.
+"""
+
+from __future__ import annotations
+
+import copy
+import types
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_par.parallel.tensor_parallel import _set_local_head_counts
+from lightning_par.plans._probe import probe_call
+from lightning_par.plans.tp_affine import affine
+from lightning_par.plans.tp_types import _SHARDED, TPPlan, TPPlanError
+from lightning_par.plans.trunk import find_trunk
+
+
+class _Reached(Exception):
+    """Raised by the hook that captured block 0's input: the rest of the model need not run."""
+
+
+def _block_input(model: nn.Module, block: nn.Module) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    got: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+    def grab(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        got.append((args, kwargs))
+        raise _Reached
+
+    handle = block.register_forward_pre_hook(grab, with_kwargs=True)
+    modes = {m: m.training for m in model.modules()}
+    try:
+        model.eval()  # no dropout: no draw from the user's RNG streams
+        with torch.no_grad():
+            probe_call(model)  # the input the plan probe used
+    except _Reached:
+        pass
+    except Exception:  # the plan probe could not run the model either (its notes say so): nothing to check
+        return None
+    finally:
+        handle.remove()
+        for m, mode in modes.items():
+            m.training = mode
+    return got[0] if got else None
+
+
+def _shrink(mod: nn.Module, style: str, tp: int) -> None:
+    """Rank 0's shapes: a column split keeps out/tp outputs, a row split in/tp inputs; forward = the affine map."""
+    layout = affine(mod)
+    assert layout is not None
+    out_dim, in_dim = (1, 0) if layout.transposed else (0, 1)
+    w: Any = mod.weight
+    b: Any = getattr(mod, "bias", None)
+    dim = in_dim if style == "rowwise" else out_dim
+    mod.weight = nn.Parameter(w.detach().narrow(dim, 0, w.shape[dim] // tp), requires_grad=False)
+    if b is not None and style != "rowwise":
+        mod.bias = nn.Parameter(b.detach().narrow(0, 0, b.shape[0] // tp), requires_grad=False)
+    transposed = layout.transposed
+
+    def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        p: Any = self
+        return F.linear(x, p.weight.t() if transposed else p.weight, getattr(p, "bias", None))
+
+    mod.forward = types.MethodType(forward, mod)  # type: ignore[method-assign]
+
+
+def check_local_shapes(model: nn.Module, plan: TPPlan, tp: int) -> None:
+    """Raise before training when block 0's code does not run on the per-rank shapes of ``plan`` at ``tp``.
+
+    Raises:
+        TPPlanError: naming the module that failed, its error, and a ``tp_plan`` keeping that region replicated.
+    """
+    trunk = find_trunk(model)
+    if tp == 1 or trunk is None or trunk.path != plan.trunk:
+        return
+    captured = _block_input(model, trunk.blocks[0])
+    if captured is None:
+        return
+    try:
+        # Copies of block 0 and of its input (a cache object in it would otherwise see two runs); the unsplit copy
+        # must run, or a failure below would say nothing about tp.
+        whole, local = copy.deepcopy(trunk.blocks[0]).eval(), copy.deepcopy(trunk.blocks[0]).eval()
+        with torch.no_grad():
+            args, kwargs = copy.deepcopy(captured)
+            whole(*args, **kwargs)
+        args, kwargs = copy.deepcopy(captured)
+    except Exception:
+        return
+    prefix = f"{plan.trunk}.*" if plan.trunk else "*"
+    split = {k: s for k, s in plan.styles.items() if s in _SHARDED and k.startswith(prefix + ".")}
+    for key, style in split.items():
+        _shrink(local.get_submodule(key[len(prefix) + 1 :]), style, tp)
+    _set_local_head_counts([local], plan, prefix, tp)
+    stack: list[str] = []  # the modules running: on an error, the last one is where it was raised
+
+    def enter(name: str, mod: nn.Module, args: Any) -> None:
+        stack.append(name)
+
+    def leave(mod: nn.Module, args: Any, out: Any) -> None:
+        stack.pop()
+
+    handles = []
+    for name, mod in local.named_modules():
+        handles += [mod.register_forward_pre_hook(partial(enter, name)), mod.register_forward_hook(leave)]
+    try:
+        with torch.no_grad():
+            local(*args, **kwargs)
+    except Exception as err:
+        where = stack[-1] if stack else ""
+        pattern = f"{prefix}.{where}" if where else prefix
+        region = [k for k in split if k.startswith(pattern + ".")] or list(split)
+        hint = ", ".join(f'"{k}": "replicate"' for k in region)
+        name = f"{trunk.names[0]}.{where}" if where else trunk.names[0]
+        cls = type(trunk.blocks[0].get_submodule(where)).__name__
+        raise TPPlanError(
+            f"tp={tp}: {name} ({cls}) fails on the shapes each rank gets ({type(err).__name__}: {err}); its code "
+            "sizes a split, view or reshape from the full width (e.g. x.size(-1)) rather than from its weights or a "
+            f"head-count attribute. Keep that region whole with tp_plan={{{hint}}}, or choose tp=1"
+        ) from err
+    finally:
+        for h in handles:
+            h.remove()

@@ -1,0 +1,211 @@
+"""Plan inference (no process group) on families lightning_par did not write, and the affine-projection probe."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _families import GroupedLM, HFViT, NanoLM
+from _hf_models import HFLlama
+from torch import Tensor, nn
+
+from lightning_par.models.gpt import GPT
+from lightning_par.parallel.tensor_parallel import _set_local_head_counts, sequence_parallel_blocker
+from lightning_par.parallel.tp_affine import _part_rows
+from lightning_par.parallel.tp_check import check_local_shapes
+from lightning_par.plans import TPPlanError, infer_tp_plan
+from lightning_par.plans.tp_affine import Affine, affine
+
+transformers = pytest.importorskip("transformers")
+litgpt = pytest.importorskip("litgpt")
+warnings.filterwarnings("ignore", message=".*token_id must be")
+
+
+def _gpt2() -> nn.Module:
+    config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=256, n_positions=64,
+                                     attn_implementation="eager")  # fmt: skip
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _litgpt() -> nn.Module:
+    config = litgpt.Config.from_name(
+        "Llama-3.2-1B", n_layer=2, n_embd=32, n_head=4, n_query_groups=2, intermediate_size=64,
+        padded_vocab_size=256, block_size=64, head_size=8,
+    )  # fmt: skip
+    return litgpt.GPT(config)
+
+
+class _MyLinear(nn.Module):
+    """A user's own Linear class (not an nn.Linear): weight [out, in], F.linear."""
+
+    def __init__(self, i: int, o: int) -> None:
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.randn(o, i)), nn.Parameter(torch.randn(o))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class _Scale(nn.Module):
+    """A 2-D weight whose forward is not affine in the probed way (elementwise): not a projection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.weight.sum(0)
+
+
+def test_affine_probe_decides_the_weight_layout() -> None:
+    conv = transformers.pytorch_utils.Conv1D(96, 32)  # nf=96 outputs, nx=32 inputs: weight [32, 96]
+    assert affine(conv) == Affine(32, 96, True)
+    square = transformers.pytorch_utils.Conv1D(32, 32)  # [in, out] vs [out, in] only the forward tells apart
+    assert affine(square) == Affine(32, 32, True)
+    assert affine(_MyLinear(32, 32)) == Affine(32, 32, False)
+    assert affine(nn.Linear(8, 16)) == Affine(8, 16, False)
+    assert affine(_Scale()) is None and affine(nn.LayerNorm(8)) is None and affine(nn.Embedding(4, 8)) is None
+    with torch.device("meta"):
+        meta = transformers.pytorch_utils.Conv1D(96, 32)
+    assert affine(meta) == Affine(32, 96, True)  # no numbers to probe: the nf attribute says [in, out]
+
+
+def test_gpt2_conv1d_plan() -> None:
+    plan = infer_tp_plan(_gpt2())
+    p = "transformer.h.*."
+    assert plan.traced
+    assert {k: v for k, v in plan.styles.items() if "attn" in k or "mlp" in k} == {
+        p + "attn.c_attn": "colwise_fused_qkv",
+        p + "attn.c_proj": "rowwise",
+        p + "mlp.c_fc": "colwise",
+        p + "mlp.c_proj": "rowwise",
+    }
+    head = plan.heads[p + "attn"]
+    assert head.fused_split == {p + "attn.c_attn": (32, 32, 32)}  # read from split(self.split_size) in forward
+    # split_size sizes the split of the fused output: per-rank like the head count.
+    assert head.local_attrs == {"num_heads": "n_heads", "embed_dim": "q_width", "split_size": "split_width"}
+    assert not any("assumes a [q | k | v]" in n for n in plan.notes)  # the layout was observed, not guessed
+
+
+def test_litgpt_grouped_fused_qkv_and_counts_on_the_shared_config() -> None:
+    model = _litgpt()
+    plan = infer_tp_plan(model)
+    p = "transformer.h.*."
+    head = plan.heads[p + "attn"]
+    assert plan.styles[p + "attn.qkv"] == "colwise_fused_qkv" and plan.styles[p + "attn.proj"] == "rowwise"
+    assert (head.n_heads, head.n_kv_heads, head.head_dim) == (4, 2, 8)
+    assert head.fused_split == {p + "attn.qkv": (32, 16, 16)}  # q | k | v of unequal widths
+    assert head.local_attrs == {"config.n_head": "n_heads", "config.n_query_groups": "n_kv_heads"}
+    blocks = list(model.transformer.h)
+    _set_local_head_counts(blocks, plan, "transformer.h.*", 2)
+    # Each attention got its own copy with per-rank counts; the model's (and the blocks') config stays global.
+    assert [(b.attn.config.n_head, b.attn.config.n_query_groups) for b in blocks] == [(2, 1), (2, 1)]
+    assert blocks[0].attn.config is not blocks[1].attn.config
+    assert model.config.n_head == 4 and blocks[0].config is model.config and model.config.n_query_groups == 2
+
+
+def test_bert_region_is_the_module_of_its_input_projections() -> None:
+    config = transformers.BertConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=64, max_position_embeddings=64)  # fmt: skip
+    model = transformers.BertForMaskedLM(config)
+    plan = infer_tp_plan(model)
+    p = "bert.encoder.layer.*."
+    head = plan.heads[p + "attention.output"]
+    assert head.region == p + "attention.self"  # q/k/v there; the output projection and a residual add elsewhere
+    assert head.source.endswith("attention.self.attention_head_size")
+    assert plan.mlps[p + "output"].region == p + "intermediate"
+    assert sequence_parallel_blocker(plan, model.bert.encoder.layer[0]) is None
+
+
+def test_replicated_attention_turns_sequence_parallelism_off() -> None:
+    model = _gpt2()
+    p = "transformer.h.*.attn."
+    plan = infer_tp_plan(model, overrides={p + "c_attn": "replicate", p + "c_proj": "replicate"})
+    why = sequence_parallel_blocker(plan, model.transformer.h[0])
+    assert why is not None and "attention transformer.h.*.attn is replicated" in why
+
+
+def test_part_rows_give_each_rank_its_slice_of_every_part() -> None:
+    # q of 4 heads, k and v of 2 (head size 1): rank 0 gets q heads 0-1, k head 0, v head 0.
+    assert _part_rows((4, 2, 2), 2, 0).tolist() == [0, 1, 4, 6]
+    assert _part_rows((4, 2, 2), 2, 1).tolist() == [2, 3, 5, 7]
+
+
+def test_full_width_split_is_refused_before_training_with_the_override() -> None:
+    model = NanoLM()
+    plan = infer_tp_plan(model)  # widths alone look fine: fused [q | k | v], split into 3 by the probe
+    assert plan.styles["h.*.attn.c_attn"] == "colwise_fused_qkv"
+    with pytest.raises(TPPlanError, match=r"tp=2: h\.0\.attn \(NanoAttn\) fails on the shapes each rank gets "
+                       r"\(ValueError: .*\); its code sizes a split.*tp_plan=\{\"h\.\*\.attn\.c_attn\": \"replicate\", "
+                       r"\"h\.\*\.attn\.c_proj\": \"replicate\"\}"):  # fmt: skip
+        check_local_shapes(model, plan, 2)
+    # With that override the plan passes the check (the MLP is still split), and the model is untouched.
+    kept = infer_tp_plan(model, overrides={"h.*.attn.c_attn": "replicate", "h.*.attn.c_proj": "replicate"})
+    check_local_shapes(model, kept, 2)
+    assert model.h[0].attn.c_attn.weight.shape == (96, 32) and model.h[0].attn.n_head == 4
+
+
+@pytest.mark.parametrize("make", [_gpt2, _litgpt, HFLlama, lambda: GPT(vocab_size=256, block_size=32, n_layer=2,
+                                                                        n_head=4, n_embd=32)])  # fmt: skip
+def test_models_that_shard_pass_the_local_shape_check(make: object) -> None:
+    model = make()  # type: ignore[operator]
+    check_local_shapes(model, infer_tp_plan(model), 2)
+    heads = [m for m in model.modules() if hasattr(m, "config") and hasattr(m.config, "n_head")]
+    assert all(m.config.n_head == 4 for m in heads)  # the check ran on a copy
+
+
+class _ViewedAttn(nn.Module):
+    """A fused qkv first viewed as (B, T, heads, 3 * head_dim) (GPT-NeoX) or (B, T, 3, heads, head_dim)."""
+
+    def __init__(self, per_head: bool) -> None:
+        super().__init__()
+        self.num_heads, self.head_size, self.per_head = 4, 8, per_head
+        self.query_key_value, self.dense = nn.Linear(32, 96), nn.Linear(32, 32)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, _ = x.shape
+        if self.per_head:
+            q, k, v = self.query_key_value(x).view(B, T, self.num_heads, 3 * self.head_size).chunk(3, dim=-1)
+        else:
+            q, k, v = self.query_key_value(x).view(B, T, 3, self.num_heads, self.head_size).unbind(2)
+        y = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True)
+        return self.dense(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class _ViewedLM(nn.Module):
+    def __init__(self, per_head: bool) -> None:
+        super().__init__()
+        self.wte, self.head = nn.Embedding(256, 32), nn.Linear(32, 256)
+        self.h = nn.ModuleList([_ViewedAttn(per_head) for _ in range(2)])
+
+    def forward(self, idx: Tensor) -> Tensor:
+        x = self.wte(idx)
+        for block in self.h:
+            x = x + block(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize(("make", "style", "split"), [
+    (GroupedLM, "colwise", {}),  # view(B, T, n_kv, q_per_kv + 2, hd): whole groups per rank
+    (lambda: _ViewedLM(per_head=True), "colwise", {}),  # view(B, T, n_heads, 3 * hd): whole heads per rank
+    (lambda: _ViewedLM(per_head=False), "colwise_fused_qkv", {"h.*.query_key_value": (32, 32, 32)}),
+])  # fmt: skip
+def test_fused_layout_read_from_the_view_after_it(make: object, style: str, split: dict) -> None:
+    plan = infer_tp_plan(make())  # type: ignore[operator]
+    name = next(k for k in plan.styles if k.endswith(("attn.attn", "query_key_value")))
+    assert plan.styles[name] == style
+    head = next(iter(plan.heads.values()))
+    assert head.fused_split == split
+    assert not any("assumes a [q | k | v]" in n for n in plan.notes)
+
+
+def test_vit_is_probed_with_its_example_input_array() -> None:
+    model = HFViT()  # forward takes pixels: the probe uses example_input_array, not token ids
+    plan = infer_tp_plan(model)
+    p = "model.vit.layers.*."
+    assert plan.traced and not plan.notes
+    assert plan.styles[p + "attention.q_proj"] == "colwise" and plan.styles[p + "mlp.fc2"] == "rowwise"
+    assert sequence_parallel_blocker(plan, model.model.vit.layers[0]) is None  # SP on, with 17 tokens padded
+    check_local_shapes(model, plan, 2)
