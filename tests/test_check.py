@@ -74,3 +74,13 @@ def test_moe_families_pass_moe_and_unrecognised_experts_are_named():
         assert "4 experts" in got["moe"].reason, key
     bad = _verdicts("user_moe_uneven", strategies=["moe", "zero3"])
     assert not bad["moe"].ok and "blocks.0.moe" in bad["moe"].reason and bad["zero3"].ok
+
+
+def test_moe_models_are_refused_under_tp_and_an_aux_loss_under_pipe_before_training():
+    got = _verdicts("hf_qwen2_moe", strategies=["tp", "pipe", "moe"])
+    assert not got["tp"].ok and "mixture-of-experts block" in got["tp"].reason and "strategy='moe'" in got["tp"].reason
+    # Its loss adds the router's load-balancing term, computed after the trunk from every layer's router logits:
+    # stages hand on only the hidden state, so the pipeline refuses rather than train a different loss.
+    assert not got["pipe"].ok and "model.model.layers.0.mlp.gate computed inside it" in got["pipe"].reason
+    assert got["moe"].ok
+    assert _verdicts("hf_deepseek_v3", strategies=["pipe"])["pipe"].ok  # no aux term in its loss

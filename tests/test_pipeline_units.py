@@ -278,6 +278,37 @@ def test_ownership_follows_what_runs_before_and_after_the_trunk() -> None:
         find_ownership(between, find_trunk(between))
 
 
+class _SideOutputs(nn.Module):
+    """Each block's hidden state is kept, and a penalty on all of them is added after the trunk (as Hugging Face
+    MoE models add a load-balancing loss over every layer's router logits)."""
+
+    def __init__(self, penalty: bool = True) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(16, 8), nn.Linear(8, 16)
+        self.blocks = nn.ModuleList(_Residual(8) for _ in range(4))
+        self.penalty = penalty
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, kept = self.emb(x), []
+        for block in self.blocks:
+            h = block(h)
+            kept.append(h)
+        out = self.head(h)
+        return out + torch.stack(kept).mean() if self.penalty else out
+
+
+def test_a_tensor_made_inside_the_trunk_and_read_after_it_is_refused() -> None:
+    from lightning_par.parallel.pipeline_owners import find_ownership
+
+    model = _SideOutputs()
+    # The last block's output is handed on (and allowed); block 0's is not, and it is named.
+    message = r"after the trunk \(blocks\) reads, in stack\(\), a tensor that blocks\.0 computed inside it"
+    with pytest.raises(PipelineError, match=message):
+        find_ownership(model, find_trunk(model))
+    plain = _SideOutputs(penalty=False)
+    assert find_ownership(plain, find_trunk(plain)).source == "probe"
+
+
 def test_a_stage_reads_the_attribute_tree_of_modules_it_does_not_own() -> None:
     vit = _family("HFViT")
     pipe = PipelineModel(vit, find_trunk(vit), [(0, 2), (2, 4)], [1], torch.device("cpu"))

@@ -111,20 +111,45 @@ class _Uses(TorchFunctionMode):
         self.unit_of, self.phase = unit_of, "pre"
         self.seen: dict[str, set[str]] = {}
         self.running: list[str] = []
+        # Side outputs: tensors computed inside the trunk (by the module named) and read after it, other than
+        # what the last block returns. The pipeline hands on only the hidden state, so the last stage would not
+        # have them (router logits collected for a load-balancing loss, every layer's hidden states).
+        self.made: dict[int, tuple[Tensor, str]] = {}  # the tensors are held so that their ids stay unique
+        self.handed_on: set[int] = set()
+        self.makers: list[str] = []
+        self.side: list[tuple[str, str]] = []
 
     def mark(self, unit: str) -> None:
         self.seen.setdefault(unit, set()).add(self.phase)
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         for t in _compat.tree_flatten((args, kwargs or {}))[0]:
-            holders = self.unit_of.get(id(t), ()) if isinstance(t, Tensor) else ()
+            if not isinstance(t, Tensor):
+                continue
+            holders = self.unit_of.get(id(t), ())
             inside = self.running[-1] if self.running and self.running[-1] in holders else None
             for unit in (inside,) if inside is not None else holders:
                 self.mark(unit)
-        return func(*args, **(kwargs or {}))
+            # Reading an attribute (shape, device) uses no values; an op that computes with the tensor does.
+            name = getattr(func, "__name__", str(func))
+            if self.phase == "post" and name != "__get__" and id(t) in self.made and id(t) not in self.handed_on:
+                self.side.append((self.made[id(t)][1], name))
+        out = func(*args, **(kwargs or {}))
+        if self.phase == "trunk":
+            for t in _compat.tree_flatten(out)[0]:
+                if isinstance(t, Tensor):
+                    self.made.setdefault(id(t), (t, self.makers[-1] if self.makers else "the trunk"))
+        return out
 
 
-def _probe(module: nn.Module, trunk: Trunk, units: Units, run: Callable[[], Any]) -> dict[str, set[str]] | str:
+def _popper(stack: list[str]) -> Callable[..., None]:
+    def pop(*_: Any) -> None:  # a forward hook returning a value would replace the module's output
+        stack.pop()
+
+    return pop
+
+
+def _probe(module: nn.Module, trunk: Trunk, units: Units, run: Callable[[], Any]) -> _Uses | str:
     unit_of: dict[int, set[str]] = {}
     for name, m in units:
         for p in m.parameters():
@@ -135,10 +160,16 @@ def _probe(module: nn.Module, trunk: Trunk, units: Units, run: Callable[[], Any]
         if uses.phase == "pre":
             uses.phase = "trunk"
 
-    def leave(*_: Any) -> None:
+    def leave(_m: nn.Module, _a: Any, out: Any) -> None:
         uses.phase = "post"
+        uses.handed_on.update(id(t) for t in _compat.tree_flatten(out)[0] if isinstance(t, Tensor))
 
     handles = [trunk.blocks[0].register_forward_pre_hook(enter), trunk.blocks[-1].register_forward_hook(leave)]
+    for prefix, block in zip(trunk.names, trunk.blocks):  # which module inside the trunk made each tensor
+        for sub_name, sub in block.named_modules():
+            where = f"{prefix}.{sub_name}" if sub_name else prefix
+            handles.append(sub.register_forward_pre_hook(lambda *_, w=where: uses.makers.append(w)))
+            handles.append(sub.register_forward_hook(_popper(uses.makers)))
 
     def called(name: str) -> None:  # a unit called without touching its parameters still runs where it is called
         uses.mark(name)
@@ -165,7 +196,7 @@ def _probe(module: nn.Module, trunk: Trunk, units: Units, run: Callable[[], Any]
             m.training = mode
     if uses.phase != "post":
         return "the forward did not run the trunk to its last block"
-    return uses.seen
+    return uses
 
 
 def default_probe(module: nn.Module) -> Callable[[], Any]:
@@ -192,12 +223,24 @@ def find_ownership(module: nn.Module, trunk: Trunk, run: Optional[Callable[[], A
         run: runs the model's forward once (default: `default_probe`).
 
     Raises:
-        PipelineError: a unit's parameters are used between trunk blocks, where no stage boundary can own them.
+        PipelineError: a unit's parameters are used between trunk blocks, where no stage boundary can own them; or
+            code after the trunk reads a tensor computed inside it other than the last block's output.
     """
     units = outer_units(module, trunk)
-    seen = _probe(module, trunk, units, run or default_probe(module)) if units else {}
-    if isinstance(seen, str):
-        return _by_registration(module, trunk, units, seen)
+    uses = _probe(module, trunk, units, run or default_probe(module)) if units else None
+    if isinstance(uses, str):
+        return _by_registration(module, trunk, units, uses)
+    seen = uses.seen if uses is not None else {}
+    if uses is not None and uses.side:
+        producer, consumer = uses.side[0]
+        raise PipelineError(
+            f"code after the trunk ({trunk.path}) reads, in {consumer}(), a tensor that {producer} computed inside "
+            "it, besides the hidden state the last block returns (e.g. router logits collected for a load-balancing "
+            "loss, or every layer's hidden states); pipeline stages hand on only the hidden state, so the last "
+            "stage would compute a different loss. Train this model without pipeline parallelism (e.g. "
+            "strategy='moe' or 'zero3'), or turn that output off in the model's config (e.g. "
+            "output_router_logits=False)"
+        )
     for name, phases in seen.items():
         if "trunk" in phases:
             raise PipelineError(

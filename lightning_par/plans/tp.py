@@ -12,6 +12,7 @@ import fnmatch
 from torch import nn
 
 from lightning_par.plans._probe import _is_norm, _norm_size, _registration_order, _Trace, _trace
+from lightning_par.plans.moe import find_moe_layers
 from lightning_par.plans.tp_affine import affine, affine_modules
 from lightning_par.plans.tp_pairs import _common_parent, _Inference, _Region
 from lightning_par.plans.tp_types import (
@@ -63,6 +64,14 @@ def infer_tp_plan(model: nn.Module, *, overrides: dict[str, str] | None = None) 
     trunk = find_trunk(model)
     if trunk is None:
         raise TPPlanError("found no trunk of >= 2 same-class blocks in a ModuleList/Sequential/ModuleDict")
+    moe = find_moe_layers(model)
+    if moe:
+        # The plan knows attention and dense MLPs; a router and stacked experts next to them are neither, and
+        # the residual stream would reach them sequence-sharded. Experts are sharded by expert parallelism.
+        raise TPPlanError(
+            f"{moe[0].name} is a mixture-of-experts block ({moe[0].n_experts} experts): tensor parallelism does not "
+            "split routers or experts; train this model with strategy='moe' (experts sharded over ranks) or 'zero3'"
+        )
     ref = _signature(trunk.blocks[0])
     for name, block in zip(trunk.names[1:], trunk.blocks[1:]):
         sig = _signature(block)
