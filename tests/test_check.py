@@ -84,3 +84,27 @@ def test_moe_models_are_refused_under_tp_and_an_aux_loss_under_pipe_before_train
     assert not got["pipe"].ok and "model.model.layers.0.mlp.gate computed inside it" in got["pipe"].reason
     assert got["moe"].ok
     assert _verdicts("hf_deepseek_v3", strategies=["pipe"])["pipe"].ok  # no aux term in its loss
+
+
+def test_lightning_par_moe_aux_loss_is_refused_under_pipe():
+    # moe_loss(model) in training_step sums every layer's aux loss; the last stage holds only its own layers.
+    got = _verdicts("moe_gpt", strategies=["pipe", "moe"])
+    assert not got["pipe"].ok and "moe_loss(model)" in got["pipe"].reason and "aux_loss_coef=0" in got["pipe"].reason
+    assert got["moe"].ok
+
+
+def test_compatibility_table_points_at_real_jobs():
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    table = (root / "docs" / "compatibility.md").read_text()
+    cited = re.findall(r"`(test_\w+\.py)::(\w+)`", table)
+    assert len(cited) >= 50
+    import test_families
+
+    for module, job in cited:
+        if module == "test_families.py":
+            assert job in test_families.ALL, job
+        else:  # the job's key (or model name) is spelled in its test module
+            assert f'"{job}"' in (root / "tests" / module).read_text(), (module, job)

@@ -33,7 +33,7 @@ pytest.importorskip("deepspeed")
 # The module's one 2-rank spawn trains every DeepSpeed job, and in a fresh checkout it first JIT-builds DeepSpeed's
 # CPU ops (shm comm, cpu_adam, async_io): 9 min with the ops built on this machine kind, over pytest's default 600 s
 # per test in a fresh clone (a clean-clone CI run timed out there). The spawn keeps its own hard limit below this.
-pytestmark = pytest.mark.timeout(1800)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 LR = 3e-3
 

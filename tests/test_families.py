@@ -19,7 +19,7 @@ from conftest import reference_job
 from launch import run_jobs
 from parity import params_close, rel
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 DENSE = ("hf_llama", "litgpt_pythia", "litgpt_llama", "hf_gpt2", "hf_qwen2_tied", "hf_bert", "hf_vit")
 MOE = ("hf_mixtral", "hf_qwen2_moe", "hf_qwen3_moe", "hf_olmoe", "hf_deepseek_v3", "hf_gpt_oss", "user_moe_list")

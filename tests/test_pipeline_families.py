@@ -24,6 +24,8 @@ from conftest import reference_job
 from launch import run_jobs
 from parity import params_close, rel
 
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
 # 2 ranks, pp 2.
 JOBS_2: dict[str, dict[str, Any]] = {
     "litgpt_pythia": {"model": "litgpt_pythia", "strategy": {"pp": 2}, "validate": True},

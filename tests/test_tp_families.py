@@ -18,7 +18,7 @@ import pytest
 from launch import run_jobs
 from parity import params_close, rel
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 FAMILIES = {
     "hf_gpt2": {"model": "hf_gpt2"},

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_par import _compat
+from lightning_par.nn.moe import MoE
 from lightning_par.plans.trunk import Trunk
 
 Units = list[tuple[str, nn.Module]]
@@ -226,6 +227,13 @@ def find_ownership(module: nn.Module, trunk: Trunk, run: Optional[Callable[[], A
         PipelineError: a unit's parameters are used between trunk blocks, where no stage boundary can own them; or
             code after the trunk reads a tensor computed inside it other than the last block's output.
     """
+    aux = [n for n, m in module.named_modules() if isinstance(m, MoE) and (m.aux_loss_coef or m.z_loss_coef)]
+    if aux:  # read by moe_loss(model) in the step, which the probe of the forward does not see
+        raise PipelineError(
+            f"{aux[0]} adds a load-balancing / z-loss that moe_loss(model) sums over every MoE layer after the "
+            "forward; under a pipeline the last stage holds only its own layers, so the loss would differ. Train "
+            "this model with strategy='moe' or 'zero3', or set aux_loss_coef=0 and z_loss_coef=0"
+        )
     units = outer_units(module, trunk)
     uses = _probe(module, trunk, units, run or default_probe(module)) if units else None
     if isinstance(uses, str):
