@@ -34,6 +34,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_par import _compat
 from lightning_par.nn.moe import MoE
+from lightning_par.plans._probe import probe_call
 from lightning_par.plans.trunk import Trunk
 
 Units = list[tuple[str, nn.Module]]
@@ -124,23 +125,26 @@ class _Uses(TorchFunctionMode):
         self.seen.setdefault(unit, set()).add(self.phase)
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        for t in _compat.tree_flatten((args, kwargs or {}))[0]:
-            if not isinstance(t, Tensor):
-                continue
-            holders = self.unit_of.get(id(t), ())
-            inside = self.running[-1] if self.running and self.running[-1] in holders else None
-            for unit in (inside,) if inside is not None else holders:
-                self.mark(unit)
-            # Reading an attribute (shape, device) uses no values; an op that computes with the tensor does.
-            name = getattr(func, "__name__", str(func))
-            if self.phase == "post" and name != "__get__" and id(t) in self.made and id(t) not in self.handed_on:
-                self.side.append((self.made[id(t)][1], name))
         out = func(*args, **(kwargs or {}))
+        name = getattr(func, "__name__", str(func))
+        # Reading an attribute that is not a tensor (shape, dtype, device) uses no values; `.T` does.
+        if name != "__get__" or isinstance(out, Tensor):
+            for t in _compat.tree_flatten((args, kwargs or {}))[0]:
+                if isinstance(t, Tensor):
+                    self._used(t, name)
         if self.phase == "trunk":
             for t in _compat.tree_flatten(out)[0]:
                 if isinstance(t, Tensor):
                     self.made.setdefault(id(t), (t, self.makers[-1] if self.makers else "the trunk"))
         return out
+
+    def _used(self, t: Tensor, by: str) -> None:
+        holders = self.unit_of.get(id(t), ())
+        inside = self.running[-1] if self.running and self.running[-1] in holders else None
+        for unit in (inside,) if inside is not None else holders:
+            self.mark(unit)
+        if self.phase == "post" and id(t) in self.made and id(t) not in self.handed_on:
+            self.side.append((self.made[id(t)][1], by))
 
 
 def _popper(stack: list[str]) -> Callable[..., None]:
@@ -201,18 +205,9 @@ def _probe(module: nn.Module, trunk: Trunk, units: Units, run: Callable[[], Any]
 
 
 def default_probe(module: nn.Module) -> Callable[[], Any]:
-    """How the probe calls the model: ``module(example_input_array)`` when the module has one (Lightning's
-    convention), else ``module(token_ids)`` with one sequence of 8 zeros, what language models take."""
-    example = getattr(module, "example_input_array", None)
-    device = next(module.parameters()).device
-    if example is None:
-        return lambda: module(torch.zeros((1, 8), dtype=torch.long, device=device))
-    example = _compat.tree_map_only(Tensor, lambda t: t.to(device), example)
-    if isinstance(example, tuple):
-        return lambda: module(*example)
-    if isinstance(example, dict):
-        return lambda: module(**example)
-    return lambda: module(example)
+    """How the probe calls the model: as the tensor-parallel plan probe does (`lightning_par.plans._probe.probe_call`:
+    ``example_input_array`` when the module has one, Lightning's convention, else one sequence of 8 token ids)."""
+    return lambda: probe_call(module)
 
 
 def find_ownership(module: nn.Module, trunk: Trunk, run: Optional[Callable[[], Any]] = None) -> Ownership:
