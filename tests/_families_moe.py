@@ -82,11 +82,11 @@ class HFDeepseekV3(_HFMoELM):
     experts, 1 group kept per token) on sigmoid scores plus ``e_score_correction_bias``. Its causal-LM loss has no
     aux term (auxiliary-loss-free balancing)."""
 
-    def __init__(self) -> None:
+    def __init__(self, layers: int = 2) -> None:
         from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
         # Multi-head latent attention: as many key/value heads as query heads.
-        tiny = {**_TINY, "output_router_logits": False, "num_key_value_heads": 4}
+        tiny = {**_TINY, "output_router_logits": False, "num_key_value_heads": 4, "num_hidden_layers": layers}
         config = DeepseekV3Config(**tiny, intermediate_size=48, moe_intermediate_size=24, n_routed_experts=4,
                                   num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
                                   n_shared_experts=1, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
@@ -172,10 +172,10 @@ class _UserBlock(nn.Module):
 class UserMoEList(L.LightningModule):
     """A small causal LM with the user's own MoE blocks (experts in an ``nn.ModuleList``)."""
 
-    def __init__(self, uneven: bool = False) -> None:
+    def __init__(self, uneven: bool = False, layers: int = 2) -> None:
         super().__init__()
         self.emb = nn.Embedding(256, 32)
-        self.blocks = nn.ModuleList(_UserBlock(32, uneven) for _ in range(2))
+        self.blocks = nn.ModuleList(_UserBlock(32, uneven) for _ in range(layers))
         self.head = nn.Linear(32, 256)
 
     def forward(self, idx: Tensor) -> Tensor:

@@ -17,12 +17,12 @@ from torch import Tensor
 class HFLlama(L.LightningModule):
     """``LlamaForCausalLM`` (GQA: 4 query heads, 2 key/value heads; SwiGLU; RMSNorm; rotary) on byte tokens."""
 
-    def __init__(self, lr: float = 3e-3) -> None:
+    def __init__(self, lr: float = 3e-3, layers: int = 2) -> None:
         super().__init__()
         from transformers import LlamaConfig, LlamaForCausalLM
 
         config = LlamaConfig(
-            vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=64, attn_implementation="eager",
         )  # fmt: skip
         self.model = LlamaForCausalLM(config)

@@ -217,6 +217,7 @@ MODELS = {
     # Dims 258, 34 not divisible by 4: uneven shards (ceil(d0/n) rows, the last rank short), as real vocabularies.
     "gpt_uneven": lambda: GPT(vocab_size=258, block_size=34, n_layer=2, n_head=4, n_embd=36, lr=3e-3),
     "hf_llama": lambda: _hf_models().HFLlama(),
+    "hf_llama_4": lambda: _hf_models().HFLlama(layers=4),  # four blocks, for pp 4
     "gpt_3heads": lambda: GPT(vocab_size=256, block_size=32, n_layer=2, n_head=3, n_embd=24),  # tp=2 cannot split
     # MoE-GPT: dropless, and with capacity factor 0.75 (a quarter of the assignments or more are dropped).
     "moe_gpt": lambda: MoEGPT(**_MOE, lr=3e-3),
@@ -232,6 +233,9 @@ MODELS = {
     "hf_gpt_oss": lambda: _families_moe().HFGptOss(),
     "user_moe_list": lambda: _families_moe().UserMoEList(),
     "user_moe_uneven": lambda: _families_moe().UserMoEList(uneven=True),  # refused under ep > 1
+    # Four blocks, for pp 4 (DeepSeek-V3: one dense block, three MoE blocks).
+    "hf_deepseek_v3_4": lambda: _families_moe().HFDeepseekV3(layers=4),
+    "user_moe_list_4": lambda: _families_moe().UserMoEList(layers=4),
     # Four blocks: room for 2 stages x 2 virtual stages per rank (interleaved and V schedules).
     "gpt4": lambda: GPT(vocab_size=256, block_size=32, n_layer=4, n_head=4, n_embd=32, lr=3e-3),
     "llama4": lambda: Llama(vocab_size=256, max_seq_len=32, dim=32, n_layers=4, n_heads=4, n_kv_heads=2,

@@ -40,6 +40,9 @@ JOBS_4: dict[str, dict[str, Any]] = {
     # pp 4 for the four-block families tests/test_pipeline_families.py runs at pp 2 or 3 only.
     **{f"{m}_pp4": {"model": m, "strategy": {"pp": 4}, "dp": 1} for m in ("litgpt_pythia", "hf_qwen2_tied",
                                                                           "hf_bert", "hf_vit")},
+    # Two MoE families in four-block configs (one stage each; DeepSeek-V3's first block is dense).
+    **{f"{m}_pp4": {"model": f"{m}_4", "strategy": {"pp": 4}, "dp": 1} for m in ("hf_deepseek_v3", "user_moe_list")},
+    "hf_llama_pp4": {"model": "hf_llama_4", "strategy": {"pp": 4}, "dp": 1},
 }  # fmt: skip
 ALL = {**JOBS_2, **JOBS_4}
 
@@ -65,4 +68,4 @@ def test_matches_one_process(results, name):
         canonical = next(n for n in names if n in ref["params"])
         for alias in [n for n in names if n in params and n != canonical]:
             assert params.pop(alias).equal(params[canonical]), alias
-    params_close(params, ref["params"], rtol=1e-5, atol=3e-5 if ALL[name]["model"] == "hf_llama" else 1e-7)
+    params_close(params, ref["params"], rtol=1e-5, atol=3e-5 if ALL[name]["model"].startswith("hf_llama") else 1e-7)
