@@ -180,19 +180,26 @@ class NanoBlock(nn.Module):
         return x + self.proj(F.gelu(self.fc(self.ln_2(x))))
 
 
-class NanoLM(_CausalLM):
-    """A nanoGPT-style LM (its attention sizes a split by the input width): tp must refuse it before training."""
+class _BlocksLM(_CausalLM):
+    """Embedding, a list of two user blocks, head: the frame of the user-style models below."""
 
-    def __init__(self) -> None:
+    def __init__(self, block: type[nn.Module]) -> None:
         super().__init__()
         self.wte, self.head = nn.Embedding(256, 32), nn.Linear(32, 256)
-        self.h = nn.ModuleList([NanoBlock() for _ in range(2)])
+        self.h = nn.ModuleList([block() for _ in range(2)])
 
     def forward(self, idx: Tensor) -> Tensor:  # type: ignore[override]
         x = self.wte(idx)
         for block in self.h:
             x = block(x)
         return self.head(x)
+
+
+class NanoLM(_BlocksLM):
+    """A nanoGPT-style LM (its attention sizes a split by the input width): tp must refuse it before training."""
+
+    def __init__(self) -> None:
+        super().__init__(NanoBlock)
 
 
 class GroupedAttn(nn.Module):
@@ -227,16 +234,8 @@ class GroupedBlock(nn.Module):
         return x + self.proj(F.gelu(self.fc(self.norm_2(x))))
 
 
-class GroupedLM(_CausalLM):
+class GroupedLM(_BlocksLM):
     """An LM whose grouped-query qkv is interleaved per k/v group (older litgpt, GPT-NeoX style)."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.wte, self.head = nn.Embedding(256, 32), nn.Linear(32, 256)
-        self.h = nn.ModuleList([GroupedBlock() for _ in range(2)])
-
-    def forward(self, idx: Tensor) -> Tensor:  # type: ignore[override]
-        x = self.wte(idx)
-        for block in self.h:
-            x = block(x)
-        return self.head(x)
+        super().__init__(GroupedBlock)

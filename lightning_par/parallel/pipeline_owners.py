@@ -34,7 +34,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_par import _compat
 from lightning_par.nn.moe import MoE
-from lightning_par.plans._probe import probe_call
+from lightning_par.plans._probe import eval_mode, probe_call
 from lightning_par.plans.trunk import Trunk
 
 Units = list[tuple[str, nn.Module]]
@@ -186,19 +186,16 @@ def _probe(module: nn.Module, trunk: Trunk, units: Units, run: Callable[[], Any]
     for name, m in units:
         handles.append(m.register_forward_pre_hook(lambda *_, n=name: called(n)))
         handles.append(m.register_forward_hook(returned))
-    modes = {m: m.training for m in module.modules()}
     device = next(module.parameters()).device
     try:
-        module.eval()  # no dropout, no running statistics updated
-        with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), uses:
+        rng = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
+        with eval_mode(module), torch.no_grad(), rng, uses:
             run()
     except Exception as err:
         return f"{type(err).__name__}: {err}"
     finally:
         for h in handles:
             h.remove()
-        for m, mode in modes.items():
-            m.training = mode
     if uses.phase != "post":
         return "the forward did not run the trunk to its last block"
     return uses

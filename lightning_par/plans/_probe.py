@@ -8,8 +8,10 @@ forward fails, `_registration_order` guesses the same relation from module regis
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -77,6 +79,19 @@ class _FirstUse(TorchFunctionMode):
             outs = out if isinstance(out, (tuple, list)) else (out,)
             self.consumers[hit[1]] = (name, [tuple(t.shape) for t in outs if isinstance(t, torch.Tensor)])
         return out
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[None]:
+    """Every module of ``model`` in eval mode (no dropout, no running statistics updated) for a probe, each put
+    back in its own mode afterwards."""
+    modes = {m: m.training for m in model.modules()}
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
 
 
 def probe_call(model: nn.Module) -> None:
@@ -147,18 +162,15 @@ def _trace(
     for name, m in inner.items():
         handles += [m.register_forward_pre_hook(pre(name)), m.register_forward_hook(post(name, tr.order))]
     handles += [m.register_forward_hook(post(name, tr.outer)) for name, m in outer.items()]
-    modes = {m: m.training for m in model.modules()}
     try:
-        model.eval()  # no dropout: the probe must not draw from the user's RNG streams
-        with torch.enable_grad(), first_use:
+        # Eval mode: no dropout, so the probe does not draw from the user's RNG streams.
+        with eval_mode(model), torch.enable_grad(), first_use:
             probe_call(model)
     except Exception as err:
         return f"{type(err).__name__}: {err}"
     finally:
         for h in handles:
             h.remove()
-        for m, mode in modes.items():
-            m.training = mode
     if tr.marker < 0 or not outs:
         return "the first block never ran, or no Linear output carried an autograd graph"
     return tr
