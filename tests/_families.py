@@ -169,10 +169,12 @@ class NanoAttn(nn.Module):
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
 
 
-class NanoBlock(nn.Module):
-    def __init__(self) -> None:
+class _UserBlock(nn.Module):
+    """Pre-norm attention and GELU MLP, each added to the residual stream, around a given attention."""
+
+    def __init__(self, attn: type[nn.Module]) -> None:
         super().__init__()
-        self.ln_1, self.attn, self.ln_2 = nn.LayerNorm(32), NanoAttn(), nn.LayerNorm(32)
+        self.ln_1, self.attn, self.ln_2 = nn.LayerNorm(32), attn(), nn.LayerNorm(32)
         self.fc, self.proj = nn.Linear(32, 64), nn.Linear(64, 32)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -181,12 +183,12 @@ class NanoBlock(nn.Module):
 
 
 class _BlocksLM(_CausalLM):
-    """Embedding, a list of two user blocks, head: the frame of the user-style models below."""
+    """Embedding, two `_UserBlock`s around the given attention, head: the frame of the user-style models below."""
 
-    def __init__(self, block: type[nn.Module]) -> None:
+    def __init__(self, attn: type[nn.Module]) -> None:
         super().__init__()
         self.wte, self.head = nn.Embedding(256, 32), nn.Linear(32, 256)
-        self.h = nn.ModuleList([block() for _ in range(2)])
+        self.h = nn.ModuleList([_UserBlock(attn) for _ in range(2)])
 
     def forward(self, idx: Tensor) -> Tensor:  # type: ignore[override]
         x = self.wte(idx)
@@ -199,7 +201,7 @@ class NanoLM(_BlocksLM):
     """A nanoGPT-style LM (its attention sizes a split by the input width): tp must refuse it before training."""
 
     def __init__(self) -> None:
-        super().__init__(NanoBlock)
+        super().__init__(NanoAttn)
 
 
 class GroupedAttn(nn.Module):
@@ -223,19 +225,8 @@ class GroupedAttn(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
-class GroupedBlock(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm_1, self.attn, self.norm_2 = nn.LayerNorm(32), GroupedAttn(), nn.LayerNorm(32)
-        self.fc, self.proj = nn.Linear(32, 64), nn.Linear(64, 32)
-
-    def forward(self, x: Tensor) -> Tensor:
-        x = x + self.attn(self.norm_1(x))
-        return x + self.proj(F.gelu(self.fc(self.norm_2(x))))
-
-
 class GroupedLM(_BlocksLM):
     """An LM whose grouped-query qkv is interleaved per k/v group (older litgpt, GPT-NeoX style)."""
 
     def __init__(self) -> None:
-        super().__init__(GroupedBlock)
+        super().__init__(GroupedAttn)

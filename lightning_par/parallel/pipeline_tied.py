@@ -29,6 +29,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_par.parallel.grad_norm import mark_replica
+from lightning_par.parallel.param_tree import parameter_tree
 
 
 class TiedWeights:
@@ -63,15 +64,7 @@ class TiedWeights:
         if not self._renames:
             return owner
         if id(owner) not in self._owners:
-            root = nn.Module()
-            for name, param in owner.named_parameters():
-                *path, leaf = self._renames.get(name, name).split(".")
-                node = root
-                for part in path:
-                    if not hasattr(node, part):
-                        node.add_module(part, nn.Module())
-                    node = getattr(node, part)
-                node.register_parameter(leaf, param)
+            root = parameter_tree((self._renames.get(n, n), p) for n, p in owner.named_parameters())
             self._owners[id(owner)] = (owner, root)  # the owner kept alive: its id stays its own
         return self._owners[id(owner)][1]
 

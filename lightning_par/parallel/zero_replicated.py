@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from lightning_par import _compat
 from lightning_par.parallel.grad_norm import mark_sharded
 from lightning_par.parallel.optimizers import check_elementwise
+from lightning_par.parallel.param_tree import parameter_tree
 
 # Module attributes, not calls of _compat's: benchmarks/bench_comm_bytes.py patches these two to count bytes.
 _reduce_scatter = _compat.reduce_scatter_single
@@ -239,18 +240,10 @@ class ReplicatedZero:
         """
         if self._masters_root is not None:
             return self._masters_root
-        root = nn.Module()
         named = [(self.names[p], master) for p, master in self.masters.items()]
-        for name, param in [*named, *self._excluded_names.items()]:  # excluded ones are in the optimizer as is
-            *path, leaf = name.split(".")
-            owner = root
-            for part in path:
-                if not hasattr(owner, part):
-                    owner.add_module(part, nn.Module())
-                owner = getattr(owner, part)
-            owner.register_parameter(leaf, param)
-        self._masters_root = root
-        return root
+        # The excluded parameters are in the optimizer as they are.
+        self._masters_root = parameter_tree([*named, *self._excluded_names.items()])
+        return self._masters_root
 
     def distribute_state(self, name: str, value: Any) -> Any:
         """Wrap a master's optimizer-state tensor as the ``Shard(0)`` DTensor of the full parameter, for DCP.
