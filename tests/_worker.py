@@ -7,6 +7,7 @@ ends with barrier, destroy_process_group and ``os._exit`` (avoids exit-time abor
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -602,6 +603,23 @@ def _checkpoint_callbacks(job: dict[str, Any]) -> list[L.Callback]:
                             save_on_train_epoch_end=True)]  # fmt: skip
 
 
+class InitRecorder(L.Callback):
+    """The full parameters and persistent buffers right after set-up (before any step), merged over pipeline stages."""
+
+    def __init__(self) -> None:
+        self.state: dict[str, torch.Tensor] = {}
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        from lightning_par.checkpoint.strided import full_tensor
+
+        state = {k: full_tensor(v).detach().cpu().clone() for k, v in pl_module.state_dict().items()}
+        if getattr(getattr(trainer.strategy, "config", None), "pp", 1) > 1:
+            every: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(every, state)
+            state = {k: v for d in every for k, v in d.items()}
+        self.state = state
+
+
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
     """One fit. Keys: model, strategy (name or kwargs for ParallelStrategy), precision, steps, global_batch, seq_len,
     accumulate, clip, seed, devices, num_nodes, save (path), resume (path), fail_at_step, validate, predict,
@@ -614,7 +632,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     # Under torchrun WORLD_SIZE is set; when Lightning starts the processes itself the job states it.
     world = job.get("world") or int(os.environ.get("WORLD_SIZE", "1"))
     L.seed_everything(job.get("seed", 0), verbose=False)
-    model = MODELS[job.get("model", "gpt")]()
+    model_cls = MODELS[job.get("model", "gpt")]
     strategy: Any = job.get("strategy", "auto")
     if isinstance(strategy, dict):
         strategy = make_strategy(**strategy)
@@ -625,7 +643,8 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     samples = global_batch * accumulate * job.get("epoch_steps", steps)
     seq_len = job.get("seq_len", 32)
     data = ByteTextDataModule(seq_len=seq_len, batch_size=global_batch // dp, num_samples=samples, seed=0)
-    if world == 1:
+    if world == 1 and job.get("strategy", "auto") == "auto":
+        # (A lightning_par strategy in one process gets the distributed sampler itself, as below.)
         # Lightning always shuffles a distributed training loader (DistributedSampler(shuffle=True, seed=0)); at
         # step k the ranks together read perm[k*B:(k+1)*B] of that permutation, so the one-process reference
         # reads the same permutation in order and sees the same global batches.
@@ -638,8 +657,10 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     ckpt_recorder = CheckpointRecorder(bool(job.get("record_step_params")))
     routing = RoutingRecorder()
     extra: list[L.Callback] = [ckpt_recorder, *([optim_recorder] if job.get("record_optim") else [])]
-    if isinstance(model, MoEGPT):
+    if isinstance(model_cls, type) and issubclass(model_cls, MoEGPT):
         extra.append(routing)
+    if job.get("record_init"):
+        extra.append(InitRecorder())
     if job.get("sigkill_at_step"):
         extra.append(SigKill(**job["sigkill_at_step"]))
     if job.get("rank_seed"):
@@ -678,6 +699,9 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         limit_val_batches=job.get("limit_val_batches", 2),
         limit_test_batches=2,
     )
+    # empty_init: the model is built under trainer.init_module(empty_init=True), on the meta device.
+    with trainer.init_module(empty_init=True) if job.get("empty_init") else contextlib.nullcontext():
+        model = model_cls()
     if job.get("expect_error"):
         try:
             with _patch_checkpoint_writes(job):
@@ -710,6 +734,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         "mem": recorder.mem,
         "params": params,
         "routing": routing.global_order() if isinstance(model, MoEGPT) else None,
+        "init_state": next((c.state for c in extra if isinstance(c, InitRecorder)), None),
         "layout": getattr(trainer.strategy, "parallel_layout", None),
         "optim_at_start": optim_recorder.state,
         "start_step": ckpt_recorder.start_step,

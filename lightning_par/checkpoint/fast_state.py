@@ -38,14 +38,15 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def _clean(name: str) -> str:
+def clean_name(name: str) -> str:
+    """``name`` without the wrapper prefixes torch's state-dict functions drop (checkpoint wrappers, compile)."""
     for prefix in _PREFIXES:
         name = name.replace(prefix, "")
     return name
 
 
 def _model_renaming(sd: dict[str, Any], ref: dict[str, Any]) -> Optional[list[tuple[str, str]]]:
-    renaming = [(k, _clean(k)) for k in sd]
+    renaming = [(k, clean_name(k)) for k in sd]
     if [new for _, new in renaming] != list(ref) or not all(_same(sd[old], ref[new]) for old, new in renaming):
         return None
     return renaming
@@ -94,7 +95,7 @@ def optimizer_state_dict(owner: nn.Module, optimizer: torch.optim.Optimizer) -> 
     cached = _optimizers.get(optimizer)
     if cached is None or cached[0]() is not owner or cached[1] != params:
         ref = dict(get_optimizer_state_dict(owner, optimizer))  # initializes empty state first, as DCP needs
-        names_of = {id(p): _clean(n) for n, p in owner.named_parameters(remove_duplicate=False)}
+        names_of = {id(p): clean_name(n) for n, p in owner.named_parameters(remove_duplicate=False)}
         names: Optional[list[str]] = [names_of.get(i, "") for i in params]
         assert names is not None
         if "" in names or not _optimizer_matches(_rename_optimizer(optimizer.state_dict(), names), ref):

@@ -13,10 +13,12 @@ from typing import Optional
 import torch
 from torch import nn
 
+from lightning_par.checkpoint.dcp import model_state
 from lightning_par.config import ParallelConfig
 from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel.activation_checkpointing import apply_activation_checkpointing
 from lightning_par.parallel.expert_parallel import apply_expert_parallel
+from lightning_par.parallel.materialize import base_seed, capture_init, has_meta, materialize
 from lightning_par.parallel.parts import ModelPart
 from lightning_par.parallel.pipeline_split import PipelineSplit, split_pipeline
 from lightning_par.parallel.run import ParallelRun
@@ -39,6 +41,7 @@ def parallelize(
     reduce_dtype: Optional[torch.dtype] = None,
     tp_plan: Optional[dict[str, str]] = None,
     timeout: Optional[timedelta] = None,
+    device: Optional[torch.device] = None,
 ) -> ParallelRun:
     """Apply the configured parallelism to ``module`` in place and return what the run needs afterwards.
 
@@ -50,20 +53,28 @@ def parallelize(
         reduce_dtype: gradient reduction dtype under ZeRO-3.
         tp_plan: the user's overrides of the inferred tensor-parallel plan (module pattern -> style).
         timeout: collective timeout of process groups created here (a pipeline's tied-weight group).
+        device: this rank's device; needed when the model was built on the meta device (default: where the
+            parameters are).
     """
     trunk = _trunk(module, config)
+    # Built on the meta device: every transform below runs on the empty model, then each rank creates and
+    # initialises only what it holds (step 6), the same values on every layout (parallel/materialize.py).
+    templates = capture_init(module, trunk) if has_meta(module) else None
+    device = device or _device(module)
     # Inferred on the whole model (one small forward), before a pipeline cut leaves a stage unable to run it.
     plan = _tp_plan(module, config, tp_plan)
 
     # 1. Pipeline first: it removes other stages' modules, so every later step sees only this rank's parameters.
-    cut = _split(module, trunk, mesh, config, timeout) if config.pp > 1 else None
+    cut = _split(module, trunk, mesh, config, timeout, device) if config.pp > 1 else None
     parts = cut.parts if cut is not None else [_whole(module, trunk)]
 
     # 2. Replicas start equal (ranks may have initialised differently): over data-parallel ranks, and over tp for
-    #    the weights tensor parallelism keeps whole (embedding, head), before anything is sliced.
-    sync_module_states(module, mesh.dp)
-    if plan is not None:
-        sync_module_states(module, mesh.tp)
+    #    the weights tensor parallelism keeps whole (embedding, head), before anything is sliced. A meta-built model
+    #    needs none of it: its initialisation does not depend on the rank.
+    if templates is None:
+        sync_module_states(module, mesh.dp)
+        if plan is not None:
+            sync_module_states(module, mesh.tp)
 
     # 3. Tensor parallelism decides which slice of each weight a rank holds. Sequence parallelism needs the trunk's
     #    two ends in one part; a stage's boundary activations travel whole.
@@ -96,7 +107,12 @@ def parallelize(
         for part in parts:
             apply_fsdp(part.root, part.block_modules, mesh.dp_2d, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                        offload=config.offload, ignored_params=set(exclude) or None)  # fmt: skip
-    else:
+    # A meta-built model now gets storage for what this rank holds, and its values: after FSDP2 sharded it (each
+    # rank allocates its shards only), before the ZeRO 0-2 engine copies the values into its fp32 masters.
+    if templates is not None:
+        distribute = experts.distribute if experts is not None and experts.params else None
+        materialize(module, templates, lambda: model_state(module, distribute), device, seed=base_seed())
+    if config.zero_stage != 3:
         state_mesh = mesh.dp_tp if config.tp > 1 else None
         # A schedule runs several backward passes per step, and its zero-bubble weight passes compute gradients
         # outside autograd's accumulation hooks: stage 2 then reduces after each step's backward.
@@ -153,11 +169,20 @@ def _whole(module: nn.Module, trunk: Optional[Trunk]) -> ModelPart:
     return ModelPart(StepRoot(module), blocks, whole_trunk=True)
 
 
+def _device(module: nn.Module) -> torch.device:
+    param = next(module.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
+
+
 def _split(
-    module: nn.Module, trunk: Optional[Trunk], mesh: ParallelMesh, config: ParallelConfig, timeout: Optional[timedelta]
+    module: nn.Module,
+    trunk: Optional[Trunk],
+    mesh: ParallelMesh,
+    config: ParallelConfig,
+    timeout: Optional[timedelta],
+    device: torch.device,
 ) -> PipelineSplit:
     assert trunk is not None  # `_trunk` requires one under pp > 1
-    device = next(module.parameters()).device
     return split_pipeline(
         module, trunk, schedule=config.pp_schedule, pp=config.pp, pp_rank=mesh.root.get_local_rank("pp"),
         group=mesh.root.get_group("pp"), microbatches=config.microbatches or 2 * config.pp, device=device,

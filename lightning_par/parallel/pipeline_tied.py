@@ -74,9 +74,14 @@ class TiedWeights:
 
     @torch.no_grad()
     def sync_values(self) -> None:
-        """Start both copies equal: the first stage's values to the last stage (collective over the group)."""
+        """Start both copies equal: the first stage's values to the last stage (collective over the group).
+
+        Nothing to send for a model built on the meta device: both ends initialise the weight from the same unit
+        with the same seed (`lightning_par.parallel.materialize`).
+        """
         for p in self.params():
-            dist.broadcast(p.data, src=self.first_rank, group=self.group)
+            if not p.is_meta:
+                dist.broadcast(p.data, src=self.first_rank, group=self.group)
 
     def mark_replicas(self, masters: Optional[dict[nn.Parameter, nn.Parameter]] = None) -> None:
         """On the last stage's rank, mark its copies (and the ZeRO masters built from them) as replicas, so that

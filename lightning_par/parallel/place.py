@@ -2,11 +2,11 @@
 
 Every way a rank holds a parameter reduces to one of three cases, and each has an exact local slicing:
 
-| what the rank holds | its slice of the full tensor |
-|---|---|
-| a plain tensor of the full shape (replicated, ZeRO-0/1/2, a pipeline stage's own module) | all of it |
-| a DTensor (FSDP2's ``Shard(0)``, tensor parallelism, both nested; expert shards wrapped by `ExpertParallel`) | DTensor's own chunking: ``distribute_tensor(..., src_data_rank=None)`` |
-| a fused projection split chunk by chunk over ``tp`` (`lightning_par.checkpoint.strided`) | each chunk's slice, concatenated |
+- a plain tensor of the full shape (replicated, ZeRO-0/1/2, a pipeline stage's own module): all of it;
+- a DTensor (FSDP2's ``Shard(0)``, tensor parallelism, both nested; expert shards wrapped by `ExpertParallel`):
+  DTensor's own chunking, ``distribute_tensor(..., src_data_rank=None)``;
+- a fused projection split chunk by chunk over ``tp`` (`lightning_par.checkpoint.strided`): each chunk's slice,
+  concatenated.
 
 Initialisation off the meta device (`lightning_par.parallel.materialize`) and pretrained weights read from files
 both end here, so that the two cannot disagree about which slice a rank owns.

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 import warnings
 from collections.abc import Generator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -29,6 +29,7 @@ from lightning_par import _compat
 from lightning_par.checkpoint.dcp import OptimizerEntry, model_state
 from lightning_par.config import AUTO, ACMode, ParallelConfig
 from lightning_par.parallel.compose import parallelize
+from lightning_par.parallel.materialize import has_meta
 from lightning_par.parallel.run import ParallelRun
 from lightning_par.precision.parallel import ParallelPrecision
 from lightning_par.strategies._checkpointing import ShardedCheckpoints, Where, optimizer_entries
@@ -160,11 +161,12 @@ class ParallelStrategy(ProcessGroupStrategy):
         assert module is not None
         if self._run is None:
             precision.convert_module(module)  # in place (bf16-true casts the parameters)
-            module.to(self.root_device)
+            if not has_meta(module):  # a meta-built model gets its storage inside `parallelize`, rank by rank
+                module.to(self.root_device)
             low = precision.compute_dtype if precision.mixed else None
             self._run = parallelize(
                 module, self.meshes, self._config, param_dtype=low, reduce_dtype=torch.float32 if low else None,
-                tp_plan=self._tp_plan, timeout=self._timeout,
+                tp_plan=self._tp_plan, timeout=self._timeout, device=self.root_device,
             )  # fmt: skip
             self._set_metric_groups(module)
             precision.norm_groups = self._run.norm_groups  # clipping's global norm spans what the run says
@@ -185,6 +187,21 @@ class ParallelStrategy(ProcessGroupStrategy):
         if self._run is not None:
             for opt in self.optimizers:
                 self._run.wrap_optimizer(opt)
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        # empty_init=True (trainer.init_module(empty_init=True)): parameters on the meta device, created rank by
+        # rank in `setup` (docs/large_models.md).
+        with torch.device("meta") if empty_init else nullcontext(), self.precision_plugin.tensor_init_context():
+            yield
+
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        # configure_model() builds on the meta device: no rank ever holds the whole model (docs/large_models.md).
+        with torch.device("meta"):
+            yield
 
     @override
     def model_to_device(self) -> None:
@@ -347,4 +364,3 @@ class ParallelStrategy(ProcessGroupStrategy):
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
-

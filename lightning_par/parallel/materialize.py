@@ -1,0 +1,300 @@
+"""Models built on the meta device: each rank creates only the tensors it holds, and initialises them the same way
+on every layout.
+
+A model built in ``configure_model()`` or under ``trainer.init_module(empty_init=True)`` has meta parameters: shapes,
+no storage. `parallelize` cuts, slices and shards that empty model as it would a real one, then calls `materialize`:
+every meta tensor this rank still holds gets storage on the device (its shard, its slice, its stage's modules only),
+and its values come from the model's own initialisation, run on one *unit* at a time at full size:
+
+- the units are the trunk's blocks, the subtrees outside the trunk (embeddings, final norm, head) and, as a unit
+  of their own direct tensors only, the modules that contain the trunk;
+- a unit is initialised on a full-size copy taken before anything was cut (`capture_init`), with the random
+  generator seeded from the job's seed and the unit's name, so a unit's values do not depend on which ranks hold
+  it, how it is split, or what else was initialised before it: the weights after set-up are the same on every
+  layout and world size, one process included;
+- each tensor of the copy goes into this rank's layout of it (`lightning_par.parallel.place`), and the copy is
+  dropped. The transient is one unit's full weights (the largest block, or the embedding).
+
+Which initialisation runs, for each module of the unit, children before parents (as ``nn.Module.apply`` and
+Hugging Face's ``initialize_weights`` order them): ``reset_parameters()`` when the module has one (torch's
+layers), then the nearest Hugging Face ``PreTrainedModel``'s ``_init_weights(module)`` (which also recomputes the
+rotary tables), then the module's own ``init_weights()`` when it takes no argument. A tensor that none of them
+wrote is refused with its name, before training (`UninitializedError`): its values would be whatever memory held.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import zlib
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lightning_par.checkpoint.fast_state import clean_name
+from lightning_par.parallel.place import place_full
+from lightning_par.plans.trunk import Trunk
+
+
+class UninitializedError(ValueError):
+    """A tensor of a meta-built model that no initialisation of its module writes."""
+
+
+def has_meta(module: nn.Module) -> bool:
+    """Whether any registered parameter or buffer of ``module`` is on the meta device."""
+    return any(t.is_meta for t in _tensors(module))
+
+
+def _tensors(module: nn.Module) -> Iterator[Tensor]:
+    yield from module.parameters()
+    yield from (b for b in module.buffers() if b is not None)
+
+
+@dataclasses.dataclass
+class _Unit:
+    name: str  # qualified name in the user's module ("" for the root)
+    template: nn.Module  # a meta copy taken before any transform (full shapes)
+    shallow: bool  # only the module's direct tensors (a module that contains the trunk)
+    hf_roots: dict[str, Any]  # relative module name -> nearest Hugging Face PreTrainedModel (the original)
+
+
+@dataclasses.dataclass
+class InitTemplates:
+    """What `materialize` needs from the model as it was built: full-size meta copies of every unit, and which
+    name of a shared (tied) tensor decides its value.
+
+    Args:
+        units: the units, by qualified name.
+        owner: for every tensor name, the name whose module initialises it (itself unless tied).
+        meta_names: the names of the tensors that were on the meta device (only those are initialised).
+    """
+
+    units: dict[str, _Unit]
+    owner: dict[str, str]
+    meta_names: frozenset[str]
+
+    def unit_of(self, name: str) -> tuple[_Unit, str]:
+        """The unit holding tensor ``name`` and the tensor's name inside it."""
+        parts = name.split(".")
+        for cut in range(len(parts) - 1, -1, -1):
+            unit = self.units.get(".".join(parts[:cut]))
+            if unit is not None and (not unit.shallow or cut == len(parts) - 1):
+                return unit, ".".join(parts[cut:])
+        raise KeyError(name)
+
+
+def _hf_roots(module: nn.Module) -> dict[str, Any]:
+    """For every module name, the nearest Hugging Face ``PreTrainedModel`` at or above it (``None`` outside one)."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # transformers is optional
+        return {}
+    roots: dict[str, Any] = {}
+    for name, m in module.named_modules():
+        parent = roots.get(name.rpartition(".")[0]) if name else None
+        roots[name] = m if isinstance(m, PreTrainedModel) else parent
+    return roots
+
+
+def _shallow_copy(module: nn.Module) -> nn.Module:
+    # The module without its children: its direct tensors, config and attributes only.
+    twin = copy.copy(module)
+    twin._modules = {}  # type: ignore[assignment]
+    twin._parameters = {k: copy.deepcopy(v) for k, v in module._parameters.items()}  # type: ignore[assignment]
+    twin._buffers = {k: copy.deepcopy(v) for k, v in module._buffers.items()}  # type: ignore[assignment]
+    return twin
+
+
+def _direct(m: nn.Module) -> list[Tensor]:
+    return [t for t in (*m._parameters.values(), *m._buffers.values()) if t is not None]
+
+
+def _units(module: nn.Module, trunk: Optional[Trunk]) -> dict[str, _Unit]:
+    roots = _hf_roots(module)
+    path = trunk.path if trunk is not None else None
+    blocks = set(trunk.names) if trunk is not None else set()
+    above = {""} if path is None else {".".join(path.split(".")[:i]) for i in range(len(path.split(".")) + 1)}
+    units: dict[str, _Unit] = {}
+    whole: list[str] = []  # units copied with their subtree: nothing below them is a unit of its own
+
+    def rel_roots(name: str, m: nn.Module) -> dict[str, Any]:
+        return {rel: roots.get(f"{name}.{rel}" if name and rel else name or rel) for rel, _ in m.named_modules()}
+
+    for name, m in module.named_modules():
+        if any(name.startswith(u + ".") for u in whole):
+            continue
+        if name in above or name == path:  # contains the trunk (or is its container): its own tensors only
+            if _direct(m):
+                units[name] = _Unit(name, _shallow_copy(m), True, {"": roots.get(name)})
+            continue
+        if name in blocks or any(True for _ in _tensors(m)):
+            units[name] = _Unit(name, copy.deepcopy(m), False, rel_roots(name, m))
+            whole.append(name)
+    return units
+
+
+def capture_init(module: nn.Module, trunk: Optional[Trunk]) -> InitTemplates:
+    """Take what `materialize` needs, before the model is cut, sliced or sharded (cheap: meta copies)."""
+    last: dict[int, str] = {}
+    named = [(clean_name(n), t) for n, t in module.named_parameters(remove_duplicate=False)]
+    for name, p in named:
+        last[id(p)] = name  # the last module holding a shared tensor initialises it (the order of nn.Module.apply)
+    owner = {name: last[id(p)] for name, p in named}
+    buffers = [(clean_name(n), b) for n, b in module.named_buffers(remove_duplicate=False) if b is not None]
+    meta = frozenset(n for n, t in (*named, *buffers) if t.is_meta)
+    return InitTemplates(_units(module, trunk), owner, meta)
+
+
+class _Writes(TorchDispatchMode):
+    """Records the storages that in-place ops write (the tensors an initialisation touched)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: set[int] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        for arg, value in zip(func._schema.arguments, (*args, *kwargs.values())):
+            if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, Tensor):
+                self.written.add(value.untyped_storage().data_ptr())
+        return func(*args, **kwargs)
+
+
+def _init_module(m: nn.Module, hf: Any) -> None:
+    reset = getattr(m, "reset_parameters", None)
+    if callable(reset):
+        reset()
+    if hf is not None:
+        hf._init_weights(m)
+    own = getattr(type(m), "init_weights", None)
+    if callable(own) and hf is None:
+        try:
+            m.init_weights()  # type: ignore[operator]
+        except TypeError:
+            pass  # an init_weights that needs arguments is the user's to call; other modules' rules still apply
+
+
+def unit_seed(base: int, name: str) -> int:
+    """The seed of a unit: the job's seed mixed with the unit's name (stable across runs and Python versions)."""
+    return (base * 0x9E3779B1 + zlib.crc32(name.encode())) % (2**63)
+
+
+@torch.no_grad()
+def init_unit(unit: _Unit, device: torch.device, base_seed: int) -> dict[str, Tensor]:
+    """The unit's tensors at full size, initialised by the model's own rules, by name inside the unit.
+
+    Raises:
+        UninitializedError: a tensor that no rule wrote.
+    """
+    twin = copy.deepcopy(unit.template)
+    twin.to_empty(device=device)
+    before = {n: (t, t.untyped_storage().data_ptr()) for n, t in _state(twin)}
+    devices = [device] if device.type == "cuda" else []
+    writes = _Writes()
+    with torch.random.fork_rng(devices=devices), writes:
+        torch.manual_seed(unit_seed(base_seed, unit.name))
+        modules = list(twin.named_modules()) if not unit.shallow else [("", twin)]
+        for rel, m in reversed(modules):  # children before parents (post-order, as nn.Module.apply)
+            _init_module(m, unit.hf_roots.get(rel))
+    after = dict(_state(twin))
+    missing = [n for n, t in after.items() if _untouched(t, before.get(n), writes.written)]
+    if missing:
+        where = ".".join(p for p in (unit.name, missing[0]) if p)
+        owner = twin.get_submodule(missing[0].rpartition(".")[0]) if "." in missing[0] else twin
+        raise UninitializedError(
+            f"{where} ({type(owner).__name__}) was built on the meta device and nothing initialises it: neither "
+            f"{type(owner).__name__}.reset_parameters(), a Hugging Face _init_weights, nor an init_weights() writes "
+            f"it ({len(missing)} such tensor(s) in {unit.name or 'the root'}). Define reset_parameters() on "
+            f"{type(owner).__name__} that fills its parameters and recomputes its buffers, or build the model "
+            "outside configure_model() / init_module(empty_init=True)"
+        )
+    return after
+
+
+def _untouched(t: Tensor, before: Optional[tuple[Tensor, int]], written: set[int]) -> bool:
+    # Written in place, re-assigned (``self.weight = nn.Parameter(...)``) or given new storage (``.data = ...``).
+    ptr = t.untyped_storage().data_ptr()
+    return before is not None and before[0] is t and before[1] == ptr and ptr not in written
+
+
+def _state(m: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    for n, t in m.named_parameters(remove_duplicate=False):
+        yield n, t
+    for n, b in m.named_buffers(remove_duplicate=False):
+        if b is not None:
+            yield n, b
+
+
+def base_seed() -> int:
+    """The job's seed, equal on every rank (rank 0's ``torch.initial_seed()``: ``seed_everything`` sets it)."""
+    seed = [torch.initial_seed()]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(seed, src=0)
+    return int(seed[0])
+
+
+def allocate(module: nn.Module, device: torch.device) -> None:
+    """Give every meta tensor of ``module`` empty storage on ``device`` and move the others there (in place).
+
+    Parameters keep their identity (their contents are swapped, not replaced): expert parallelism, tied pipeline
+    weights and FSDP2 hold references to them, taken while they were on the meta device.
+    """
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        module._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t.to(device))
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+
+
+@torch.no_grad()
+def materialize(
+    module: nn.Module,
+    templates: InitTemplates,
+    views: Callable[[], Mapping[str, Tensor]],
+    device: torch.device,
+    *,
+    seed: int,
+    skip: frozenset[str] = frozenset(),
+) -> int:
+    """Allocate this rank's meta tensors on ``device`` and initialise them unit by unit (module docstring).
+
+    Args:
+        module: the cut, sliced and sharded model, still with meta tensors.
+        templates: from `capture_init`, taken before the model was transformed.
+        views: returns the model's tensors by name in checkpoint view (`lightning_par.checkpoint.dcp.model_state`:
+            full shapes, DTensors where a rank holds a part); called once the storage exists.
+        device: where this rank's tensors live.
+        seed: the job's seed (`base_seed`), equal on every rank.
+        skip: names whose values come from elsewhere (pretrained weights): allocated, not initialised.
+
+    Returns:
+        the number of units initialised on this rank.
+    """
+    allocate(module, device)
+    by_name = views()
+    wanted: dict[str, list[Tensor]] = {}
+    for name, view in by_name.items():
+        if name in templates.meta_names and name not in skip:
+            wanted.setdefault(templates.owner.get(name, name), []).append(view)
+    for name, buf in module.named_buffers():  # non-persistent buffers (rotary tables) are not in the state dict
+        clean = clean_name(name)
+        if clean in templates.meta_names and clean not in by_name:
+            wanted.setdefault(clean, []).append(buf)
+    by_unit: dict[str, list[str]] = {}
+    for name in wanted:
+        unit, _ = templates.unit_of(name)
+        by_unit.setdefault(unit.name, []).append(name)
+    for unit_name in sorted(by_unit, key=list(templates.units).index):
+        unit = templates.units[unit_name]
+        values = init_unit(unit, device, seed)
+        for name in by_unit[unit_name]:
+            rel = templates.unit_of(name)[1]
+            for into in wanted[name]:
+                place_full(values[rel], into)
+        del values
+    return len(by_unit)
