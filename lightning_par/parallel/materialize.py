@@ -101,12 +101,21 @@ def _hf_roots(module: nn.Module) -> dict[str, Any]:
 
 
 def _shallow_copy(module: nn.Module) -> nn.Module:
-    # The module without its children: its direct tensors, config and attributes only.
+    # A copy whose direct tensors `init_unit` allocates; its children stay meta copies (no storage), so that an
+    # initialisation reading or touching them (litgpt's rope cache reads the config) runs, writing nothing. Not
+    # deepcopy of the module itself: the root is the LightningModule, which references its Trainer.
     twin = copy.copy(module)
-    twin._modules = {}  # type: ignore[assignment]
+    twin._modules = {k: copy.deepcopy(v) for k, v in module._modules.items()}  # type: ignore[assignment]
     twin._parameters = {k: copy.deepcopy(v) for k, v in module._parameters.items()}  # type: ignore[assignment]
     twin._buffers = {k: copy.deepcopy(v) for k, v in module._buffers.items()}  # type: ignore[assignment]
     return twin
+
+
+def _post_order(m: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
+    # The order of nn.Module.apply and Hugging Face's initialize_weights: children (in order) before parents.
+    for name, child in m.named_children():
+        yield from _post_order(child, f"{prefix}.{name}" if prefix else name)
+    yield prefix, m
 
 
 def _direct(m: nn.Module) -> list[Tensor]:
@@ -190,17 +199,22 @@ def init_unit(unit: _Unit, device: torch.device, base_seed: int) -> dict[str, Te
     Raises:
         UninitializedError: a tensor that no rule wrote.
     """
-    twin = copy.deepcopy(unit.template)
-    twin.to_empty(device=device)
-    before = {n: (t, t.untyped_storage().data_ptr()) for n, t in _state(twin)}
+    twin = _shallow_copy(unit.template) if unit.shallow else copy.deepcopy(unit.template)
+    if unit.shallow:
+        for box in (twin._parameters, twin._buffers):
+            for k, v in box.items():
+                if v is not None:
+                    box[k] = _empty(v, device)  # type: ignore[assignment]
+    else:
+        twin.to_empty(device=device)
+    before = {n: (t, t.untyped_storage().data_ptr()) for n, t in _state(twin, unit.shallow)}
     devices = [device] if device.type == "cuda" else []
     writes = _Writes()
     with torch.random.fork_rng(devices=devices), writes:
         torch.manual_seed(unit_seed(base_seed, unit.name))
-        modules = list(twin.named_modules()) if not unit.shallow else [("", twin)]
-        for rel, m in reversed(modules):  # children before parents (post-order, as nn.Module.apply)
+        for rel, m in _post_order(twin) if not unit.shallow else [("", twin)]:
             _init_module(m, unit.hf_roots.get(rel))
-    after = dict(_state(twin))
+    after = dict(_state(twin, unit.shallow))
     missing = [n for n, t in after.items() if _untouched(t, before.get(n), writes.written)]
     if missing:
         where = ".".join(p for p in (unit.name, missing[0]) if p)
@@ -221,10 +235,15 @@ def _untouched(t: Tensor, before: Optional[tuple[Tensor, int]], written: set[int
     return before is not None and before[0] is t and before[1] == ptr and ptr not in written
 
 
-def _state(m: nn.Module) -> Iterator[tuple[str, Tensor]]:
-    for n, t in m.named_parameters(remove_duplicate=False):
+def _empty(t: Tensor, device: torch.device) -> Tensor:
+    empty = torch.empty_like(t, device=device)
+    return nn.Parameter(empty, t.requires_grad) if isinstance(t, nn.Parameter) else empty
+
+
+def _state(m: nn.Module, direct: bool = False) -> Iterator[tuple[str, Tensor]]:
+    for n, t in m.named_parameters(remove_duplicate=False, recurse=not direct):
         yield n, t
-    for n, b in m.named_buffers(remove_duplicate=False):
+    for n, b in m.named_buffers(remove_duplicate=False, recurse=not direct):
         if b is not None:
             yield n, b
 
