@@ -79,18 +79,6 @@ def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
     return mesh._flatten(name)
 
 
-def local_shape_and_offset(
-    global_shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Any]
-) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """This rank's local shape of a DTensor of ``placements`` and where it starts in the full tensor."""
-    # torch.distributed.tensor._utils.compute_local_shape_and_global_offset, torch 2.13.0: what DCP plans its reads
-    # with; exact for Shard / Replicate and for FSDP2's _StridedShard over a tensor-parallel Shard of the same dim.
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offset = compute_local_shape_and_global_offset(torch.Size(global_shape), mesh, placements)
-    return tuple(shape), tuple(offset)
-
-
 # ---- torch: collectives ------------------------------------------------------------------------------------------
 # dist.reduce_scatter_single / all_gather_single, torch 2.13.0: the flat-tensor collectives, renamed in 2.13;
 # older releases only have the *_tensor names.

@@ -125,11 +125,6 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
     PrivateAPI("torch", f"{_D}.device_mesh.DeviceMesh._flatten",
                "lightning_par.mesh builds the flat dp axis (loss averaging, sampler, metrics) with",
                ("flatten_mesh",), lambda: _params(f"{_D}.device_mesh.DeviceMesh._flatten", "mesh_dim_name")),
-    PrivateAPI("torch", f"{_DT}._utils.compute_local_shape_and_global_offset",
-               "lightning_par.checkpoint.pretrained reads only this rank's region of a pretrained tensor with",
-               ("local_shape_and_offset",),
-               lambda: _params(f"{_DT}._utils.compute_local_shape_and_global_offset", "global_shape", "mesh",
-                               "placements")),
     # torch: collectives
     PrivateAPI("torch", f"{_D}.reduce_scatter_single (or reduce_scatter_tensor)",
                "lightning_par.parallel.zero_replicated reduces ZeRO-1/2 gradient buckets with",
