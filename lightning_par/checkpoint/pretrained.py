@@ -229,10 +229,11 @@ def _region(view: DTensor) -> Region | None:
                 return None
         elif not isinstance(pl, (Shard, Replicate)):
             return None  # Partial: not a layout a parameter is stored in
-    shape, offset = _compat.local_shape_and_offset(view.shape, mesh, placements)
-    if shape != tuple(view.to_local().shape):
+    # DTensor's checkpoint protocol (what DCP plans reads with): one chunk, this rank's sizes and global offsets.
+    chunks = view.__create_chunk_list__()
+    if len(chunks) != 1 or tuple(chunks[0].sizes) != tuple(view.to_local().shape):
         return None
-    return tuple(slice(o, o + s) for o, s in zip(offset, shape))
+    return tuple(slice(o, o + s) for o, s in zip(chunks[0].offsets, chunks[0].sizes))
 
 
 @torch.no_grad()
