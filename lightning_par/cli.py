@@ -5,7 +5,8 @@ recipe with ``class_path``; strategies are either a registered name (``strategy:
 ``class_path: lightning_par.ParallelStrategy`` with explicit degrees.
 
 ``lightning-par consolidate CKPT_DIR OUT`` writes a sharded checkpoint folder as one plain Lightning checkpoint
-file (`lightning_par.checkpoint.consolidate`).
+file (`lightning_par.checkpoint.consolidate`); with ``--format hf [--config CONFIG] [--prefix P] [--max-shard-size
+5GB]`` as a Hugging Face folder that ``from_pretrained`` loads (`lightning_par.checkpoint.export_hf`).
 
 ``lightning-par plan --config RECIPE`` prints the tensor-parallel plan inferred for the recipe's model (with the
 strategy's ``tp_plan`` overrides applied, and checked against its ``tp`` when that is set), without training.

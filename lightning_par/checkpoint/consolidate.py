@@ -141,23 +141,41 @@ def _safetensors_writer(required: bool) -> Optional[Callable[..., None]]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    """``lightning-par consolidate CKPT_DIR OUT [--safetensors | --no-safetensors]``."""
+    """``lightning-par consolidate CKPT_DIR OUT [--format lightning|hf] [--safetensors | --no-safetensors]``."""
+    from lightning_par.checkpoint import export_hf
+
     parser = argparse.ArgumentParser(
         prog="lightning-par consolidate",
-        description="Write a sharded lightning_par checkpoint folder as one plain Lightning checkpoint file.",
+        description="Write a sharded lightning_par checkpoint folder as one plain Lightning checkpoint file, or "
+        "(--format hf) as a Hugging Face folder that from_pretrained loads.",
     )
     parser.add_argument("ckpt_dir", help="checkpoint folder written under ParallelStrategy")
-    parser.add_argument("out", help="file to write; loads with MyModule.load_from_checkpoint(OUT)")
+    parser.add_argument(
+        "out", help="file to write (loads with MyModule.load_from_checkpoint(OUT)); with --format hf, a folder"
+    )
+    parser.add_argument(
+        "--format",
+        choices=("lightning", "hf"),
+        default="lightning",
+        help="lightning (default): one Lightning checkpoint file; hf: a Hugging Face folder of safetensors weights",
+    )
     parser.add_argument(
         "--safetensors",
         action=argparse.BooleanOptionalAction,
         default=None,
         help="also write OUT.safetensors with the weights (default: if the safetensors package is installed)",
     )
+    export_hf.add_arguments(parser)
     args = parser.parse_args(argv)
     try:
-        written = consolidate(args.ckpt_dir, args.out, safetensors=args.safetensors)
+        if args.format == "hf":
+            written = list(export_hf.run(args))
+        else:
+            written = consolidate(args.ckpt_dir, args.out, safetensors=args.safetensors)
     except (CheckpointError, ImportError) as err:
         parser.exit(2, f"lightning-par consolidate: error: {err}\n")
+    if args.format == "hf":
+        print(f"wrote {args.out}: " + ", ".join(p.name for p in written))
+        return
     note = "" if len(written) > 1 else " (no .safetensors: the safetensors package is not installed, or turned off)"
     print("wrote " + " and ".join(map(str, written)) + note)

@@ -1,0 +1,338 @@
+"""Fill a model that is already laid out over its ranks with pretrained weights, each rank reading only what it owns.
+
+`load_pretrained` takes the model's state dict in checkpoint view (``lightning_par.checkpoint.dcp.model_state``:
+parameter and buffer names of the module, plain tensors of the full shape or DTensors whose ``.shape`` is the full
+shape) and fills it in place, in three steps:
+
+1. **Validate, on metadata only, the same on every rank.** Each rank opens the file's headers
+   (`pretrained_sources`), then the ranks exchange their view names and shapes and a digest of what they found, so
+   that the prefix rewrite (`pretrained_names`), the missing and unexpected keys and the shape mismatches are decided
+   on the whole model (a pipeline stage holds only its own names) and a bad file fails every rank with the same
+   `PretrainedError` before any rank reads a tensor: no rank is left waiting in a collective.
+2. **Read only this rank's part.** A DTensor split by plain ``Shard`` / ``Replicate`` (FSDP2, tensor parallelism,
+   expert shards, both nested) reads its one rectangular region of the file tensor (safetensors ``get_slice``, or a
+   memory-mapped torch file), so a rank of an 8-way sharded model reads about an eighth of it. A fused projection
+   (``[q | k | v]`` split chunk by chunk over ``tp``, `lightning_par.checkpoint.strided`) owns several regions: it
+   reads the whole tensor and keeps its slices (`lightning_par.parallel.place.place_full`), so a rank's peak is one
+   full tensor, never the model. A plain tensor is read whole.
+3. **Sharded lightning_par checkpoints** go through DCP itself, which plans each rank's reads from its DTensors.
+
+Values are cast to each view's dtype (a bf16 model reads an fp32 file, and the reverse).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import time
+from collections.abc import Mapping
+from math import prod
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from lightning_par import _compat
+from lightning_par.checkpoint.pretrained_names import NameMatch, PrefixRewrite, listing, match_names
+from lightning_par.checkpoint.pretrained_sources import (
+    DCPSource,
+    PretrainedError,
+    Region,
+    Source,
+    open_source,
+)
+from lightning_par.checkpoint.reader import CheckpointError, SafeLoadPlanner, safe_load
+from lightning_par.checkpoint.strided import canonicalize, is_fused, restore
+from lightning_par.parallel.place import place_full
+
+__all__ = ["PretrainedError", "PretrainedReport", "load_pretrained"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PretrainedReport:
+    """What `load_pretrained` did on this rank; ``str()`` is one start-up log line.
+
+    Args:
+        path: the checkpoint read.
+        format: its format (``hf``, ``hf-sharded``, ``safetensors``, ``torch``, ``dcp``) and file count.
+        rewrite: the prefix rewrite that maps the module's names to the file's keys.
+        tensors: views filled on this rank (tied names included).
+        bytes_read: bytes of tensor data this rank read from the file (for DCP: asked DCP for).
+        ignored: file keys skipped on purpose (recomputed buffers such as ``rotary_emb.inv_freq``).
+        tied: module names missing from the file, filled through the tensor they are tied to.
+        skipped: with ``strict=False``: module names missing from the file (left as they were) and file keys that
+            matched nothing.
+        seconds: wall time of the load on this rank.
+    """
+
+    path: str
+    format: str
+    rewrite: PrefixRewrite
+    tensors: int
+    bytes_read: int
+    ignored: tuple[str, ...] = ()
+    tied: tuple[str, ...] = ()
+    skipped: tuple[str, ...] = ()
+    seconds: float = 0.0
+
+    def __str__(self) -> str:
+        line = (
+            f"pretrained weights: {self.tensors} tensors from {self.path} ({self.format}); names: {self.rewrite}; "
+            f"{_size(self.bytes_read)} read on this rank in {self.seconds:.1f} s"
+        )
+        if self.tied:
+            line += f"; tied: {listing(list(self.tied), 3)}"
+        if self.ignored:
+            line += f"; ignored {len(self.ignored)} recomputed buffer(s) ({listing(list(self.ignored), 2)})"
+        if self.skipped:
+            line += f"; strict=False skipped {len(self.skipped)} ({listing(list(self.skipped), 3)})"
+        return line
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _storage_key(t: torch.Tensor) -> tuple[int, ...] | None:
+    # Tied names are two entries over one storage (state dicts hold detached aliases, not the same object).
+    local = _local(t)
+    if local.numel() == 0 or local.device.type == "meta":
+        return None
+    return (local.untyped_storage().data_ptr(), local.storage_offset(), *local.shape, *local.stride())
+
+
+def _ties(views: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, ...]]:
+    groups: dict[tuple[int, ...], list[str]] = {}
+    for name, view in views.items():
+        key = _storage_key(view)
+        if key is not None:
+            groups.setdefault(key, []).append(name)
+    return {n: tuple(m for m in group if m != n) for group in groups.values() if len(group) > 1 for n in group}
+
+
+def _gather(item: Any) -> list[Any]:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [item]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, item)
+    return out
+
+
+def _digest(source: Source) -> str:
+    return hashlib.sha1(repr(sorted(source.shapes.items())).encode()).hexdigest()
+
+
+def _validate(
+    path: Path, views: Mapping[str, torch.Tensor], tied: Mapping[str, str], strict: bool, module_type: str
+) -> tuple[Source, NameMatch, dict[str, tuple[str, ...]]]:
+    """Open the file and decide the name match on every rank's names; raise the same error on every rank.
+
+    Returns:
+        the source, the match, and every rank's ties (name -> the names sharing its tensor, or filling it).
+    """
+    source: Source | None = None
+    error: str | None = None
+    try:
+        source = open_source(path)
+        meta = [n for n, v in views.items() if _local(v).device.type == "meta"]
+        if meta:
+            raise PretrainedError(
+                f"{len(meta)} tensor(s) are still on the meta device ({listing(meta, 3)}): materialise the model "
+                "(to_empty) before filling it with pretrained weights"
+            )
+    except PretrainedError as err:
+        error = str(err)
+    except Exception as err:  # raised here alone, it would leave the other ranks waiting in the exchange below
+        error = f"reading {path} failed: {type(err).__name__}: {err}"
+    local_ties = _ties(views)
+    for name, other in tied.items():
+        local_ties[name] = (*local_ties.get(name, ()), other)
+    mine = (error, {n: tuple(v.shape) for n, v in views.items()}, local_ties, _digest(source) if source else None)
+    everyone = _gather(mine)
+    failed = [(r, e) for r, (e, *_) in enumerate(everyone) if e is not None]
+    if failed:
+        ranks = ", ".join(str(r) for r, e in failed if e == failed[0][1])
+        where = f" (rank {ranks})" if len(everyone) > 1 else ""
+        raise PretrainedError(f"{failed[0][1]}{where}")
+    if len({d for *_, d in everyone}) > 1:
+        raise PretrainedError(
+            f"{path} holds different tensors on different ranks: every rank must read the same checkpoint (a shared "
+            "filesystem, or the same copy on every node)"
+        )
+    assert source is not None
+    shapes: dict[str, tuple[int, ...]] = {}
+    ties: dict[str, tuple[str, ...]] = {}
+    for _, rank_shapes, rank_ties, _ in everyone:
+        shapes.update(rank_shapes)
+        for n, ps in rank_ties.items():
+            ties[n] = tuple(dict.fromkeys((*ties.get(n, ()), *ps)))
+    match = match_names(shapes, source.shapes, ties)
+    _refuse(path, source, match, shapes, strict, module_type)
+    return source, match, ties
+
+
+def _refuse(
+    path: Path,
+    source: Source,
+    match: NameMatch,
+    shapes: Mapping[str, tuple[int, ...]],
+    strict: bool,
+    module_type: str,
+) -> None:
+    mismatched = [
+        f"{k}: file {list(source.shapes[k])} vs model {list(shapes[n])}"
+        for n, k in match.pairs.items()
+        if tuple(source.shapes[k]) != tuple(shapes[n])
+    ]
+    problems = []
+    if mismatched:
+        problems.append(f"{len(mismatched)} shape mismatch(es): {listing(mismatched)}")
+    if strict and match.missing:
+        problems.append(f"{len(match.missing)} module tensor(s) missing from the file: {listing(match.missing)}")
+    if strict and match.unexpected:
+        problems.append(f"{len(match.unexpected)} file tensor(s) the module lacks: {listing(match.unexpected)}")
+    if not problems:
+        return
+    model = f"the model{f' ({module_type})' if module_type else ''}"
+    fix = "use a checkpoint of this model's architecture and size"
+    if not mismatched:
+        fix += (
+            "; if the names differ by more than one prefix, rename them; to keep the module's own values for the "
+            "missing tensors and skip the extra ones, pass strict=False"
+        )
+    raise PretrainedError(
+        f"{path} ({source.describe()}) does not fit {model} under the name rewrite '{match.rewrite}': "
+        f"{'; '.join(problems)}; {fix}"
+    )
+
+
+def _region(view: DTensor) -> Region | None:
+    """The one rectangle of the full tensor this rank's shard is, or ``None`` when it is not one rectangle."""
+    placements, mesh = view.placements, view.device_mesh
+    for i, pl in enumerate(placements):
+        if isinstance(pl, _compat.StridedShard):
+            # FSDP2 over a tensor-parallel Shard of the same dim: split_factor is the tp degree, and the rank's
+            # rows are still contiguous; any other strided split owns several rectangles.
+            after = [mesh.size(j) for j, q in enumerate(placements) if j > i and isinstance(q, Shard)]
+            if int(pl.split_factor) != prod(after) or any(
+                isinstance(q, Shard) and q.dim != pl.dim for j, q in enumerate(placements) if j > i
+            ):
+                return None
+        elif not isinstance(pl, (Shard, Replicate)):
+            return None  # Partial: not a layout a parameter is stored in
+    # DTensor's checkpoint protocol (what DCP plans reads with): one chunk, this rank's sizes and global offsets.
+    chunks = view.__create_chunk_list__()
+    if len(chunks) != 1 or tuple(chunks[0].sizes) != tuple(view.to_local().shape):
+        return None
+    return tuple(slice(o, o + s) for o, s in zip(chunks[0].offsets, chunks[0].sizes))
+
+
+@torch.no_grad()
+def _fill(source: Source, key: str, view: torch.Tensor) -> int:
+    """Copy file tensor ``key`` into ``view`` (this rank's part only); the bytes read."""
+    region = _region(view) if isinstance(view, DTensor) and not is_fused(view) else None
+    if region is not None:
+        local = _local(view)
+        if local.numel() == 0:
+            return 0  # an uneven split left this rank no rows
+        part = source.read(key, region)
+        local.copy_(part)
+        return part.numel() * part.element_size()
+    full = source.read(key)
+    place_full(full, view)
+    return full.numel() * full.element_size()
+
+
+def _fill_dcp(source: DCPSource, pairs: Mapping[str, str], views: Mapping[str, torch.Tensor]) -> int:
+    # Tied names share one storage: DCP loads it once. Fused tensors are stored whole (strided.py), as load_sharded
+    # reads them: canonicalize (collective over each tensor's mesh), load, restore.
+    state: dict[str, Any] = {}
+    seen: set[tuple[int, ...]] = set()
+    for name, key in pairs.items():
+        if name not in views:
+            continue
+        skey = _storage_key(views[name])
+        if skey is not None and skey in seen:
+            continue
+        if skey is not None:
+            seen.add(skey)
+        state[key] = views[name]
+    canonical, swaps = canonicalize({"state_dict": state})
+    distributed = dist.is_available() and dist.is_initialized()
+    try:
+        safe_load(canonical, source.path, SafeLoadPlanner(), no_dist=not distributed)
+    except CheckpointError as err:
+        raise PretrainedError(str(err)) from err
+    restore(swaps)
+    return sum(_local(v).numel() * source.dtypes[k].itemsize for k, v in state.items())
+
+
+def load_pretrained(
+    path: str | Path,
+    views: Mapping[str, torch.Tensor],
+    *,
+    module_type: str = "",
+    tied: Mapping[str, str] | None = None,
+    strict: bool = True,
+) -> PretrainedReport:
+    """Fill ``views`` in place with the pretrained weights at ``path``, reading only what this rank owns.
+
+    Collective when a process group is initialised: every rank of the world calls it, with its own views.
+
+    Args:
+        path: a Hugging Face folder (``model.safetensors`` or a sharded ``model.safetensors.index.json``), a
+            ``.safetensors`` file, a file written by ``lightning-par consolidate``, or a sharded lightning_par
+            checkpoint folder (see `lightning_par.checkpoint.pretrained_sources`).
+        views: the model's state dict in checkpoint view (``lightning_par.checkpoint.dcp.model_state``): the module's
+            names, each a full-shape tensor or a DTensor of the full shape. Names tied to one storage need only one
+            of them in the file (Hugging Face leaves out ``lm_head.weight`` when it is tied).
+        module_type: the model's class name, for messages (``"LlamaForCausalLM"``).
+        tied: module name -> module name whose file tensor fills it when the file lacks it: a tied weight that this
+            rank holds as its own copy (a pipeline's last stage holding the output head tied to the embedding).
+        strict: refuse missing and unexpected tensors (the default). ``False``: missing ones keep their values,
+            unexpected ones are skipped, both are listed in the report. Shape mismatches are always refused.
+
+    Returns:
+        what was read, printable as one start-up log line.
+
+    Raises:
+        PretrainedError: the path is in no accepted format; a file is missing, truncated or corrupt; or the names or
+            shapes do not fit the model. Raised on every rank alike, before any tensor is read.
+    """
+    start = time.perf_counter()
+    path = Path(path)
+    source, match, ties = _validate(path, views, dict(tied or {}), strict, module_type)
+    pairs = dict(match.pairs)
+    for name in match.tied:  # the partner's file tensor; read once when the two share storage (below)
+        pairs[name] = pairs[next(p for p in ties[name] if p in match.pairs)]
+    pairs = {n: k for n, k in sorted(pairs.items()) if n in views}
+    if isinstance(source, DCPSource):
+        read = _fill_dcp(source, pairs, views)
+    else:
+        read, seen = 0, set()
+        for name, key in pairs.items():
+            skey = _storage_key(views[name])
+            if skey is None or skey not in seen:
+                read += _fill(source, key, views[name])
+            if skey is not None:
+                seen.add(skey)
+    return PretrainedReport(
+        path=str(path),
+        format=source.describe(),
+        rewrite=match.rewrite,
+        tensors=len(pairs),
+        bytes_read=read,
+        ignored=tuple(match.ignored),
+        tied=tuple(n for n in match.tied if n in views),
+        skipped=tuple(match.missing + match.unexpected) if not strict else (),
+        seconds=time.perf_counter() - start,
+    )
