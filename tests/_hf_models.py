@@ -43,3 +43,26 @@ class HFLlama(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+class HFLlamaDeferred(HFLlama):
+    """`HFLlama` built in ``configure_model()``, Lightning's hook for models too large for one device (lightning_par
+    builds it on the meta device there), trained with SGD + momentum (parameters compared at 1e-5)."""
+
+    def __init__(self) -> None:
+        L.LightningModule.__init__(self)
+        self.lr = 0.5
+
+    def configure_model(self) -> None:
+        if hasattr(self, "model"):  # Lightning calls the hook again for each fit / validate
+            return
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(
+            vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, attn_implementation="eager",
+        )  # fmt: skip
+        self.model = LlamaForCausalLM(config)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)

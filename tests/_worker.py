@@ -83,13 +83,17 @@ class HFMixtralLM(L.LightningModule):
 
     def __init__(self) -> None:
         super().__init__()
+        self.model = self.build()
+
+    @staticmethod
+    def build() -> Any:
         from transformers import MixtralConfig, MixtralForCausalLM
 
         config = MixtralConfig(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
                                num_experts_per_tok=2, max_position_embeddings=64, output_router_logits=False,
                                attn_implementation="eager")  # fmt: skip
-        self.model = MixtralForCausalLM(config)
+        return MixtralForCausalLM(config)
 
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         x, y = batch
@@ -100,6 +104,17 @@ class HFMixtralLM(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
+
+
+class HFMixtralDeferred(HFMixtralLM):
+    """`HFMixtralLM` built in ``configure_model()`` (on the meta device under lightning_par)."""
+
+    def __init__(self) -> None:
+        L.LightningModule.__init__(self)
+
+    def configure_model(self) -> None:
+        if not hasattr(self, "model"):
+            self.model = self.build()
 
 
 class _Residual(torch.nn.Module):
@@ -226,6 +241,8 @@ MODELS = {
     "moe_gpt_cap_sgd": lambda: SGDMoEGPT(**_MOE, capacity_factor=0.75),
     "moe_gpt_3experts": lambda: MoEGPT(**{**_MOE, "n_experts": 3}),
     "hf_mixtral": HFMixtralLM,
+    "hf_mixtral_deferred": lambda: HFMixtralDeferred(),  # built in configure_model()
+    "hf_llama_deferred": lambda: _hf_models().HFLlamaDeferred(),
     # MoE families we did not write (tests/_families_moe.py): experts recognised by structure.
     "hf_qwen2_moe": lambda: _families_moe().HFQwen2MoE(),
     "hf_qwen3_moe": lambda: _families_moe().HFQwen3MoE(),
@@ -702,6 +719,10 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     # empty_init: the model is built under trainer.init_module(empty_init=True), on the meta device.
     with trainer.init_module(empty_init=True) if job.get("empty_init") else contextlib.nullcontext():
         model = model_cls()
+    if job.get("hf_from_pretrained"):  # the one-process reference of a pretrained start: transformers loads it
+        if not hasattr(model, "model"):
+            model.configure_model()  # a deferred model, built here (no strategy context: on the CPU)
+        model.model = type(model.model).from_pretrained(job["hf_from_pretrained"], attn_implementation="eager")
     if job.get("expect_error"):
         try:
             with _patch_checkpoint_writes(job):

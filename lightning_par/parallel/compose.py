@@ -7,6 +7,7 @@ runs on what is left, each stage (`ModelPart`) treated like a whole model. Addin
 
 from __future__ import annotations
 
+import functools
 from datetime import timedelta
 from typing import Optional
 
@@ -14,6 +15,8 @@ import torch
 from torch import nn
 
 from lightning_par.checkpoint.dcp import model_state
+from lightning_par.checkpoint.fast_state import clean_name
+from lightning_par.checkpoint.pretrained import load_pretrained
 from lightning_par.config import ParallelConfig
 from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel.activation_checkpointing import apply_activation_checkpointing
@@ -42,6 +45,7 @@ def parallelize(
     tp_plan: Optional[dict[str, str]] = None,
     timeout: Optional[timedelta] = None,
     device: Optional[torch.device] = None,
+    pretrained: Optional[str] = None,
 ) -> ParallelRun:
     """Apply the configured parallelism to ``module`` in place and return what the run needs afterwards.
 
@@ -55,11 +59,14 @@ def parallelize(
         timeout: collective timeout of process groups created here (a pipeline's tied-weight group).
         device: this rank's device; needed when the model was built on the meta device (default: where the
             parameters are).
+        pretrained: a checkpoint whose weights replace the model's (`lightning_par.checkpoint.pretrained`): each
+            rank reads its own part, once the model is laid out; a meta-built model is then never initialised.
     """
     trunk = _trunk(module, config)
     # Built on the meta device: every transform below runs on the empty model, then each rank creates and
     # initialises only what it holds (step 6), the same values on every layout (parallel/materialize.py).
     templates = capture_init(module, trunk) if has_meta(module) else None
+    ties = tied_names(module)  # before a pipeline cut gives each end stage its own copy
     device = device or _device(module)
     # Inferred on the whole model (one small forward), before a pipeline cut leaves a stage unable to run it.
     plan = _tp_plan(module, config, tp_plan)
@@ -107,11 +114,18 @@ def parallelize(
         for part in parts:
             apply_fsdp(part.root, part.block_modules, mesh.dp_2d, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                        offload=config.offload, ignored_params=set(exclude) or None)  # fmt: skip
-    # A meta-built model now gets storage for what this rank holds, and its values: after FSDP2 sharded it (each
-    # rank allocates its shards only), before the ZeRO 0-2 engine copies the values into its fp32 masters.
+    # A meta-built model now gets storage for what this rank holds, and its values (initialised, or read from the
+    # pretrained checkpoint): after FSDP2 sharded it, so that each rank allocates its shards only; before the ZeRO
+    # 0-2 engine copies the values into its fp32 masters.
+    distribute = experts.distribute if experts is not None and experts.params else None
+    views = functools.partial(model_state, module, distribute)
+    notes: list[str] = []
     if templates is not None:
-        distribute = experts.distribute if experts is not None and experts.params else None
-        materialize(module, templates, lambda: model_state(module, distribute), device, seed=base_seed())
+        skip = frozenset(views()) if pretrained else frozenset()  # only recomputed buffers (rotary tables) remain
+        units = materialize(module, templates, views, device, seed=base_seed(), skip=skip)
+        notes.append(f"built on the meta device: {units} unit(s) {'allocated' if pretrained else 'initialised'} here")
+    if pretrained:
+        notes.append(str(load_pretrained(pretrained, views(), module_type=type(module).__name__, tied=ties)))
     if config.zero_stage != 3:
         state_mesh = mesh.dp_tp if config.tp > 1 else None
         # A schedule runs several backward passes per step, and its zero-bubble weight passes compute gradients
@@ -136,6 +150,7 @@ def parallelize(
         experts=experts,
         pipeline=cut.runner if cut is not None else None,
         norm_groups=(mesh.root.get_group("pp"),) if cut is not None else (),
+        notes=tuple(notes),
     )
 
 
@@ -167,6 +182,14 @@ def _tp_plan(module: nn.Module, config: ParallelConfig, overrides: Optional[dict
 def _whole(module: nn.Module, trunk: Optional[Trunk]) -> ModelPart:
     blocks = tuple(zip(trunk.names, trunk.blocks)) if trunk is not None else ()
     return ModelPart(StepRoot(module), blocks, whole_trunk=True)
+
+
+def tied_names(module: nn.Module) -> dict[str, str]:
+    """For each parameter name that shares its tensor with another name, that other name (both directions)."""
+    names: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(clean_name(name))
+    return {a: b for group in names.values() if len(group) > 1 for a in group for b in group if a != b}
 
 
 def _device(module: nn.Module) -> torch.device:

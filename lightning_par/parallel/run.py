@@ -44,6 +44,7 @@ class ParallelRun:
         pipeline: the runner of pipeline steps when ``pp > 1``.
         norm_groups: groups over which ranks hold different parameters altogether (pipeline stages): the gradient
             norm sums its squares over them too.
+        notes: start-up log lines of set-up (meta-device construction, pretrained weights read).
     """
 
     model: nn.Module
@@ -52,6 +53,7 @@ class ParallelRun:
     experts: Optional[ExpertParallel] = None
     pipeline: Optional[PipelineRunner] = None
     norm_groups: tuple[dist.ProcessGroup, ...] = ()
+    notes: tuple[str, ...] = ()
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Make an optimizer built over the module's parameters step on this rank's shards (in place)."""
@@ -121,5 +123,5 @@ class ParallelRun:
         return frozenset(set().union(*every) - mine) | remote
 
     def describe(self) -> list[str]:
-        """Lines for the start-up log (the pipeline's stages)."""
-        return [self.pipeline.describe()] if self.pipeline is not None else []
+        """Lines for the start-up log (the pipeline's stages, how the weights were made)."""
+        return ([self.pipeline.describe()] if self.pipeline is not None else []) + list(self.notes)

@@ -60,6 +60,11 @@ class ParallelStrategy(ProcessGroupStrategy):
         tp_plan: overrides of the inferred tensor-parallel plan: module-name patterns (``*`` for the block index)
             to styles (``colwise``, ``rowwise``, ``colwise_fused_qkv``, ``sequence_parallel``, ``replicate``);
             print the inferred plan with ``lightning-par plan``. See docs/tensor_parallel.md.
+        pretrained: start from these weights: a Hugging Face folder (``model.safetensors`` or a sharded index), a
+            ``.safetensors`` file, ``lightning-par consolidate`` output or a sharded checkpoint folder of this
+            suite. Each rank reads only the part it holds, once the model is laid out; names, shapes and files are
+            checked first, on every rank (docs/large_models.md). Build the model in ``configure_model()`` so that it
+            is never initialised at all.
     """
 
     def __init__(
@@ -85,6 +90,7 @@ class ParallelStrategy(ProcessGroupStrategy):
         async_save: bool = False,
         tp_plan: Optional[dict[str, str]] = None,
         backend: str = "native",
+        pretrained: Optional[str] = None,
         accelerator: Optional[pl.accelerators.Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -116,6 +122,7 @@ class ParallelStrategy(ProcessGroupStrategy):
             precision_plugin=precision_plugin,
         )  # fmt: skip
         self._tp_plan = dict(tp_plan) if tp_plan else None
+        self._pretrained = str(pretrained) if pretrained is not None else None
         self._checkpoints = ShardedCheckpoints(self._timeout, async_save)
         self._run: Optional[ParallelRun] = None
         self._pipeline: Optional[PipelineSteps] = None
@@ -167,6 +174,7 @@ class ParallelStrategy(ProcessGroupStrategy):
             self._run = parallelize(
                 module, self.meshes, self._config, param_dtype=low, reduce_dtype=torch.float32 if low else None,
                 tp_plan=self._tp_plan, timeout=self._timeout, device=self.root_device,
+                pretrained=self._pretrained,
             )  # fmt: skip
             self._set_metric_groups(module)
             precision.norm_groups = self._run.norm_groups  # clipping's global norm spans what the run says
