@@ -14,18 +14,22 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
+def _llama(layers: int) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, attn_implementation="eager",
+    )  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
 class HFLlama(L.LightningModule):
     """``LlamaForCausalLM`` (GQA: 4 query heads, 2 key/value heads; SwiGLU; RMSNorm; rotary) on byte tokens."""
 
     def __init__(self, lr: float = 3e-3, layers: int = 2) -> None:
         super().__init__()
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        config = LlamaConfig(
-            vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=64, attn_implementation="eager",
-        )  # fmt: skip
-        self.model = LlamaForCausalLM(config)
+        self.model = _llama(layers)
         self.lr = lr
 
     def forward(self, idx: Tensor) -> Tensor:
@@ -56,13 +60,22 @@ class HFLlamaDeferred(HFLlama):
     def configure_model(self) -> None:
         if hasattr(self, "model"):  # Lightning calls the hook again for each fit / validate
             return
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        config = LlamaConfig(
-            vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=64, attn_implementation="eager",
-        )  # fmt: skip
-        self.model = LlamaForCausalLM(config)
+        self.model = _llama(2)
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+class HFLlamaConfigured(HFLlama):
+    """`HFLlama` whose Hugging Face model is built in ``configure_model()`` (Lightning's hook for large models), not
+    in ``__init__``: the strategy's context decides where its tensors go."""
+
+    def __init__(self, lr: float = 3e-3, layers: int = 2) -> None:
+        L.LightningModule.__init__(self)
+        self.lr, self.layers = lr, layers
+        self.model: Any = None
+
+    def configure_model(self) -> None:
+        if self.model is not None:  # Lightning calls the hook again for validate / test after fit
+            return
+        self.model = _llama(self.layers)

@@ -234,6 +234,7 @@ MODELS = {
     "gpt_uneven": lambda: GPT(vocab_size=258, block_size=34, n_layer=2, n_head=4, n_embd=36, lr=3e-3),
     "hf_llama": lambda: _hf_models().HFLlama(),
     "hf_llama_4": lambda: _hf_models().HFLlama(layers=4),  # four blocks, for pp 4
+    "hf_llama_configure_model": lambda: _hf_models().HFLlamaConfigured(),  # built in configure_model()
     "gpt_3heads": lambda: GPT(vocab_size=256, block_size=32, n_layer=2, n_head=3, n_embd=24),  # tp=2 cannot split
     # MoE-GPT: dropless, and with capacity factor 0.75 (a quarter of the assignments or more are dropped).
     "moe_gpt": lambda: MoEGPT(**_MOE, lr=3e-3),
@@ -620,6 +621,12 @@ def _checkpoint_callbacks(job: dict[str, Any]) -> list[L.Callback]:
                             save_on_train_epoch_end=True)]  # fmt: skip
 
 
+def _ds_gathered(params: list[Any]) -> Any:
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params)
+
+
 class InitRecorder(L.Callback):
     """The full parameters and persistent buffers right after set-up (before any step), merged over pipeline stages."""
 
@@ -629,12 +636,30 @@ class InitRecorder(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
         from lightning_par.checkpoint.strided import full_tensor
 
-        state = {k: full_tensor(v).detach().cpu().clone() for k, v in pl_module.state_dict().items()}
+        # DeepSpeed ZeRO-3 holds partitions only: gather the whole model for the recording (a test-sized model).
+        params = [p for p in pl_module.parameters() if hasattr(p, "ds_id")]
+        gathered = _ds_gathered(params) if params else contextlib.nullcontext()
+        with gathered:
+            state = {k: full_tensor(v).detach().cpu().clone() for k, v in pl_module.state_dict().items()}
         if getattr(getattr(trainer.strategy, "config", None), "pp", 1) > 1:
             every: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(every, state)
             state = {k: v for d in every for k, v in d.items()}
         self.state = state
+
+
+def _asdict(report: Any) -> Any:
+    import dataclasses
+
+    return dataclasses.asdict(report) if report is not None else None
+
+
+def _gathered_objects(obj: Any) -> list[Any]:
+    if not dist.is_initialized():
+        return [obj]
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, obj)
+    return every
 
 
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
@@ -756,6 +781,8 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         "params": params,
         "routing": routing.global_order() if isinstance(model, MoEGPT) else None,
         "init_state": next((c.state for c in extra if isinstance(c, InitRecorder)), None),
+        # DeepSpeed backend, meta-built model: what materialising it cost each rank (parallel/deepspeed_init.py).
+        "meta_init_all": _gathered_objects(_asdict(getattr(trainer.strategy, "meta_init", None))),
         "layout": getattr(trainer.strategy, "parallel_layout", None),
         "optim_at_start": optim_recorder.state,
         "start_step": ckpt_recorder.start_step,

@@ -281,6 +281,13 @@ def fp16_supported() -> bool:
     return bool(get_accelerator().is_fp16_supported())
 
 
+def init_comm() -> None:
+    """Point DeepSpeed's comm layer at the (gloo or nccl) default process group that already exists."""
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), dist_init_required=False)
+
+
 def initialize_engine(
     module: nn.Module,
     optimizer: Optional[torch.optim.Optimizer],
@@ -298,7 +305,6 @@ def initialize_engine(
     """
     import deepspeed
 
-    # Wraps the process group that already exists; DeepSpeed's comm layer then uses it for its collectives.
-    deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), dist_init_required=False)
+    init_comm()
     engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config, dist_init_required=False)
     return engine

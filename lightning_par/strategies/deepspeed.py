@@ -28,17 +28,20 @@ from typing_extensions import override
 from lightning_par import _compat
 from lightning_par.checkpoint.reader import load_tensors, read_index, read_meta
 from lightning_par.parallel import deepspeed_state as ds_state
+from lightning_par.parallel.deepspeed_init import MetaInitReport, materialize_for_deepspeed
 from lightning_par.parallel.deepspeed_zero import (
     DeepSpeedConfigError,
     build_config,
     check_deepspeed_layout,
     deepspeed_optimizer,
     fp16_supported,
+    init_comm,
     initialize_engine,
     load_user_config,
     merge_user_config,
     use_cpu_accelerator,
 )
+from lightning_par.parallel.materialize import base_seed, has_meta
 from lightning_par.parallel.optimizers import check_elementwise
 from lightning_par.precision.parallel import ParallelPrecision
 from lightning_par.strategies.parallel import ParallelStrategy
@@ -149,6 +152,8 @@ class DeepSpeedParallelStrategy(ParallelStrategy):
         self._engine: Any = None
         self._client: Optional[torch.optim.Optimizer] = None  # what configure_optimizers returned
         self._group_names: list[list[str]] = []
+        #: What materialising a meta-built model cost this rank (``None`` for a model built eagerly).
+        self.meta_init: Optional[MetaInitReport] = None
 
     @property
     def engine(self) -> Any:
@@ -191,7 +196,26 @@ class DeepSpeedParallelStrategy(ParallelStrategy):
         self.setup_precision_plugin()
 
     def _build_engine(self, trainer: pl.Trainer, module: pl.LightningModule, fitting: bool) -> None:
-        module.to(self.root_device)
+        if trainer.gradient_clip_val and trainer.gradient_clip_algorithm == "value":
+            raise DeepSpeedConfigError("DeepSpeed clips by norm only; use gradient_clip_algorithm='norm'")
+        if self._offload_device == "nvme" and self._nvme_path is None:
+            # Per process, so concurrent jobs on one machine never share swap files; the engine reads them until
+            # the process ends (validate/predict after fit too), so they go at exit.
+            self._nvme_path = tempfile.mkdtemp(prefix="lightning_par_nvme_")
+            atexit.register(shutil.rmtree, self._nvme_path, ignore_errors=True)
+        ours = build_config(
+            self.config, precision=str(self._precision.precision), accumulate=trainer.accumulate_grad_batches,
+            clip_val=trainer.gradient_clip_val, offload_device=self._offload_device, nvme_path=self._nvme_path,
+        )  # fmt: skip
+        ds_config = merge_user_config(ours, self._user_config)
+        if has_meta(module):
+            # Built on the meta device: storage and the native backend's initial values, before the optimizer is
+            # built over the parameters (ZeRO-3: partitioned unit by unit, parallel/deepspeed_init.py).
+            init_comm()
+            self.meta_init = materialize_for_deepspeed(module, self.root_device, ds_config, seed=base_seed())
+            rank_zero_info(f"lightning_par {self.meta_init.describe()}")
+        else:
+            module.to(self.root_device)
         self._set_metric_groups(module)
         optimizer = None
         if fitting:
@@ -210,18 +234,6 @@ class DeepSpeedParallelStrategy(ParallelStrategy):
             names = {p: n for n, p in module.named_parameters()}
             self._group_names = [[names[p] for p in g["params"]] for g in self._client.param_groups]
             optimizer = deepspeed_optimizer(self._client, offloaded=self.config.offload)
-        if trainer.gradient_clip_val and trainer.gradient_clip_algorithm == "value":
-            raise DeepSpeedConfigError("DeepSpeed clips by norm only; use gradient_clip_algorithm='norm'")
-        if self._offload_device == "nvme" and self._nvme_path is None:
-            # Per process, so concurrent jobs on one machine never share swap files; the engine reads them until
-            # the process ends (validate/predict after fit too), so they go at exit.
-            self._nvme_path = tempfile.mkdtemp(prefix="lightning_par_nvme_")
-            atexit.register(shutil.rmtree, self._nvme_path, ignore_errors=True)
-        ours = build_config(
-            self.config, precision=str(self._precision.precision), accumulate=trainer.accumulate_grad_batches,
-            clip_val=trainer.gradient_clip_val, offload_device=self._offload_device, nvme_path=self._nvme_path,
-        )  # fmt: skip
-        ds_config = merge_user_config(ours, self._user_config)
         if self.config.offload and optimizer is self._client and optimizer is not None:
             ds_config["zero_force_ds_cpu_optimizer"] = False  # a non-Adam torch optimizer on the CPU partitions
         rank_zero_info(f"lightning_par DeepSpeed config: {ds_config}")
