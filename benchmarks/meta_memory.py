@@ -2,7 +2,8 @@
 
 Launch (plain python: the script starts one ``torchrun --standalone --nproc-per-node 4`` job per configuration):
 
-    OMP_NUM_THREADS=1 python benchmarks/meta_memory.py [--quick] [--only zero3,pipe,tp] [--big] [--rounds 3]
+    OMP_NUM_THREADS=1 python benchmarks/meta_memory.py [--quick] [--only zero3,pipe,tp] [--models 1b,mid] [--big] \
+        [--rounds 3] [--seq 32]
 
 Configurations, 4 ranks over gloo on CPU, fp32, SGD without momentum, 1 optimizer step:
 
@@ -44,13 +45,15 @@ from typing import Any
 
 MiB = 2**20
 GiB = 2**30
-# name -> (hidden, layers, intermediate, heads); vocab 32000 for all. "mid" is the largest model whose eager
-# construction fits 4 ranks here (4 full copies + shards ~ 10 GB); "1b" and "big" are meta-only (see main()).
-MODELS: dict[str, tuple[int, int, int, int]] = {
-    "quick": (768, 8, 2048, 12),  # ~106 M
-    "mid": (2048, 6, 5504, 16),  # ~435 M, 1.6 GiB fp32
-    "1b": (2048, 16, 5504, 16),  # ~1.04 B, 3.9 GiB fp32
-    "big": (2048, 32, 5504, 16),  # ~1.75 B, 6.5 GiB fp32: 4 copies (26 GiB) exceed the machine
+# name -> (hidden, layers, intermediate, heads, vocab). "mid" is the largest model whose eager construction fits
+# 4 ranks here (4 full copies + shards ~ 10 GB); "1b" and "big" are meta-only (see main()). "big" has a smaller
+# vocabulary so that zero3's first-step transient (3 x embedding + head, see summarise) stays small next to its
+# 2 x 6.2 GiB of sharded weights and gradients on a shared 23.5 GiB machine.
+MODELS: dict[str, tuple[int, int, int, int, int]] = {
+    "quick": (768, 8, 2048, 12, 32000),  # ~106 M
+    "mid": (2048, 6, 5504, 16, 32000),  # 0.43 B, 1.6 GiB fp32
+    "1b": (2048, 16, 5504, 16, 32000),  # 0.94 B, 3.5 GiB fp32
+    "big": (2048, 32, 5504, 16, 8192),  # ~1.65 B, 6.2 GiB fp32: 4 copies (24.7 GiB) exceed the machine's 23.5 GiB
 }
 OUTSIDE = "<outside trunk>"
 STRATEGIES: dict[str, dict[str, Any]] = {
@@ -120,10 +123,10 @@ def _storage_bytes(tensors: Iterable[Any]) -> int:
 def _llama_config(name: str) -> Any:
     from transformers import LlamaConfig
 
-    hidden, layers, inter, heads = MODELS[name]
+    hidden, layers, inter, heads, vocab = MODELS[name]
     # Passed as a dict: transformers' config classes take their fields as **kwargs, which type checkers cannot see.
     fields: dict[str, Any] = dict(
-        vocab_size=32000, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=64,
         attn_implementation="eager", tie_word_embeddings=False,
     )  # fmt: skip
@@ -240,7 +243,8 @@ def worker(args: argparse.Namespace) -> None:
         module = _make_module(args.model)
     record["build_s"] = time.perf_counter() - t0
     marks.mark("build model")
-    tokens = torch.randint(0, 32000, (batch * 4, args.seq + 1), generator=torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, MODELS[args.model][4], (batch * 4, args.seq + 1), generator=gen)
     data = torch.utils.data.DataLoader(
         torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=batch
     )  # 4 ranks x 1 batch; the strategy's sampler splits over data-parallel ranks only
@@ -401,7 +405,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="alternated eager / meta rounds for set-up time (zero3)")
     parser.add_argument("--quick", action="store_true", help="the ~100 M model only, eager and meta, 1 round")
     parser.add_argument("--big", action="store_true", help="also the ~1.65 B model under zero3, meta only")
-    parser.add_argument("--no-eager", action="store_true", help="skip the eager comparison model")
+    parser.add_argument("--models", default="1b,mid", help="1b (meta only) and / or mid (eager and meta)")
     parser.add_argument("--patience", type=float, default=300.0, help="seconds to wait for free memory per job")
     args = parser.parse_args()
     if args.worker:
@@ -410,9 +414,10 @@ def main() -> None:
     # --quick: zero3 alone unless --only says otherwise (a 4-rank job of the ~100 M model takes ~45 s here).
     strategies = ["zero3"] if args.quick and args.only == parser.get_default("only") else args.only.split(",")
     # (model, init): the eager comparison runs on the largest model 4 eager ranks fit; 1b and big are meta-only.
-    plan = [("quick", "eager"), ("quick", "meta")] if args.quick else [("1b", "meta")]
-    if not args.quick and not args.no_eager:
-        plan += [("mid", "eager"), ("mid", "meta")]
+    plan = [("quick", "eager"), ("quick", "meta")] if args.quick else []
+    if not args.quick:
+        plan += [("1b", "meta")] if "1b" in args.models.split(",") else []
+        plan += [("mid", "eager"), ("mid", "meta")] if "mid" in args.models.split(",") else []
     rounds = 1 if args.quick else args.rounds
     start = time.perf_counter()
     print(f"load average {os.getloadavg()[0]:.2f}, {_available() / GiB:.1f} GiB available", flush=True)
@@ -441,7 +446,7 @@ def main() -> None:
     if args.big:
         full = _full_bytes("big")
         if _wait_for_memory(2 * full + 4 * GiB, args.patience):
-            res = summarise("big", "zero3", "meta", run_job("big", "zero3", "meta", args.seq, 600))
+            res = summarise("big", "zero3", "meta", run_job("big", "zero3", "meta", args.seq, 900))
             results.append(res)
             times.setdefault(("big", "zero3", "meta"), []).append(res)
             print_phases(res)
