@@ -36,7 +36,7 @@ META = {"empty_init": True, "record_init": True, "steps": 3}
 # name -> (model, strategy kwargs, ranks, extra job keys); dp 1 where every rank of a tp/pp group reads one batch.
 JOBS: dict[str, tuple[str, dict[str, Any], int, dict[str, Any]]] = {
     "llama_zero3": ("hf_llama_deferred", {"zero_stage": 3}, 2, {}),
-    "llama_tp_zero3": ("hf_llama_deferred", {"tp": 2, "zero_stage": 3}, 4, {}),
+    "llama_tp_zero3": ("hf_llama_deferred", {"tp": 2, "zero_stage": 3}, 4, {"dp": 2}),
     "llama_pipe_tp": ("hf_llama_deferred", {"pp": 2, "tp": 2}, 4, {"dp": 1}),
     "mixtral_zero3": ("hf_mixtral_deferred", {"zero_stage": 3}, 2, {}),
     "mixtral_moe_zero3": ("hf_mixtral_deferred", {"ep": 2, "zero_stage": 3}, 2, {}),
@@ -212,3 +212,10 @@ def test_reset_parameters_and_torch_layers_initialise_each_unit_the_same_way() -
     assert not torch.equal(a["proj.weight"], b["proj.weight"])
     assert not torch.equal(a["proj.weight"], other_seed["proj.weight"])
     assert a["proj.weight"].abs().max() <= 0.5  # torch's own Linear init: U(-1/sqrt(4), 1/sqrt(4))
+
+
+def test_pretrained_under_the_deepspeed_backend_is_refused_not_ignored() -> None:
+    from lightning_par import DeepSpeedParallelStrategy
+
+    with pytest.raises(ValueError, match="not supported under the DeepSpeed backend"):
+        DeepSpeedParallelStrategy(zero_stage=3, pretrained="weights")

@@ -174,7 +174,9 @@ class _Writes(TorchDispatchMode):
 
 
 def _init_module(m: nn.Module, hf: Any) -> None:
-    reset = getattr(m, "reset_parameters", None)
+    # torch's layers define reset_parameters(); nn.MultiheadAttention and nn.Transformer the private
+    # _reset_parameters() (what their __init__ calls).
+    reset = getattr(m, "reset_parameters", None) or getattr(m, "_reset_parameters", None)
     if callable(reset):
         reset()
     if hf is not None:
@@ -262,12 +264,18 @@ def allocate(module: nn.Module, device: torch.device) -> None:
     Parameters keep their identity (their contents are swapped, not replaced): expert parallelism, tied pipeline
     weights and FSDP2 hold references to them, taken while they were on the meta device.
     """
+    # Swapping exchanges the Python attributes too: marks set on a parameter (expert shards' groups, tied copies)
+    # are put back afterwards.
+    marks = {p: dict(vars(p)) for p in module.parameters()}
     swap = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(True)
     try:
         module._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t.to(device))
     finally:
         torch.__future__.set_swap_module_params_on_conversion(swap)
+    for p, attrs in marks.items():
+        for key, value in attrs.items():
+            vars(p).setdefault(key, value)
 
 
 @torch.no_grad()

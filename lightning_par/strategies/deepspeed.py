@@ -141,6 +141,13 @@ class DeepSpeedParallelStrategy(ParallelStrategy):
         backend = kwargs.pop("backend", "deepspeed")
         if backend != "deepspeed":
             raise ValueError(f"DeepSpeedParallelStrategy is backend='deepspeed', not {backend!r}; use ParallelStrategy")
+        if kwargs.get("pretrained") is not None:
+            # The engine is built from the whole module; reading each rank's part into DeepSpeed's partitions is
+            # not written yet. Refused rather than ignored.
+            raise ValueError(
+                "pretrained= is not supported under the DeepSpeed backend yet; use the native strategy of the same "
+                "stage (e.g. 'zero3' for 'deepspeed_zero3'), or load the weights yourself in configure_model()"
+            )
         super().__init__(*args, **kwargs)
         # A dimension DeepSpeed cannot combine with is refused here with its reason, also once it runs natively.
         check_deepspeed_layout(self.config)

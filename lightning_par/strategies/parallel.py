@@ -199,16 +199,11 @@ class ParallelStrategy(ProcessGroupStrategy):
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
-        # empty_init=True (trainer.init_module(empty_init=True)): parameters on the meta device, created rank by
-        # rank in `setup` (docs/large_models.md).
-        with torch.device("meta") if empty_init else nullcontext(), self.precision_plugin.tensor_init_context():
-            yield
-
-    @contextmanager
-    @override
-    def model_sharded_context(self) -> Generator[None, None, None]:
-        # configure_model() builds on the meta device: no rank ever holds the whole model (docs/large_models.md).
-        with torch.device("meta"):
+        # Lightning wraps configure_model() in this context (empty_init=None: "the strategy decides") and
+        # trainer.init_module(empty_init=...) too. Meta device unless empty_init=False: each rank then creates only
+        # what it holds, in `setup` (docs/large_models.md).
+        meta = torch.device("meta") if empty_init is not False else nullcontext()
+        with meta, self.precision_plugin.tensor_init_context():
             yield
 
     @override
