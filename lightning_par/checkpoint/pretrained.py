@@ -26,26 +26,23 @@ import dataclasses
 import hashlib
 import time
 from collections.abc import Mapping
-from math import prod
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
-from lightning_par import _compat
 from lightning_par.checkpoint.pretrained_names import NameMatch, PrefixRewrite, listing, match_names
 from lightning_par.checkpoint.pretrained_sources import (
     DCPSource,
     PretrainedError,
-    Region,
     Source,
     open_source,
 )
 from lightning_par.checkpoint.reader import CheckpointError, SafeLoadPlanner, safe_load
 from lightning_par.checkpoint.strided import canonicalize, is_fused, restore
-from lightning_par.parallel.place import place_full
+from lightning_par.parallel.place import place_full, region_of
 
 __all__ = ["PretrainedError", "PretrainedReport", "load_pretrained"]
 
@@ -215,31 +212,10 @@ def _refuse(
     )
 
 
-def _region(view: DTensor) -> Region | None:
-    """The one rectangle of the full tensor this rank's shard is, or ``None`` when it is not one rectangle."""
-    placements, mesh = view.placements, view.device_mesh
-    for i, pl in enumerate(placements):
-        if isinstance(pl, _compat.StridedShard):
-            # FSDP2 over a tensor-parallel Shard of the same dim: split_factor is the tp degree, and the rank's
-            # rows are still contiguous; any other strided split owns several rectangles.
-            after = [mesh.size(j) for j, q in enumerate(placements) if j > i and isinstance(q, Shard)]
-            if int(pl.split_factor) != prod(after) or any(
-                isinstance(q, Shard) and q.dim != pl.dim for j, q in enumerate(placements) if j > i
-            ):
-                return None
-        elif not isinstance(pl, (Shard, Replicate)):
-            return None  # Partial: not a layout a parameter is stored in
-    # DTensor's checkpoint protocol (what DCP plans reads with): one chunk, this rank's sizes and global offsets.
-    chunks = view.__create_chunk_list__()
-    if len(chunks) != 1 or tuple(chunks[0].sizes) != tuple(view.to_local().shape):
-        return None
-    return tuple(slice(o, o + s) for o, s in zip(chunks[0].offsets, chunks[0].sizes))
-
-
 @torch.no_grad()
 def _fill(source: Source, key: str, view: torch.Tensor) -> int:
     """Copy file tensor ``key`` into ``view`` (this rank's part only); the bytes read."""
-    region = _region(view) if isinstance(view, DTensor) and not is_fused(view) else None
+    region = region_of(view) if isinstance(view, DTensor) and not is_fused(view) else None
     if region is not None:
         local = _local(view)
         if local.numel() == 0:

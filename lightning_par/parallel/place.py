@@ -14,9 +14,13 @@ both end here, so that the two cannot disagree about which slice a rank owns.
 
 from __future__ import annotations
 
-import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
+from math import prod
+from typing import Optional
 
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from lightning_par import _compat
 from lightning_par.checkpoint.strided import is_fused, local_of_fused
 
 
@@ -32,6 +36,9 @@ def local_slice(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         return full
     if is_fused(like):
         return local_of_fused(full, like)
+    region = region_of(like)
+    if region is not None:
+        return full[region]  # a view: no copy of this rank's chunk before it is copied into place
     # src_data_rank=None: every rank slices its own chunk out of the full tensor it already has; nothing is sent.
     return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
 
@@ -44,6 +51,27 @@ def place_full(full: torch.Tensor, into: torch.Tensor) -> None:
     """
     local = local_slice(full.to(device=_local(into).device), into)
     _local(into).copy_(local)
+
+
+def region_of(view: DTensor) -> Optional[tuple[slice, ...]]:
+    """The one rectangle of the full tensor this rank's shard is, or ``None`` when it is not one rectangle."""
+    placements, mesh = view.placements, view.device_mesh
+    for i, pl in enumerate(placements):
+        if isinstance(pl, _compat.StridedShard):
+            # FSDP2 over a tensor-parallel Shard of the same dim: split_factor is the tp degree, and the rank's
+            # rows are still contiguous; any other strided split owns several rectangles.
+            after = [mesh.size(j) for j, q in enumerate(placements) if j > i and isinstance(q, Shard)]
+            if int(pl.split_factor) != prod(after) or any(
+                isinstance(q, Shard) and q.dim != pl.dim for j, q in enumerate(placements) if j > i
+            ):
+                return None
+        elif not isinstance(pl, (Shard, Replicate)):
+            return None  # Partial: not a layout a parameter is stored in
+    # DTensor's checkpoint protocol (what DCP plans reads with): one chunk, this rank's sizes and global offsets.
+    chunks = view.__create_chunk_list__()
+    if len(chunks) != 1 or tuple(chunks[0].sizes) != tuple(view.to_local().shape):
+        return None
+    return tuple(slice(o, o + s) for o, s in zip(chunks[0].offsets, chunks[0].sizes))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
