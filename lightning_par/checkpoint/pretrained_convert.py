@@ -164,18 +164,24 @@ class ConvertedSource(Source):
 
 def _plan(source: Source, model: nn.Module) -> ConvertedSource | None:
     from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, apply_renamings, dot_natural_key
 
     mapping = get_model_conversion_mapping(model)  # type: ignore[arg-type]
     renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
     converters = [t for t in mapping if isinstance(t, WeightConverter)]
-    by_pattern = {p: c for c in converters for p in c.source_patterns}
     renamed: dict[str, str] = {}
     groups: dict[str, _Group] = {}
     for key in sorted(source.shapes, key=dot_natural_key):
-        # No base_model_prefix / model state dict: the prefix is matched afterwards, on every rank's names
-        # (pretrained_names), and a pipeline stage's own module would otherwise decide it differently per rank.
-        name, pattern = rename_source_key(key, renamings, converters)
+        # transformers' rename_source_key: every renaming, then the first converter that matches. Done here step by
+        # step to know which converter matched (two may share a source pattern). No base_model_prefix: the prefix is
+        # matched afterwards on every rank's names (pretrained_names); a pipeline stage's module would decide it
+        # differently per rank.
+        name, pattern, converter = apply_renamings(key, renamings), None, None
+        for converter in converters:
+            converted, pattern = converter.rename_source_key(name)
+            if pattern is not None:
+                name = converted
+                break
         if pattern is None:
             if name in renamed:
                 raise PretrainedError(
@@ -184,7 +190,14 @@ def _plan(source: Source, model: nn.Module) -> ConvertedSource | None:
                 )
             renamed[name] = key
         else:
-            groups.setdefault(name, _Group(name, by_pattern[pattern])).sources.append((pattern, key))
+            group = groups.setdefault(name, _Group(name, converter))
+            if group.converter is not converter:
+                raise PretrainedError(
+                    f"{source.path}: two converters of transformers' {type(model).__name__} mapping make {name} "
+                    f"({group.converter} from {group.sources[0][1]}, {converter} from {key}); the file mixes two "
+                    "layouts of one weight, or the mapping is ambiguous: keep one layout in the file"
+                )
+            group.sources.append((pattern, key))
     if not groups and all(n == k for n, k in renamed.items()):
         return None  # the file is in the module's layout already
     shapes = {n: source.shapes[k] for n, k in renamed.items()}
