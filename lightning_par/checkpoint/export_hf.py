@@ -18,6 +18,9 @@ Tied weights (the output head and the embedding) are written once, as ``save_pre
 built from ``--config`` ties to an earlier name are left out (without a config both copies are written, which
 ``from_pretrained`` loads as well).
 
+MoE experts are written stacked, under the module's own names (``mlp.experts.gate_up_proj``): transformers 5's
+``from_pretrained`` loads them as they are (its conversion mapping rewrites only the per-expert layout it saves).
+
 Memory: shards are planned from the index's sizes, then each shard's tensors are read (DCP, only those keys), written
 and dropped before the next, so the peak is one shard (or one tensor larger than a shard), never the model. Runs in
 one process with no process group. The folder is written as ``OUT.tmp`` and renamed when complete.

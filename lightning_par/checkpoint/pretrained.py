@@ -17,6 +17,10 @@ shape) and fills it in place, in three steps:
    full tensor, never the model. A plain tensor is read whole.
 3. **Sharded lightning_par checkpoints** go through DCP itself, which plans each rank's reads from its DTensors.
 
+A Hugging Face file saved in another layout than the model's modules (transformers 5 writes MoE experts one by one
+and holds them stacked) is read through transformers' own conversion mapping when ``hf_model`` is given
+(`lightning_par.checkpoint.pretrained_convert`): the validation then sees the converted names and shapes.
+
 Values are cast to each view's dtype (a bf16 model reads an fp32 file, and the reverse).
 """
 
@@ -31,8 +35,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lightning_par.checkpoint.pretrained_convert import convert_source
 from lightning_par.checkpoint.pretrained_names import NameMatch, PrefixRewrite, listing, match_names
 from lightning_par.checkpoint.pretrained_sources import (
     DCPSource,
@@ -129,7 +135,12 @@ def _digest(source: Source) -> str:
 
 
 def _validate(
-    path: Path, views: Mapping[str, torch.Tensor], tied: Mapping[str, str], strict: bool, module_type: str
+    path: Path,
+    views: Mapping[str, torch.Tensor],
+    tied: Mapping[str, str],
+    strict: bool,
+    module_type: str,
+    hf_model: nn.Module | None,
 ) -> tuple[Source, NameMatch, dict[str, tuple[str, ...]]]:
     """Open the file and decide the name match on every rank's names; raise the same error on every rank.
 
@@ -140,6 +151,8 @@ def _validate(
     error: str | None = None
     try:
         source = open_source(path)
+        if hf_model is not None and not isinstance(source, DCPSource):  # our own checkpoints hold module names
+            source = convert_source(source, hf_model)
         meta = [n for n, v in views.items() if _local(v).device.type == "meta"]
         if meta:
             raise PretrainedError(
@@ -215,7 +228,8 @@ def _refuse(
 @torch.no_grad()
 def _fill(source: Source, key: str, view: torch.Tensor) -> int:
     """Copy file tensor ``key`` into ``view`` (this rank's part only); the bytes read."""
-    region = region_of(view) if isinstance(view, DTensor) and not is_fused(view) else None
+    sliceable = isinstance(view, DTensor) and not is_fused(view) and source.can_slice(key)
+    region = region_of(view) if isinstance(view, DTensor) and sliceable else None
     if region is not None:
         local = _local(view)
         if local.numel() == 0:
@@ -259,6 +273,7 @@ def load_pretrained(
     module_type: str = "",
     tied: Mapping[str, str] | None = None,
     strict: bool = True,
+    hf_model: nn.Module | None = None,
 ) -> PretrainedReport:
     """Fill ``views`` in place with the pretrained weights at ``path``, reading only what this rank owns.
 
@@ -276,6 +291,10 @@ def load_pretrained(
             rank holds as its own copy (a pipeline's last stage holding the output head tied to the embedding).
         strict: refuse missing and unexpected tensors (the default). ``False``: missing ones keep their values,
             unexpected ones are skipped, both are listed in the report. Shape mismatches are always refused.
+        hf_model: the Hugging Face model the views are of, or a module holding it (the LightningModule): a file in
+            another layout than its modules (transformers 5 saves MoE experts one by one, and holds them stacked) is
+            converted by transformers' own checkpoint conversion mapping for it
+            (`lightning_par.checkpoint.pretrained_convert`). ``None``: the file's names are read as they are.
 
     Returns:
         what was read, printable as one start-up log line.
@@ -286,7 +305,7 @@ def load_pretrained(
     """
     start = time.perf_counter()
     path = Path(path)
-    source, match, ties = _validate(path, views, dict(tied or {}), strict, module_type)
+    source, match, ties = _validate(path, views, dict(tied or {}), strict, module_type, hf_model)
     pairs = dict(match.pairs)
     for name in match.tied:  # the partner's file tensor; read once when the two share storage (below)
         pairs[name] = pairs[next(p for p in ties[name] if p in match.pairs)]

@@ -59,6 +59,10 @@ class Source:
         """The tensor ``key`` (only ``region`` of it, when given), in the file's dtype, on the CPU."""
         raise NotImplementedError(f"{self.kind} checkpoints are loaded with DCP, not tensor by tensor")
 
+    def can_slice(self, key: str) -> bool:
+        """Whether ``read(key, region)`` reads only ``region`` (a converted tensor exists only whole)."""
+        return True
+
     def describe(self) -> str:
         """The format and file count, for the start-up line."""
         return self.kind if self.files <= 1 else f"{self.kind}, {self.files} files"

@@ -125,7 +125,8 @@ def parallelize(
         units = materialize(module, templates, views, device, seed=base_seed(), skip=skip)
         notes.append(f"built on the meta device: {units} unit(s) {'allocated' if pretrained else 'initialised'} here")
     if pretrained:
-        notes.append(str(load_pretrained(pretrained, views(), module_type=type(module).__name__, tied=ties)))
+        report = load_pretrained(pretrained, views(), module_type=type(module).__name__, tied=ties, hf_model=module)
+        notes.append(str(report))
     if config.zero_stage != 3:
         state_mesh = mesh.dp_tp if config.tp > 1 else None
         # A schedule runs several backward passes per step, and its zero-bubble weight passes compute gradients
