@@ -38,6 +38,8 @@ JOBS: dict[str, tuple[str, dict[str, Any], int, dict[str, Any]]] = {
     "llama_zero3": ("hf_llama_deferred", {"zero_stage": 3}, 2, {}),
     "llama_tp_zero3": ("hf_llama_deferred", {"tp": 2, "zero_stage": 3}, 4, {"dp": 2}),
     "llama_pipe_tp": ("hf_llama_deferred", {"pp": 2, "tp": 2}, 4, {"dp": 1}),
+    "llama_pipe_zero3": ("hf_llama_deferred", {"pp": 2, "zero_stage": 3}, 4, {"dp": 2}),
+    "gpt2_tp_zero2": ("hf_gpt2", {"tp": 2, "zero_stage": 2}, 4, {"dp": 2}),
     "mixtral_zero3": ("hf_mixtral_deferred", {"zero_stage": 3}, 2, {}),
     "mixtral_moe_zero3": ("hf_mixtral_deferred", {"ep": 2, "zero_stage": 3}, 2, {}),
     "gpt2_tied_pipe": ("hf_gpt2", {"pp": 2}, 2, {"dp": 1}),
