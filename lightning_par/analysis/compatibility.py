@@ -70,7 +70,8 @@ class _Checks:
         def run() -> str:
             plan = infer_tp_plan(self.module)
             validate_tp(plan, self.degree)
-            return f"tp plan: {len(plan.heads)} attention and {len(plan.mlps)} MLP regions per block"
+            whole = f"; kept whole on every tp rank: {', '.join(plan.whole)} (mixture of experts)" if plan.whole else ""
+            return f"tp plan: {len(plan.heads)} attention and {len(plan.mlps)} MLP regions per block{whole}"
 
         return _guard(run, TPPlanError)
 

@@ -115,6 +115,9 @@ def sequence_parallel_blocker(plan: TPPlan, block: nn.Module) -> str | None:
             return f"the input projections {where}, so their input cannot be gathered before their code runs"
     if any(True for _ in block.parameters(recurse=False)):
         return f"{type(block).__name__} owns parameters directly"
+    if plan.whole:
+        # Kept whole, it would route only this rank's tokens with plain parameters: gradients of part of the batch.
+        return f"the mixture-of-experts layer {plan.whole[0]} is kept whole on every tp rank"
     for key, head in plan.heads.items():
         if not any(plan.styles.get(p) in _SPLIT for p in head.projections):
             # Kept whole (a tp_plan), it would run on this rank's tokens only: attention mixes the sequence.

@@ -43,6 +43,10 @@ def _signature(block: nn.Module) -> list[tuple[str, str, list[tuple[int, ...]]]]
     ]
 
 
+def _inside(name: str, roots: tuple[str, ...]) -> bool:
+    return any(name == r or name.startswith(r + ".") for r in roots)
+
+
 def _glob(name: str, pattern: str) -> bool:
     a, b = name.split("."), pattern.split(".")
     return len(a) == len(b) and all(fnmatch.fnmatchcase(x, y) for x, y in zip(a, b))
@@ -64,14 +68,11 @@ def infer_tp_plan(model: nn.Module, *, overrides: dict[str, str] | None = None) 
     trunk = find_trunk(model)
     if trunk is None:
         raise TPPlanError("found no trunk of >= 2 same-class blocks in a ModuleList/Sequential/ModuleDict")
-    moe = find_moe_layers(model)
-    if moe:
-        # The plan knows attention and dense MLPs; a router and stacked experts next to them are neither, and
-        # the residual stream would reach them sequence-sharded. Experts are sharded by expert parallelism.
-        raise TPPlanError(
-            f"{moe[0].name} is a mixture-of-experts block ({moe[0].n_experts} experts): tensor parallelism does not "
-            "split routers or experts; train this model with strategy='moe' (experts sharded over ranks) or 'zero3'"
-        )
+    # Mixture-of-experts layers are kept whole: the plan splits attention and dense MLPs around them, and each tp
+    # rank runs the router and experts on the same replicated hidden state (sequence parallelism is then off:
+    # parallel/tensor_parallel.py). Experts are sharded by expert parallelism, not by tp.
+    first = trunk.names[0] + "."
+    whole = tuple(m.name[len(first) :] for m in find_moe_layers(model) if m.name.startswith(first))
     ref = _signature(trunk.blocks[0])
     for name, block in zip(trunk.names[1:], trunk.blocks[1:]):
         sig = _signature(block)
@@ -82,8 +83,9 @@ def infer_tp_plan(model: nn.Module, *, overrides: dict[str, str] | None = None) 
                 f"blocks differ: {trunk.names[0]} has {a} where {name} has {b}; one tp plan covers all blocks of "
                 f"{trunk.path or 'the model'}, so give them one structure"
             )
-    projections = affine_modules({n: m for n, m in trunk.blocks[0].named_modules() if n})
-    inner = {n: m for n, m in trunk.blocks[0].named_modules() if n and (n in projections or _is_norm(m))}
+    kept = {n: m for n, m in trunk.blocks[0].named_modules() if n and not _inside(n, whole)}
+    projections = affine_modules(kept)
+    inner = {n: m for n, m in kept.items() if n in projections or _is_norm(m)}
     in_blocks = set(trunk.names)
     outer: dict[str, nn.Module] = {}
     marker = -1
@@ -120,7 +122,7 @@ def infer_tp_plan(model: nn.Module, *, overrides: dict[str, str] | None = None) 
             projs = tuple(inf.pat(n) for n in (*r.ins, r.out))
             region = inf.pat(_common_parent(list(r.ins)))
             mlps[key if key not in mlps else inf.pat(r.out)] = MLPInfo(r.hidden, len(r.ins) == 2, projs, region)
-    shapes = {inf.pat(n): s for n, m in inf.mods.items() if n and (s := _shape(m)) is not None}
+    shapes = {inf.pat(n): s for n, m in kept.items() if (s := _shape(m)) is not None}
     shapes.update({n: s for n, m in outer.items() if (s := _shape(m)) is not None})
     covered = _override(styles, shapes, {k for h in heads.values() for k in h.fused_split}, overrides or {})
     errors = []
@@ -146,7 +148,8 @@ def infer_tp_plan(model: nn.Module, *, overrides: dict[str, str] | None = None) 
         output=output,
         final_norm=final_norm,
         traced=traced,
-        notes=tuple(notes),
+        notes=tuple(notes) + tuple(f"kept whole (mixture of experts): {inf.pat(w)}" for w in whole),
+        whole=whole,
     )
 
 

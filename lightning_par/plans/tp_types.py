@@ -76,6 +76,8 @@ class TPPlan:
         shapes: every Linear, Embedding and norm (block ones as patterns) -> kind and dims, for overrides.
         vocab_size, embedding, output, final_norm: the head's width, token embedding, head and the norm before it.
         traced: False when the forward pass failed and pairs were guessed from registration order.
+        whole: block-relative names of mixture-of-experts layers kept whole on every tp rank (their router and
+            experts are computed redundantly on the replicated hidden state; expert parallelism shards experts).
     """
 
     trunk: str
@@ -92,6 +94,7 @@ class TPPlan:
     final_norm: str | None
     traced: bool
     notes: tuple[str, ...]
+    whole: tuple[str, ...] = ()
 
     @property
     def mlp_hidden(self) -> dict[str, int]:
