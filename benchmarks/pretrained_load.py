@@ -22,8 +22,11 @@ eager, and a quarter of it to meta under zero3).
 
 Set-up time: from before the module's construction (eager: ``from_pretrained``) to ``on_train_start``, slowest
 rank; rounds alternate eager and meta, the order reversed every round (ABBA), so a drift of the machine's load
-cancels. Memory: each phase's VmHWM above the baseline (``meta_memory.Marks``); VmHWM counts the file pages a rank
-has mapped and touched (safetensors reads through ``mmap``) as well as its own memory, so the script also records
+cancels. The first round of each configuration trains one step (its memory); later rounds end at
+``on_train_start`` (a 0.43 B step takes ~60 s here, the set-up ~10 s).
+
+Memory: each phase's VmHWM above the baseline (``meta_memory.Marks``). VmHWM counts the file pages a rank has
+mapped and touched (safetensors reads through ``mmap``) as well as its own memory, so the script also records
 RssAnon (the rank's own memory) and RssFile (mapped file pages: shared page cache, clean, reclaimable) after every
 tensor ``load_pretrained`` fills. Bytes read: ``PretrainedReport.bytes_read`` (meta), the file's size (eager:
 ``from_pretrained`` reads every tensor); ``read_bytes`` of ``/proc/self/io`` (what reached the disk) is recorded too.
@@ -143,6 +146,7 @@ def worker(args: argparse.Namespace) -> None:
     for name in WRAPPED:
         _wrap(compose, name, marks)
     record: dict[str, Any] = {}
+    io0 = _io_read_bytes()
     _track_fills(record)
     load = compose.load_pretrained
 
@@ -152,6 +156,13 @@ def worker(args: argparse.Namespace) -> None:
         return report
 
     compose.load_pretrained = load_and_keep  # type: ignore[assignment]
+
+    def finish() -> None:
+        record.update(rank=dist.get_rank(), baseline=baseline, baseline_anon=baseline_anon,
+                      baseline_file=baseline_file, phases=marks.phases, io_read=_io_read_bytes() - io0)  # fmt: skip
+        record.pop("t0")
+        Path(args.out, f"rank{dist.get_rank()}.json").write_text(json.dumps(record))
+        clean_exit(0)
 
     class Probe(L.Callback):
         """Marks Lightning's phases; this rank's storages after set-up and after the step."""
@@ -168,6 +179,8 @@ def worker(args: argparse.Namespace) -> None:
             marks.mark("setup: on_fit_start .. on_train_start")
             record["share_setup"] = _storage_bytes([*pl_module.parameters(), *pl_module.buffers()])
             record["dtype"] = str(next(pl_module.parameters()).dtype)
+            if args.setup_only:  # a timing round: the step's memory was measured in the first round
+                finish()
 
         def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *a: Any) -> None:
             marks.mark("to first batch (data loader)")
@@ -189,7 +202,6 @@ def worker(args: argparse.Namespace) -> None:
         accelerator="cpu", devices=4, strategy=make_strategy(**knobs), max_steps=1, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, callbacks=[Probe()], num_sanity_val_steps=0,
     )  # fmt: skip
-    io0 = _io_read_bytes()
     record["t0"] = time.perf_counter()
     module = _make_module(args.model, args.init, args.folder)
     record["build_s"] = time.perf_counter() - record["t0"]
@@ -199,19 +211,15 @@ def worker(args: argparse.Namespace) -> None:
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=batch)
     trainer.fit(module, train_dataloaders=data)
     marks.mark("end of fit")
-    record.update(rank=dist.get_rank(), baseline=baseline, baseline_anon=baseline_anon, baseline_file=baseline_file,
-                  phases=marks.phases, io_read=_io_read_bytes() - io0)  # fmt: skip
-    record.pop("t0")
-    Path(args.out, f"rank{dist.get_rank()}.json").write_text(json.dumps(record))
-    clean_exit(0)
+    finish()
 
 
 # ---- driver -----------------------------------------------------------------------------------------------------
-def run_job(args: argparse.Namespace, strategy: str, init: str) -> list[dict[str, Any]]:
+def run_job(args: argparse.Namespace, strategy: str, init: str, setup_only: bool) -> list[dict[str, Any]]:
     """One 4-rank torchrun job; its ranks' records, by rank."""
     with tempfile.TemporaryDirectory() as out:
         job = ["--model", args.model, "--strategy", strategy, "--init", init, "--seq", str(args.seq),
-               "--folder", args.folder, "--out", out]  # fmt: skip
+               "--folder", args.folder, "--out", out, *(["--setup-only"] if setup_only else [])]  # fmt: skip
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", __file__,
                "--worker", *job]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "131072", "HF_HUB_OFFLINE": "1"}
@@ -248,13 +256,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--write", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--setup-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     parser.add_argument("--init", default="meta", choices=("eager", "meta"), help=argparse.SUPPRESS)
     parser.add_argument("--strategy", default="zero3", choices=sorted(STRATEGIES), help=argparse.SUPPRESS)
     parser.add_argument("--model", default="mid", choices=sorted(MODELS), help="mid: 0.43 B (eager fits 4 ranks)")
     parser.add_argument("--only", default="zero3,pipe", help="strategies to run")
-    parser.add_argument("--rounds", type=int, default=3, help="alternated eager / meta rounds per strategy")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="alternated eager / meta rounds per strategy; only the first trains a step")  # fmt: skip
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where to write the checkpoint (local disk)")
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--patience", type=float, default=300.0, help="seconds to wait for free memory per job")
@@ -283,7 +293,7 @@ def main() -> None:
                         print(f"skipped {strategy} {init} round {rnd}: {need / GiB:.1f} GiB needed", flush=True)
                         continue
                     t0 = time.perf_counter()
-                    recs = run_job(args, strategy, init)
+                    recs = run_job(args, strategy, init, setup_only=bool(runs.get((strategy, init))))
                     print(f"  {strategy} {init} round {rnd}: {time.perf_counter() - t0:.0f} s", flush=True)
                     if not runs.get((strategy, init)):
                         print_phases(strategy, init, recs)
