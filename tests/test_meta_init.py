@@ -68,6 +68,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dict, d
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(JOBS))
 def test_meta_built_model_matches_one_process(results: dict[str, tuple[dict, dict]], name: str) -> None:
     got, ref = results[name]
@@ -136,6 +137,7 @@ def pretrained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(PRETRAINED))
 def test_pretrained_weights_into_any_layout(pretrained: dict[str, Any], name: str) -> None:
     got, ref = pretrained[name]
@@ -151,6 +153,7 @@ def test_pretrained_weights_into_any_layout(pretrained: dict[str, Any], name: st
     params_close(dict(got["params"]), ref["params"], rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_pretrained_of_another_model_is_refused_before_training(pretrained: dict[str, Any]) -> None:
     got = pretrained["wrong"]
     assert got["error"] is not None and got["losses"] == []

@@ -81,7 +81,8 @@ def infer_tp_plan(model: nn.Module, *, overrides: dict[str, str] | None = None) 
             a, b = (ref[i] if i < len(ref) else "nothing"), (sig[i] if i < len(sig) else "nothing")
             raise TPPlanError(
                 f"blocks differ: {trunk.names[0]} has {a} where {name} has {b}; one tp plan covers all blocks of "
-                f"{trunk.path or 'the model'}, so give them one structure"
+                f"{trunk.path or 'the model'}; train this model with 'zero3' or 'pipe' ('moe' for experts), which "
+                "need no common block structure"
             )
     kept = {n: m for n, m in trunk.blocks[0].named_modules() if n and not _inside(n, whole)}
     projections = affine_modules(kept)
