@@ -111,3 +111,14 @@ def test_compatibility_table_points_at_real_jobs():
             assert job in test_families.ALL, job
         else:  # the job's key (or model name) is spelled in its test module
             assert f'"{job}"' in (root / "tests" / module).read_text(), (module, job)
+
+
+def test_moe_families_tp_cannot_split_are_refused_naming_the_cause():
+    # Each names the module and a fix that needs no change to the model (docs/compatibility.md, "The refusals").
+    gpt_oss = _verdicts("hf_gpt_oss", strategies=["tp"])["tp"]
+    assert not gpt_oss.ok and "per-head parameters (sinks [4])" in gpt_oss.reason and "tp_plan=" in gpt_oss.reason
+    olmoe = _verdicts("hf_olmoe", strategies=["tp"])["tp"]
+    assert not olmoe.ok and "self_attn.q_norm normalizes width" in olmoe.reason and "tp_plan=" in olmoe.reason
+    for ok in ("hf_mixtral", "hf_qwen3_moe"):
+        got = _verdicts(ok, strategies=["tp", "pipe_tp"])
+        assert got["tp"].ok and "kept whole on every tp rank" in got["tp"].reason, (ok, got["tp"].reason)

@@ -19,6 +19,7 @@ from torch import nn
 from lightning_par.names import ALIASES, DEEPSPEED_STRATEGY_NAMES, STRATEGY_NAMES, strategy_kwargs
 from lightning_par.parallel.optimizers import check_elementwise
 from lightning_par.parallel.pipeline_owners import PipelineError, find_ownership
+from lightning_par.parallel.tp_check import check_local_shapes
 from lightning_par.plans.moe import find_moe_layers, unrecognised_experts
 from lightning_par.plans.tp import infer_tp_plan
 from lightning_par.plans.tp_types import TPPlanError
@@ -70,6 +71,7 @@ class _Checks:
         def run() -> str:
             plan = infer_tp_plan(self.module)
             validate_tp(plan, self.degree)
+            check_local_shapes(self.module, plan, self.degree)  # block 0 on per-rank shapes, as set-up runs it
             whole = f"; kept whole on every tp rank: {', '.join(plan.whole)} (mixture of experts)" if plan.whole else ""
             return f"tp plan: {len(plan.heads)} attention and {len(plan.mlps)} MLP regions per block{whole}"
 

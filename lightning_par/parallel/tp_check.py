@@ -122,12 +122,26 @@ def check_local_shapes(model: nn.Module, plan: TPPlan, tp: int) -> None:
         region = [k for k in split if k.startswith(pattern + ".")] or list(split)
         hint = ", ".join(f'"{k}": "replicate"' for k in region)
         name = f"{trunk.names[0]}.{where}" if where else trunk.names[0]
-        cls = type(trunk.blocks[0].get_submodule(where)).__name__
+        failing = trunk.blocks[0].get_submodule(where)
+        cause = _per_head_params(failing, plan) or (
+            "its code sizes a split, view or reshape from the full width (e.g. x.size(-1)) rather than from its "
+            "weights or a head-count attribute"
+        )
         raise TPPlanError(
-            f"tp={tp}: {name} ({cls}) fails on the shapes each rank gets ({type(err).__name__}: {err}); its code "
-            "sizes a split, view or reshape from the full width (e.g. x.size(-1)) rather than from its weights or a "
-            f"head-count attribute. Keep that region whole with tp_plan={{{hint}}}, or choose tp=1"
+            f"tp={tp}: {name} ({type(failing).__name__}) fails on the shapes each rank gets ({type(err).__name__}: "
+            f"{err}); {cause}. Keep that region whole with tp_plan={{{hint}}}, or choose tp=1"
         ) from err
     finally:
         for h in handles:
             h.remove()
+
+
+def _per_head_params(mod: nn.Module, plan: TPPlan) -> str:
+    """Parameters of the failing module itself with one entry per head (GPT-OSS's attention ``sinks``): the plan
+    splits projections by heads but leaves such a parameter whole, so the local heads meet all of its entries."""
+    counts = {h.n_heads for h in plan.heads.values()} | {h.n_kv_heads for h in plan.heads.values()}
+    own = mod.named_parameters(recurse=False)
+    found = [f"{n} {list(p.shape)}" for n, p in own if p.dim() >= 1 and p.shape[0] in counts]
+    if not found:
+        return ""
+    return f"it owns per-head parameters ({', '.join(found)}) that tensor parallelism does not split"
