@@ -81,15 +81,15 @@ class HFMixtralLM(L.LightningModule):
     """A LightningModule around a Hugging Face ``MixtralForCausalLM`` built from a tiny config (no download);
     the strategy must shard its experts without changes to it. SGD: updates linear in the gradients."""
 
-    def __init__(self) -> None:
+    def __init__(self, layers: int = 2) -> None:
         super().__init__()
-        self.model = self.build()
+        self.model = self.build(layers)
 
     @staticmethod
-    def build() -> Any:
+    def build(layers: int = 2) -> Any:
         from transformers import MixtralConfig, MixtralForCausalLM
 
-        config = MixtralConfig(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        config = MixtralConfig(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
                                num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
                                num_experts_per_tok=2, max_position_embeddings=64, output_router_logits=False,
                                attn_implementation="eager")  # fmt: skip
@@ -243,6 +243,7 @@ MODELS = {
     "moe_gpt_3experts": lambda: MoEGPT(**{**_MOE, "n_experts": 3}),
     "hf_mixtral": HFMixtralLM,
     "hf_mixtral_deferred": lambda: HFMixtralDeferred(),  # built in configure_model()
+    "hf_mixtral_4": lambda: HFMixtralLM(layers=4),  # four blocks, for pp 4
     "hf_llama_deferred": lambda: _hf_models().HFLlamaDeferred(),
     # MoE families we did not write (tests/_families_moe.py): experts recognised by structure.
     "hf_qwen2_moe": lambda: _families_moe().HFQwen2MoE(),

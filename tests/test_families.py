@@ -46,6 +46,7 @@ JOBS_4: dict[str, dict[str, Any]] = {
     **{f"{m}_pp4": {"model": f"{m}_4", "strategy": {"pp": 4}, "dp": 1} for m in ("hf_deepseek_v3", "user_moe_list")},
     "hf_llama_pp4": {"model": "hf_llama_4", "strategy": {"pp": 4}, "dp": 1},
     "hf_mixtral_pipe_tp": {"model": "hf_mixtral", "strategy": {"pp": 2, "tp": 2}, "dp": 1},
+    "hf_mixtral_pp4": {"model": "hf_mixtral_4", "strategy": {"pp": 4}, "dp": 1},
 }  # fmt: skip
 ALL = {**JOBS_2, **JOBS_4}
 # Qwen3-MoE under tp: losses within 5e-7 and gradient norms within 7e-6 relative, but a few parameters move by up
