@@ -218,9 +218,3 @@ def test_reset_parameters_and_torch_layers_initialise_each_unit_the_same_way() -
     assert not torch.equal(a["proj.weight"], other_seed["proj.weight"])
     assert a["proj.weight"].abs().max() <= 0.5  # torch's own Linear init: U(-1/sqrt(4), 1/sqrt(4))
 
-
-def test_pretrained_under_the_deepspeed_backend_is_refused_not_ignored() -> None:
-    from lightning_par import DeepSpeedParallelStrategy
-
-    with pytest.raises(ValueError, match="not supported under the DeepSpeed backend"):
-        DeepSpeedParallelStrategy(zero_stage=3, pretrained="weights")

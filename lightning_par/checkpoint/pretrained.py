@@ -22,6 +22,9 @@ and holds them stacked) is read through transformers' own conversion mapping whe
 (`lightning_par.checkpoint.pretrained_convert`): the validation then sees the converted names and shapes.
 
 Values are cast to each view's dtype (a bf16 model reads an fp32 file, and the reverse).
+
+A model that gets its storage part by part (DeepSpeed's ZeRO-3 partitions a meta-built model unit by unit) takes the
+two steps apart: `prepare_pretrained` validates on names and shapes alone, `PretrainedPlan.read_into` fills a part.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +53,7 @@ from lightning_par.checkpoint.reader import CheckpointError, SafeLoadPlanner, sa
 from lightning_par.checkpoint.strided import canonicalize, is_fused, restore
 from lightning_par.parallel.place import place_full, region_of
 
-__all__ = ["PretrainedError", "PretrainedReport", "load_pretrained"]
+__all__ = ["PretrainedError", "PretrainedPlan", "PretrainedReport", "load_pretrained", "prepare_pretrained"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,13 +139,18 @@ def _digest(source: Source) -> str:
 
 def _validate(
     path: Path,
-    views: Mapping[str, torch.Tensor],
-    tied: Mapping[str, str],
+    shapes: Mapping[str, tuple[int, ...]],
+    local_ties: dict[str, tuple[str, ...]],
     strict: bool,
     module_type: str,
     hf_model: nn.Module | None,
+    local_error: str | None,
 ) -> tuple[Source, NameMatch, dict[str, tuple[str, ...]]]:
     """Open the file and decide the name match on every rank's names; raise the same error on every rank.
+
+    Args:
+        local_error: what this rank found wrong with its own views (raised on every rank, after the file's own
+            errors).
 
     Returns:
         the source, the match, and every rank's ties (name -> the names sharing its tensor, or filling it).
@@ -153,20 +161,13 @@ def _validate(
         source = open_source(path)
         if hf_model is not None and not isinstance(source, DCPSource):  # our own checkpoints hold module names
             source = convert_source(source, hf_model)
-        meta = [n for n, v in views.items() if _local(v).device.type == "meta"]
-        if meta:
-            raise PretrainedError(
-                f"{len(meta)} tensor(s) are still on the meta device ({listing(meta, 3)}): materialise the model "
-                "(to_empty) before filling it with pretrained weights"
-            )
+        if local_error is not None:
+            raise PretrainedError(local_error)
     except PretrainedError as err:
         error = str(err)
     except Exception as err:  # raised here alone, it would leave the other ranks waiting in the exchange below
         error = f"reading {path} failed: {type(err).__name__}: {err}"
-    local_ties = _ties(views)
-    for name, other in tied.items():
-        local_ties[name] = (*local_ties.get(name, ()), other)
-    mine = (error, {n: tuple(v.shape) for n, v in views.items()}, local_ties, _digest(source) if source else None)
+    mine = (error, dict(shapes), local_ties, _digest(source) if source else None)
     everyone = _gather(mine)
     failed = [(r, e) for r, (e, *_) in enumerate(everyone) if e is not None]
     if failed:
@@ -179,14 +180,14 @@ def _validate(
             "filesystem, or the same copy on every node)"
         )
     assert source is not None
-    shapes: dict[str, tuple[int, ...]] = {}
+    every: dict[str, tuple[int, ...]] = {}
     ties: dict[str, tuple[str, ...]] = {}
     for _, rank_shapes, rank_ties, _ in everyone:
-        shapes.update(rank_shapes)
+        every.update(rank_shapes)
         for n, ps in rank_ties.items():
             ties[n] = tuple(dict.fromkeys((*ties.get(n, ()), *ps)))
-    match = match_names(shapes, source.shapes, ties)
-    _refuse(path, source, match, shapes, strict, module_type)
+    match = match_names(every, source.shapes, ties)
+    _refuse(path, source, match, every, strict, module_type)
     return source, match, ties
 
 
@@ -266,6 +267,126 @@ def _fill_dcp(source: DCPSource, pairs: Mapping[str, str], views: Mapping[str, t
     return sum(_local(v).numel() * source.dtypes[k].itemsize for k, v in state.items())
 
 
+@dataclasses.dataclass
+class PretrainedPlan:
+    """A checkpoint validated against the whole model (`prepare_pretrained`), read part by part with `read_into`.
+
+    Args:
+        path: the checkpoint.
+        source: its opened files (metadata only until read).
+        match: the name match decided on every rank's names.
+        pairs: module name -> the file key that fills it (a tied name through its partner's key), every rank's.
+        strict: as given to `prepare_pretrained` (the report lists what ``strict=False`` skipped).
+    """
+
+    path: Path
+    source: Source
+    match: NameMatch
+    pairs: dict[str, str]
+    strict: bool
+    _start: float = dataclasses.field(default_factory=time.perf_counter, repr=False)
+    _read: int = dataclasses.field(default=0, repr=False)
+    _filled: set[str] = dataclasses.field(default_factory=set, repr=False)
+
+    @property
+    def names(self) -> frozenset[str]:
+        """The module names the file fills (the others keep their own values: recomputed or ``strict=False``)."""
+        return frozenset(self.pairs)
+
+    def read_into(self, views: Mapping[str, torch.Tensor]) -> int:
+        """Fill ``views`` (any subset of the model's names, in checkpoint view) from the file, in place.
+
+        Only this rank's part of each view is read; names the file does not fill are left as they are. Reading is
+        local, except from a sharded lightning_par checkpoint (DCP), where every rank calls it with the same names.
+
+        Returns:
+            the bytes of tensor data read.
+        """
+        pairs = {n: k for n, k in sorted(self.pairs.items()) if n in views}
+        if isinstance(self.source, DCPSource):
+            read = _fill_dcp(self.source, pairs, views)
+        else:
+            # Two names over one storage are read once; only within one call, where every view is alive (a freed
+            # storage's address may come back for a later call's tensor).
+            read, seen = 0, set()
+            for name, key in pairs.items():
+                skey = _storage_key(views[name])
+                if skey is None or skey not in seen:
+                    read += _fill(self.source, key, views[name])
+                if skey is not None:
+                    seen.add(skey)
+        self._read += read
+        self._filled.update(pairs)
+        return read
+
+    def report(self) -> PretrainedReport:
+        """What the `read_into` calls so far did on this rank."""
+        return PretrainedReport(
+            path=str(self.path),
+            format=self.source.describe(),
+            rewrite=self.match.rewrite,
+            tensors=len(self._filled),
+            bytes_read=self._read,
+            ignored=tuple(self.match.ignored),
+            tied=tuple(n for n in self.match.tied if n in self._filled),
+            skipped=tuple(self.match.missing + self.match.unexpected) if not self.strict else (),
+            seconds=time.perf_counter() - self._start,
+        )
+
+
+def _prepare(
+    path: Path,
+    shapes: Mapping[str, tuple[int, ...]],
+    local_ties: dict[str, tuple[str, ...]],
+    strict: bool,
+    module_type: str,
+    hf_model: nn.Module | None,
+    local_error: str | None,
+    start: float,
+) -> PretrainedPlan:
+    source, match, ties = _validate(path, shapes, local_ties, strict, module_type, hf_model, local_error)
+    pairs = dict(match.pairs)
+    for name in match.tied:  # the partner's file tensor; read once when the two share storage (read_into)
+        pairs[name] = pairs[next(p for p in ties[name] if p in match.pairs)]
+    return PretrainedPlan(path, source, match, pairs, strict, _start=start)
+
+
+def prepare_pretrained(
+    path: str | Path,
+    shapes: Mapping[str, Sequence[int]],
+    *,
+    module_type: str = "",
+    tied: Mapping[str, str] | None = None,
+    strict: bool = True,
+    hf_model: nn.Module | None = None,
+) -> PretrainedPlan:
+    """The first step of `load_pretrained` alone: open ``path`` and validate it against the whole model, on metadata.
+
+    For a model that gets its storage part by part (DeepSpeed's ZeRO-3 partitions a meta-built model unit by
+    unit, `lightning_par.parallel.deepspeed_init`): validate before anything is allocated, then fill each part with
+    ``plan.read_into(views)`` once it exists. Collective when a process group is initialised.
+
+    Args:
+        path: as in `load_pretrained`.
+        shapes: this rank's module names in checkpoint view and their full shapes (tensors on the meta device
+            have them); the ranks' names are united.
+        module_type: as in `load_pretrained`.
+        tied: module name -> the module name sharing its tensor (both directions), since meta tensors have no storage
+            to tell; a name missing from the file is filled through its partner.
+        strict: as in `load_pretrained`.
+        hf_model: as in `load_pretrained`.
+
+    Raises:
+        PretrainedError: as `load_pretrained`, on every rank alike, before any tensor is read.
+    """
+    start = time.perf_counter()
+    local_ties: dict[str, tuple[str, ...]] = {}
+    for name, other in (tied or {}).items():
+        local_ties[name] = (*local_ties.get(name, ()), other)
+    sizes = {n: tuple(int(d) for d in s) for n, s in shapes.items()}
+    return _prepare(Path(path), sizes, local_ties, strict, module_type, hf_model, None, start)
+
+
 def load_pretrained(
     path: str | Path,
     views: Mapping[str, torch.Tensor],
@@ -277,7 +398,8 @@ def load_pretrained(
 ) -> PretrainedReport:
     """Fill ``views`` in place with the pretrained weights at ``path``, reading only what this rank owns.
 
-    Collective when a process group is initialised: every rank of the world calls it, with its own views.
+    `prepare_pretrained` and `PretrainedPlan.read_into` in one. Collective when a process group is initialised:
+    every rank of the world calls it, with its own views.
 
     Args:
         path: a Hugging Face folder (``model.safetensors`` or a sharded ``model.safetensors.index.json``), a
@@ -305,29 +427,18 @@ def load_pretrained(
     """
     start = time.perf_counter()
     path = Path(path)
-    source, match, ties = _validate(path, views, dict(tied or {}), strict, module_type, hf_model)
-    pairs = dict(match.pairs)
-    for name in match.tied:  # the partner's file tensor; read once when the two share storage (below)
-        pairs[name] = pairs[next(p for p in ties[name] if p in match.pairs)]
-    pairs = {n: k for n, k in sorted(pairs.items()) if n in views}
-    if isinstance(source, DCPSource):
-        read = _fill_dcp(source, pairs, views)
-    else:
-        read, seen = 0, set()
-        for name, key in pairs.items():
-            skey = _storage_key(views[name])
-            if skey is None or skey not in seen:
-                read += _fill(source, key, views[name])
-            if skey is not None:
-                seen.add(skey)
-    return PretrainedReport(
-        path=str(path),
-        format=source.describe(),
-        rewrite=match.rewrite,
-        tensors=len(pairs),
-        bytes_read=read,
-        ignored=tuple(match.ignored),
-        tied=tuple(n for n in match.tied if n in views),
-        skipped=tuple(match.missing + match.unexpected) if not strict else (),
-        seconds=time.perf_counter() - start,
-    )
+    local_ties = _ties(views)
+    for name, other in (tied or {}).items():
+        local_ties[name] = (*local_ties.get(name, ()), other)
+    meta = [n for n, v in views.items() if _local(v).device.type == "meta"]
+    error = None
+    if meta:
+        error = (
+            f"{len(meta)} tensor(s) are still on the meta device ({listing(meta, 3)}): materialise the model "
+            "(to_empty) before filling it with pretrained weights, or use prepare_pretrained() with their shapes "
+            "and read each part once it has storage"
+        )
+    shapes = {n: tuple(v.shape) for n, v in views.items()}
+    plan = _prepare(path, shapes, local_ties, strict, module_type, hf_model, error, start)
+    plan.read_into(views)
+    return plan.report()

@@ -17,6 +17,11 @@ on any world size, one process included.
   every partition (one NVMe swapper, one id counter). A rank then holds its partitions plus one unit's full
   weights, never the model. The engine sees only ZeRO parameters and converts nothing again.
 
+With pretrained weights (``pretrained=``, validated beforehand against the whole model by `prepare_pretrained`),
+the names the file fills are read from it instead of initialised: under ZeRO-1/2 into the materialised module (its
+initialisation skips them), under ZeRO-3 unit by unit at full size, in place of `init_unit`'s values (which then
+run only for a unit holding something the file lacks, such as a rotary table), so the transient is still one unit.
+
 Why not build under ``deepspeed.zero.Init`` (what Lightning's DeepSpeedStrategy does in ``configure_model``):
 it patches every ``nn.Module.__init__`` and tensor constructor while the model is built, needs the process group
 then (``trainer.init_module`` runs before ``fit`` creates it, which is why Lightning builds that case at full size),
@@ -39,6 +44,7 @@ from torch import Tensor, nn
 
 from lightning_par.checkpoint.dcp import model_state
 from lightning_par.checkpoint.fast_state import clean_name
+from lightning_par.checkpoint.pretrained import PretrainedPlan
 from lightning_par.config import ParallelConfigError
 from lightning_par.parallel.materialize import InitTemplates, capture_init, init_unit, materialize
 from lightning_par.plans.trunk import find_trunk
@@ -94,7 +100,12 @@ def check_zero_init_api() -> None:
 
 
 def materialize_for_deepspeed(
-    module: nn.Module, device: torch.device, ds_config: dict[str, Any], *, seed: int
+    module: nn.Module,
+    device: torch.device,
+    ds_config: dict[str, Any],
+    *,
+    seed: int,
+    pretrained: Optional[PretrainedPlan] = None,
 ) -> MetaInitReport:
     """Give a meta-built ``module`` this rank's storage and the native backend's initial values (module docstring).
 
@@ -105,14 +116,19 @@ def materialize_for_deepspeed(
         device: this rank's device.
         ds_config: the DeepSpeed config the engine will be built with (stage, precision, offload).
         seed: the job's seed (`lightning_par.parallel.materialize.base_seed`), equal on every rank.
+        pretrained: a checkpoint already validated against the module (`prepare_pretrained`): the names it fills
+            are read from it instead of initialised (only the rest, such as rotary tables, is).
     """
     templates = capture_init(module, find_trunk(module))
     full = sum(p.numel() * p.element_size() for p in _unique_params(module))
     if int(ds_config.get("zero_optimization", {}).get("stage", 0)) < 3:
-        units = materialize(module, templates, lambda: model_state(module), device, seed=seed)
+        skip = pretrained.names if pretrained is not None else frozenset()
+        units = materialize(module, templates, lambda: model_state(module), device, seed=seed, skip=skip)
+        if pretrained is not None:
+            pretrained.read_into(model_state(module))
         return MetaInitReport(units, full, full)
     check_zero_init_api()
-    return _zero3(module, templates, device, ds_config, seed, full)
+    return _zero3(module, templates, device, ds_config, seed, full, pretrained)
 
 
 def _unique_params(module: nn.Module) -> list[nn.Parameter]:
@@ -147,49 +163,99 @@ def _held_bytes(params: list[nn.Parameter]) -> int:
     return total
 
 
-def _group_by_unit(
-    module: nn.Module, templates: InitTemplates
-) -> tuple[dict[str, dict[int, tuple[nn.Parameter, str]]], dict[str, list[tuple[nn.Module, str, str]]]]:
+@dataclasses.dataclass
+class _Meta:
+    # A meta tensor of one unit: where it is set, its name inside the unit (`init_unit`'s keys) and its module names.
+    param: Optional[nn.Parameter]  # a parameter (keeps its identity), or None for a buffer at mod._buffers[key]
+    mod: Optional[nn.Module]
+    key: str
+    rel: str
+    names: list[str]
+
+    def shape_dtype(self) -> tuple[torch.Size, torch.dtype]:
+        t = self.param if self.param is not None else self.mod._buffers[self.key]  # type: ignore[union-attr]
+        assert t is not None
+        return t.shape, t.dtype
+
+
+def _group_by_unit(module: nn.Module, templates: InitTemplates) -> dict[str, list[_Meta]]:
     # Each meta tensor under the unit whose initialisation decides its value (a tied one: its owner's unit).
-    params: dict[str, dict[int, tuple[nn.Parameter, str]]] = {}
+    units: dict[str, list[_Meta]] = {}
+    seen: dict[int, _Meta] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         if p.is_meta:
             clean = clean_name(name)
+            if id(p) in seen:
+                seen[id(p)].names.append(clean)
+                continue
             unit, rel = templates.unit_of(templates.owner.get(clean, clean))
-            params.setdefault(unit.name, {}).setdefault(id(p), (p, rel))
-    buffers: dict[str, list[tuple[nn.Module, str, str]]] = {}
+            seen[id(p)] = _Meta(p, None, "", rel, [clean])
+            units.setdefault(unit.name, []).append(seen[id(p)])
     for mod_name, mod in module.named_modules(remove_duplicate=False):
         for key, buf in mod._buffers.items():
             if buf is not None and buf.is_meta:
-                unit, rel = templates.unit_of(clean_name(f"{mod_name}.{key}" if mod_name else key))
-                buffers.setdefault(unit.name, []).append((mod, key, rel))
-    return params, buffers
+                clean = clean_name(f"{mod_name}.{key}" if mod_name else key)
+                unit, rel = templates.unit_of(clean)
+                units.setdefault(unit.name, []).append(_Meta(None, mod, key, rel, [clean]))
+    return units
+
+
+def _unit_values(
+    unit: Any,
+    metas: list[_Meta],
+    device: torch.device,
+    seed: int,
+    low: Optional[torch.dtype],
+    pretrained: Optional[PretrainedPlan],
+) -> dict[str, Tensor]:
+    """The unit's full tensors by name inside it: read from the checkpoint where it fills them, else initialised."""
+    filled = {m.rel: next(n for n in m.names if n in pretrained.names) for m in metas
+              if pretrained is not None and any(n in pretrained.names for n in m.names)}  # fmt: skip
+    values = init_unit(unit, device, seed) if len(filled) < len(metas) else {}
+    if filled:
+        assert pretrained is not None
+        read: dict[str, Tensor] = {}
+        for m in metas:
+            if m.rel in filled:
+                shape, dtype = m.shape_dtype()
+                # Read straight into the compute dtype: the same rounding as the cast of an initialised value.
+                cast = low is not None and m.param is not None and dtype in _CASTABLE
+                values[m.rel] = read[filled[m.rel]] = torch.empty(shape, dtype=low if cast else dtype, device=device)
+        pretrained.read_into(read)  # every rank reads the same units in the same order (a DCP source: collective)
+    return values
 
 
 @torch.no_grad()
 def _zero3(
-    module: nn.Module, templates: InitTemplates, device: torch.device, ds_config: dict[str, Any], seed: int, full: int
+    module: nn.Module,
+    templates: InitTemplates,
+    device: torch.device,
+    ds_config: dict[str, Any],
+    seed: int,
+    full: int,
+    pretrained: Optional[PretrainedPlan],
 ) -> MetaInitReport:
     import deepspeed
 
     low = _compute_dtype(ds_config)
-    params, buffers = _group_by_unit(module, templates)
+    by_unit = _group_by_unit(module, templates)
     for mod in module.modules():  # buffers built eagerly: the engine does not move a ZeRO-3 model's buffers
         for key, buf in mod._buffers.items():
             if buf is not None and not buf.is_meta:
                 mod._buffers[key] = buf.to(device)
     every = _unique_params(module)
     convert: Optional[Callable[..., Any]] = None
-    peak, units = 0, [u for u in templates.units if u in params or u in buffers]
+    peak, units = 0, [u for u in templates.units if u in by_unit]
     for unit_name in units:
-        values = init_unit(templates.units[unit_name], device, seed)
-        for mod, key, rel in buffers.get(unit_name, []):
-            mod._buffers[key] = values[rel]  # buffers stay whole on every rank (DeepSpeed never partitions them)
+        values = _unit_values(templates.units[unit_name], by_unit[unit_name], device, seed, low, pretrained)
         fresh = []
-        for p, rel in params.get(unit_name, {}).values():
-            value = values[rel]
-            _swap_in(p, value.to(low) if low is not None and value.dtype in _CASTABLE else value)
-            fresh.append(p)
+        for m in by_unit[unit_name]:
+            value = values[m.rel]
+            if m.param is None:
+                m.mod._buffers[m.key] = value  # type: ignore[union-attr]  # buffers stay whole (never partitioned)
+                continue
+            _swap_in(m.param, value.to(low) if low is not None and value.dtype in _CASTABLE else value)
+            fresh.append(m.param)
         del values
         peak = max(peak, _held_bytes(every))  # the unit whole, before DeepSpeed partitions it
         if not fresh:

@@ -26,8 +26,11 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_par import _compat
+from lightning_par.checkpoint.dcp import model_state
+from lightning_par.checkpoint.pretrained import prepare_pretrained
 from lightning_par.checkpoint.reader import load_tensors, read_index, read_meta
 from lightning_par.parallel import deepspeed_state as ds_state
+from lightning_par.parallel.compose import tied_names
 from lightning_par.parallel.deepspeed_init import MetaInitReport, materialize_for_deepspeed
 from lightning_par.parallel.deepspeed_zero import (
     DeepSpeedConfigError,
@@ -141,13 +144,6 @@ class DeepSpeedParallelStrategy(ParallelStrategy):
         backend = kwargs.pop("backend", "deepspeed")
         if backend != "deepspeed":
             raise ValueError(f"DeepSpeedParallelStrategy is backend='deepspeed', not {backend!r}; use ParallelStrategy")
-        if kwargs.get("pretrained") is not None:
-            # The engine is built from the whole module; reading each rank's part into DeepSpeed's partitions is
-            # not written yet. Refused rather than ignored.
-            raise ValueError(
-                "pretrained= is not supported under the DeepSpeed backend yet; use the native strategy of the same "
-                "stage (e.g. 'zero3' for 'deepspeed_zero3'), or load the weights yourself in configure_model()"
-            )
         super().__init__(*args, **kwargs)
         # A dimension DeepSpeed cannot combine with is refused here with its reason, also once it runs natively.
         check_deepspeed_layout(self.config)
@@ -215,14 +211,27 @@ class DeepSpeedParallelStrategy(ParallelStrategy):
             clip_val=trainer.gradient_clip_val, offload_device=self._offload_device, nvme_path=self._nvme_path,
         )  # fmt: skip
         ds_config = merge_user_config(ours, self._user_config)
+        plan = None
+        if self._pretrained is not None:
+            # Names, shapes and files checked on every rank before anything is allocated or read.
+            shapes = {n: tuple(v.shape) for n, v in model_state(module).items()}
+            plan = prepare_pretrained(
+                self._pretrained, shapes, module_type=type(module).__name__, tied=tied_names(module), hf_model=module
+            )
         if has_meta(module):
-            # Built on the meta device: storage and the native backend's initial values, before the optimizer is
-            # built over the parameters (ZeRO-3: partitioned unit by unit, parallel/deepspeed_init.py).
+            # Built on the meta device: storage and the native backend's initial values (or the file's), before
+            # the optimizer is built over the parameters (ZeRO-3: partitioned unit by unit, deepspeed_init.py).
             init_comm()
-            self.meta_init = materialize_for_deepspeed(module, self.root_device, ds_config, seed=base_seed())
+            self.meta_init = materialize_for_deepspeed(
+                module, self.root_device, ds_config, seed=base_seed(), pretrained=plan
+            )
             rank_zero_info(f"lightning_par {self.meta_init.describe()}")
         else:
             module.to(self.root_device)
+            if plan is not None:  # the whole model is on every rank until the engine partitions it
+                plan.read_into(model_state(module))
+        if plan is not None:
+            rank_zero_info(f"lightning_par {plan.report()}")
         self._set_metric_groups(module)
         optimizer = None
         if fitting:
