@@ -16,7 +16,7 @@ from torch import nn
 
 from lightning_par.checkpoint.dcp import model_state
 from lightning_par.checkpoint.fast_state import clean_name
-from lightning_par.checkpoint.pretrained import load_pretrained
+from lightning_par.checkpoint.pretrained import prepare_pretrained
 from lightning_par.config import ParallelConfig
 from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel.activation_checkpointing import apply_activation_checkpointing
@@ -120,13 +120,20 @@ def parallelize(
     distribute = experts.distribute if experts is not None and experts.params else None
     views = functools.partial(model_state, module, distribute)
     notes: list[str] = []
+    # The file is checked against the whole model (names, shapes, every rank alike) before any storage exists.
+    shapes = {name: tuple(v.shape) for name, v in views().items()}
+    weights = (
+        prepare_pretrained(pretrained, shapes, module_type=type(module).__name__, tied=ties, hf_model=module)
+        if pretrained
+        else None
+    )
     if templates is not None:
-        skip = frozenset(views()) if pretrained else frozenset()  # only recomputed buffers (rotary tables) remain
+        skip = weights.names if weights is not None else frozenset()  # read from the file, not initialised
         units = materialize(module, templates, views, device, seed=base_seed(), skip=skip)
-        notes.append(f"built on the meta device: {units} unit(s) {'allocated' if pretrained else 'initialised'} here")
-    if pretrained:
-        report = load_pretrained(pretrained, views(), module_type=type(module).__name__, tied=ties, hf_model=module)
-        notes.append(str(report))
+        notes.append(f"built on the meta device: {units} unit(s) initialised here")
+    if weights is not None:
+        weights.read_into(views())
+        notes.append(str(weights.report()))
     if config.zero_stage != 3:
         state_mesh = mesh.dp_tp if config.tp > 1 else None
         # A schedule runs several backward passes per step, and its zero-bubble weight passes compute gradients
