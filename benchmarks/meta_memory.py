@@ -110,11 +110,13 @@ def _storage_bytes(tensors: Iterable[Any]) -> int:
     """Bytes of the distinct storages behind ``tensors`` (a DTensor counts its local shard, padding included)."""
     from torch.distributed.tensor import DTensor
 
+    from lightning_par import _compat
+
     seen: dict[int, int] = {}
     for t in tensors:
         if t is None or t.is_meta:
             continue
-        local = t._local_tensor if isinstance(t, DTensor) else t
+        local = _compat.dtensor_local(t) if isinstance(t, DTensor) else t
         storage = local.untyped_storage()
         seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())

@@ -103,8 +103,7 @@ def op_name(func: Any) -> str:
 # ---- torch: nn.Module, Tensor and storage internals --------------------------------------------------------------
 def tensor_version(t: Tensor) -> int:
     """``t``'s in-place version counter: it moves on every in-place change to ``t`` or a view of it."""
-    # Tensor._version, torch 2.13.0: what autograd checks saved tensors with.
-    return t._version
+    return t._version  # Tensor._version, torch 2.13.0: what autograd checks saved tensors with
 
 
 def storage_id(storage: torch.UntypedStorage) -> int:
@@ -122,8 +121,7 @@ else:
 
 def module_parameters(module: nn.Module) -> dict[str, Optional[nn.Parameter]]:
     """The parameters registered directly on ``module`` by name, ``None`` entries included."""
-    # Module._parameters, torch 2.13.0.
-    return module._parameters
+    return module._parameters  # Module._parameters, torch 2.13.0
 
 
 def set_child_module(parent: nn.Module, name: str, child: nn.Module) -> None:
@@ -136,6 +134,11 @@ def non_persistent_buffers(module: nn.Module) -> set[str]:
     """Names of ``module``'s own buffers registered with ``persistent=False`` (left out of its state dict)."""
     # Module._non_persistent_buffers_set, torch 2.13.0.
     return module._non_persistent_buffers_set
+
+
+def apply_to_tensors(module: nn.Module, fn: Callable[[Tensor], Tensor]) -> None:
+    """``fn`` on every parameter and buffer of ``module``, as ``to_empty`` does (FSDP2 units re-link their shards)."""
+    module._apply(fn)  # Module._apply, torch 2.13.0
 
 
 # ---- torch: AMP --------------------------------------------------------------------------------------------------

@@ -163,8 +163,9 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                ("non_persistent_buffers",), lambda: set(_compat.non_persistent_buffers(nn.Module()))),
     # Overridden in lightning_par/models/llama.py itself: models/ imports nothing from lightning_par (test_models.py).
     PrivateAPI("torch", "torch.nn.Module._apply",
-               "lightning_par.models.Llama overrides to rebuild its rope table after .to() and to_empty()",
-               (), lambda: _params("torch.nn.Module._apply", "fn", "recurse")),
+               "lightning_par.models.Llama overrides to rebuild its rope table after .to() and to_empty(); "
+               "lightning_par.parallel.materialize allocates a meta-built model's tensors with",
+               ("apply_to_tensors",), lambda: _params("torch.nn.Module._apply", "fn", "recurse")),
     # torch: AMP
     PrivateAPI("torch", "torch._amp_foreach_non_finite_check_and_unscale_",
                "lightning_par.precision.parallel.ShardedGradScaler unscales gradient shards with",

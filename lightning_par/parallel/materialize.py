@@ -33,8 +33,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.overrides import TorchFunctionMode
 
+from lightning_par import _compat
 from lightning_par.checkpoint.fast_state import clean_name
 from lightning_par.parallel.place import place_full
 from lightning_par.plans.trunk import Trunk
@@ -101,14 +102,11 @@ def _hf_roots(module: nn.Module) -> dict[str, Any]:
 
 
 def _shallow_copy(module: nn.Module) -> nn.Module:
-    # A copy whose direct tensors `init_unit` allocates; its children stay meta copies (no storage), so that an
-    # initialisation reading or touching them (litgpt's rope cache reads the config) runs, writing nothing. Not
-    # deepcopy of the module itself: the root is the LightningModule, which references its Trainer.
-    twin = copy.copy(module)
-    twin._modules = {k: copy.deepcopy(v) for k, v in module._modules.items()}  # type: ignore[assignment]
-    twin._parameters = {k: copy.deepcopy(v) for k, v in module._parameters.items()}  # type: ignore[assignment]
-    twin._buffers = {k: copy.deepcopy(v) for k, v in module._buffers.items()}  # type: ignore[assignment]
-    return twin
+    # A meta copy whose direct tensors `init_unit` allocates; its children stay meta (no storage), so that an
+    # initialisation reading or touching them (litgpt's rope cache reads the config) runs, writing nothing. The
+    # Trainer a LightningModule references is shared, not copied.
+    trainer = _compat.attached_trainer(module)
+    return copy.deepcopy(module, {id(trainer): trainer} if trainer is not None else None)
 
 
 def _post_order(m: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
@@ -119,7 +117,7 @@ def _post_order(m: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module
 
 
 def _direct(m: nn.Module) -> list[Tensor]:
-    return [t for t in (*m._parameters.values(), *m._buffers.values()) if t is not None]
+    return [t for _, t in (*m.named_parameters(recurse=False), *m.named_buffers(recurse=False))]
 
 
 def _units(module: nn.Module, trunk: Optional[Trunk]) -> dict[str, _Unit]:
@@ -158,19 +156,29 @@ def capture_init(module: nn.Module, trunk: Optional[Trunk]) -> InitTemplates:
     return InitTemplates(_units(module, trunk), owner, meta)
 
 
-class _Writes(TorchDispatchMode):
-    """Records the storages that in-place ops write (the tensors an initialisation touched)."""
+class _Writes(TorchFunctionMode):
+    """Records the storages that in-place tensor methods write (what an initialisation touched): ``normal_``,
+    ``uniform_``, ``zero_``, ``copy_``, ``t[i] = v``, on the tensor or a view of it; torch.nn.init and transformers'
+    initialisation call these."""
 
     def __init__(self) -> None:
         super().__init__()
         self.written: set[int] = set()
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        for arg, value in zip(func._schema.arguments, (*args, *kwargs.values())):
-            if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, Tensor):
-                self.written.add(value.untyped_storage().data_ptr())
+        name = getattr(func, "__name__", "")
+        # The written tensor: the method's self, or torch.nn.init's first argument (passed as ``tensor=``).
+        target = args[0] if args else kwargs.get("tensor", kwargs.get("input"))
+        if isinstance(target, Tensor) and (name == "__setitem__" or _in_place(name)):
+            self.written.add(target.untyped_storage().data_ptr())
+        if isinstance(kwargs.get("out"), Tensor):
+            self.written.add(kwargs["out"].untyped_storage().data_ptr())
         return func(*args, **kwargs)
+
+
+def _in_place(name: str) -> bool:
+    return name.endswith("_") and not name.startswith("_")
 
 
 def _init_module(m: nn.Module, hf: Any) -> None:
@@ -203,10 +211,8 @@ def init_unit(unit: _Unit, device: torch.device, base_seed: int) -> dict[str, Te
     """
     twin = _shallow_copy(unit.template) if unit.shallow else copy.deepcopy(unit.template)
     if unit.shallow:
-        for box in (twin._parameters, twin._buffers):
-            for k, v in box.items():
-                if v is not None:
-                    box[k] = _empty(v, device)  # type: ignore[assignment]
+        for k, v in [*twin.named_parameters(recurse=False), *twin.named_buffers(recurse=False)]:
+            setattr(twin, k, _empty(v, device))  # a registered name: stays a parameter / (non-)persistent buffer
     else:
         twin.to_empty(device=device)
     before = {n: (t, t.untyped_storage().data_ptr()) for n, t in _state(twin, unit.shallow)}
@@ -270,7 +276,7 @@ def allocate(module: nn.Module, device: torch.device) -> None:
     swap = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(True)
     try:
-        module._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t.to(device))
+        _compat.apply_to_tensors(module, lambda t: torch.empty_like(t, device=device) if t.is_meta else t.to(device))
     finally:
         torch.__future__.set_swap_module_params_on_conversion(swap)
     for p, attrs in marks.items():
