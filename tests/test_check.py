@@ -119,6 +119,9 @@ def test_moe_families_tp_cannot_split_are_refused_naming_the_cause():
     assert not gpt_oss.ok and "per-head parameters (sinks [4])" in gpt_oss.reason and "tp_plan=" in gpt_oss.reason
     olmoe = _verdicts("hf_olmoe", strategies=["tp"])["tp"]
     assert not olmoe.ok and "self_attn.q_norm normalizes width" in olmoe.reason and "tp_plan=" in olmoe.reason
-    for ok in ("hf_mixtral", "hf_qwen3_moe"):
+    # Qwen3's per-head q/k norms would get gradients of this rank's heads only: refused, with the tp_plan.
+    qwen3 = _verdicts("hf_qwen3_moe", strategies=["tp"])["tp"]
+    assert not qwen3.ok and "normalizes each head" in qwen3.reason and "tp_plan=" in qwen3.reason
+    for ok in ("hf_mixtral", "hf_qwen2_moe"):
         got = _verdicts(ok, strategies=["tp", "pipe_tp"])
         assert got["tp"].ok and "kept whole on every tp rank" in got["tp"].reason, (ok, got["tp"].reason)

@@ -30,7 +30,7 @@ JOBS_2: dict[str, dict[str, Any]] = {
     **{f"{m}_tp": {"model": m, "strategy": {"tp": 2}, "dp": 1} for m in ("litgpt_pythia", "hf_qwen2_tied")},
     **{f"{m}_pipe": {"model": m, "strategy": {"pp": 2}, "dp": 1} for m in ("hf_llama", "hf_bert")},
     # MoE families under tp: attention split, the MoE layer kept whole on every tp rank (sequence parallelism off).
-    **{f"{m}_tp": {"model": m, "strategy": {"tp": 2}, "dp": 1} for m in ("hf_mixtral", "hf_qwen2_moe", "hf_qwen3_moe")},
+    **{f"{m}_tp": {"model": m, "strategy": {"tp": 2}, "dp": 1} for m in ("hf_mixtral", "hf_qwen2_moe")},
     # MoE families without a load-balancing term in the loss (one with it is refused: tests/test_check.py).
     **{
         f"{m}_pipe": {"model": m, "strategy": {"pp": 2}, "dp": 1}
@@ -49,10 +49,7 @@ JOBS_4: dict[str, dict[str, Any]] = {
     "hf_mixtral_pp4": {"model": "hf_mixtral_4", "strategy": {"pp": 4}, "dp": 1},
 }  # fmt: skip
 ALL = {**JOBS_2, **JOBS_4}
-# Qwen3-MoE under tp: losses within 5e-7 and gradient norms within 7e-6 relative, but a few parameters move by up
-# to 1.8e-5 absolute after 3 steps (lr 0.5, momentum 0.9) where every other MoE family stays under 1e-7. Measured,
-# cause not isolated: top-k routing of near-tied tokens is the suspect (tp changes the o_proj reduction order).
-_ATOL = {"hf_qwen3_moe_tp": 3e-5}
+
 
 
 @pytest.fixture(scope="module")
@@ -76,5 +73,4 @@ def test_matches_one_process(results, name):
         canonical = next(n for n in names if n in ref["params"])
         for alias in [n for n in names if n in params and n != canonical]:
             assert params.pop(alias).equal(params[canonical]), alias
-    atol = _ATOL.get(name, 3e-5 if ALL[name]["model"].startswith("hf_llama") else 1e-7)
-    params_close(params, ref["params"], rtol=1e-5, atol=atol)
+    params_close(params, ref["params"], rtol=1e-5, atol=3e-5 if ALL[name]["model"].startswith("hf_llama") else 1e-7)

@@ -174,6 +174,14 @@ def _block_styles(inf: _Inference, traced: bool, notes: list[str]) -> tuple[dict
                     "normalize only its shard",
                     dict.fromkeys([n, *src], "replicate"),
                 )
+            elif src and any(True for _ in m.parameters(recurse=False)):
+                # A per-head norm (Qwen3's q_norm / k_norm) sees only this rank's heads: the gradient of its weight
+                # would need a sum over tp, which is not done yet; refused rather than train a different model.
+                inf.problem(
+                    f"norm {pat(n)} normalizes each head of the column-split {inf.desc(src)}; its weight's gradient "
+                    "would cover only this rank's heads (lightning_par does not sum it over tp yet)",
+                    dict.fromkeys([n, *src], "replicate"),
+                )
             # Norms on the residual stream, outside every pair, can run on a sequence shard.
             on_stream = size == tr.hidden and not src and (n in inf.idx if traced else "." not in n)
             styles[pat(n)] = "sequence_parallel" if on_stream else "replicate"
