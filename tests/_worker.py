@@ -700,8 +700,6 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     ckpt_recorder = CheckpointRecorder(bool(job.get("record_step_params")))
     routing = RoutingRecorder()
     extra: list[L.Callback] = [ckpt_recorder, *([optim_recorder] if job.get("record_optim") else [])]
-    if isinstance(model_cls, type) and issubclass(model_cls, MoEGPT):
-        extra.append(routing)
     if job.get("record_init"):
         extra.append(InitRecorder())
     if job.get("sigkill_at_step"):
@@ -745,6 +743,8 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     # empty_init: the model is built under trainer.init_module(empty_init=True), on the meta device.
     with trainer.init_module(empty_init=True) if job.get("empty_init") else contextlib.nullcontext():
         model = model_cls()
+    if isinstance(model, MoEGPT):  # known once built (the trainer exists first, for init_module)
+        trainer.callbacks.append(routing)
     if job.get("hf_from_pretrained"):  # the one-process reference of a pretrained start: transformers loads it
         if not hasattr(model, "model"):
             model.configure_model()  # a deferred model, built here (no strategy context: on the CPU)
