@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from conftest import reference_job
 from launch import run_jobs
-from parity import params_close, rel
+from parity import params_close, rel, without_tied_copies
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -68,9 +68,5 @@ def test_matches_one_process(results, name):
     assert len(got["losses"]) == len(ref["losses"]) >= 3
     assert rel(got["losses"], ref["losses"]) < 1e-5
     assert rel(got["grad_norms"], ref["grad_norms"]) < 1e-5
-    params = dict(got["params"])
-    for names in got.get("tied", []):  # a tied weight under a pipeline: one copy per end stage, bit-identical
-        canonical = next(n for n in names if n in ref["params"])
-        for alias in [n for n in names if n in params and n != canonical]:
-            assert params.pop(alias).equal(params[canonical]), alias
+    params = without_tied_copies(got, ref)
     params_close(params, ref["params"], rtol=1e-5, atol=3e-5 if ALL[name]["model"].startswith("hf_llama") else 1e-7)
