@@ -49,6 +49,29 @@ class HFLlama(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
 
 
+class HFQwen3(HFLlama):
+    """``Qwen3ForCausalLM``: a per-head RMSNorm on each query and key head (``q_norm`` / ``k_norm`` over head_dim),
+    GQA (4 query heads, 2 key/value heads), untied; SGD + momentum, so parameters compare at 1e-5."""
+
+    def __init__(self, layers: int = 2) -> None:
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        L.LightningModule.__init__(self)
+        config = Qwen3Config(
+            vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, max_position_embeddings=64, attn_implementation="eager",
+            tie_word_embeddings=False,
+        )  # fmt: skip
+        self.model = Qwen3ForCausalLM(config)
+        with torch.no_grad():  # the norms' weights start at one: make each head's entries count differently
+            for name, p in self.model.named_parameters():
+                if name.endswith(("q_norm.weight", "k_norm.weight")):
+                    p.uniform_(0.5, 1.5)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
+
+
 class HFLlamaDeferred(HFLlama):
     """`HFLlama` built in ``configure_model()``, Lightning's hook for models too large for one device (lightning_par
     builds it on the meta device there), trained with SGD + momentum (parameters compared at 1e-5)."""

@@ -245,6 +245,7 @@ MODELS = {
     "hf_mixtral_deferred": lambda: HFMixtralDeferred(),  # built in configure_model()
     "hf_mixtral_4": lambda: HFMixtralLM(layers=4),  # four blocks, for pp 4
     "hf_llama_deferred": lambda: _hf_models().HFLlamaDeferred(),
+    "hf_qwen3": lambda: _hf_models().HFQwen3(),  # dense, per-head q/k norms
     # MoE families we did not write (tests/_families_moe.py): experts recognised by structure.
     "hf_qwen2_moe": lambda: _families_moe().HFQwen2MoE(),
     "hf_qwen3_moe": lambda: _families_moe().HFQwen3MoE(),

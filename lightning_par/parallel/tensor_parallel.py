@@ -13,6 +13,8 @@ What this module does to a model, per block:
   v]``) are split by `lightning_par.parallel.tp_affine`;
 - each attention / MLP module (a "region") gets its hidden-state input as a replicated DTensor, so the input
   projections share one gradient reduction (Megatron's ``f`` operator) instead of one each;
+- q/k norms of split heads and an attention's per-head parameters (GPT-OSS's ``sinks``) follow the heads
+  (`lightning_par.parallel.tp_heads`);
 - head-count attributes that the plan found (``n_heads = 8`` used in a ``view``) are set to per-rank values;
 - under sequence parallelism the first block's input is split along dim 1, the last block's output gathered, and
   modules on the residual stream (norms, stray Linears) run on the local sequence shard with replicated DTensor
@@ -37,6 +39,7 @@ from typing_extensions import override
 
 from lightning_par import _compat
 from lightning_par.parallel.tp_affine import apply_affine
+from lightning_par.parallel.tp_heads import apply_colwise_norm, apply_head_norm, apply_head_params
 from lightning_par.parallel.tp_sequence import (
     SequenceState,
     gather_sequence,
@@ -204,6 +207,13 @@ def apply_tensor_parallel(
                 styles[rel] = RowwiseParallel(output_layouts=out, use_local_output=True)
             elif style == "sequence_parallel" and sequence_parallel:
                 styles[rel] = SequenceParallel(sequence_dim=_SEQ, use_local_output=True)
+            elif style in ("head_norm", "colwise_norm"):  # q/k norms of split heads (parallel/tp_heads.py)
+                norm = block.get_submodule(rel)
+                (apply_head_norm if style == "head_norm" else apply_colwise_norm)(norm, mesh)
+                changed[f"{name}.{rel}"] = style
+        for rel, names in _head_params(plan, prefix).items():
+            apply_head_params(block.get_submodule(rel) if rel else block, names, mesh)
+            changed.update({f"{name}.{rel}.{n}" if rel else f"{name}.{n}": "head_param" for n in names})
         if sequence_parallel:
             styles.update(_stream_modules(block, rel_styles, regions))
         parallelize_module(block, mesh, styles)  # type: ignore[arg-type]
@@ -220,6 +230,17 @@ def apply_tensor_parallel(
         blocks[0][1].register_forward_pre_hook(partial(scatter_sequence, mesh, seq), with_kwargs=True)
         blocks[-1][1].register_forward_hook(partial(gather_sequence, mesh, seq))
     return TensorParallelInfo(tp, sequence_parallel, changed, tuple(regions))
+
+
+def _head_params(plan: TPPlan, prefix: str) -> dict[str, tuple[str, ...]]:
+    """Block-relative attention module -> its per-head parameters, for the attentions whose heads are split."""
+    got: dict[str, tuple[str, ...]] = {}
+    for head in plan.heads.values():
+        if any(plan.styles.get(p) in ("colwise", "colwise_fused_qkv") for p in head.projections):
+            for pattern in head.head_params:
+                rel, _, leaf = pattern[len(prefix) + 1 :].rpartition(".")
+                got[rel] = (*got.get(rel, ()), leaf)
+    return got
 
 
 def _own_style(mod: nn.Module, parts: tuple[int, ...] | None) -> bool:

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_par.parallel.tensor_parallel import _set_local_head_counts
+from lightning_par.parallel.tensor_parallel import _head_params, _set_local_head_counts
 from lightning_par.plans._probe import probe_call
 from lightning_par.plans.tp_affine import affine
 from lightning_par.plans.tp_types import _SHARDED, TPPlan, TPPlanError
@@ -101,6 +101,14 @@ def check_local_shapes(model: nn.Module, plan: TPPlan, tp: int) -> None:
     split = {k: s for k, s in plan.styles.items() if s in _SHARDED and k.startswith(prefix + ".")}
     for key, style in split.items():
         _shrink(local.get_submodule(key[len(prefix) + 1 :]), style, tp)
+    # A norm split like its projection's output and the per-head parameters hold this rank's rows only.
+    narrow = [f"{k}.weight" for k, s in plan.styles.items() if s == "colwise_norm" and k.startswith(prefix + ".")]
+    narrow += [p for rel, names in _head_params(plan, prefix).items() for p in _names(prefix, rel, names)]
+    for pattern in narrow:
+        owner, _, leaf = pattern[len(prefix) + 1 :].rpartition(".")
+        mod = local.get_submodule(owner)
+        if isinstance(w := getattr(mod, leaf, None), torch.Tensor):
+            setattr(mod, leaf, nn.Parameter(w.detach().narrow(0, 0, w.shape[0] // tp), requires_grad=False))
     _set_local_head_counts([local], plan, prefix, tp)
     stack: list[str] = []  # the modules running: on an error, the last one is where it was raised
 
@@ -136,12 +144,17 @@ def check_local_shapes(model: nn.Module, plan: TPPlan, tp: int) -> None:
             h.remove()
 
 
+def _names(prefix: str, rel: str, names: tuple[str, ...]) -> list[str]:
+    return [f"{prefix}.{rel}.{n}" if rel else f"{prefix}.{n}" for n in names]
+
+
 def _per_head_params(mod: nn.Module, plan: TPPlan) -> str:
-    """Parameters of the failing module itself with one entry per head (GPT-OSS's attention ``sinks``): the plan
-    splits projections by heads but leaves such a parameter whole, so the local heads meet all of its entries."""
+    """Parameters of the failing module itself with one entry per head that the plan leaves whole (it splits an
+    attention's own per-query-head ones, GPT-OSS's ``sinks``, not others), so the local heads meet all entries."""
     counts = {h.n_heads for h in plan.heads.values()} | {h.n_kv_heads for h in plan.heads.values()}
+    split = {p.rpartition(".")[2] for h in plan.heads.values() for p in h.head_params}
     own = mod.named_parameters(recurse=False)
-    found = [f"{n} {list(p.shape)}" for n, p in own if p.dim() >= 1 and p.shape[0] in counts]
+    found = [f"{n} {list(p.shape)}" for n, p in own if p.dim() >= 1 and p.shape[0] in counts and n not in split]
     if not found:
         return ""
     return f"it owns per-head parameters ({', '.join(found)}) that tensor parallelism does not split"

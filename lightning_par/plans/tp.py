@@ -7,6 +7,7 @@ user's ``tp_plan`` overrides are applied last. The plan's types live in `lightni
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 
 from torch import nn
@@ -17,6 +18,7 @@ from lightning_par.plans.tp_affine import affine, affine_modules
 from lightning_par.plans.tp_pairs import _common_parent, _Inference, _Region
 from lightning_par.plans.tp_types import (
     _ALLOWED,
+    _SPLIT_NORMS,
     STYLES,
     HeadInfo,
     MLPInfo,
@@ -112,7 +114,7 @@ def infer_tp_plan(model: nn.Module, *, overrides: dict[str, str] | None = None) 
             f"{trunk.names[0]} holds no nn.Linear or other projection (a leaf with a 2-D weight whose forward is "
             "x @ W + b), so tensor parallelism has nothing to split"
         )
-    styles, regions = _block_styles(inf, traced, notes)
+    styles, regions, split_norms = _block_styles(inf, traced, notes)
     heads: dict[str, HeadInfo] = {}
     mlps: dict[str, MLPInfo] = {}
     for r in regions:
@@ -125,7 +127,10 @@ def infer_tp_plan(model: nn.Module, *, overrides: dict[str, str] | None = None) 
             mlps[key if key not in mlps else inf.pat(r.out)] = MLPInfo(r.hidden, len(r.ins) == 2, projs, region)
     shapes = {inf.pat(n): s for n, m in kept.items() if (s := _shape(m)) is not None}
     shapes.update({n: s for n, m in outer.items() if (s := _shape(m)) is not None})
+    _head_params(inf, regions, heads)
+    inferred = dict(styles)
     covered = _override(styles, shapes, {k for h in heads.values() for k in h.fused_split}, overrides or {})
+    _check_split_norms(styles, inferred, split_norms, covered)
     errors = []
     for msg, mods in inf.problems.items():
         if mods and covered.issuperset(mods):
@@ -154,13 +159,75 @@ def infer_tp_plan(model: nn.Module, *, overrides: dict[str, str] | None = None) 
     )
 
 
-def _block_styles(inf: _Inference, traced: bool, notes: list[str]) -> tuple[dict[str, str], list[_Region]]:
+def _split_norm(
+    inf: _Inference, n: str, size: int, src: list[str], colwise: dict[str, _Region], fused: set[str]
+) -> str:
+    """The style of a norm that reads column-split projections, or a problem when no style makes it exact."""
+    owns = any(True for _ in inf.mods[n].parameters(recurse=False))
+    if size in {h.head_dim for p in src if (h := colwise[p].head)}:
+        # Per head (Qwen3's q_norm / k_norm): each rank normalises its own heads, exact; a weight's gradient then
+        # covers this rank's heads only, so 'head_norm' sums it over tp (parallel/tp_norms.py).
+        return "head_norm" if owns else "replicate"
+    p = src[0]
+    if len(src) == 1 and inf.pat(p) not in fused and size == inf.lin[p].out_features:
+        # Over the projection's whole output (OLMoE's, OLMo2's q_norm): the weight is split like that output and
+        # the norm's statistics are reduced over tp (parallel/tp_norms.py).
+        return "colwise_norm"
+    inf.problem(
+        f"norm {inf.pat(n)} normalizes width {size} of the column-split {inf.desc(src)}; each rank would "
+        "normalize only its shard",
+        dict.fromkeys([n, *src], "replicate"),
+    )
+    return "replicate"
+
+
+def _check_split_norms(
+    styles: dict[str, str], inferred: dict[str, str], split_norms: dict[str, tuple[str, ...]], covered: set[str]
+) -> None:
+    """After the user's overrides: a norm follows its projections, and keeps the one style exact for them."""
+    for norm, src in split_norms.items():
+        split = all(styles.get(p) in ("colwise", "colwise_fused_qkv") for p in src)
+        want = inferred[norm] if split else "replicate"
+        if norm not in covered:
+            styles[norm] = want  # its projections kept whole by the tp_plan: so is the norm's input
+        elif styles[norm] != want:
+            how = f"reads the column-split {', '.join(src)}" if split else f"reads {', '.join(src)}, kept whole"
+            raise TPPlanError(
+                f"tp_plan[{norm!r}] = {styles[norm]!r}, but {norm} {how}: under that style it would train a "
+                f"different model; map it to {want!r}, or keep it and {', '.join(src)} 'replicate'"
+            )
+    for norm, style in styles.items():
+        if style in _SPLIT_NORMS and norm not in split_norms:
+            raise TPPlanError(
+                f"tp_plan[{norm!r}] = {style!r} applies only to a norm that reads a column-split projection, which "
+                f"{norm} does not; map it to 'sequence_parallel' or 'replicate'"
+            )
+
+
+def _head_params(inf: _Inference, regions: list[_Region], heads: dict[str, HeadInfo]) -> None:
+    """Record each attention's own per-head parameters (leading dim = its query heads: GPT-OSS's ``sinks``)."""
+    for key, head in list(heads.items()):
+        r = next((r for r in regions if r.head is head), None)
+        if r is None:
+            continue
+        own = inf.mods[r.parent].named_parameters(recurse=False)
+        found = tuple(
+            inf.pat(f"{r.parent}.{n}" if r.parent else n) for n, p in own if p.dim() and p.shape[0] == head.n_heads
+        )
+        if found:
+            heads[key] = dataclasses.replace(head, head_params=found)
+
+
+def _block_styles(
+    inf: _Inference, traced: bool, notes: list[str]
+) -> tuple[dict[str, str], list[_Region], dict[str, tuple[str, ...]]]:
     tr, lin, pat = inf.tr, inf.lin, inf.pat
     regions = inf.pair()
     colwise = {p: r for r in regions for p in r.ins}
     rowwise = {r.out for r in regions}
     fused = {k for r in regions if r.head for k in r.head.fused_split}
     styles: dict[str, str] = {}
+    split_norms: dict[str, tuple[str, ...]] = {}  # norm reading column-split projections -> those projections
     for n, m in inf.mods.items():
         if n in lin:
             style = "colwise_fused_qkv" if pat(n) in fused else "colwise" if n in colwise else "replicate"
@@ -168,22 +235,12 @@ def _block_styles(inf: _Inference, traced: bool, notes: list[str]) -> tuple[dict
         elif n and _is_norm(m):
             size = tr.in_width.get(n) or _norm_size(m)
             src = sorted(tr.producers.get(n, set()) & colwise.keys())
-            if src and size not in {h.head_dim for p in src if (h := colwise[p].head)}:
-                inf.problem(
-                    f"norm {pat(n)} normalizes width {size} of the column-split {inf.desc(src)}; each rank would "
-                    "normalize only its shard",
-                    dict.fromkeys([n, *src], "replicate"),
-                )
-            elif src and any(True for _ in m.parameters(recurse=False)):
-                # A per-head norm (Qwen3's q_norm / k_norm) sees only this rank's heads: the gradient of its weight
-                # would need a sum over tp, which is not done yet; refused rather than train a different model.
-                inf.problem(
-                    f"norm {pat(n)} normalizes each head of the column-split {inf.desc(src)}; its weight's gradient "
-                    "would cover only this rank's heads (lightning_par does not sum it over tp yet)",
-                    dict.fromkeys([n, *src], "replicate"),
-                )
+            if src:
+                styles[pat(n)] = _split_norm(inf, n, size, src, colwise, fused)
+                split_norms[pat(n)] = tuple(pat(p) for p in src)
+                continue
             # Norms on the residual stream, outside every pair, can run on a sequence shard.
-            on_stream = size == tr.hidden and not src and (n in inf.idx if traced else "." not in n)
+            on_stream = size == tr.hidden and (n in inf.idx if traced else "." not in n)
             styles[pat(n)] = "sequence_parallel" if on_stream else "replicate"
     if not regions and not inf.problems:
         inf.problem(
@@ -200,7 +257,7 @@ def _block_styles(inf: _Inference, traced: bool, notes: list[str]) -> tuple[dict
             f"colwise_fused_qkv ({', '.join(sorted(fused))}) assumes a [q | k | v] output; for a head-by-head "
             "interleaved one (GPT-NeoX query_key_value) override it with 'colwise'"
         )
-    return styles, regions
+    return styles, regions, split_norms
 
 
 def _outer_roles(tr: _Trace, sh: dict[str, ModuleShape]) -> tuple[int | None, str | None, str | None, str | None]:

@@ -5,12 +5,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-STYLES = ("colwise", "rowwise", "colwise_fused_qkv", "sequence_parallel", "replicate")
+STYLES = ("colwise", "rowwise", "colwise_fused_qkv", "sequence_parallel", "head_norm", "colwise_norm", "replicate")
+# Norms that read a column-split projection: per head (each rank normalises its own heads; the weight's gradient is
+# summed over tp), or over the projection's whole output (the weight split like it; the mean of squares over tp).
+_SPLIT_NORMS = ("head_norm", "colwise_norm")
 _SHARDED = ("colwise", "rowwise", "colwise_fused_qkv")
 _ALLOWED = {
     "linear": ("colwise", "rowwise", "colwise_fused_qkv", "replicate"),
     "embedding": ("colwise", "rowwise", "replicate"),
-    "norm": ("sequence_parallel", "replicate"),
+    "norm": ("sequence_parallel", *_SPLIT_NORMS, "replicate"),
 }
 
 
@@ -42,6 +45,8 @@ class HeadInfo:
         region: the smallest module holding the input projections (Hugging Face's BERT keeps q/k/v in
             ``attention.self``, the output one and a residual add in ``attention.output``): its input becomes one
             replicated DTensor for all of them (gathered along the sequence under SP).
+        head_params: patterns of the attention module's own parameters with one entry per query head along dim
+            0 (GPT-OSS's ``sinks``): split with the heads, so each rank holds its heads' entries.
     """
 
     n_heads: int
@@ -52,6 +57,7 @@ class HeadInfo:
     fused_split: dict[str, tuple[int, ...]]
     projections: tuple[str, ...]
     region: str = ""
+    head_params: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
