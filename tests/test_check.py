@@ -113,15 +113,15 @@ def test_compatibility_table_points_at_real_jobs():
             assert f'"{job}"' in (root / "tests" / module).read_text(), (module, job)
 
 
-def test_moe_families_tp_cannot_split_are_refused_naming_the_cause():
-    # Each names the module and a fix that needs no change to the model (docs/compatibility.md, "The refusals").
+def test_moe_families_with_per_head_parts_train_under_tp_and_say_what_follows_the_heads():
+    # GPT-OSS's sinks, OLMoE's full-width and Qwen3's per-head q/k norms are split with the heads
+    # (parallel/tp_heads.py; trained against one process in tests/test_tp_heads.py).
     gpt_oss = _verdicts("hf_gpt_oss", strategies=["tp"])["tp"]
-    assert not gpt_oss.ok and "per-head parameters (sinks [4])" in gpt_oss.reason and "tp_plan=" in gpt_oss.reason
+    assert gpt_oss.ok and "split with the heads: sinks (per head)" in gpt_oss.reason, gpt_oss.reason
     olmoe = _verdicts("hf_olmoe", strategies=["tp"])["tp"]
-    assert not olmoe.ok and "self_attn.q_norm normalizes width" in olmoe.reason and "tp_plan=" in olmoe.reason
-    # Qwen3's per-head q/k norms would get gradients of this rank's heads only: refused, with the tp_plan.
+    assert olmoe.ok and "q_norm (colwise_norm), k_norm (colwise_norm)" in olmoe.reason, olmoe.reason
     qwen3 = _verdicts("hf_qwen3_moe", strategies=["tp"])["tp"]
-    assert not qwen3.ok and "normalizes each head" in qwen3.reason and "tp_plan=" in qwen3.reason
+    assert qwen3.ok and "q_norm (head_norm), k_norm (head_norm)" in qwen3.reason, qwen3.reason
     for ok in ("hf_mixtral", "hf_qwen2_moe"):
         got = _verdicts(ok, strategies=["tp", "pipe_tp"])
         assert got["tp"].ok and "kept whole on every tp rank" in got["tp"].reason, (ok, got["tp"].reason)

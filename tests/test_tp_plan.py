@@ -425,10 +425,37 @@ class FusedGateUp(nn.Module):
 class FullWidthQNorm(SepAttn):
     def __init__(self) -> None:
         super().__init__()
-        self.q_norm = nn.LayerNorm(E)  # over all heads at once: a rank holding E/tp of q cannot compute it
+        self.q_norm = nn.LayerNorm(E)  # over all heads at once: split like q's output, statistics over tp
 
     def forward(self, x: Tensor) -> Tensor:
         return self.o(attend(self.q_norm(self.q(x)), self.k(x), self.v(x), self._hd))
+
+
+class PerHeadQKNorm(SepAttn):
+    """Qwen3's q/k norms: one RMSNorm over head_dim applied to every head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_norm, self.k_norm = nn.RMSNorm(self._hd), nn.RMSNorm(self._hd)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, _ = x.shape
+        q = self.q_norm(self.q(x).view(B, T, -1, self._hd)).flatten(2)
+        k = self.k_norm(self.k(x).view(B, T, -1, self._hd)).flatten(2)
+        return self.o(attend(q, k, self.v(x), self._hd))
+
+
+class PairQNorm(SepAttn):
+    """A norm over pairs of heads: neither one head nor the whole output, so no split style is exact."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_norm = nn.LayerNorm(2 * self._hd)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, _ = x.shape
+        q = self.q_norm(self.q(x).view(B, T, -1, 2 * self._hd)).flatten(2)
+        return self.o(attend(q, self.k(x), self.v(x), self._hd))
 
 
 class AdapterOnly(nn.Module):
@@ -465,8 +492,10 @@ AMBIGUOUS = [
         r"attention blocks\.\*\.attn .* has no head count: give it a head_dim or n_heads attribute",
     ),
     (
-        lambda: TinyLM([Block(FullWidthQNorm(), MLP()) for _ in range(2)]),
-        r"norm blocks\.\*\.attn\.q_norm normalizes width 64 of the column-split blocks\.\*\.attn\.q \(64->64\)",
+        lambda: TinyLM([Block(PairQNorm(), MLP()) for _ in range(2)]),
+        r"norm blocks\.\*\.attn\.q_norm normalizes width 32 of the column-split blocks\.\*\.attn\.q \(64->64\); "
+        r'each rank would normalize only its shard; pass e\.g\. tp_plan=\{"blocks\.\*\.attn\.q_norm": "replicate", '
+        r'"blocks\.\*\.attn\.q": "replicate"\}',
     ),
     (
         lambda: TinyLM(two(AdapterOnly)),
@@ -480,6 +509,40 @@ AMBIGUOUS = [
 def test_ambiguous_or_impossible_blocks_name_modules_and_a_plan(make: object, message: str) -> None:
     with pytest.raises(TPPlanError, match=message):
         infer_tp_plan(make())  # type: ignore[operator]
+
+
+def test_norms_of_split_heads_follow_their_projections() -> None:
+    per_head = infer_tp_plan(TinyLM([Block(PerHeadQKNorm(), MLP()) for _ in range(2)]))
+    assert [per_head.styles[f"blocks.*.attn.{n}"] for n in ("q", "k", "q_norm", "k_norm")] == [
+        "colwise", "colwise", "head_norm", "head_norm"
+    ]  # fmt: skip
+    full = infer_tp_plan(TinyLM([Block(FullWidthQNorm(), MLP()) for _ in range(2)]))
+    assert full.styles["blocks.*.attn.q_norm"] == "colwise_norm"
+    # A tp_plan that keeps the projection whole keeps its norm whole too.
+    kept = infer_tp_plan(TinyLM([Block(PerHeadQKNorm(), MLP()) for _ in range(2)]),
+                         overrides={"blocks.*.attn.q": "replicate"})  # fmt: skip
+    assert kept.styles["blocks.*.attn.q_norm"] == "replicate" and kept.styles["blocks.*.attn.k_norm"] == "head_norm"
+
+
+@pytest.mark.parametrize(
+    ("make", "overrides", "message"),
+    [
+        # A per-head norm kept plain while its heads are split: its weight's gradient would cover this rank's heads.
+        (PerHeadQKNorm, {"blocks.*.attn.q_norm": "replicate"},
+         r"tp_plan\['blocks\.\*\.attn\.q_norm'\] = 'replicate', but blocks\.\*\.attn\.q_norm reads the column-split "
+         r"blocks\.\*\.attn\.q: .* map it to 'head_norm', or keep it and blocks\.\*\.attn\.q 'replicate'"),
+        (FullWidthQNorm, {"blocks.*.attn.q_norm": "head_norm"}, r"map it to 'colwise_norm'"),
+        (PerHeadQKNorm, {"blocks.*.attn.q": "replicate", "blocks.*.attn.q_norm": "head_norm"},
+         r"reads blocks\.\*\.attn\.q, kept whole: .* map it to 'replicate'"),
+        (SepAttn, {"blocks.*.ln1": "head_norm"},
+         r"'head_norm' applies only to a norm that reads a column-split projection, which blocks\.\*\.ln1 does not"),
+    ],
+)  # fmt: skip
+def test_overrides_of_split_norms_that_would_train_another_model(
+    make: type, overrides: dict[str, str], message: str
+) -> None:
+    with pytest.raises(TPPlanError, match=message):
+        infer_tp_plan(TinyLM([Block(make(), MLP()) for _ in range(2)]), overrides=overrides)
 
 
 def test_overrides_settle_an_ambiguous_block() -> None:

@@ -22,7 +22,7 @@ from lightning_par.parallel.pipeline_owners import PipelineError, find_ownership
 from lightning_par.parallel.tp_check import check_local_shapes
 from lightning_par.plans.moe import find_moe_layers, unrecognised_experts
 from lightning_par.plans.tp import infer_tp_plan
-from lightning_par.plans.tp_types import TPPlanError
+from lightning_par.plans.tp_types import _SPLIT_NORMS, TPPlanError
 from lightning_par.plans.tp_validate import validate_tp
 from lightning_par.plans.trunk import find_trunk
 
@@ -73,7 +73,11 @@ class _Checks:
             validate_tp(plan, self.degree)
             check_local_shapes(self.module, plan, self.degree)  # block 0 on per-rank shapes, as set-up runs it
             whole = f"; kept whole on every tp rank: {', '.join(plan.whole)} (mixture of experts)" if plan.whole else ""
-            return f"tp plan: {len(plan.heads)} attention and {len(plan.mlps)} MLP regions per block{whole}"
+            # Split with the heads (parallel/tp_heads.py): q/k norms by style, an attention's per-head parameters.
+            leaf = [f"{k.rsplit('.', 1)[-1]} ({s})" for k, s in plan.styles.items() if s in _SPLIT_NORMS]
+            leaf += [f"{p.rsplit('.', 1)[-1]} (per head)" for h in plan.heads.values() for p in h.head_params]
+            heads = f"; split with the heads: {', '.join(leaf)}" if leaf else ""
+            return f"tp plan: {len(plan.heads)} attention and {len(plan.mlps)} MLP regions per block{heads}{whole}"
 
         return _guard(run, TPPlanError)
 

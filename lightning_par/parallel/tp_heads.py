@@ -18,9 +18,8 @@ parameters. Each is a DTensor layout on the module's own code, so the model is n
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
@@ -46,7 +45,7 @@ def apply_head_norm(norm: nn.Module, mesh: DeviceMesh) -> None:
         # the weight's gradient (a sum over rows) comes out Partial.
         return (DTensor.from_local(x, mesh, [Shard(x.dim() - 2)], run_check=False), *rest)
 
-    distribute_module(norm, mesh, _params_as(Replicate()), inputs, _local)
+    distribute_module(norm, mesh, _params_as(Replicate()), cast(Any, inputs), _local)  # its hint says None: wrong
 
 
 def apply_colwise_norm(norm: nn.Module, mesh: DeviceMesh) -> None:
@@ -63,7 +62,7 @@ def apply_colwise_norm(norm: nn.Module, mesh: DeviceMesh) -> None:
         # rank's slice, as the column-split projection would have handed on.
         return out.redistribute(mesh, [Shard(out.dim() - 1)]).to_local()
 
-    distribute_module(norm, mesh, _params_as(Shard(0)), inputs, outputs)
+    distribute_module(norm, mesh, _params_as(Shard(0)), cast(Any, inputs), outputs)
 
 
 def _local(mod: nn.Module, out: Any, mesh: DeviceMesh) -> Any:
@@ -80,18 +79,19 @@ def apply_head_params(attn: nn.Module, names: tuple[str, ...], mesh: DeviceMesh)
     for name in names:
         p = getattr(attn, name)
         attn.register_parameter(name, nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)]), p.requires_grad))
-    held: list[dict[str, torch.Tensor]] = []
+    held: list[dict[str, Any]] = []
 
     def swap_in(mod: nn.Module, args: Any) -> None:
-        params = _compat.module_parameters(mod)
-        saved = {n: params[n] for n in names if isinstance(params[n], DTensor)}
-        for n, p in saved.items():
-            params[n] = p.to_local()  # type: ignore[assignment]  # a view in the autograd graph, not a Parameter
-        held.append(saved)  # type: ignore[arg-type]
+        params: dict[str, Any] = _compat.module_parameters(mod)
+        saved = {n: t for n in names if isinstance(t := params[n], DTensor)}
+        for n, t in saved.items():
+            params[n] = t.to_local()  # a view in the autograd graph, not a Parameter: gradients reach the shard
+        held.append(saved)
 
     def swap_out(mod: nn.Module, args: Any, out: Any) -> None:
         if held:
-            _compat.module_parameters(mod).update(held.pop())  # type: ignore[arg-type]
+            params: dict[str, Any] = _compat.module_parameters(mod)
+            params.update(held.pop())
 
     attn.register_forward_pre_hook(swap_in)
     attn.register_forward_hook(swap_out, always_call=True)

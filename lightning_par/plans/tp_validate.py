@@ -75,9 +75,10 @@ def format_plan(plan: TPPlan) -> str:
     lines += [f"{k:<{width}}  {s:<17}  {shape(k)}" for k, s in plan.styles.items()]
     for k, h in plan.heads.items():
         attrs = ", ".join(f"{a}: {kind}" for a, kind in h.local_attrs.items()) or "none"
+        split = f"; split with the heads: {', '.join(h.head_params)}" if h.head_params else ""
         lines.append(
             f"attention {k}: n_heads={h.n_heads} n_kv_heads={h.n_kv_heads} head_dim={h.head_dim} (from {h.source}); "
-            f"per-rank attributes: {attrs}" + (f"; split with the heads: {', '.join(h.head_params)}" if h.head_params else "")
+            f"per-rank attributes: {attrs}{split}"
         )
     lines += [f"mlp {k}: hidden={m.hidden} {'gated' if m.gated else 'plain'}" for k, m in plan.mlps.items()]
     lines.append(

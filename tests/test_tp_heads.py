@@ -1,0 +1,98 @@
+"""Tensor parallelism of what an attention holds per head besides its projections, against one process.
+
+Three things the column split of q/k/v leaves to do (lightning_par/parallel/tp_heads.py): Qwen3's per-head q/k
+norms (``head_norm``: the weight's gradient summed over tp), GPT-OSS's per-head ``sinks`` (split with the heads)
+and OLMoE's q/k norms over the whole width (``colwise_norm``: weight split, mean of squares over tp). First the
+gradients themselves after one backward on 2 ranks (`tests/_tp_heads_worker.py`), then training: the families
+under ``tp`` (2 ranks; the MoE layers kept whole), dense Qwen3 with accumulation and clipping, a GPT-OSS
+checkpoint written under ``tp`` resumed under ``zero2``, and on 4 ranks ``pipe_tp`` (pp 2 x tp 2) and
+``tp_zero3`` (tp 2 x dp 2, FSDP2 sharding the tp-local tensors over dp). Tolerances as everywhere: fp32 losses and
+gradient norms 1e-5 relative, SGD + momentum parameters 1e-5 relative / 1e-7 absolute.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import reference_job
+from launch import run_jobs, worker_env
+from parity import params_close, rel
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+HERE = Path(__file__).parent
+GRAD_MODELS = ("hf_qwen3", "hf_qwen3_moe", "hf_gpt_oss", "hf_olmoe")
+
+JOBS_2: dict[str, dict[str, Any]] = {
+    **{f"{m}_tp": {"model": m, "strategy": {"tp": 2}, "dp": 1} for m in GRAD_MODELS},
+    "hf_qwen3_tp_accum_clip": {"model": "hf_qwen3", "strategy": {"tp": 2}, "dp": 1, "accumulate": 2, "clip": 0.05},
+}
+JOBS_4: dict[str, dict[str, Any]] = {
+    "hf_qwen3_pipe_tp": {"model": "hf_qwen3", "strategy": {"pp": 2, "tp": 2}, "dp": 1},
+    **{f"{m}_tp_zero3": {"model": m, "strategy": {"tp": 2, "zero_stage": 3}, "dp": 2}
+       for m in ("hf_qwen3", "hf_gpt_oss", "hf_olmoe")},
+}  # fmt: skip
+ALL = {**JOBS_2, **JOBS_4}
+
+
+def _ckpt_jobs(ckpt_dir: str) -> list[dict[str, Any]]:
+    # One step per epoch, so the resumed run trains on the same samples (tests/test_tensor_parallel.py).
+    base = {"model": "hf_gpt_oss", "epoch_steps": 1, "max_steps": 4}
+    return [
+        {**base, "strategy": {"tp": 2}, "dp": 1, "ckpt_dir": ckpt_dir},
+        {**base, "strategy": {"zero_stage": 2}, "dp": 2, "resume": f"{ckpt_dir}/epoch=1.ckpt"},
+    ]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("tp_heads")
+    refs = run_jobs(tmp, [reference_job({k: v for k, v in j.items() if k != "dp"}) for j in ALL.values()], nproc=1,
+                    timeout=900)  # fmt: skip
+    got = run_jobs(tmp, [*JOBS_2.values(), *_ckpt_jobs(str(tmp / "ckpt"))], nproc=2, timeout=900)
+    full, resumed = got[len(JOBS_2) :]
+    got = got[: len(JOBS_2)] + run_jobs(tmp, list(JOBS_4.values()), nproc=4, timeout=900)
+    return {"pairs": dict(zip(ALL, zip(got, refs))), "ckpt": (full, resumed)}
+
+
+@pytest.mark.timeout(300)
+def test_gradients_of_split_heads_match_one_process(tmp_path: Path) -> None:
+    out = tmp_path / "grads.pt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(HERE / "_tp_heads_worker.py"), str(out), *GRAD_MODELS]  # fmt: skip
+    proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=280, cwd=tmp_path)
+    assert proc.returncode == 0 and out.exists(), proc.stderr[-6000:]
+    got = torch.load(out, weights_only=False)
+    for model, r in got.items():
+        assert r["loss"] < 1e-5, (model, r["loss"])
+        worst = max(r["grads"], key=r["grads"].get)
+        assert r["grads"][worst] < 1e-5, (model, worst, r["grads"][worst])
+    layer = "model.model.layers.0.self_attn"
+    # Per-head norms: replicated weights whose gradient is the sum over both ranks' heads (checked above).
+    for model in ("hf_qwen3", "hf_qwen3_moe"):
+        assert got[model]["layouts"][f"{layer}.q_norm.weight"] == "(Replicate(),)"
+    assert got["hf_gpt_oss"]["layouts"][f"{layer}.sinks"] == "(Shard(dim=0),)"  # each rank its heads' sinks
+    assert got["hf_olmoe"]["layouts"][f"{layer}.q_norm.weight"] == "(Shard(dim=0),)"  # split like q_proj's output
+
+
+@pytest.mark.parametrize("name", list(ALL))
+def test_matches_one_process(results: dict[str, Any], name: str) -> None:
+    got, ref = results["pairs"][name]
+    assert len(got["losses"]) == len(ref["losses"]) >= 3
+    assert rel(got["losses"], ref["losses"]) < 1e-5
+    assert rel(got["grad_norms"], ref["grad_norms"]) < 1e-5
+    params_close(got["params"], ref["params"], rtol=1e-5, atol=1e-7)
+
+
+def test_sinks_checkpoint_resumes_under_zero2(results: dict[str, Any]) -> None:
+    # Written under tp, where each rank holds half of every layer's sinks; the checkpoint holds the whole tensor.
+    full, resumed = results["ckpt"]
+    assert len(full["losses"]) == 4 and len(resumed["losses"]) == 2
+    assert rel(resumed["losses"], full["losses"][2:]) < 1e-5
+    params_close(resumed["params"], full["params"], rtol=1e-5, atol=1e-7)
+    assert full["params"]["model.model.layers.0.self_attn.sinks"].shape == (4,)
