@@ -4,7 +4,8 @@ Three things the column split of q/k/v leaves to do (lightning_par/parallel/tp_h
 norms (``head_norm``: the weight's gradient summed over tp), GPT-OSS's per-head ``sinks`` (split with the heads)
 and OLMoE's q/k norms over the whole width (``colwise_norm``: weight split, mean of squares over tp). First the
 gradients themselves after one backward on 2 ranks (`tests/_tp_heads_worker.py`), then training: the families
-under ``tp`` (2 ranks; the MoE layers kept whole), dense Qwen3 with accumulation and clipping, a GPT-OSS
+under ``tp`` (2 ranks; the MoE layers kept whole), dense Qwen3 with accumulation and clipping, GPT-OSS with
+activation checkpointing, a GPT-OSS
 checkpoint written under ``tp`` resumed under ``zero2``, and on 4 ranks ``pipe_tp`` (pp 2 x tp 2) and
 ``tp_zero3`` (tp 2 x dp 2, FSDP2 sharding the tp-local tensors over dp). Tolerances as everywhere: fp32 losses and
 gradient norms 1e-5 relative, SGD + momentum parameters 1e-5 relative / 1e-7 absolute.
@@ -28,15 +29,23 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 HERE = Path(__file__).parent
 GRAD_MODELS = ("hf_qwen3", "hf_qwen3_moe", "hf_gpt_oss", "hf_olmoe")
 
+# Keys spelled out: docs/compatibility.md cites them (tests/test_check.py looks for each one here).
+TP, TP_ZERO3 = {"strategy": {"tp": 2}, "dp": 1}, {"strategy": {"tp": 2, "zero_stage": 3}, "dp": 2}
 JOBS_2: dict[str, dict[str, Any]] = {
-    **{f"{m}_tp": {"model": m, "strategy": {"tp": 2}, "dp": 1} for m in GRAD_MODELS},
-    "hf_qwen3_tp_accum_clip": {"model": "hf_qwen3", "strategy": {"tp": 2}, "dp": 1, "accumulate": 2, "clip": 0.05},
+    "hf_qwen3_tp": {"model": "hf_qwen3", **TP},
+    "hf_qwen3_moe_tp": {"model": "hf_qwen3_moe", **TP},  # MoE layers kept whole, aux loss on
+    "hf_gpt_oss_tp": {"model": "hf_gpt_oss", **TP},
+    "hf_olmoe_tp": {"model": "hf_olmoe", **TP},
+    "hf_qwen3_tp_accum_clip": {"model": "hf_qwen3", **TP, "accumulate": 2, "clip": 0.05},
+    # Recomputation runs the attention's forward again: the sinks are swapped in and out once more.
+    "hf_gpt_oss_tp_ac": {"model": "hf_gpt_oss", "strategy": {"tp": 2, "activation_checkpointing": "full"}, "dp": 1},
 }
 JOBS_4: dict[str, dict[str, Any]] = {
     "hf_qwen3_pipe_tp": {"model": "hf_qwen3", "strategy": {"pp": 2, "tp": 2}, "dp": 1},
-    **{f"{m}_tp_zero3": {"model": m, "strategy": {"tp": 2, "zero_stage": 3}, "dp": 2}
-       for m in ("hf_qwen3", "hf_gpt_oss", "hf_olmoe")},
-}  # fmt: skip
+    "hf_qwen3_tp_zero3": {"model": "hf_qwen3", **TP_ZERO3},
+    "hf_gpt_oss_tp_zero3": {"model": "hf_gpt_oss", **TP_ZERO3},  # the sinks' swap under FSDP2's unsharded params
+    "hf_olmoe_tp_zero3": {"model": "hf_olmoe", **TP_ZERO3},
+}
 ALL = {**JOBS_2, **JOBS_4}
 
 
