@@ -107,11 +107,11 @@ class HFGptOss(_HFMoELM):
     """GPT-OSS: router with a bias, softmax over the top-k logits, experts with biases and an interleaved, clamped
     gate_up projection."""
 
-    def __init__(self) -> None:
+    def __init__(self, **overrides: Any) -> None:
         from transformers import GptOssConfig, GptOssForCausalLM
 
         config = GptOssConfig(**_TINY, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2, head_dim=8,
-                              layer_types=["full_attention", "full_attention"])  # fmt: skip
+                              layer_types=["full_attention", "full_attention"], **overrides)  # fmt: skip
         model = GptOssForCausalLM(config)
         with torch.no_grad():  # the biases start at zero (empty on init): make them count
             for name, p in model.named_parameters():

@@ -37,8 +37,13 @@ JOBS_2: dict[str, dict[str, Any]] = {
     "hf_gpt_oss_tp": {"model": "hf_gpt_oss", **TP},
     "hf_olmoe_tp": {"model": "hf_olmoe", **TP},
     "hf_qwen3_tp_accum_clip": {"model": "hf_qwen3", **TP, "accumulate": 2, "clip": 0.05},
-    # Recomputation runs the attention's forward again: the sinks are swapped in and out once more.
-    "hf_gpt_oss_tp_ac": {"model": "hf_gpt_oss", "strategy": {"tp": 2, "activation_checkpointing": "full"}, "dp": 1},
+    # Recomputation runs the attention's forward again: the sinks are swapped in and out once more (no KV cache:
+    # Hugging Face would append the recomputed keys to the one it fills in training).
+    "hf_gpt_oss_tp_ac": {
+        "model": "hf_gpt_oss_no_cache",
+        "strategy": {"tp": 2, "activation_checkpointing": "full"},
+        "dp": 1,
+    },
 }
 JOBS_4: dict[str, dict[str, Any]] = {
     "hf_qwen3_pipe_tp": {"model": "hf_qwen3", "strategy": {"pp": 2, "tp": 2}, "dp": 1},

@@ -93,7 +93,8 @@ class TensorParallelInfo:
     Args:
         tp: the tensor-parallel degree.
         sequence_parallel: whether the residual stream of the trunk is split along the sequence.
-        styles: concrete module name -> style, for every module that was changed.
+        styles: concrete module name -> style, for every module that was changed (and ``"head_param"`` for each
+            per-head parameter split with the heads, by its name).
         regions: concrete names of the attention / MLP modules whose input is made a replicated DTensor.
     """
 

@@ -166,12 +166,12 @@ def _split_norm(
     owns = any(True for _ in inf.mods[n].parameters(recurse=False))
     if size in {h.head_dim for p in src if (h := colwise[p].head)}:
         # Per head (Qwen3's q_norm / k_norm): each rank normalises its own heads, exact; a weight's gradient then
-        # covers this rank's heads only, so 'head_norm' sums it over tp (parallel/tp_norms.py).
+        # covers this rank's heads only, so 'head_norm' sums it over tp (parallel/tp_heads.py).
         return "head_norm" if owns else "replicate"
     p = src[0]
     if len(src) == 1 and inf.pat(p) not in fused and size == inf.lin[p].out_features:
         # Over the projection's whole output (OLMoE's, OLMo2's q_norm): the weight is split like that output and
-        # the norm's statistics are reduced over tp (parallel/tp_norms.py).
+        # the norm's statistics are reduced over tp (parallel/tp_heads.py).
         return "colwise_norm"
     inf.problem(
         f"norm {inf.pat(n)} normalizes width {size} of the column-split {inf.desc(src)}; each rank would "
