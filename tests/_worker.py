@@ -252,8 +252,6 @@ MODELS = {
     "hf_olmoe": lambda: _families_moe().HFOlmoe(),
     "hf_deepseek_v3": lambda: _families_moe().HFDeepseekV3(),
     "hf_gpt_oss": lambda: _families_moe().HFGptOss(),
-    # No KV cache: with use_cache=True Hugging Face fills one in training too, and a recomputed block appends again.
-    "hf_gpt_oss_no_cache": lambda: _families_moe().HFGptOss(use_cache=False),
     "user_moe_list": lambda: _families_moe().UserMoEList(),
     "user_moe_uneven": lambda: _families_moe().UserMoEList(uneven=True),  # refused under ep > 1
     # Four blocks, for pp 4 (DeepSeek-V3: one dense block, three MoE blocks).

@@ -37,10 +37,10 @@ JOBS_2: dict[str, dict[str, Any]] = {
     "hf_gpt_oss_tp": {"model": "hf_gpt_oss", **TP},
     "hf_olmoe_tp": {"model": "hf_olmoe", **TP},
     "hf_qwen3_tp_accum_clip": {"model": "hf_qwen3", **TP, "accumulate": 2, "clip": 0.05},
-    # Recomputation runs the attention's forward again: the sinks are swapped in and out once more (no KV cache:
-    # Hugging Face would append the recomputed keys to the one it fills in training).
+    # Recomputation runs the attention's forward again: the sinks are swapped in and out once more. The model's
+    # config keeps use_cache=True: checkpointing turns the model's own switch on, so no KV cache is filled twice.
     "hf_gpt_oss_tp_ac": {
-        "model": "hf_gpt_oss_no_cache",
+        "model": "hf_gpt_oss",
         "strategy": {"tp": 2, "activation_checkpointing": "full"},
         "dp": 1,
     },

@@ -111,7 +111,23 @@ def _offloaded(block: nn.Module, forward: Any, *args: Any, **kwargs: Any) -> Any
         return forward(*args, **kwargs)
 
 
-def apply_activation_checkpointing(blocks: Sequence[nn.Module], mode: Optional[str], every: int = 2) -> list[int]:
+def _no_cache_while_recomputing(model: nn.Module, blocks: Sequence[nn.Module]) -> None:
+    # A block that writes a key/value cache in training writes it again when recomputed, so the replay attends over
+    # twice the keys (op-level checkpointing then fails in backward: "not found in storage"). Models that build such
+    # a cache declare a boolean `gradient_checkpointing` switch on the modules that loop over the blocks (the
+    # Hugging Face convention: with it on and training, `use_cache` becomes False); turning it on there, never on
+    # the blocks (their own switch would checkpoint them a second time), makes them build none.
+    inside = {id(m) for b in blocks for m in b.modules()}
+    for m in model.modules():
+        if id(m) not in inside and isinstance(getattr(m, "gradient_checkpointing", None), bool):
+            below = {id(c) for c in m.modules()}
+            if any(id(b) in below for b in blocks):
+                m.gradient_checkpointing = True
+
+
+def apply_activation_checkpointing(
+    blocks: Sequence[nn.Module], mode: Optional[str], every: int = 2, model: Optional[nn.Module] = None
+) -> list[int]:
     """Checkpoint (or offload the activations of) ``blocks`` in place.
 
     Args:
@@ -120,6 +136,9 @@ def apply_activation_checkpointing(blocks: Sequence[nn.Module], mode: Optional[s
             with the first), ``"selective_op"`` (every block, keeping matmul and attention outputs) or
             ``"offload"`` (every block's saved tensors in CPU memory).
         every: the period for ``"selective"``; ignored by the other modes.
+        model: the whole model, when it is known: a recomputing mode turns on the ``gradient_checkpointing``
+            switch of the modules around the blocks that declare one (Hugging Face models: no key/value cache is
+            built in training, which a recomputed block would fill twice).
 
     Returns:
         indices of the blocks the mode was applied to.
@@ -142,4 +161,6 @@ def apply_activation_checkpointing(blocks: Sequence[nn.Module], mode: Optional[s
             wrapped = functools.partial(_checkpointed, block.forward)
         block.forward = wrapped  # type: ignore[method-assign]
         block._lp_checkpointed = mode  # type: ignore[assignment]
+    if model is not None and mode != "offload":
+        _no_cache_while_recomputing(model, [blocks[i] for i in picked])
     return picked

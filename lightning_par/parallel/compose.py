@@ -102,7 +102,7 @@ def parallelize(
     # 5. Activation checkpointing wraps each block's forward; FSDP2's hooks (next) stay outside the recomputed
     #    region, so a block is gathered once for its backward, recomputation included (torchtitan's order).
     for part in parts:
-        apply_activation_checkpointing(part.block_modules, config.activation_checkpointing, config.ac_every)
+        apply_activation_checkpointing(part.block_modules, config.activation_checkpointing, config.ac_every, module)
 
     # 6. ZeRO shards what is left. ZeRO-3: FSDP2 per part, each block a unit inside the part's root (it shards each
     #    tp-local tensor over dp, the 2-D layout DTensor composes); expert shards are left to expert parallelism
