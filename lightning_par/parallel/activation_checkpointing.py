@@ -122,7 +122,7 @@ def _no_cache_while_recomputing(model: nn.Module, blocks: Sequence[nn.Module]) -
         if id(m) not in inside and isinstance(getattr(m, "gradient_checkpointing", None), bool):
             below = {id(c) for c in m.modules()}
             if any(id(b) in below for b in blocks):
-                m.gradient_checkpointing = True
+                m.gradient_checkpointing = True  # type: ignore[assignment]
 
 
 def apply_activation_checkpointing(
