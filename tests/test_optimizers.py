@@ -30,6 +30,7 @@ from lightning_par.parallel.optimizers import (
     check_dtensor_step,
     check_elementwise,
     check_per_parameter,
+    is_elementwise,
 )
 from lightning_par.parallel.zero_whole import assign_owners, check_not_tp_sharded
 
@@ -174,6 +175,17 @@ def test_coupled_and_dtensor_limited_optimizers_are_refused_naming_the_fix():
     check_dtensor_step(torch.optim.Muon(params), "zero_stage=3 (FSDP2)")
     with pytest.raises(ValueError, match=r"tensor-parallel shard.*Use tp=1"):
         check_not_tp_sharded("Muon", 1, ["blocks.0.attn.q.weight"])
+    # `lightning_par_elementwise = True` keeps the user's way to opt a class into row slices; a subclass without it
+    # is not trusted (it may override `step`).
+
+    class RowAdafactor(torch.optim.Adafactor):
+        lightning_par_elementwise = True
+
+    class MyAdam(torch.optim.Adam):
+        pass
+
+    assert is_elementwise(RowAdafactor(params)) and not is_elementwise(MyAdam(params))
+    assert is_elementwise(torch.optim.AdamW(params)) and not is_elementwise(torch.optim.Adafactor(params))
 
 
 def _update(cls: type, full: bool) -> torch.Tensor:
