@@ -100,11 +100,17 @@ def check_elementwise(optimizer: torch.optim.Optimizer, where: str) -> None:
     if is_elementwise(optimizer):
         return
     cls = type(optimizer)
+    native = (
+        "Use lightning_par's native backend with zero_stage=0 (ParallelStrategy(zero_stage=0)): its step couples "
+        "every parameter"
+        if isinstance(optimizer, COUPLED_OPTIMIZERS)
+        else "Use lightning_par's native backend (backend='native', e.g. strategy='zero1' or 'zero2'), whose ZeRO-1/2 "
+        "step such an optimizer on whole parameters, one owner rank each"
+    )
     raise ValueError(
         f"{_name(optimizer)} under {where}, and {cls.__name__}'s update is not known to be element-wise (an update "
         "that factors or normalizes over a whole matrix, such as Adafactor's or Muon's, would silently differ from "
-        "one process). Use lightning_par's native backend (backend='native', e.g. strategy='zero1' or 'zero2'), "
-        "whose ZeRO-1/2 step such an optimizer on whole parameters, one owner rank each. If "
+        f"one process). {native}. If "
         f"{cls.__name__}'s update of each element depends only on that element, declare it with "
         f"`{cls.__name__}.{ELEMENTWISE_MARK} = True`"
     )
