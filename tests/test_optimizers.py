@@ -4,10 +4,10 @@ ZeRO-1/2 step an element-wise optimizer on row slices of each weight; on such sl
 moments and Muon's orthogonalization would compute another update than one process, silently
 (`test_row_slices_change_only_non_elementwise_updates`), so ZeRO-1/2 step them on whole parameters instead, each
 owned by one rank (`lightning_par.parallel.zero_whole`). Both match one process under ZeRO-0, 1 and 2 here (with
-gradient accumulation, clipping, a pipeline, and a checkpoint written under ZeRO-2 by 2 ranks and resumed in one
-process); Muon under ZeRO-3 too (FSDP2 keeps DTensors, whose reductions span each whole weight). torch 2.13's
-Adafactor cannot step DTensors (an in-place op on a partial placement), so ZeRO-3 refuses it before the first
-step; LBFGS (one closure over every parameter) stays refused under ZeRO-1/2.
+gradient accumulation, clipping, a 2-stage pipeline (dp 1), and a checkpoint written under ZeRO-2 by 2 ranks and
+resumed in one process); Muon under ZeRO-3 too (FSDP2 keeps DTensors, whose reductions span each whole weight).
+torch 2.13's Adafactor cannot step DTensors (an in-place op on a partial placement), so ZeRO-3 refuses it before
+the first step; LBFGS (one closure over every parameter) stays refused under ZeRO-1/2.
 
 Tolerances. Adafactor: losses 1e-5 relative, parameters 1e-5 relative / 1e-6 absolute. Muon orthogonalizes in bf16
 (torch's Newton-Schulz casts the momentum to bfloat16), so the 1e-7 float noise of a data-parallel gradient average
@@ -45,7 +45,7 @@ def _initial_params(model: str) -> dict[str, torch.Tensor]:
 
 
 CKPT = {"epoch_steps": 1, "max_steps": 4}  # one step per epoch: a checkpoint at each epoch end (test_checkpoint.py)
-# name -> (2-rank job, the one-process reference's job); "strategy" is added from the name.
+# case ("model/layout") -> its 2-rank job; the one-process reference is the same job without the strategy.
 CASES: dict[str, dict[str, Any]] = {
     "muon_lm/zero0": {"strategy": {"zero_stage": 0}},
     "muon_lm/zero1": {"strategy": "zero1"},
