@@ -36,13 +36,28 @@ def test_tp_refusal_names_the_degrees_that_divide():
     assert "does not divide n_heads=3" in got["tp"].reason and "choose tp in {1, 3}" in got["tp"].reason
 
 
-def test_a_non_elementwise_optimizer_is_refused_only_where_shards_step_it():
+def test_optimizer_verdicts_follow_the_layout_that_steps_it():
     model = MODELS["gpt"]()
     got = {v.strategy: v for v in check_model(model, torch.optim.Adafactor(model.parameters()))}
-    for name in ("zero1", "zero2", "pipe_zero1", "deepspeed_zero3"):
-        assert not got[name].ok and "Adafactor" in got[name].reason, name
-    for name in ("zero3", "tp", "pipe", "tp_zero3"):
+    # ZeRO-1/2 step a non-element-wise optimizer on whole parameters, one owner rank each.
+    for name in ("zero1", "zero2", "pipe_zero1"):
+        assert got[name].ok and "each rank steps the whole parameters it owns" in got[name].reason, name
+    for name in ("tp", "pipe"):
         assert got[name].ok, (name, got[name].reason)
+    # Refused where no whole parameter is stepped (DeepSpeed's flat partitions, tensor-parallel shards) and where
+    # torch's Adafactor cannot step FSDP2's DTensors; each reason names the fix.
+    for name, fix in [("deepspeed_zero2", "backend='native'"), ("deepspeed_zero3", "backend='native'"),
+                      ("pipe_tp_zero1", "Use tp=1"), ("zero3", "Use zero_stage=1 or 2"),
+                      ("tp_zero3", "Use zero_stage=1 or 2")]:  # fmt: skip
+        assert not got[name].ok and "Adafactor" in got[name].reason and fix in got[name].reason, name
+    lbfgs = {v.strategy: v for v in check_model(model, torch.optim.LBFGS(model.parameters()))}
+    assert not lbfgs["zero2"].ok and "couples every parameter" in lbfgs["zero2"].reason
+    assert "zero_stage=2" in lbfgs["zero2"].reason and "Use zero_stage=0" in lbfgs["zero2"].reason
+    muon_model = MODELS["muon_lm"]()
+    muon = {
+        v.strategy: v for v in check_model(muon_model, torch.optim.Muon(muon_model.parameters()), strategies=["zero3"])
+    }
+    assert muon["zero3"].ok, muon["zero3"].reason
 
 
 def test_check_recipe_builds_the_recipe_model_and_prints_one_line_per_strategy():

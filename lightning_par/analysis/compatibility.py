@@ -17,9 +17,10 @@ import torch
 from torch import nn
 
 from lightning_par.names import ALIASES, DEEPSPEED_STRATEGY_NAMES, STRATEGY_NAMES, strategy_kwargs
-from lightning_par.parallel.optimizers import check_elementwise
+from lightning_par.parallel.optimizers import check_dtensor_step, check_elementwise, check_per_parameter, is_elementwise
 from lightning_par.parallel.pipeline_owners import PipelineError, find_ownership
 from lightning_par.parallel.tp_check import check_local_shapes
+from lightning_par.parallel.zero_whole import check_not_tp_sharded
 from lightning_par.plans.moe import find_moe_layers, unrecognised_experts
 from lightning_par.plans.tp import infer_tp_plan
 from lightning_par.plans.tp_types import _SPLIT_NORMS, TPPlanError
@@ -64,7 +65,8 @@ class _Checks:
 
     def get(self, dim: str) -> _Result:
         if dim not in self._done:
-            self._done[dim] = getattr(self, f"_{dim}")()
+            name, _, arg = dim.partition(":")  # "shard_optimizer:2": a check of ZeRO stage 2
+            self._done[dim] = getattr(self, f"_{name}")(*([int(arg)] if arg else []))
         return self._done[dim]
 
     def _tp(self) -> _Result:
@@ -116,16 +118,44 @@ class _Checks:
             )
         return _Result(True, f"{len(layers)} MoE layers ({layers[0].kind}, {layers[0].n_experts} experts)")
 
-    def _shard_optimizer(self) -> _Result:
+    def _optimizer_check(self, check: Callable[[torch.optim.Optimizer], str]) -> _Result:
         optimizer = self.optimizer
         if optimizer is None:
             return _Result(True, "no optimizer to check")
+        return _guard(lambda: check(optimizer), ValueError)
 
-        def run() -> str:
-            check_elementwise(optimizer, "ZeRO-1/2 and DeepSpeed")
-            return f"{type(optimizer).__name__} updates element by element, so row shards step exactly"
+    def _shard_optimizer(self, stage: int) -> _Result:
+        # ZeRO-1/2 (native): row slices for an element-wise optimizer, whole parameters one owner each otherwise.
+        def run(optimizer: torch.optim.Optimizer) -> str:
+            check_per_parameter(optimizer, stage)
+            name = type(optimizer).__name__
+            if is_elementwise(optimizer):
+                return f"{name} updates element by element, so row shards step exactly"
+            return f"{name} is not known to be element-wise, so each rank steps the whole parameters it owns"
 
-        return _guard(run, ValueError)
+        return self._optimizer_check(run)
+
+    def _tp_shard_optimizer(self, stage: int) -> _Result:
+        def run(optimizer: torch.optim.Optimizer) -> str:
+            if not is_elementwise(optimizer):
+                check_not_tp_sharded(type(optimizer).__name__, stage, ["each column- or row-split weight"])
+            return "tensor-parallel shards step element by element"
+
+        return self._optimizer_check(run)
+
+    def _deepspeed_optimizer(self) -> _Result:
+        def run(optimizer: torch.optim.Optimizer) -> str:
+            check_elementwise(optimizer, "DeepSpeed: it steps the optimizer on flat fp32 partitions")
+            return f"{type(optimizer).__name__} updates element by element, so flat partitions step exactly"
+
+        return self._optimizer_check(run)
+
+    def _fsdp_optimizer(self) -> _Result:
+        def run(optimizer: torch.optim.Optimizer) -> str:
+            check_dtensor_step(optimizer, "zero_stage=3 (FSDP2)")
+            return f"no known limit of {type(optimizer).__name__} on FSDP2's DTensor parameters"
+
+        return self._optimizer_check(run)
 
     def _zero3(self) -> _Result:
         trunk = find_trunk(self.module)
@@ -136,7 +166,10 @@ class _Checks:
 def _dims(kwargs: dict) -> list[str]:
     dims = [d for d in kwargs["auto_dims"] if d != "dp"]
     stage = kwargs["zero_stage"]
-    dims += ["shard_optimizer"] if stage in (1, 2) else ["zero3"] if stage == 3 else []
+    if stage in (1, 2):
+        dims += [f"shard_optimizer:{stage}", *([f"tp_shard_optimizer:{stage}"] if "tp" in dims else [])]
+    elif stage == 3:
+        dims += ["zero3", "fsdp_optimizer"]
     return dims
 
 
@@ -152,8 +185,9 @@ def check_model(
 
     Args:
         module: the user's module; it is only inspected (the tp plan probe runs one forward in eval mode).
-        optimizer: what the module's ``configure_optimizers`` returns (ZeRO-1/2 and DeepSpeed need an element-wise
-            one); ``None`` skips that check.
+        optimizer: what the module's ``configure_optimizers`` returns (DeepSpeed and tensor parallelism under
+            ZeRO-1/2 need an element-wise one, ZeRO-1/2 one whose step does not couple parameters, ZeRO-3 one that
+            steps DTensors); ``None`` skips that check.
         strategies: names to check (default: every registered name but the aliases).
         degree: the degree each dimension is checked for (tp, pp, ep).
     """
@@ -170,8 +204,8 @@ def check_model(
         except (NotImplementedError, ValueError) as e:
             out.append(Verdict(name, False, str(e).splitlines()[0]))
             continue
-        if deepspeed and "shard_optimizer" not in dims:
-            dims.append("shard_optimizer")  # DeepSpeed steps every stage's optimizer on flat shards
+        if deepspeed:  # DeepSpeed steps every stage's optimizer on flat partitions (its own, not ours or FSDP2's)
+            dims = [d for d in dims if "_optimizer" not in d] + ["deepspeed_optimizer"]
         results = [(d, checks.get(d)) for d in dims]
         failed = [r for _, r in results if not r.ok]
         reason = failed[0].reason if failed else "; ".join(r.reason for _, r in results) or "plain data parallel"

@@ -5,10 +5,10 @@ rule of its own. What a technique needs at run time is a hook here:
 
 | hook | who acts |
 |---|---|
-| `wrap_optimizer` | ZeRO 1-2 points the optimizer at this rank's shards |
+| `wrap_optimizer` | ZeRO 1-2 points the optimizer at this rank's shards; ZeRO-3 refuses one that cannot step DTensors |
 | `after_backward` | ZeRO 0-2 reduces gradients (when: the engine's rule); experts reduce expert gradients |
 | `optimizer_owner`, `distribute_model` | ZeRO 1-2 and experts describe their shards as DTensors (checkpoints) |
-| `merge_param_groups`, `other_stage_keys` | a pipeline's checkpoint entries span the stages of other ranks |
+| `merge_param_groups`, `other_stage_keys` | checkpoint entries of a pipeline (and whole-parameter ZeRO) span ranks |
 | `norm_groups` | a pipeline: the gradient norm sums over the stages |
 | `pipeline` | a pipeline runs the training / evaluation step through its schedule |
 
@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_par.parallel.expert_parallel import ExpertParallel
+from lightning_par.parallel.optimizers import check_dtensor_step
 from lightning_par.parallel.pipeline_schedule import PipelineRunner
 from lightning_par.parallel.zero_replicated import ReplicatedZero
 
@@ -55,10 +56,20 @@ class ParallelRun:
     norm_groups: tuple[dist.ProcessGroup, ...] = ()
     notes: tuple[str, ...] = ()
 
-    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Make an optimizer built over the module's parameters step on this rank's shards (in place)."""
-        if self.zero is not None:
-            self.zero.shard_optimizer(optimizer)
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> list[str]:
+        """Make an optimizer built over the module's parameters step on this rank's shards (in place).
+
+        Returns:
+            lines for the start-up log (how ZeRO-1/2 step an optimizer that is not element-wise).
+
+        Raises:
+            ValueError: the optimizer cannot be right on this layout, naming the fix.
+        """
+        if self.zero is None:  # ZeRO-3: FSDP2's DTensor parameters
+            check_dtensor_step(optimizer, "zero_stage=3 (FSDP2)")
+            return []
+        line = self.zero.shard_optimizer(optimizer)
+        return [line] if line else []
 
     def after_backward(self, accumulating: bool) -> None:
         """Reduce gradients after a backward pass, before clipping and ``on_before_optimizer_step`` see them.
@@ -92,21 +103,15 @@ class ParallelRun:
 
         A checkpoint keeps one copy of non-tensor entries, so each rank's groups (listing only its own stage's
         parameters) would overwrite the others'; merged, every rank finds its parameters' hyperparameters on load.
-        Groups are matched by their hyperparameters, so a stage without some group is fine. Collective over the
-        pipeline group; the state unchanged without a pipeline.
+        Groups are matched by their hyperparameters, so a stage without some group is fine. The same holds over
+        ``dp_shard`` when ZeRO-1/2 step whole parameters (each rank's groups list the parameters it owns). Collective
+        over those groups; the state unchanged without either.
         """
-        if self.pipeline is None:
-            return state
-        every: list[Any] = [None] * dist.get_world_size(self.pipeline.group)
-        dist.all_gather_object(every, state["param_groups"], group=self.pipeline.group)
-        merged: dict[str, dict[str, Any]] = {}
-        for groups in every:
-            for group in groups:
-                key = repr(sorted((k, v) for k, v in group.items() if k != "params"))
-                if key not in merged:
-                    merged[key] = {**group, "params": []}
-                merged[key]["params"] += [p for p in group["params"] if p not in merged[key]["params"]]
-        return {**state, "param_groups": list(merged.values())}
+        groups = [self.zero.shard_group] if self.zero is not None and self.zero.whole and self.zero.world > 1 else []
+        groups += [self.pipeline.group] if self.pipeline is not None else []
+        for over in groups:  # dp_shard first: a stage's merged groups are then merged over the stages
+            state = {**state, "param_groups": _merged_groups(state["param_groups"], over)}
+        return state
 
     def other_stage_keys(self) -> frozenset[str]:
         """Checkpoint keys (``state_dict.<name>``) of the parameters and buffers other pipeline ranks hold, and of
@@ -125,3 +130,16 @@ class ParallelRun:
     def describe(self) -> list[str]:
         """Lines for the start-up log (the pipeline's stages, how the weights were made)."""
         return ([self.pipeline.describe()] if self.pipeline is not None else []) + list(self.notes)
+
+
+def _merged_groups(param_groups: list[dict[str, Any]], group: dist.ProcessGroup) -> list[dict[str, Any]]:
+    every: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, param_groups, group=group)
+    merged: dict[str, dict[str, Any]] = {}
+    for groups in every:
+        for g in groups:
+            key = repr(sorted((k, v) for k, v in g.items() if k != "params"))
+            if key not in merged:
+                merged[key] = {**g, "params": []}
+            merged[key]["params"] += [p for p in g["params"] if p not in merged[key]["params"]]
+    return list(merged.values())

@@ -3,6 +3,8 @@
 Gradients are packed into buckets laid out rank-major (rank j's shards of every parameter contiguous, the layout
 FSDP2 uses) so one reduce-scatter per bucket hands each rank its shard. The optimizer runs on plain "master"
 tensors that are views into this rank's rows of each parameter; after its step the shards are all-gathered back.
+An optimizer that is not element-wise gets whole parameters instead, one owner rank each (`zero_whole`), through
+the same buckets and collectives.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from lightning_par import _compat
+from lightning_par.parallel import zero_whole
 from lightning_par.parallel.grad_norm import mark_sharded
-from lightning_par.parallel.optimizers import check_elementwise
+from lightning_par.parallel.optimizers import check_per_parameter, is_elementwise
 from lightning_par.parallel.param_tree import parameter_tree
 
 # Module attributes, not calls of _compat's: benchmarks/bench_comm_bytes.py patches these two to count bytes.
@@ -92,6 +95,7 @@ class _Bucket:
             self.starts.append(min(rank * chunk_rows, rows))
             size += chunk_rows * row_numel
         self.shard_numel = size
+        self.mine = params  # every parameter has a (possibly empty) row shard here
         self.ready = 0
 
     def pack(self, tensors: Iterable[Optional[torch.Tensor]], world: int, dtype: torch.dtype) -> torch.Tensor:
@@ -109,6 +113,11 @@ class _Bucket:
     def shard_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Views of this rank's shards inside a buffer of ``shard_numel`` elements."""
         return [flat[off : off + math.prod(shape)].view(shape) for off, shape in zip(self.offsets, self.local)]
+
+    def unpack(self, recv: torch.Tensor) -> None:
+        """Copy the all-gathered ``(world, shard_numel)`` shards back into the full parameters."""
+        for d, off, chunk in zip(self.data, self.offsets, self.chunks):
+            d.view(-1).copy_(recv[:, off : off + chunk].reshape(-1)[: d.numel()])
 
 
 class ReplicatedZero:
@@ -167,7 +176,9 @@ class ReplicatedZero:
                     "shape (1,) instead"
                 )
             self.names[p] = name
-        self.buckets = self._make_buckets(list(self.names), bucket_cap_mb)
+        self.buckets: list[Any] = self._make_buckets(list(self.names), bucket_cap_mb)  # _Bucket or WholeBucket
+        self.whole = False  # whole-parameter layout (`zero_whole`), chosen by the first optimizer that needs it
+        self._wrapped = 0  # optimizers pointed at the masters
         self.masters: dict[nn.Parameter, nn.Parameter] = {}
         self._full_of: dict[str, nn.Parameter] = {}
         if stage >= 1:
@@ -181,7 +192,7 @@ class ReplicatedZero:
         self._pending: list[tuple[Any, _Bucket, torch.Tensor]] = []
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         if stage == 2 and reduce_during_backward:
-            self._bucket_of = {p: b for b in self.buckets for p in b.params}
+            self._bucket_of: dict[nn.Parameter, Any] = {p: b for b in self.buckets for p in b.params}
             for p in self.names:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
 
@@ -203,32 +214,53 @@ class ReplicatedZero:
         return buckets
 
     # ---- optimizer -------------------------------------------------------------------------------------------
-    def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Point ``optimizer`` (built over the model's parameters) at the sharded masters, in place.
+    def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> Optional[str]:
+        """Point ``optimizer`` (built over the model's parameters) at this rank's masters, in place.
 
-        In place, so LR schedulers that hold the optimizer keep working. Stage 0 leaves it alone.
-
-        Raises:
-            ValueError: the optimizer's update is not known to be element-wise (`parallel.optimizers`): on row slices
-                it would compute another update than on whole weights, silently.
+        In place, so LR schedulers that hold the optimizer keep working; stage 0 leaves it alone. An element-wise
+        optimizer steps row slices of every weight; any other the whole parameters this rank owns (`zero_whole`).
+        Returns a start-up line for the latter. Raises ValueError for a step that couples parameters (LBFGS), or one
+        not element-wise over tensor-parallel shards.
         """
         if self.stage == 0:
-            return
-        where = f"zero_stage={self.stage}: each rank steps the optimizer on row slices of the weights"
-        check_elementwise(optimizer, where)
+            return None
+        check_per_parameter(optimizer, self.stage)
         if optimizer.state:
             raise RuntimeError("shard the optimizer before its first step (its state would be full-size)")
+        line = None if is_elementwise(optimizer) else self._use_whole_params(optimizer)
         for group in optimizer.param_groups:
-            missing = [
-                p for p in group["params"] if p not in self.masters and p not in self.excluded and p.requires_grad
-            ]
+            missing = [p for p in group["params"] if p not in self.names and p not in self.excluded and p.requires_grad]
             if missing:
                 raise ValueError(
                     f"the optimizer holds {len(missing)} parameter(s) that are not trainable parameters of the "
                     "LightningModule; build the optimizer from self.parameters() in configure_optimizers"
                 )
-            group["params"] = [self.masters.get(p, p) for p in group["params"]]
+            # Whole-parameter layout: the parameters other ranks own leave this rank's optimizer.
+            kept = [p for p in group["params"] if p in self.masters or p not in self.names]
+            group["params"] = [self.masters.get(p, p) for p in kept]
         optimizer.register_step_post_hook(lambda *_: self.gather_params())
+        self._wrapped += 1
+        return line
+
+    def _use_whole_params(self, optimizer: torch.optim.Optimizer) -> Optional[str]:
+        """Switch to whole parameters owned by one rank each (`zero_whole`), before any optimizer uses the rows."""
+        name = type(optimizer).__name__
+        if self.whole:
+            return None
+        if self._wrapped:  # whole parameters are right for element-wise ones too, rows are not for this one
+            raise ValueError(
+                f"{name} is not element-wise and needs whole parameters, but an earlier optimizer already steps row "
+                f"slices; return {name} first from configure_optimizers"
+            )
+        zero_whole.check_not_tp_sharded(name, self.stage, [self.names[p] for p in self.names if _tp_groups(p)])
+        self.buckets = zero_whole.whole_buckets(self.buckets, self.world, self.rank)
+        self.masters = zero_whole.whole_masters(self.buckets, self.masters, self.shard_group)
+        self._full_of = {self.names[p]: p for p in self.masters}
+        self._masters_root, self._state_specs = None, {}
+        if self._hooks:
+            self._bucket_of = {p: b for b in self.buckets for p in b.params}
+        self.whole = True
+        return zero_whole.note(optimizer, self.stage, self.world, self.buckets)
 
     def masters_module(self) -> nn.Module:
         """A module tree holding the masters (and the excluded parameters) under the original parameter names.
@@ -248,10 +280,12 @@ class ReplicatedZero:
     def distribute_state(self, name: str, value: Any) -> Any:
         """Wrap a master's optimizer-state tensor as the ``Shard(0)`` DTensor of the full parameter, for DCP.
 
-        Tensors shaped like the shard (``exp_avg``, momentum, ...) are sharded; scalars (``step``) are not.
+        Tensors shaped like the shard (``exp_avg``, momentum, ...) are sharded; scalars (``step``) are not. Under
+        whole parameters a state tensor stays plain: only its owner holds (and saves) it, whole, which DCP reads
+        into any layout (the owners of another world size, or one process).
         """
         full = self._full_of.get(name)
-        if full is None or not isinstance(value, torch.Tensor) or value.dim() == 0:
+        if self.whole or full is None or not isinstance(value, torch.Tensor) or value.dim() == 0:
             return value
         master = self.masters[full]
         if value.shape != master.shape:
@@ -362,7 +396,7 @@ class ReplicatedZero:
             if self.mesh.size(0) > 1:
                 dist.all_reduce(out, group=self.replicate_group)
             out.div_(self.dp)
-            for p, shard in zip(bucket.params, bucket.shard_views(out)):
+            for p, shard in zip(bucket.mine, bucket.shard_views(out)):
                 master = self.masters[p]
                 if master.grad is None:
                     master.grad = shard
@@ -377,12 +411,10 @@ class ReplicatedZero:
         for bucket in self.buckets:
             dtype = bucket.params[0].dtype
             send = torch.zeros(bucket.shard_numel, dtype=dtype, device=bucket.data[0].device)
-            for view, p in zip(bucket.shard_views(send), bucket.params):
+            for view, p in zip(bucket.shard_views(send), bucket.mine):
                 view.copy_(self.masters[p])
             recv = torch.empty(self.world, bucket.shard_numel, dtype=dtype, device=send.device)
             inflight.append((_all_gather(recv.view(-1), send, group=self.shard_group, async_op=True), bucket, recv))
         for work, bucket, recv in inflight:
             work.wait()
-            for d, off, chunk in zip(bucket.data, bucket.offsets, bucket.chunks):
-                d.view(-1).copy_(recv[:, off : off + chunk].reshape(-1)[: d.numel()])
-
+            bucket.unpack(recv)

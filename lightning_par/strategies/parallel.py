@@ -194,7 +194,8 @@ class ParallelStrategy(ProcessGroupStrategy):
         super().setup_optimizers(trainer)
         if self._run is not None:
             for opt in self.optimizers:
-                self._run.wrap_optimizer(opt)
+                for line in self._run.wrap_optimizer(opt):
+                    rank_zero_info(f"lightning_par {line}")
 
     @contextmanager
     @override
