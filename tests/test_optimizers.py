@@ -70,6 +70,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     jobs["gpt_adafactor/zero3"] = {"model": "gpt_adafactor", "strategy": "zero3", "expect_error": True}
     tp_zero1 = {"tp": 2, "zero_stage": 1}  # tp 2 x dp 1: the tp-sharded weights are slices, refused
     jobs["gpt_adafactor/tp_zero1"] = {"model": "gpt_adafactor", "strategy": tp_zero1, "dp": 1, "expect_error": True}
+    tp = {"tp": 2, "zero_stage": 0}  # stage 0 steps the tp DTensors themselves
+    jobs["gpt_adafactor/tp"] = {"model": "gpt_adafactor", "strategy": tp, "dp": 1, "expect_error": True}
     got = dict(zip(jobs, run_jobs(tmp / "two", list(jobs.values()), nproc=2, timeout=300)))
     # One process: every case's reference (deduplicated), and the resume of the ZeRO-2 checkpoint after step 2.
     refs = {repr(sorted(_ref_job(c).items())): _ref_job(c) for c in CASES}
@@ -139,17 +141,21 @@ def test_a_whole_parameter_checkpoint_resumes_in_one_process(runs):
     assert all(float(st["step"]) == 2 for st in saved.values())
 
 
-def test_zero3_and_tensor_parallel_zero1_refuse_adafactor_before_the_first_step(runs):
+def test_zero3_and_tensor_parallel_refuse_adafactor_before_the_first_step(runs):
     # ZeRO-3: torch's Adafactor crashed inside its first step on FSDP2's DTensors (aten.pow_ on a partial placement).
     got = runs["gpt_adafactor/zero3"]
     assert got["losses"] == [], "refused before training"
     assert got["error"].startswith("ValueError: torch.optim.")
     assert "Adafactor under zero_stage=3 (FSDP2)" in got["error"]
-    assert "Use zero_stage=1 or 2 (strategy='zero1' / 'zero2')" in got["error"]
+    assert "Use zero_stage=1 or 2 (strategy='zero1' / 'zero2', without tp)" in got["error"]
     # tp x ZeRO-1: a tensor-parallel shard is itself a slice of its weight, so no rank steps a whole one.
     got = runs["gpt_adafactor/tp_zero1"]
     assert got["losses"] == [] and got["error"].startswith("ValueError: Adafactor under zero_stage=1 with tensor")
     assert "is a tensor-parallel shard, itself a slice of its weight" in got["error"] and "Use tp=1" in got["error"]
+    # tp at stage 0: the optimizer steps the DTensors, where Adafactor crashed inside its step as under ZeRO-3.
+    got = runs["gpt_adafactor/tp"]
+    assert got["losses"] == [] and "Adafactor under tensor parallelism: the parameters are DTensors" in got["error"]
+    assert "Use tp=1, or an element-wise optimizer such as AdamW" in got["error"]
 
 
 def test_owners_are_balanced_and_the_same_on_every_rank():
@@ -170,6 +176,8 @@ def test_coupled_and_dtensor_limited_optimizers_are_refused_naming_the_fix():
         check_per_parameter(torch.optim.LBFGS(params), 2)
     check_per_parameter(torch.optim.Adafactor(params), 2)
     check_per_parameter(torch.optim.Muon(params), 1)
+    with pytest.raises(ValueError, match=r"SparseAdam under zero_stage=1: it steps sparse gradients.*Use torch"):
+        check_per_parameter(torch.optim.SparseAdam(params), 1)  # it failed inside its step on the dense gradients
     with pytest.raises(ValueError, match="cannot step"):
         check_dtensor_step(torch.optim.Adafactor(params), "zero_stage=3 (FSDP2)")
     check_dtensor_step(torch.optim.Muon(params), "zero_stage=3 (FSDP2)")

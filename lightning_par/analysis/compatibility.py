@@ -143,6 +143,14 @@ class _Checks:
 
         return self._optimizer_check(run)
 
+    def _tp_optimizer(self) -> _Result:
+        # Stage 0 steps the tensor-parallel DTensors themselves (parallel/run.py).
+        def run(optimizer: torch.optim.Optimizer) -> str:
+            check_dtensor_step(optimizer, "tensor parallelism", "Use tp=1, or an element-wise optimizer such as AdamW")
+            return f"no known limit of {type(optimizer).__name__} on tensor-parallel DTensor parameters"
+
+        return self._optimizer_check(run)
+
     def _deepspeed_optimizer(self) -> _Result:
         def run(optimizer: torch.optim.Optimizer) -> str:
             check_elementwise(optimizer, "DeepSpeed: it steps the optimizer on flat fp32 partitions")
@@ -170,6 +178,8 @@ def _dims(kwargs: dict) -> list[str]:
         dims += [f"shard_optimizer:{stage}", *([f"tp_shard_optimizer:{stage}"] if "tp" in dims else [])]
     elif stage == 3:
         dims += ["zero3", "fsdp_optimizer"]
+    elif "tp" in dims:
+        dims += ["tp_optimizer"]
     return dims
 
 

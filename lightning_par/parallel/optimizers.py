@@ -12,6 +12,8 @@ DeepSpeed steps flat partitions, so only element-wise optimizers are right under
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 # Optimizers whose update of an element depends on that element's gradient and state alone: stepping each rank on a
@@ -30,6 +32,8 @@ COUPLED_OPTIMIZERS = (torch.optim.LBFGS,)
 # Optimizers that cannot step FSDP2's DTensor parameters (torch 2.13's Adafactor: an in-place op on the Partial
 # placement its row / column reductions give, inside `step`). Exact classes: a subclass may have fixed its step.
 NO_DTENSOR_STEP = (torch.optim.Adafactor,)
+# Optimizers that need sparse gradients (SparseAdam): the ZeRO reductions hand every rank dense ones.
+SPARSE_OPTIMIZERS = (torch.optim.SparseAdam,)
 
 
 def is_elementwise(optimizer: torch.optim.Optimizer) -> bool:
@@ -63,25 +67,34 @@ def check_per_parameter(optimizer: torch.optim.Optimizer, stage: int) -> None:
             "search over all of them), so no rank can step a share of the parameters alone. Use zero_stage=0 "
             "(every rank steps all parameters; strategy='ddp' or ParallelStrategy(zero_stage=0))"
         )
+    if isinstance(optimizer, SPARSE_OPTIMIZERS):
+        raise ValueError(
+            f"{_name(optimizer)} under zero_stage={stage}: it steps sparse gradients, and the ZeRO reductions hand "
+            "each rank dense ones. Use torch.optim.Adam or AdamW (dense gradients, row shards), or train on one "
+            "device"
+        )
 
 
-def check_dtensor_step(optimizer: torch.optim.Optimizer, where: str) -> None:
+def check_dtensor_step(optimizer: torch.optim.Optimizer, where: str, fix: Optional[str] = None) -> None:
     """Refuse, before the first step, an optimizer known to fail on DTensor parameters (FSDP2's).
 
     Args:
         optimizer: what ``configure_optimizers`` returned.
         where: the layout, e.g. ``"zero_stage=3 (FSDP2)"``.
+        fix: what to use instead (default: ZeRO-1/2, which step it on whole plain tensors).
 
     Raises:
         ValueError: naming the optimizer and the fixes.
     """
     if type(optimizer) in NO_DTENSOR_STEP:
         name = type(optimizer).__name__
+        fix = fix or (
+            "Use zero_stage=1 or 2 (strategy='zero1' / 'zero2', without tp), which step it on whole parameters, one "
+            "owner rank each, or zero_stage=0"
+        )
         raise ValueError(
             f"{_name(optimizer)} under {where}: the parameters are DTensors, which torch's {name} cannot step (its "
-            "step runs an in-place op on the Partial placement its row and column reductions give). Use "
-            "zero_stage=1 or 2 (strategy='zero1' / 'zero2'), which step it on whole parameters, one owner rank each, "
-            "or zero_stage=0"
+            f"step runs an in-place op on the Partial placement its row and column reductions give). {fix}"
         )
 
 

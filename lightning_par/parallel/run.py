@@ -24,6 +24,7 @@ from typing import Any, Optional, cast
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_par.parallel.expert_parallel import ExpertParallel
 from lightning_par.parallel.optimizers import check_dtensor_step
@@ -68,6 +69,10 @@ class ParallelRun:
         if self.zero is None:  # ZeRO-3: FSDP2's DTensor parameters
             check_dtensor_step(optimizer, "zero_stage=3 (FSDP2)")
             return []
+        if self.zero.stage == 0 and any(isinstance(p, DTensor) for g in optimizer.param_groups for p in g["params"]):
+            check_dtensor_step(  # stage 0 steps the tensor-parallel DTensors themselves
+                optimizer, "tensor parallelism", "Use tp=1, or an element-wise optimizer such as AdamW"
+            )
         line = self.zero.shard_optimizer(optimizer)
         return [line] if line else []
 
