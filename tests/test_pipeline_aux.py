@@ -46,6 +46,8 @@ JOBS_2: dict[str, dict[str, Any]] = {
 JOBS_4: dict[str, dict[str, Any]] = {
     "qwen2_pp4": {"model": "hf_qwen2_moe_4", "strategy": {"pp": 4, "microbatches": 4}, "dp": 1, "validate": True},
     "qwen2_pipe_tp": {"model": "hf_qwen2_moe", "strategy": {"pp": 2, "tp": 2}, "dp": 1},
+    # pp 2 x dp 2 under ZeRO-3: each stage module is an FSDP2 root, also when the side outputs are measured.
+    "qwen2_pipe_zero3": {"model": "hf_qwen2_moe", "strategy": {"pp": 2, "zero_stage": 3}, "dp": 2},
 }  # fmt: skip
 
 ALL = {**JOBS_2, **JOBS_4}
@@ -60,7 +62,9 @@ def _reference(name: str, job: dict[str, Any]) -> dict[str, Any]:
     ref = reference_job({k: v for k, v in job.items() if k not in ("strategy", "dp")})
     m = _microbatches(job)
     # m microbatches of the pipeline's batch = m accumulated batches of one process, in the same order; validation
-    # too: 2 batches of B through the pipeline are 2m batches of B/m (validation batches are not shuffled).
+    # too: 2 batches of B through the pipeline are 2m batches of B/m (validation batches are not shuffled). Over dp
+    # ranks too: the routers' logits are gathered over dp (moe_router_stats), so microbatch i of every dp rank
+    # together is batch i of B/m (rank r holds samples r, r + dp, ... of the global batch).
     return {**ref, "global_batch": 8 // m, "accumulate": m, "limit_val_batches": 2 * m}
 
 
@@ -109,7 +113,7 @@ def _hf_qwen2_moe(**config: Any) -> torch.nn.Module:
     tiny = dict(vocab_size=64, hidden_size=16, intermediate_size=24, moe_intermediate_size=8, num_hidden_layers=2,
                 num_attention_heads=2, num_key_value_heads=1, num_experts=4, num_experts_per_tok=2,
                 shared_expert_intermediate_size=16, attn_implementation="eager")  # fmt: skip
-    return Qwen2MoeForCausalLM(Qwen2MoeConfig(**tiny, **config))
+    return Qwen2MoeForCausalLM(Qwen2MoeConfig(**{**tiny, **config}))
 
 
 class _Collecting(torch.nn.Module):
@@ -148,3 +152,46 @@ def test_router_logits_are_carried_and_other_side_outputs_are_refused():
         with pytest.raises(PipelineError, match=what) as err:
             find_ownership(model, find_trunk(model))
         assert "strategy='moe' or 'zero3'" in str(err.value)
+
+
+def test_stages_in_one_process_carry_replay_and_backpropagate_the_router_logits():
+    # Each stage its own cut copy (as on its own rank), chained by hand: the loss, every layer's recorded logits (in
+    # order) and every gradient are the whole model's; the middle stage passes block 0's logits on.
+    import copy
+
+    from lightning_par.parallel.pipeline import PipelineModel
+
+    torch.manual_seed(0)
+    full = _hf_qwen2_moe(output_router_logits=True, num_hidden_layers=4, router_aux_loss_coef=0.1)
+    idx = torch.randint(0, 64, (2, 8))
+    ref = full(input_ids=idx, labels=idx)
+    ref.loss.backward()
+    ranges = [(0, 1), (1, 3), (3, 4)]
+    cuts = [copy.deepcopy(full) for _ in ranges]
+    pipes = [PipelineModel(m, find_trunk(m), ranges, [s], torch.device("cpu")) for s, m in enumerate(cuts)]
+    seen: list[Any] = []
+
+    def step(m: torch.nn.Module) -> torch.Tensor:
+        out = m(input_ids=idx, labels=idx)
+        seen.append(out.router_logits)
+        return out.loss
+
+    carry: tuple = ()
+    for pipe, m in zip(pipes, cuts):
+        m.zero_grad(set_to_none=True)
+        pipe.install()
+        pipe.step_fn = lambda _mb, _spec, m=m: step(m)
+        out = pipe.run_stage(pipe.specs[0], carry[0] if carry else None, 0, carry[1:])
+        carry = out if isinstance(out, tuple) else (out,)
+        assert len(carry) == (1 if pipe.specs[0].is_last else 1 + pipe.specs[0].end)  # hidden + each block's logits
+    torch.testing.assert_close(carry[0], ref.loss, rtol=1e-6, atol=0)
+    assert len(seen[0]) == 4 and all(torch.equal(a, b) for a, b in zip(seen[0], ref.router_logits))
+    carry[0].backward()
+    got = {n: p.grad for m in cuts for n, p in m.named_parameters()}
+    assert got.keys() == {n for n, _ in full.named_parameters()}
+    for n, p in full.named_parameters():
+        torch.testing.assert_close(got[n], p.grad, rtol=1e-5, atol=1e-7, msg=lambda msg, n=n: f"{n}: {msg}")
+    # A microbatch whose side output has another shape than the one measured is refused, naming the router.
+    pipes[0].sides.meta = {0: ((1, 4), torch.float32)}  # type: ignore[union-attr]
+    with pytest.raises(PipelineError, match=r"model\.layers\.0\.mlp\.gate returned a side output of shape \(16, 4\)"):
+        pipes[0].run_stage(pipes[0].specs[0], None, 0)
