@@ -38,6 +38,8 @@ JOBS_2: dict[str, dict[str, Any]] = {
     # V: rank 0 runs stages 0 and 3, replaying its own blocks' routers on stage 3 (and validating forward only).
     "olmoe_zbv": {"model": "hf_olmoe_4", "strategy": {"pp": 2, "pp_schedule": "zbv"}, "validate": True},
     "gpt_oss_gpipe": {"model": "hf_gpt_oss", "strategy": {"pp": 2, "pp_schedule": "gpipe"}},
+    # Checkpointed blocks: the recomputation in backward must not capture the logits again.
+    "qwen2_ac_full": {"model": "hf_qwen2_moe", "strategy": {"pp": 2, "activation_checkpointing": "full"}},
     # bf16 router logits on the wire.
     "qwen2_bf16_mixed": {"model": "hf_qwen2_moe", "strategy": {"pp": 2}, "precision": "bf16-mixed"},
 }  # fmt: skip
