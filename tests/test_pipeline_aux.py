@@ -6,9 +6,11 @@ them (lightning_par/parallel/pipeline_sides.py).
 Each microbatch's load-balancing loss is computed from its own router logits, as under gradient accumulation in one
 process, and the loss is not linear in the tokens (a product of means): so a pipeline with m microbatches of its
 batch B is compared with one process that accumulates m batches of B/m (the same samples, in the same order),
-validation included (2 batches of B against 2m of B/m). fp32 losses and gradient norms to
-1e-5 relative, SGD parameters to 1e-5 relative / 1e-7 absolute (tests/test_pipeline_families.py); bf16-mixed losses
-to 2e-2 (tests/test_pipeline.py). The aux term is checked to count: the same model without it trains differently.
+validation included (2 batches of B against 2m of B/m). fp32 losses and gradient norms to 1e-5 relative, SGD
+parameters to 1e-5 relative / 1e-7 absolute (tests/test_pipeline_families.py); bf16-mixed against a bf16-mixed
+reference to 1e-4 (measured: losses <= 9e-8 relative, parameters <= 1.2e-7 absolute). The aux term is checked to
+count: the same model without it trains differently. Mutations checked by hand: with the replay off or the received
+logits detached, every spawned job and the one-process chain fail (losses off by 1e-3 to 1e-2).
 Two spawns (2 and 4 ranks) and one reference process.
 """
 
@@ -93,12 +95,11 @@ def test_aux_loss_matches_one_process(results, name):
     m = _microbatches(job)
     want = _step_means(ref["losses"], m)  # the pipeline logs the mean over its microbatches
     assert len(got["losses"]) == len(want) >= 3
-    if job.get("precision") == "bf16-mixed":
-        assert rel(got["losses"], want) < 2e-2
-        return
-    assert rel(got["losses"], want) < 1e-5
-    assert rel(got["grad_norms"], ref["grad_norms"]) < 1e-5
-    params_close(got["params"], ref["params"], rtol=1e-5, atol=1e-7)
+    # bf16-mixed against bf16-mixed: the same microbatch shapes, so the same kernels (measured 2.5e-8).
+    tol = 1e-4 if job.get("precision") == "bf16-mixed" else 1e-5
+    assert rel(got["losses"], want) < tol
+    assert rel(got["grad_norms"], ref["grad_norms"]) < tol
+    params_close(got["params"], ref["params"], rtol=tol, atol=1e-7)
     if job.get("validate"):
         assert abs(got["val"]["val_loss"] - ref["val"]["val_loss"]) <= 1e-5 * abs(ref["val"]["val_loss"])
 

@@ -117,8 +117,9 @@ class SideCarrier:
                     "shapes, so every microbatch must give the same: use fixed-length sequences and a batch size the "
                     "microbatches divide (drop_last=True), or train without pipeline parallelism"
                 )
-            # A copy: the schedule detaches what a stage returned in place once its backward ran.
-            out.append(t.clone())
+            # A contiguous copy: the schedule sends it as is, and detaches what a stage returned in place once its
+            # backward ran, which must not reach a tensor the stage received (its input) or a view.
+            out.append(t.clone(memory_format=torch.contiguous_format))
         return out
 
     def measured(self) -> dict[int, Meta]:
