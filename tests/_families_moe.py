@@ -34,7 +34,8 @@ class _HFMoELM(L.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         out = self(batch[0])
-        assert out.aux_loss is not None  # output_router_logits: the router's loss is part of out.loss
+        # output_router_logits: the router's loss is part of out.loss
+        assert (out.aux_loss is not None) == self.model.config.output_router_logits
         self.log("train_loss", out.loss, sync_dist=True)
         return out.loss
 
@@ -48,10 +49,11 @@ class _HFMoELM(L.LightningModule):
 class HFQwen2MoE(_HFMoELM):
     """Qwen2-MoE: a shared expert with a sigmoid gate next to the routed experts."""
 
-    def __init__(self) -> None:
+    def __init__(self, layers: int = 2, router_logits: bool = True) -> None:
         from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
-        config = Qwen2MoeConfig(**_TINY, intermediate_size=48, moe_intermediate_size=24, num_experts=4,
+        tiny = {**_TINY, "num_hidden_layers": layers, "output_router_logits": router_logits}
+        config = Qwen2MoeConfig(**tiny, intermediate_size=48, moe_intermediate_size=24, num_experts=4,
                                 num_experts_per_tok=2, shared_expert_intermediate_size=40)  # fmt: skip
         super().__init__(Qwen2MoeForCausalLM(config))
 
@@ -59,10 +61,11 @@ class HFQwen2MoE(_HFMoELM):
 class HFQwen3MoE(_HFMoELM):
     """Qwen3-MoE: routed experts only, normalised top-k weights."""
 
-    def __init__(self) -> None:
+    def __init__(self, layers: int = 2) -> None:
         from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-        config = Qwen3MoeConfig(**_TINY, intermediate_size=48, moe_intermediate_size=24, num_experts=4,
+        tiny = {**_TINY, "num_hidden_layers": layers}
+        config = Qwen3MoeConfig(**tiny, intermediate_size=48, moe_intermediate_size=24, num_experts=4,
                                 num_experts_per_tok=2, head_dim=8)  # fmt: skip
         super().__init__(Qwen3MoeForCausalLM(config))
 
@@ -70,10 +73,11 @@ class HFQwen3MoE(_HFMoELM):
 class HFOlmoe(_HFMoELM):
     """OLMoE: routed experts, q/k norms."""
 
-    def __init__(self) -> None:
+    def __init__(self, layers: int = 2) -> None:
         from transformers import OlmoeConfig, OlmoeForCausalLM
 
-        config = OlmoeConfig(**_TINY, intermediate_size=24, num_experts=4, num_experts_per_tok=2)
+        config = OlmoeConfig(**{**_TINY, "num_hidden_layers": layers}, intermediate_size=24, num_experts=4,
+                             num_experts_per_tok=2)  # fmt: skip
         super().__init__(OlmoeForCausalLM(config))
 
 

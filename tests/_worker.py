@@ -256,6 +256,11 @@ MODELS = {
     "user_moe_uneven": lambda: _families_moe().UserMoEList(uneven=True),  # refused under ep > 1
     # Four blocks, for pp 4 (DeepSeek-V3: one dense block, three MoE blocks).
     "hf_deepseek_v3_4": lambda: _families_moe().HFDeepseekV3(layers=4),
+    "hf_qwen2_moe_4": lambda: _families_moe().HFQwen2MoE(layers=4),
+    "hf_qwen3_moe_4": lambda: _families_moe().HFQwen3MoE(layers=4),
+    "hf_olmoe_4": lambda: _families_moe().HFOlmoe(layers=4),
+    # output_router_logits=False: no load-balancing term (tests/test_pipeline_aux.py checks that it counts).
+    "hf_qwen2_moe_noaux": lambda: _families_moe().HFQwen2MoE(router_logits=False),
     "user_moe_list_4": lambda: _families_moe().UserMoEList(layers=4),
     # Four blocks: room for 2 stages x 2 virtual stages per rank (interleaved and V schedules).
     "gpt4": lambda: GPT(vocab_size=256, block_size=32, n_layer=4, n_head=4, n_embd=32, lr=3e-3),

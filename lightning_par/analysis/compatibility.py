@@ -98,7 +98,9 @@ class _Checks:
             own = find_ownership(self.module, trunk)
             outside = f"{len(own.pre)} modules on the first stage, {len(own.post)} on the last, by {own.source}"
             tied = f", {len(own.tied)} tied weights on both" if own.tied else ""
-            return f"pipeline over the {len(trunk.blocks)} blocks of {trunk.path} ({outside}{tied})"
+            sides = f", {len(own.sides)} side outputs carried to the last stage ({own.sides[0].name}, ...)" if (
+                own.sides) else ""  # fmt: skip
+            return f"pipeline over the {len(trunk.blocks)} blocks of {trunk.path} ({outside}{tied}{sides})"
 
         return _guard(run, PipelineError)
 

@@ -23,6 +23,7 @@ any callable.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
@@ -32,6 +33,7 @@ from torch import Tensor, nn
 
 from lightning_par import _compat
 from lightning_par.parallel.pipeline_owners import Ownership, PipelineError, find_ownership, shadow
+from lightning_par.parallel.pipeline_sides import SideCarrier
 from lightning_par.plans.trunk import Trunk
 
 __all__ = ["PipelineError", "PipelineModel", "StageModule", "StageSpec"]
@@ -70,6 +72,7 @@ class _Active:
     spec: Optional[StageSpec]  # None while probing the trunk's input
     incoming: Optional[Tensor]
     trunk_started: bool = False
+    measuring: bool = False  # a shape pass: the stage ends at its last block, even the last stage
 
 
 def _outside(name: str) -> RuntimeError:
@@ -113,8 +116,11 @@ class StageModule(nn.Module):
         object.__setattr__(self, "_owner", owner)
         self.spec = spec
 
-    def forward(self, *args: Tensor, mb: Tensor) -> Tensor:
-        return self._owner.run_stage(self.spec, args[0] if args else None, int(mb.reshape(-1)[0]))
+    def forward(self, *args: Tensor, mb: Tensor) -> Any:
+        # args: the hidden state, then the trunk's side outputs made before this stage (pipeline_sides).
+        owner = self._owner
+        return owner.run_stage(self.spec, args[0] if args else None, int(mb.reshape(-1)[0]), args[1:],
+                               measure=owner.measuring)  # fmt: skip
 
 
 StepFn = Callable[[int, StageSpec], Optional[Tensor]]
@@ -149,17 +155,22 @@ class PipelineModel:
         self._active: Optional[_Active] = None
         self.step_fn: Optional[StepFn] = None
         self.hidden_dtype: Optional[torch.dtype] = None
+        self.measuring = False  # stage calls are shape passes (`pipeline_schedule.PipelineRunner._side_meta`)
         self._stage_modules: Optional[list[StageModule]] = None
         self.pre_names, self.post_names = [n for n, _ in own.pre], [n for n, _ in own.post]
         self.owns_first = any(s.is_first for s in self.specs)
         self.owns_last = any(s.is_last for s in self.specs)
         owned_idx = {i for s in self.specs for i in range(s.start, s.end)}
         self.blocks: dict[int, nn.Module] = {}
+        passthroughs: dict[int, nn.Module] = {}
         for i, (name, block) in enumerate(zip(trunk.names, trunk.blocks)):
             if i in owned_idx:
                 self.blocks[i] = block
             else:
-                _replace(module, name, _PassThrough(self, i, name))
+                passthroughs[i] = _PassThrough(self, i, name)
+                _replace(module, name, passthroughs[i])
+        # Tensors modules inside the trunk return and code after it reads travel with the hidden state.
+        self.sides = SideCarrier(own.sides, trunk, owned_idx, passthroughs) if own.sides else None
         self.pre = dict(own.pre) if self.owns_first else {}
         self.post = dict(own.post) if self.owns_last else {}
         # A unit of both ends (an embedding used as the head) stays whole wherever either end runs.
@@ -229,38 +240,40 @@ class PipelineModel:
         active.trunk_started = True
         spec = active.spec
         if i < spec.start:
+            if self.sides is not None:
+                self.sides.replay(i)  # the recorder's hooks see this block's side outputs, in the block's place
             return args[0]
         if i >= spec.end or forward is None:
             raise PipelineError(f"{name} ran after stage {spec.index} ended; the trunk's blocks must run in order")
         if i == spec.start and active.incoming is not None:
             args = (active.incoming, *args[1:])
         out = forward(*args, **kwargs)
-        if i == spec.end - 1 and not spec.is_last:
+        if i == spec.end - 1 and (not spec.is_last or active.measuring):
             raise _StageEnd(out)
         return out
 
-    def run_stage(self, spec: StageSpec, incoming: Optional[Tensor], mb: int) -> Tensor:
+    def run_stage(
+        self, spec: StageSpec, incoming: Optional[Tensor], mb: int, sides: Sequence[Tensor] = (), measure: bool = False
+    ) -> Any:
         """Run the step function for microbatch ``mb`` as stage ``spec``; the stage's output (activation or loss).
 
         Args:
             spec: one of this rank's stages.
             incoming: the activation received from the previous stage (``None`` on the first stage).
             mb: microbatch index.
+            sides: the trunk's side outputs received with it (`pipeline_sides`).
+            measure: a shape pass: end at the stage's last block and return what `SideCarrier.measured` gives.
         """
         if self.step_fn is None:
             raise RuntimeError("run_stage needs step_fn (set by the pipeline runner for each step)")
-        self._active = _Active(spec, incoming)
+        self._active = _Active(spec, incoming, measuring=measure)
+        carrying = self.sides.running(spec.start, spec.end, sides) if self.sides else contextlib.nullcontext()
         try:
-            out = self.step_fn(mb, spec)
-        except _StageEnd as end:
-            hidden = end.output[0] if isinstance(end.output, (tuple, list)) else end.output
-            if not isinstance(hidden, Tensor):
-                raise PipelineError(
-                    f"block {self.trunk.names[spec.end - 1]} returned {type(hidden).__name__}; trunk blocks must "
-                    "return the hidden state (alone or first in a tuple)"
-                ) from None
-            # One dtype on the wire: the receiving stage allocated its buffer from the probed trunk input.
-            return hidden.to(self.hidden_dtype) if self.hidden_dtype is not None else hidden
+            with carrying:
+                try:
+                    out = self.step_fn(mb, spec)
+                except _StageEnd as end:
+                    return self._stage_output(spec, end.output, measure)
         finally:
             self._active = None
         if not spec.is_last:
@@ -271,6 +284,20 @@ class PipelineModel:
         if out is None:  # evaluation steps may return nothing: the schedule still wants a tensor
             return torch.zeros((), device=self.device)
         return out
+
+    def _stage_output(self, spec: StageSpec, output: Any, measure: bool) -> Any:
+        hidden = output[0] if isinstance(output, (tuple, list)) else output
+        if not isinstance(hidden, Tensor):
+            raise PipelineError(
+                f"block {self.trunk.names[spec.end - 1]} returned {type(hidden).__name__}; trunk blocks must "
+                "return the hidden state (alone or first in a tuple)"
+            )
+        if measure:
+            return self.sides.measured() if self.sides is not None else {}
+        # One dtype on the wire: the receiving stage allocated its buffer from the probed trunk input.
+        hidden = hidden.to(self.hidden_dtype) if self.hidden_dtype is not None else hidden
+        sides = self.sides.outputs(spec.end, check=True) if self.sides is not None else []
+        return (hidden, *sides) if sides else hidden
 
     def probe(self, fn: Callable[[], Any]) -> Tensor:
         """Run ``fn`` (the step function on a microbatch) up to the trunk and return the trunk's input."""

@@ -45,6 +45,25 @@ class PipelineError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
+class SideSlot:
+    """One side output of the trunk: leaf ``leaf`` of the flattened output of module ``path`` of block ``block``.
+
+    Args:
+        block: index of the trunk block that runs the producer.
+        path: the producer's name inside the block.
+        leaf: index of the tensor among the producer output's pytree leaves.
+        name: the producer's qualified name in the whole model (for messages).
+        spec: the pytree structure of the producer's output (a replay returns the same structure).
+    """
+
+    block: int
+    path: str
+    leaf: int
+    name: str
+    spec: Any
+
+
+@dataclasses.dataclass(frozen=True)
 class Ownership:
     """Where the modules outside the trunk run.
 
@@ -56,6 +75,9 @@ class Ownership:
             ``named_parameters`` gives it: the one an optimizer and the one-process checkpoint key it by).
         source: ``"probe"`` (decided by a run of the forward) or ``"registration order"`` (the probe could not run:
             ``reason`` says why).
+        sides: tensors modules inside the trunk return and code after the trunk reads (router logits collected for
+            a load-balancing loss), in the order they are made; the stages carry them with the hidden state
+            (`lightning_par.parallel.pipeline_sides`).
     """
 
     pre: Units
@@ -63,6 +85,7 @@ class Ownership:
     tied: list[tuple[str, ...]]
     source: str
     reason: str = ""
+    sides: tuple[SideSlot, ...] = ()
 
     def why(self, before: bool) -> str:
         """How a unit of the first (``before``) or last stage got there, for error messages."""
@@ -119,7 +142,9 @@ class _Uses(TorchFunctionMode):
         self.made: dict[int, tuple[Tensor, str]] = {}  # the tensors are held so that their ids stay unique
         self.handed_on: set[int] = set()
         self.makers: list[str] = []
-        self.side: list[tuple[str, str]] = []
+        self.side: list[tuple[int, str, str]] = []  # (tensor id, producer, consumer)
+        # The innermost module inside a block that returned each tensor: (block, path in it, leaf, output spec).
+        self.returned_by: dict[int, tuple[int, str, int, Any]] = {}
 
     def mark(self, unit: str) -> None:
         self.seen.setdefault(unit, set()).add(self.phase)
@@ -144,14 +169,24 @@ class _Uses(TorchFunctionMode):
         for unit in (inside,) if inside is not None else holders:
             self.mark(unit)
         if self.phase == "post" and id(t) in self.made and id(t) not in self.handed_on:
-            self.side.append((self.made[id(t)][1], by))
+            self.side.append((id(t), self.made[id(t)][1], by))
+
+    def left(self, block: int, path: str, out: Any) -> None:
+        """A module inside block ``block`` returned ``out`` (inner modules return first: the first record stays)."""
+        self.makers.pop()
+        if self.phase != "trunk":
+            return
+        leaves, spec = _compat.tree_flatten(out)
+        for j, t in enumerate(leaves):
+            if isinstance(t, Tensor) and id(t) in self.made:
+                self.returned_by.setdefault(id(t), (block, path, j, spec))
 
 
-def _popper(stack: list[str]) -> Callable[..., None]:
-    def pop(*_: Any) -> None:  # a forward hook returning a value would replace the module's output
-        stack.pop()
+def _leaver(uses: _Uses, block: int, path: str) -> Callable[..., None]:
+    def leave(_m: nn.Module, _a: Any, out: Any) -> None:  # returning a value would replace the module's output
+        uses.left(block, path, out)
 
-    return pop
+    return leave
 
 
 def _probe(module: nn.Module, trunk: Trunk, units: Units, run: Callable[[], Any]) -> _Uses | str:
@@ -170,11 +205,11 @@ def _probe(module: nn.Module, trunk: Trunk, units: Units, run: Callable[[], Any]
         uses.handed_on.update(id(t) for t in _compat.tree_flatten(out)[0] if isinstance(t, Tensor))
 
     handles = [trunk.blocks[0].register_forward_pre_hook(enter), trunk.blocks[-1].register_forward_hook(leave)]
-    for prefix, block in zip(trunk.names, trunk.blocks):  # which module inside the trunk made each tensor
+    for i, (prefix, block) in enumerate(zip(trunk.names, trunk.blocks)):  # which module inside made each tensor
         for sub_name, sub in block.named_modules():
             where = f"{prefix}.{sub_name}" if sub_name else prefix
             handles.append(sub.register_forward_pre_hook(lambda *_, w=where: uses.makers.append(w)))
-            handles.append(sub.register_forward_hook(_popper(uses.makers)))
+            handles.append(sub.register_forward_hook(_leaver(uses, i, sub_name)))
 
     def called(name: str) -> None:  # a unit called without touching its parameters still runs where it is called
         uses.mark(name)
@@ -231,16 +266,7 @@ def find_ownership(module: nn.Module, trunk: Trunk, run: Optional[Callable[[], A
     if isinstance(uses, str):
         return _by_registration(module, trunk, units, uses)
     seen = uses.seen if uses is not None else {}
-    if uses is not None and uses.side:
-        producer, consumer = uses.side[0]
-        raise PipelineError(
-            f"code after the trunk ({trunk.path}) reads, in {consumer}(), a tensor that {producer} computed inside "
-            "it, besides the hidden state the last block returns (e.g. router logits collected for a load-balancing "
-            "loss, or every layer's hidden states); pipeline stages hand on only the hidden state, so the last "
-            "stage would compute a different loss. Train this model without pipeline parallelism (e.g. "
-            "strategy='moe' or 'zero3'), or turn that output off in the model's config (e.g. "
-            "output_router_logits=False)"
-        )
+    sides = _side_slots(uses, trunk) if uses is not None else ()
     for name, phases in seen.items():
         if "trunk" in phases:
             raise PipelineError(
@@ -250,7 +276,37 @@ def find_ownership(module: nn.Module, trunk: Trunk, run: Optional[Callable[[], A
             )
     pre = [(n, m) for n, m in units if "pre" in seen.get(n, {"pre"})]  # never used: the first stage keeps it
     post = [(n, m) for n, m in units if "post" in seen.get(n, set())]
-    return Ownership(pre, post, _tied(module, pre, post), "probe")
+    return Ownership(pre, post, _tied(module, pre, post), "probe", sides=sides)
+
+
+def _side_slots(uses: _Uses, trunk: Trunk) -> tuple[SideSlot, ...]:
+    """The side outputs the stages can carry, in the order they were made; refuses the others."""
+    order = {k: n for n, k in enumerate(uses.made)}
+    slots: dict[tuple[int, str, int], SideSlot] = {}
+    first_use = {tid: (producer, consumer) for tid, producer, consumer in reversed(uses.side)}
+    for tid in sorted(first_use, key=order.__getitem__):
+        producer, consumer = first_use[tid]
+        where = uses.returned_by.get(tid)
+        if where is None or where[1] == "":
+            what = "a trunk block returns beyond the hidden state" if where else "no module inside a block returns"
+            raise PipelineError(
+                f"code after the trunk ({trunk.path}) reads, in {consumer}(), a tensor that {producer} computed "
+                f"inside it and that {what} (e.g. every layer's hidden states); a pipeline carries to the last stage "
+                "only the hidden state and tensors that a submodule of a block returns (router logits). Train this "
+                "model without pipeline parallelism (e.g. strategy='moe' or 'zero3'), or turn that output off in "
+                "the model's config (e.g. output_hidden_states=False)"
+            )
+        block, path, leaf, spec = where
+        name = f"{trunk.names[block]}.{path}"
+        if (block, path, leaf) in slots:
+            raise PipelineError(
+                f"{name} runs more than once in one forward and code after the trunk ({trunk.path}) reads what it "
+                "returns each time; a pipeline replays one call per producer on the stages that do not run it. "
+                "Train this model without pipeline parallelism (e.g. strategy='moe' or 'zero3'), or turn that "
+                "output off in the model's config (e.g. output_router_logits=False)"
+            )
+        slots[(block, path, leaf)] = SideSlot(block, path, leaf, name, spec)
+    return tuple(sorted(slots.values(), key=lambda s: s.block))  # stable: within a block, the order made
 
 
 def _by_registration(module: nn.Module, trunk: Trunk, units: Units, reason: str) -> Ownership:
@@ -269,6 +325,23 @@ def _tied(module: nn.Module, pre: Units, post: Units) -> list[tuple[str, ...]]:
         if id(p) in pre_ids and id(p) in post_ids:
             names.setdefault(id(p), []).append(name)
     return [tuple(n) for n in names.values()]
+
+
+def meta_copy(original: nn.Module) -> nn.Module:
+    """A copy of ``original``'s subtree (forward hooks included) whose tensors are on the meta device and held as
+    plain attributes: readable, but out of ``parameters()``, ``state_dict()`` and ``.to()``."""
+    memo: dict[int, Any] = {}
+    for t in itertools.chain(original.parameters(), original.buffers()):
+        meta = torch.empty_like(t, device="meta")
+        memo[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    copied = copy.deepcopy(original, memo)
+    for m in copied.modules():
+        # Out of the registries (parameters(), state_dict(), .to()), still attributes: plain instance attributes.
+        tensors = [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]
+        for tname, t in tensors:
+            delattr(m, tname)
+            object.__setattr__(m, tname, t)
+    return copied
 
 
 def shadow(
@@ -290,17 +363,7 @@ def shadow(
         why: how its stage was chosen (for errors): `Ownership.why`.
         in_trunk: whether the trunk has started in the current run of the user's code.
     """
-    memo: dict[int, Any] = {}
-    for t in itertools.chain(original.parameters(), original.buffers()):
-        meta = torch.empty_like(t, device="meta")
-        memo[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
-    copied = copy.deepcopy(original, memo)
-    for m in copied.modules():
-        # Out of the registries (parameters(), state_dict(), .to()), still attributes: plain instance attributes.
-        tensors = [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]
-        for tname, t in tensors:
-            delattr(m, tname)
-            object.__setattr__(m, tname, t)
+    copied = meta_copy(original)
     forward = copied.forward
 
     def run(*args: Any, **kwargs: Any) -> Any:

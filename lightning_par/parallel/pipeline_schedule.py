@@ -225,20 +225,26 @@ class PipelineRunner:
             return self._cache[key]
         shape, dtype = self._hidden_meta(mbs[0], step_fn)
         self.model.hidden_dtype = dtype
-        # requires_grad in the metadata is what makes the receiving stage's buffers differentiable.
-        hidden = torch.empty(shape, dtype=dtype, device="meta", requires_grad=training and dtype.is_floating_point)
+        side = self._side_meta(shape, dtype)
+
+        def meta(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+            # requires_grad in the metadata is what makes the receiving stage's buffers differentiable.
+            return torch.empty(shape, dtype=dtype, device="meta", requires_grad=training and dtype.is_floating_point)
+
         loss = torch.empty((), dtype=torch.float32, device="meta")
         stages = []
         for mod in self.model.stage_modules():
             spec = mod.spec
+            ins, outs = ([meta(shape, dtype)] + [meta(*side[k]) for k in self._side_slots(at)] for at in
+                         (spec.start, spec.end))  # fmt: skip
             stages.append(
                 PipelineStage(
                     mod,
                     spec.index,
                     self.model.n_stages,
                     self.model.device,
-                    input_args=() if spec.is_first else (hidden,),
-                    output_args=loss if spec.is_last else hidden,
+                    input_args=() if spec.is_first else tuple(ins),
+                    output_args=loss if spec.is_last else (tuple(outs) if len(outs) > 1 else outs[0]),
                     group=self.group,
                 )
             )
@@ -253,7 +259,45 @@ class PipelineRunner:
                 sched = info.cls(stages, n_microbatches=len(mbs), loss_fn=loss_fn, scale_grads=False)
         except ValueError as err:
             raise PipelineError(f"pp_schedule={self.schedule_name!r} with {len(mbs)} microbatches: {err}") from err
-        self._cache[key] = sched
+        self._cache[key] = (sched, side)
+        return self._cache[key]
+
+    def _side_slots(self, end: int) -> list[int]:
+        return self.model.sides.before(end) if self.model.sides is not None else []
+
+    def _side_meta(self, shape: tuple[int, ...], dtype: torch.dtype) -> dict[int, tuple[tuple[int, ...], torch.dtype]]:
+        """Shape and dtype of every side output of the trunk (`pipeline_sides`) for microbatches like the current
+        ones: each rank runs each of its stages once, without gradients, on zeros of the hidden state's shape, to
+        its last block; the pipeline group gathers what they measured."""
+        carrier = self.model.sides
+        if carrier is None:
+            return {}
+        device = self.model.device
+        found: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
+        self.model.measuring = True
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                for mod in self.model.stage_modules():
+                    args = () if mod.spec.is_first else (torch.zeros(shape, dtype=dtype, device=device),)
+                    found.update(mod(*args, mb=torch.zeros(1, dtype=torch.long, device=device)))
+        finally:
+            self.model.measuring = False
+        every: list[Any] = [None] * self.pp
+        dist.all_gather_object(every, found, group=self.group)
+        side = {k: v for d in every for k, v in d.items()}
+        missing = [carrier.slots[k].name for k in range(len(carrier.slots)) if k not in side]
+        if missing:
+            raise PipelineError(
+                f"{missing[0]} did not run when the pipeline measured its side output, but code after the trunk read "
+                "what it returned when the pipeline probed the model; train this model without pipeline parallelism "
+                "(e.g. strategy='moe' or 'zero3')"
+            )
+        return side
+
+    def _scheduled(self, mbs: list[Any], step_fn: Callable[[Any, StageSpec], Any], training: bool) -> Any:
+        sched, side = self._schedule(mbs, step_fn, training)
+        if self.model.sides is not None:  # what this schedule's microbatches must give (eval may differ from train)
+            self.model.sides.meta = side
         return sched
 
     def train_step(
@@ -270,7 +314,7 @@ class PipelineRunner:
         mbs = split_microbatches(batch, self.microbatches)
         self.model.step_fn = lambda i, spec: step_fn(mbs[i], spec)
         self._loss_fn = loss_fn
-        sched = self._schedule(mbs, step_fn, training=True)
+        sched = self._scheduled(mbs, step_fn, training=True)
         device = self.model.device
         m = len(mbs)
         sched.step(target=torch.zeros(m, device=device), mb=torch.arange(m, device=device), return_outputs=False)
@@ -294,36 +338,43 @@ class PipelineRunner:
             # torch's V schedules have no forward-only mode (their eval() asserts on the missing backward).
             self._forward_only(mbs, step_fn)
             return
-        sched = self._schedule(mbs, step_fn, training=False)
+        sched = self._scheduled(mbs, step_fn, training=False)
         sched.eval(mb=torch.arange(m, device=device), return_outputs=False)
 
     def _forward_only(self, mbs: list[Any], step_fn: Callable[[Any, StageSpec], Any]) -> None:
         """Every microbatch through every stage in stage order, activations sent point to point."""
         key = (_signature(mbs[0]), "forward_only", torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled())
         if key not in self._cache:
-            self._cache[key] = (self._hidden_meta(mbs[0], step_fn), self.model.stage_modules())
-        (shape, dtype), modules = self._cache[key]
+            shape, dtype = self._hidden_meta(mbs[0], step_fn)
+            self.model.hidden_dtype = dtype
+            self._cache[key] = ((shape, dtype), self._side_meta(shape, dtype), self.model.stage_modules())
+        (shape, dtype), side, modules = self._cache[key]
         self.model.hidden_dtype = dtype
+        if self.model.sides is not None:
+            self.model.sides.meta = side
         stages = {mod.spec.index: mod for mod in modules}
         owner = {s: r for r in range(self.pp) for s in local_stages(self.schedule_name, self.pp, r)}
         me = dist.get_rank(self.group)
         device = self.model.device
         sends = []
         for i in range(len(mbs)):
-            carry: Optional[Tensor] = None
+            carry: list[Tensor] = []  # the hidden state, then the trunk's side outputs
             for s in range(self.model.n_stages):
                 if owner[s] != me:
                     continue
                 if s > 0 and owner[s - 1] != me:
-                    carry = torch.empty(shape, dtype=dtype, device=device)
-                    dist.recv(carry, src=dist.get_global_rank(self.group, owner[s - 1]), group=self.group)
-                out = stages[s](*(() if carry is None else (carry,)), mb=torch.tensor([i], device=device))
+                    metas = [(shape, dtype)] + [side[k] for k in self._side_slots(self.model.ranges[s][0])]
+                    carry = [torch.empty(sh, dtype=dt, device=device) for sh, dt in metas]
+                    for t in carry:
+                        dist.recv(t, src=dist.get_global_rank(self.group, owner[s - 1]), group=self.group)
+                out = stages[s](*carry, mb=torch.tensor([i], device=device))
+                carry = list(out) if isinstance(out, tuple) else [out]
                 if s + 1 < self.model.n_stages and owner[s + 1] != me:
                     dst = dist.get_global_rank(self.group, owner[s + 1])
-                    work = dist.isend(out.contiguous(), dst=dst, group=self.group)
-                    if work is not None:
-                        sends.append(work)
-                carry = out
+                    for t in carry:
+                        work = dist.isend(t.contiguous(), dst=dst, group=self.group)
+                        if work is not None:
+                            sends.append(work)
         for work in sends:
             work.wait()
 
