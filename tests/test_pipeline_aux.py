@@ -50,6 +50,9 @@ JOBS_2: dict[str, dict[str, Any]] = {
 JOBS_4: dict[str, dict[str, Any]] = {
     "qwen2_pp4": {"model": "hf_qwen2_moe_4", "strategy": {"pp": 4, "microbatches": 4}, "dp": 1, "validate": True},
     "qwen2_pipe_tp": {"model": "hf_qwen2_moe", "strategy": {"pp": 2, "tp": 2}, "dp": 1},
+    # Qwen3-MoE: per-head q/k norms split with the heads (their gradients summed over tp) on pipeline stages.
+    "qwen3_pp4": {"model": "hf_qwen3_moe_4", "strategy": {"pp": 4, "microbatches": 4}, "dp": 1},
+    "qwen3_pipe_tp": {"model": "hf_qwen3_moe", "strategy": {"pp": 2, "tp": 2}, "dp": 1},
     # pp 2 x dp 2 under ZeRO-3: each stage module is an FSDP2 root, also when the side outputs are measured.
     "qwen2_pipe_zero3": {"model": "hf_qwen2_moe", "strategy": {"pp": 2, "zero_stage": 3}, "dp": 2},
 }  # fmt: skip
