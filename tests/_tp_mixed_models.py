@@ -15,7 +15,8 @@ class _Attention(nn.Module):
     def __init__(self, dim: int, n_heads: int) -> None:
         super().__init__()
         self.n_heads = n_heads
-        self.q, self.k, self.v = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+        # No key bias: it shifts every logit of a query alike, so its gradient is zero up to rounding.
+        self.q, self.k, self.v = nn.Linear(dim, dim), nn.Linear(dim, dim, bias=False), nn.Linear(dim, dim)
         self.out = nn.Linear(dim, dim)
 
     def forward(self, x: Tensor) -> Tensor:

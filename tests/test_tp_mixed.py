@@ -12,12 +12,15 @@ momentum parameters 1e-5 relative / 1e-7 absolute.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from conftest import reference_job
-from launch import run_jobs
+from launch import run_jobs, worker_env
 from parity import params_close, rel
 
 from lightning_par.parallel.tp_check import check_local_shapes
@@ -36,6 +39,9 @@ JOBS_4: dict[str, dict[str, Any]] = {
     "hf_deepseek_v3_pipe_tp": {"model": "hf_deepseek_v3_4", "strategy": {"pp": 2, "tp": 2}, "dp": 1},
 }
 ALL = {**JOBS_2, **JOBS_4}
+
+
+HERE = Path(__file__).parent
 
 
 def _model(key: str) -> Any:
@@ -112,6 +118,42 @@ def test_uniform_latent_attention_trunk_keeps_star_patterns() -> None:
     plan = infer_tp_plan(DeepseekV3ForCausalLM(DeepseekV3Config(**{**config, "first_k_dense_replace": 0})))
     assert not plan.groups and plan.styles["model.layers.*.self_attn.kv_b_proj"] == "colwise"
     assert plan.styles["model.layers.*.self_attn.kv_a_proj_with_mqa"] == "replicate"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_every_structure_is_split_and_its_gradients_match_one_process(tmp_path: Path) -> None:
+    # tests/_tp_heads_worker.py: one forward and backward, whole vs tp=2, each gradient laid out as its parameter
+    # (a Partial left unsummed fails there) and equal to the reference's.
+    models = ("hf_deepseek_v3", "hf_deepseek_v3_qlora", "user_alternating")
+    out = tmp_path / "grads.pt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(HERE / "_tp_heads_worker.py"), str(out), *models]  # fmt: skip
+    proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=280, cwd=tmp_path)
+    assert proc.returncode == 0 and out.exists(), proc.stderr[-6000:]
+    got = torch.load(out, weights_only=False)
+    for model, r in got.items():
+        assert r["loss"] < 1e-5, (model, r["loss"])
+        worst = max(r["grads"], key=r["grads"].get)
+        assert r["grads"][worst] < 1e-5, (model, worst, r["grads"][worst])
+    col, row, rep = "(Shard(dim=0),)", "(Shard(dim=1),)", "(Replicate(),)"
+    for model in ("hf_deepseek_v3", "hf_deepseek_v3_qlora"):
+        lay = got[model]["layouts"]
+        for i in (0, 1):  # the dense block and the MoE block: both attentions split
+            attn = f"model.model.layers.{i}.self_attn"
+            q = ("q_b_proj",) if model.endswith("qlora") else ("q_proj",)
+            assert all(lay[f"{attn}.{p}.weight"] == col for p in (*q, "kv_b_proj")), (model, i)
+            assert lay[f"{attn}.o_proj.weight"] == row
+            # The latent path: replicated DTensors whose Partial gradients were summed over tp (checked above).
+            latent = ("kv_a_proj_with_mqa", "kv_a_layernorm", *(("q_a_proj", "q_a_layernorm") * (q[0] != "q_proj")))
+            assert all(lay[f"{attn}.{p}.weight"] == rep for p in latent), (model, i)
+        assert lay["model.model.layers.0.mlp.down_proj.weight"] == row
+        assert not any(k.startswith("model.model.layers.1.mlp.") for k in lay)  # the MoE layer kept whole
+    lay = got["user_alternating"]["layouts"]
+    for i in (0, 2):
+        assert [lay[f"layers.{i}.fn.{p}.weight"] for p in ("q", "k", "v", "out")] == [col, col, col, row]
+    for i in (1, 3):
+        assert [lay[f"layers.{i}.fn.{p}.weight"] for p in ("up", "down")] == [col, row]
 
 
 @pytest.fixture(scope="module")

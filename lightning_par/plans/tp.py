@@ -2,7 +2,8 @@
 
 Blocks are grouped by structure; the first block of each group is probed (`lightning_par.plans._probe`), its
 Linears are paired Megatron-style (`lightning_par.plans.tp_pairs`), its norms on the residual stream go
-sequence-parallel, and the user's ``tp_plan`` overrides are applied last, over every group. The plan's types live in `lightning_par.plans.tp_types`.
+sequence-parallel, and the user's ``tp_plan`` overrides are applied last, over every group. The plan's types live
+in `lightning_par.plans.tp_types`.
 """
 
 from __future__ import annotations
@@ -146,7 +147,11 @@ def _groups(trunk: Trunk) -> dict[str, list[int]]:
     if len(by_sig) == 1:
         return {f"{head}*": list(range(len(trunk.blocks)))}
     keys = [n[len(head) :] for n in trunk.names]
-    return {head + (keys[i[0]] if len(i) == 1 else "{" + ",".join(keys[j] for j in i) + "}"): i for i in by_sig.values()}
+
+    def token(idx: list[int]) -> str:
+        return keys[idx[0]] if len(idx) == 1 else "{" + ",".join(keys[j] for j in idx) + "}"
+
+    return {head + token(idx): idx for idx in by_sig.values()}
 
 
 @dataclasses.dataclass

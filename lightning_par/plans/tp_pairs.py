@@ -210,7 +210,8 @@ class _Inference:
         lin, e, tr = self.lin, self.tr.hidden, self.tr
         q, parent = lin[o].in_features, o.rpartition(".")[0]
         pair = {**dict.fromkeys(ins, "colwise"), **dict.fromkeys(latent, "replicate"), o: "rowwise"}
-        where = f"latent attention {self.pat(parent)} ({self.desc(ins)} into {self.pat(o)}; latents {self.desc(latent)})"
+        where = f"latent attention {self.pat(parent)} ({self.desc(ins)} into {self.pat(o)}"
+        where += f"; latents {self.desc(latent)})"
         bad = [p for p in ins if lin[p].in_features != e and not tr.producers.get(p, set()).issubset(latent)]
         srcs = self.sources(parent, tuple(ins))
         hit = next(((lb, h) for lb, obj in srcs if (h := _lookup(obj, _N_HEADS))), None)
@@ -229,8 +230,9 @@ class _Inference:
             return None
         pmod, local = self.mods[parent], {}
         local.update({a_: "n_heads" for a_ in _N_HEADS if vars(pmod).get(a_) == n_heads})
-        norms = [n for n, m in self.mods.items() if n in tr.producers and n not in lin and n.startswith(f"{parent}." if parent else "")]
-        norms = [n for n in norms if tr.producers[n] and tr.producers[n].issubset(latent)]
+        inside = f"{parent}." if parent else ""
+        # The latents' norms (kv_a_layernorm, q_a_layernorm): they read nothing but a latent.
+        norms = [n for n, s in tr.producers.items() if n not in lin and n.startswith(inside) and s and s <= set(latent)]
         readers = [p for p in ins if tr.producers.get(p, set()) & set(latent)]
         projs = tuple(self.pat(n) for n in (*ins, o))
         head = HeadInfo(n_heads, n_heads, q // n_heads, src, local, {}, projs,
