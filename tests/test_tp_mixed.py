@@ -98,6 +98,12 @@ def test_deepseek_v3_plan_splits_latent_attention_by_heads() -> None:
     check_local_shapes(model, plan, 2)  # both structures' first blocks run on per-rank shapes
     with pytest.raises(TPPlanError, match="tp=8 does not divide n_heads=4"):
         validate_tp(plan, 8)
+    # The latent is read whole by every head: a tp_plan splitting it is refused, naming the fix.
+    with pytest.raises(TPPlanError, match=r"splits the low-rank latent .*kv_a_proj_with_mqa \(colwise\).*'replicate'"):
+        infer_tp_plan(model, overrides={"model.model.layers.*.self_attn.kv_a_proj_with_mqa": "colwise"})
+    # The whole attention kept replicated by a tp_plan: allowed, the latent path then runs as written.
+    whole = infer_tp_plan(model, overrides={"model.model.layers.*.self_attn.*_proj*": "replicate"})
+    assert all(s == "replicate" for k, s in whole.styles.items() if ".self_attn." in k)
 
 
 def test_deepseek_v3_low_rank_query_is_kept_whole() -> None:

@@ -105,6 +105,16 @@ def infer_tp_plan(model: nn.Module, *, overrides: dict[str, str] | None = None) 
     inferred = dict(styles)
     covered = _override(styles, shapes, fused, overrides or {})
     _check_split_norms(styles, inferred, split_norms, covered)
+    for h in heads.values():
+        if any(styles.get(p) != "replicate" for p in h.latent) and any(
+            styles.get(p) == "colwise" for p in h.projections
+        ):
+            # Each rank's heads read all of the latent: a split latent would give them a slice of it.
+            bad = ", ".join(f"{p} ({styles.get(p)})" for p in h.latent if styles.get(p) != "replicate")
+            raise TPPlanError(
+                f"tp_plan splits the low-rank latent {bad} of the latent attention ({', '.join(h.projections)}), "
+                "which every head reads whole; map it to 'replicate', or map all of that attention to 'replicate'"
+            )
     errors = []
     for msg, mods in problems.items():
         if mods and covered.issuperset(mods):

@@ -209,7 +209,8 @@ class _Inference:
         be viewed head-major, (B, T, n_heads, ...), as the probe saw it."""
         lin, e, tr = self.lin, self.tr.hidden, self.tr
         q, parent = lin[o].in_features, o.rpartition(".")[0]
-        pair = {**dict.fromkeys(ins, "colwise"), **dict.fromkeys(latent, "replicate"), o: "rowwise"}
+        # Without a head count (or views that show heads) the latent split cannot be made: whole is always safe.
+        pair = dict.fromkeys([*ins, *latent, o], "replicate")
         where = f"latent attention {self.pat(parent)} ({self.desc(ins)} into {self.pat(o)}"
         where += f"; latents {self.desc(latent)})"
         bad = [p for p in ins if lin[p].in_features != e and not tr.producers.get(p, set()).issubset(latent)]
