@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+from typing import Any
 
 from torch import nn
 
-from lightning_par.plans._probe import _is_norm, _norm_size, _registration_order, _Trace, _trace
+from lightning_par.plans._probe import _is_norm, _norm_size, _registration_order, _Trace, _trace_blocks
 from lightning_par.plans.moe import find_moe_layers
 from lightning_par.plans.tp_affine import affine, affine_modules
 from lightning_par.plans.tp_pairs import _common_parent, _Inference, _Region
@@ -83,7 +84,23 @@ def infer_tp_plan(model: nn.Module, *, overrides: dict[str, str] | None = None) 
             outer[n] = m
     # Blocks that differ (DeepSeek-V3's dense first block, x-transformers' attention and feed-forward layers): each
     # structure is planned from its first block, under patterns naming exactly its blocks.
-    found = [_infer_group(model, trunk, idx, prefix, outer, marker) for prefix, idx in groups.items()]
+    probed = []
+    for idx in groups.values():
+        block = trunk.blocks[idx[0]]
+        moe = _moe_layers(model, trunk.names[idx[0]])
+        kept = {n: m for n, m in block.named_modules() if n and not _inside(n, moe)}
+        projections = affine_modules(kept)
+        inner = {n: m for n, m in kept.items() if n in projections or _is_norm(m)}
+        probed.append((moe, kept, projections, inner))
+    outer_proj = {n for n, m in outer.items() if affine(m) is not None}
+    # One forward pass probes the first block of every structure.
+    traces = _trace_blocks(
+        model, [(trunk.blocks[i[0]], p[3], set(p[2]) | outer_proj) for i, p in zip(groups.values(), probed)], outer
+    )
+    found = [
+        _infer_group(model, trunk, idx, prefix, outer, marker, p, tr)
+        for (prefix, idx), p, tr in zip(groups.items(), probed, traces)
+    ]
     got, traced = found[0].trace, found[0].traced
     styles, inferred, heads, mlps, shapes = {}, {}, {}, {}, {}
     split_norms: dict[str, tuple[str, ...]] = {}
@@ -180,21 +197,27 @@ class _Group:
     whole: tuple[str, ...]
 
 
-def _infer_group(
-    model: nn.Module, trunk: Trunk, idx: list[int], prefix: str, outer: dict[str, nn.Module], marker: int
-) -> _Group:
-    block, block_name = trunk.blocks[idx[0]], trunk.names[idx[0]]
+def _moe_layers(model: nn.Module, block_name: str) -> tuple[str, ...]:
     # Mixture-of-experts layers are kept whole: the plan splits attention and dense MLPs around them, and each tp
     # rank runs the router and experts on the same replicated hidden state (sequence parallelism is then off:
     # parallel/tensor_parallel.py). Experts are sharded by expert parallelism, not by tp.
     first = block_name + "."
-    whole = tuple(m.name[len(first) :] for m in find_moe_layers(model) if m.name.startswith(first))
-    kept = {n: m for n, m in block.named_modules() if n and not _inside(n, whole)}
-    projections = affine_modules(kept)
-    inner = {n: m for n, m in kept.items() if n in projections or _is_norm(m)}
+    return tuple(m.name[len(first) :] for m in find_moe_layers(model) if m.name.startswith(first))
+
+
+def _infer_group(
+    model: nn.Module,
+    trunk: Trunk,
+    idx: list[int],
+    prefix: str,
+    outer: dict[str, nn.Module],
+    marker: int,
+    probed: tuple[tuple[str, ...], dict[str, nn.Module], dict[str, Any], dict[str, nn.Module]],
+    got: _Trace | str,
+) -> _Group:
+    block, block_name = trunk.blocks[idx[0]], trunk.names[idx[0]]
+    whole, kept, projections, inner = probed
     notes: list[str] = []
-    outer_proj = {n for n, m in outer.items() if affine(m) is not None}
-    got = _trace(model, block, inner, outer, set(projections) | outer_proj)
     traced = not isinstance(got, str)
     if isinstance(got, str):
         notes.append(
