@@ -44,9 +44,11 @@ class _AsReplicated(torch.autograd.Function):
     def backward(ctx: Any, grad: Any) -> tuple[Any, None]:
         if not isinstance(grad, DTensor):
             return grad, None
-        if not grad.placements[0].is_partial():
-            grad = grad.redistribute(ctx.mesh, [Partial()])  # a replicated gradient: each rank's share of it
-        return grad.to_local(), None
+        local = grad.to_local()
+        if not grad.placements[0].is_partial() and ctx.mesh.get_local_rank() != 0:
+            # A replicated gradient (whole on every rank): rank 0's share is all of it, exactly.
+            local = torch.zeros_like(local)
+        return local, None
 
 
 def _replicated_input(mod: nn.Module, args: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
