@@ -86,14 +86,14 @@ class HFDeepseekV3(_HFMoELM):
     experts, 1 group kept per token) on sigmoid scores plus ``e_score_correction_bias``. Its causal-LM loss has no
     aux term (auxiliary-loss-free balancing)."""
 
-    def __init__(self, layers: int = 2) -> None:
+    def __init__(self, layers: int = 2, q_lora_rank: int | None = None) -> None:
         from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
         # Multi-head latent attention: as many key/value heads as query heads.
         tiny = {**_TINY, "output_router_logits": False, "num_key_value_heads": 4, "num_hidden_layers": layers}
         config = DeepseekV3Config(**tiny, intermediate_size=48, moe_intermediate_size=24, n_routed_experts=4,
                                   num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
-                                  n_shared_experts=1, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
+                                  n_shared_experts=1, q_lora_rank=q_lora_rank, kv_lora_rank=16, qk_rope_head_dim=8,
                                   qk_nope_head_dim=8, v_head_dim=8, rope_scaling=None)  # fmt: skip
         model = DeepseekV3ForCausalLM(config)
         with torch.no_grad():  # a non-zero correction bias, so choosing (biased) and weighting (unbiased) differ

@@ -262,6 +262,10 @@ MODELS = {
     # output_router_logits=False: no load-balancing term (tests/test_pipeline_aux.py checks that it counts).
     "hf_qwen2_moe_noaux": lambda: _families_moe().HFQwen2MoE(router_logits=False),
     "user_moe_list_4": lambda: _families_moe().UserMoEList(layers=4),
+    # Multi-head latent attention with a low-rank query too (q_a_proj -> q_a_layernorm -> q_b_proj).
+    "hf_deepseek_v3_qlora": lambda: _families_moe().HFDeepseekV3(q_lora_rank=16),
+    # Blocks of two structures (attention, feed-forward, ...), as x-transformers lays out its layers.
+    "user_alternating": lambda: _tp_mixed_models().AlternatingLM(),
     # Four blocks: room for 2 stages x 2 virtual stages per rank (interleaved and V schedules).
     "gpt4": lambda: GPT(vocab_size=256, block_size=32, n_layer=4, n_head=4, n_embd=32, lr=3e-3),
     "llama4": lambda: Llama(vocab_size=256, max_seq_len=32, dim=32, n_layers=4, n_heads=4, n_kv_heads=2,
@@ -288,6 +292,12 @@ def _families_moe() -> Any:
     import _families_moe  # test-only: needs transformers
 
     return _families_moe
+
+
+def _tp_mixed_models() -> Any:
+    import _tp_mixed_models  # test-only
+
+    return _tp_mixed_models
 
 
 def _families() -> Any:

@@ -554,10 +554,16 @@ def test_overrides_settle_an_ambiguous_block() -> None:
         infer_tp_plan(model, overrides={"blocks.*.attn.o": "rowwise"})  # o2 still undecided
 
 
-def test_blocks_that_differ_are_rejected() -> None:
+def test_blocks_that_differ_are_planned_per_structure() -> None:
+    # Once refused ("blocks differ"): each structure now gets its own patterns, naming exactly its blocks.
     model = TinyLM([Block(SepAttn(), MLP(256)), Block(SepAttn(), MLP(256)), Block(SepAttn(), MLP(128))])
-    with pytest.raises(TPPlanError, match=r"blocks differ: blocks\.0 has \('mlp\.fc', 'Linear'.*where blocks\.2 has"):
-        infer_tp_plan(model)
+    plan = infer_tp_plan(model)
+    assert plan.groups == {"blocks.{0,1}": ("blocks.0", "blocks.1"), "blocks.2": ("blocks.2",)}
+    assert {k: m.hidden for k, m in plan.mlps.items()} == {"blocks.{0,1}.mlp": 256, "blocks.2.mlp": 128}
+    assert plan.styles["blocks.{0,1}.mlp.fc"] == plan.styles["blocks.2.mlp.fc"] == "colwise"
+    assert not any("*" in k for k in plan.styles)
+    with pytest.raises(TPPlanError, match=r"tp=3 does not divide .* in blocks\.0"):
+        validate_tp(plan, 3)
 
 
 def test_no_trunk() -> None:

@@ -79,7 +79,13 @@ class _Checks:
             leaf = [f"{k.rsplit('.', 1)[-1]} ({s})" for k, s in plan.styles.items() if s in _SPLIT_NORMS]
             leaf += [f"{p.rsplit('.', 1)[-1]} (per head)" for h in plan.heads.values() for p in h.head_params]
             heads = f"; split with the heads: {', '.join(leaf)}" if leaf else ""
-            return f"tp plan: {len(plan.heads)} attention and {len(plan.mlps)} MLP regions per block{heads}{whole}"
+            if plan.groups:  # blocks that differ: each structure planned from its first block
+                per = f" over {len(plan.groups)} block structures ({', '.join(plan.groups)})"
+                latent = [p.rsplit(".", 1)[-1] for h in plan.heads.values() for p in h.latent]
+                per += f"; latent attention, kept whole: {', '.join(dict.fromkeys(latent))}" if latent else ""
+            else:
+                per = " per block"
+            return f"tp plan: {len(plan.heads)} attention and {len(plan.mlps)} MLP regions{per}{heads}{whole}"
 
         return _guard(run, TPPlanError)
 

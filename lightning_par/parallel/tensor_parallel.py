@@ -40,6 +40,7 @@ from typing_extensions import override
 from lightning_par import _compat
 from lightning_par.parallel.tp_affine import apply_affine
 from lightning_par.parallel.tp_heads import apply_colwise_norm, apply_head_norm, apply_head_params
+from lightning_par.parallel.tp_latent import apply_latents
 from lightning_par.parallel.tp_sequence import (
     SequenceState,
     gather_sequence,
@@ -166,19 +167,50 @@ def apply_tensor_parallel(
             )
         sequence_parallel = False
     prefix = f"{plan.trunk}.*" if plan.trunk else "*"
-    outer = [k for k, s in plan.styles.items() if not k.startswith(prefix + ".") and s != "replicate"]
+    outer = [k for k, s in plan.group_plans()[0].styles.items() if not k.startswith(prefix + ".") and s != "replicate"]
     if outer:
         raise TPPlanError(
             f"{', '.join(outer)} would be split over the vocabulary, which needs a vocabulary-parallel loss in "
             "training_step; lightning_par keeps the embedding and head replicated: map them to 'replicate'"
         )
-    rel_styles = {k[len(prefix) + 1 :]: s for k, s in plan.styles.items() if k.startswith(prefix + ".")}
-    fused = {k[len(prefix) + 1 :]: w for h in plan.heads.values() for k, w in h.fused_split.items()}
-    why = sequence_parallel_blocker(plan, blocks[0][1]) if blocks else None
+    # Blocks that differ: each structure's plan (written as for a uniform trunk) on its own blocks of `blocks`.
+    groups = [(sub, [(n, b) for n, b in blocks if names is None or n in names]) for sub, names in _groups(plan)]
+    groups = [(sub, own) for sub, own in groups if own]
+    why = next((w for sub, own in groups if (w := sequence_parallel_blocker(sub, own[0][1]))), None)
     if sequence_parallel and why is not None:
         raise TPPlanError(f"sequence_parallel=True is not exact for this model: {why}; pass sequence_parallel=False")
     if sequence_parallel is None:
         sequence_parallel = why is None
+    changed: dict[str, str] = {}
+    seq = SequenceState() if sequence_parallel else None
+    regions: set[str] = set()
+    for sub, own in groups:
+        regions.update(_apply_blocks(sub, own, mesh, seq, changed))
+    if seq is not None and blocks:
+        blocks[0][1].register_forward_pre_hook(partial(scatter_sequence, mesh, seq), with_kwargs=True)
+        blocks[-1][1].register_forward_hook(partial(gather_sequence, mesh, seq))
+    return TensorParallelInfo(tp, bool(sequence_parallel), changed, tuple(sorted(regions)))
+
+
+def _groups(plan: TPPlan) -> list[tuple[TPPlan, set[str] | None]]:
+    """Each block structure's plan and the names of its blocks (``None``: all blocks, a plan of one structure)."""
+    if not plan.groups:
+        return [(plan, None)]
+    return [(sub, set(names)) for sub, names in zip(plan.group_plans(), plan.groups.values())]
+
+
+def _apply_blocks(
+    plan: TPPlan,
+    blocks: Sequence[tuple[str, nn.Module]],
+    mesh: DeviceMesh,
+    seq: SequenceState | None,
+    changed: dict[str, str],
+) -> list[str]:
+    """Shard ``blocks``, all of the structure of a uniform ``plan``; return the block-relative split regions."""
+    tp, sequence_parallel = mesh.size(), seq is not None
+    prefix = f"{plan.trunk}.*" if plan.trunk else "*"
+    rel_styles = {k[len(prefix) + 1 :]: s for k, s in plan.styles.items() if k.startswith(prefix + ".")}
+    fused = {k[len(prefix) + 1 :]: w for h in plan.heads.values() for k, w in h.fused_split.items()}
     # Regions whose projections are split (a tp_plan may keep a whole attention or MLP replicated).
     projections = {
         **{h.region or k: h.projections for k, h in plan.heads.items()},
@@ -186,8 +218,6 @@ def apply_tensor_parallel(
     }
     split = {k for k, projs in projections.items() if any(plan.styles.get(p) in _SPLIT for p in projs)}
     regions = sorted(k[len(prefix) + 1 :] for k in split if k != prefix)
-    changed: dict[str, str] = {}
-    seq = SequenceState() if sequence_parallel else None
     for name, block in blocks:
         styles: dict[str, Any] = {}
         for rel, style in rel_styles.items():
@@ -197,7 +227,7 @@ def apply_tensor_parallel(
                 layout = affine(mod)
                 assert layout is not None  # the plan styled it as a projection
                 apply_affine(mod, mesh, style, transposed=layout.transposed, parts=fused.get(rel),
-                             sequence_parallel=bool(sequence_parallel))  # fmt: skip
+                             sequence_parallel=sequence_parallel)  # fmt: skip
                 changed[f"{name}.{rel}"] = style
             elif style == "colwise":
                 styles[rel] = ColwiseParallel(use_local_output=True)
@@ -226,11 +256,9 @@ def apply_tensor_parallel(
         if seq is not None:  # after the styles' own output hooks: the padding goes on the local slice
             for rel in (r for r, s in rel_styles.items() if s == "rowwise"):
                 block.get_submodule(rel).register_forward_hook(partial(pad_region_output, mesh, seq))
+        apply_latents(block, plan, prefix, mesh)
     _set_local_head_counts([b for _, b in blocks], plan, prefix, tp)
-    if seq is not None and blocks:
-        blocks[0][1].register_forward_pre_hook(partial(scatter_sequence, mesh, seq), with_kwargs=True)
-        blocks[-1][1].register_forward_hook(partial(gather_sequence, mesh, seq))
-    return TensorParallelInfo(tp, sequence_parallel, changed, tuple(regions))
+    return regions
 
 
 def _head_params(plan: TPPlan, prefix: str) -> dict[str, tuple[str, ...]]:

@@ -1,4 +1,5 @@
-"""Run block 0 once on the shapes tensor parallelism gives each rank, before any weight is split.
+"""Run block 0 (the first block of each structure) once on the shapes tensor parallelism gives each rank, before
+any weight is split.
 
 A plan can be right about widths and still meet code that assumes the full width: nanoGPT-style
 ``q, k, v = qkv.split(C, dim=2)`` with ``C = x.size(-1)``, or ``y.view(B, T, C)``, read sizes from the input, which
@@ -76,7 +77,8 @@ def _shrink(mod: nn.Module, style: str, tp: int) -> None:
 
 
 def check_local_shapes(model: nn.Module, plan: TPPlan, tp: int) -> None:
-    """Raise before training when block 0's code does not run on the per-rank shapes of ``plan`` at ``tp``.
+    """Raise before training when block 0's code (that of the first block of each structure, when blocks differ)
+    does not run on the per-rank shapes of ``plan`` at ``tp``.
 
     Raises:
         TPPlanError: naming the module that failed, its error, and a ``tp_plan`` keeping that region replicated.
@@ -84,13 +86,19 @@ def check_local_shapes(model: nn.Module, plan: TPPlan, tp: int) -> None:
     trunk = find_trunk(model)
     if tp == 1 or trunk is None or trunk.path != plan.trunk:
         return
-    captured = _block_input(model, trunk.blocks[0])
+    # Blocks that differ: the first block of each structure, on that structure's plan.
+    for sub in plan.group_plans():
+        _check_block(model, sub, trunk.blocks[trunk.names.index(sub.first_block)], sub.first_block, tp)
+
+
+def _check_block(model: nn.Module, plan: TPPlan, block: nn.Module, block_name: str, tp: int) -> None:
+    captured = _block_input(model, block)
     if captured is None:
         return
     try:
-        # Copies of block 0 and of its input (a cache object in it would otherwise see two runs); the unsplit copy
-        # must run, or a failure below would say nothing about tp.
-        whole, local = copy.deepcopy(trunk.blocks[0]).eval(), copy.deepcopy(trunk.blocks[0]).eval()
+        # Copies of the block and of its input (a cache object in it would otherwise see two runs); the unsplit
+        # copy must run, or a failure below would say nothing about tp.
+        whole, local = copy.deepcopy(block).eval(), copy.deepcopy(block).eval()
         with torch.no_grad():
             args, kwargs = copy.deepcopy(captured)
             whole(*args, **kwargs)
@@ -129,8 +137,8 @@ def check_local_shapes(model: nn.Module, plan: TPPlan, tp: int) -> None:
         pattern = f"{prefix}.{where}" if where else prefix
         region = [k for k in split if k.startswith(pattern + ".")] or list(split)
         hint = ", ".join(f'"{k}": "replicate"' for k in region)
-        name = f"{trunk.names[0]}.{where}" if where else trunk.names[0]
-        failing = trunk.blocks[0].get_submodule(where)
+        name = f"{block_name}.{where}" if where else block_name
+        failing = block.get_submodule(where)
         cause = _per_head_params(failing, plan) or (
             "its code sizes a split, view or reshape from the full width (e.g. x.size(-1)) rather than from its "
             "weights or a head-count attribute"

@@ -1,6 +1,7 @@
-"""The probe behind `lightning_par.plans.tp`: one tiny forward pass that records who reads whom in block 0.
+"""The probe behind `lightning_par.plans.tp`: one tiny forward pass that records who reads whom in block 0 (in the
+first block of each structure, when blocks differ).
 
-Hooks on block 0's Linears record, for each Linear's input, the nearest block-0 Linear outputs it was computed
+Hooks on the block's Linears record, for each Linear's input, the nearest block-0 Linear outputs it was computed
 from (walking the autograd graph back to the block input). Pairing column- and row-parallel Linears from that
 relation is exact where call order alone is not (parallel attention + MLP, adapters on the residual). When the
 forward fails, `_registration_order` guesses the same relation from module registration order.
@@ -12,6 +13,7 @@ import contextlib
 import dataclasses
 from collections import Counter
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import torch
@@ -66,18 +68,18 @@ class _FirstUse(TorchFunctionMode):
 
     _SKIP = frozenset({"size", "dim", "__get__", "numel", "is_contiguous", "contiguous", "__format__"})
 
-    def __init__(self, consumers: dict[str, tuple[str, list[tuple[int, ...]]]]) -> None:
+    def __init__(self, watched: dict[int, tuple[torch.Tensor, str, dict[str, Any]]]) -> None:
         super().__init__()
-        self.watched: dict[int, tuple[torch.Tensor, str]] = {}  # id -> (tensor kept alive, so ids stay unique)
-        self.consumers = consumers
+        # id -> (tensor kept alive, so ids stay unique; projection name; the consumers of its block's trace)
+        self.watched = watched
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         hit = self.watched.get(id(args[0])) if args and isinstance(args[0], torch.Tensor) else None
         name = getattr(func, "__name__", "")
-        if hit is not None and hit[1] not in self.consumers and name not in self._SKIP:
+        if hit is not None and hit[1] not in hit[2] and name not in self._SKIP:
             outs = out if isinstance(out, (tuple, list)) else (out,)
-            self.consumers[hit[1]] = (name, [tuple(t.shape) for t in outs if isinstance(t, torch.Tensor)])
+            hit[2][hit[1]] = (name, [tuple(t.shape) for t in outs if isinstance(t, torch.Tensor)])
         return out
 
 
@@ -126,54 +128,78 @@ def _trace(
     ``projections`` names the modules of ``inner`` and ``outer`` that are projections (Linears or affine leaves,
     `lightning_par.plans.tp_affine`); by default the ``nn.Linear`` ones.
     """
-    tr = _Trace([], {}, {}, 0, [], -1)
-    outs: dict[Any, str] = {}
-    stop: set[Any] = set()
     if projections is None:
         projections = {n for n, m in (*inner.items(), *outer.items()) if isinstance(m, nn.Linear)}
-    first_use = _FirstUse(tr.consumers)
+    return _trace_blocks(model, [(block, inner, projections)], outer)[0]
 
-    def on_block(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        x = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
-        if tr.marker < 0 and x is not None:
-            tr.hidden, tr.marker = int(x.shape[-1]), len(tr.outer)
-            stop.add(x.grad_fn)
 
-    def pre(name: str) -> Any:
-        def hook(mod: nn.Module, args: tuple[Any, ...]) -> None:
-            if name not in tr.producers and args and isinstance(args[0], torch.Tensor):
-                tr.producers[name] = _walk(args[0].grad_fn, outs, stop)
-                tr.in_width[name] = int(args[0].shape[-1])
-
-        return hook
-
-    def post(name: str, order: list[str]) -> Any:
-        def hook(mod: nn.Module, args: tuple[Any, ...], out: Any) -> None:
-            if name not in order:
-                order.append(name)
-                if name in projections and isinstance(out, torch.Tensor) and out.grad_fn is not None:
-                    outs[out.grad_fn] = name
-                    if order is tr.order:
-                        first_use.watched[id(out)] = (out, name)
-
-        return hook
-
-    handles = [block.register_forward_pre_hook(on_block, with_kwargs=True)]
-    for name, m in inner.items():
-        handles += [m.register_forward_pre_hook(pre(name)), m.register_forward_hook(post(name, tr.order))]
-    handles += [m.register_forward_hook(post(name, tr.outer)) for name, m in outer.items()]
+def _trace_blocks(
+    model: nn.Module, blocks: list[tuple[nn.Module, dict[str, nn.Module], set[str]]], outer: dict[str, nn.Module]
+) -> list[_Trace | str]:
+    """`_trace` for several blocks (the first of each structure) in one forward pass: one `_Trace` per block, or
+    for all of them why the forward failed. Each entry: (block, its modules by block-relative name, projections
+    among them and among ``outer``)."""
+    traces = [_Trace([], {}, {}, 0, [], -1) for _ in blocks]
+    all_outs: list[dict[Any, str]] = []  # per block: grad_fn of a projection's output -> the projection
+    outer_order: list[str] = []
+    watched: dict[int, tuple[torch.Tensor, str, dict[str, tuple[str, list[tuple[int, ...]]]]]] = {}
+    first_use = _FirstUse(watched)
+    handles = []
+    for tr, (block, inner, projections) in zip(traces, blocks):
+        outs: dict[Any, str] = {}
+        stop: set[Any] = set()
+        all_outs.append(outs)
+        handles.append(block.register_forward_pre_hook(partial(_on_block, tr, outer_order, stop), with_kwargs=True))
+        for name, m in inner.items():
+            handles += [
+                m.register_forward_pre_hook(partial(_pre, tr, name, outs, stop)),
+                m.register_forward_hook(partial(_post, tr, name, outs, projections, watched)),
+            ]
+    handles += [m.register_forward_hook(partial(_post_outer, outer_order, name)) for name, m in outer.items()]
     try:
         # Eval mode: no dropout, so the probe does not draw from the user's RNG streams.
         with eval_mode(model), torch.enable_grad(), first_use:
             probe_call(model)
     except Exception as err:
-        return f"{type(err).__name__}: {err}"
+        return [f"{type(err).__name__}: {err}"] * len(blocks)
     finally:
         for h in handles:
             h.remove()
-    if tr.marker < 0 or not outs:
-        return "the first block never ran, or no Linear output carried an autograd graph"
-    return tr
+    got: list[_Trace | str] = []
+    for tr, outs in zip(traces, all_outs):
+        tr.outer = list(outer_order)
+        ok = tr.marker >= 0 and bool(outs)
+        got.append(tr if ok else "the first block never ran, or no Linear output carried an autograd graph")
+    return got
+
+
+def _on_block(tr: _Trace, outer_order: list[str], stop: set[Any], mod: nn.Module, args: Any, kwargs: Any) -> None:
+    x = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+    if tr.marker < 0 and x is not None:
+        tr.hidden, tr.marker = int(x.shape[-1]), len(outer_order)
+        stop.add(x.grad_fn)
+
+
+def _pre(tr: _Trace, name: str, outs: dict[Any, str], stop: set[Any], mod: nn.Module, args: tuple[Any, ...]) -> None:
+    if name not in tr.producers and args and isinstance(args[0], torch.Tensor):
+        tr.producers[name] = _walk(args[0].grad_fn, outs, stop)
+        tr.in_width[name] = int(args[0].shape[-1])
+
+
+def _post(
+    tr: _Trace, name: str, outs: dict[Any, str], projections: set[str], watched: dict[int, Any], mod: nn.Module,
+    args: tuple[Any, ...], out: Any,
+) -> None:  # fmt: skip
+    if name not in tr.order:
+        tr.order.append(name)
+        if name in projections and isinstance(out, torch.Tensor) and out.grad_fn is not None:
+            outs[out.grad_fn] = name
+            watched[id(out)] = (out, name, tr.consumers)
+
+
+def _post_outer(order: list[str], name: str, mod: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+    if name not in order:
+        order.append(name)
 
 
 def _registration_order(inner: dict[str, nn.Module], outer: list[str], marker: int, lin: dict[str, Any]) -> _Trace:

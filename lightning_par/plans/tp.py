@@ -1,18 +1,20 @@
 """Infer a tensor-parallel plan for a model's repeated blocks from structure and shapes; no process groups.
 
-The blocks must share one structure; block 0 is probed once (`lightning_par.plans._probe`), its Linears are paired
-Megatron-style (`lightning_par.plans.tp_pairs`), its norms on the residual stream go sequence-parallel, and the
-user's ``tp_plan`` overrides are applied last. The plan's types live in `lightning_par.plans.tp_types`.
+Blocks are grouped by structure; the first block of each group is probed (`lightning_par.plans._probe`), its
+Linears are paired Megatron-style (`lightning_par.plans.tp_pairs`), its norms on the residual stream go
+sequence-parallel, and the user's ``tp_plan`` overrides are applied last, over every group. The plan's types live
+in `lightning_par.plans.tp_types`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import fnmatch
+from typing import Any
 
 from torch import nn
 
-from lightning_par.plans._probe import _is_norm, _norm_size, _registration_order, _Trace, _trace
+from lightning_par.plans._probe import _is_norm, _norm_size, _registration_order, _Trace, _trace_blocks
 from lightning_par.plans.moe import find_moe_layers
 from lightning_par.plans.tp_affine import affine, affine_modules
 from lightning_par.plans.tp_pairs import _common_parent, _Inference, _Region
@@ -26,7 +28,7 @@ from lightning_par.plans.tp_types import (
     TPPlan,
     TPPlanError,
 )
-from lightning_par.plans.trunk import find_trunk
+from lightning_par.plans.trunk import Trunk, find_trunk
 
 __all__ = ["STYLES", "HeadInfo", "MLPInfo", "ModuleShape", "TPPlan", "TPPlanError", "infer_tp_plan"]
 
@@ -64,31 +66,13 @@ def infer_tp_plan(model: nn.Module, *, overrides: dict[str, str] | None = None) 
             styles; they replace inferred styles, and silence inference errors about the modules they cover.
 
     Raises:
-        TPPlanError: no trunk, blocks that differ, ambiguous or unsplittable projections (naming the modules and
-            showing a ``tp_plan``), or a bad override.
+        TPPlanError: no trunk, ambiguous or unsplittable projections (naming the modules and showing a
+            ``tp_plan``), or a bad override.
     """
     trunk = find_trunk(model)
     if trunk is None:
         raise TPPlanError("found no trunk of >= 2 same-class blocks in a ModuleList/Sequential/ModuleDict")
-    # Mixture-of-experts layers are kept whole: the plan splits attention and dense MLPs around them, and each tp
-    # rank runs the router and experts on the same replicated hidden state (sequence parallelism is then off:
-    # parallel/tensor_parallel.py). Experts are sharded by expert parallelism, not by tp.
-    first = trunk.names[0] + "."
-    whole = tuple(m.name[len(first) :] for m in find_moe_layers(model) if m.name.startswith(first))
-    ref = _signature(trunk.blocks[0])
-    for name, block in zip(trunk.names[1:], trunk.blocks[1:]):
-        sig = _signature(block)
-        if sig != ref:
-            i = next((i for i, (x, y) in enumerate(zip(ref, sig)) if x != y), min(len(ref), len(sig)))
-            a, b = (ref[i] if i < len(ref) else "nothing"), (sig[i] if i < len(sig) else "nothing")
-            raise TPPlanError(
-                f"blocks differ: {trunk.names[0]} has {a} where {name} has {b}; one tp plan covers all blocks of "
-                f"{trunk.path or 'the model'}; train this model with 'zero3' or 'pipe' ('moe' for experts), which "
-                "need no common block structure"
-            )
-    kept = {n: m for n, m in trunk.blocks[0].named_modules() if n and not _inside(n, whole)}
-    projections = affine_modules(kept)
-    inner = {n: m for n, m in kept.items() if n in projections or _is_norm(m)}
+    groups = _groups(trunk)
     in_blocks = set(trunk.names)
     outer: dict[str, nn.Module] = {}
     marker = -1
@@ -98,41 +82,58 @@ def infer_tp_plan(model: nn.Module, *, overrides: dict[str, str] | None = None) 
         parts = n.split(".")
         if not any(".".join(parts[:j]) in in_blocks for j in range(1, len(parts) + 1)) and _shape(m) is not None:
             outer[n] = m
-    notes: list[str] = []
+    # Blocks that differ (DeepSeek-V3's dense first block, x-transformers' attention and feed-forward layers): each
+    # structure is planned from its first block, under patterns naming exactly its blocks.
+    probed = []
+    for idx in groups.values():
+        block = trunk.blocks[idx[0]]
+        moe = _moe_layers(model, trunk.names[idx[0]])
+        kept = {n: m for n, m in block.named_modules() if n and not _inside(n, moe)}
+        projections = affine_modules(kept)
+        inner = {n: m for n, m in kept.items() if n in projections or _is_norm(m)}
+        probed.append((moe, kept, projections, inner))
     outer_proj = {n for n, m in outer.items() if affine(m) is not None}
-    got = _trace(model, trunk.blocks[0], inner, outer, set(projections) | outer_proj)
-    traced = not isinstance(got, str)
-    if isinstance(got, str):
-        notes.append(
-            f"the probe forward failed ({got}); pairs guessed from registration order (set the module's "
-            "example_input_array to probe with a real input)"
-        )
-        got = _registration_order(inner, list(outer), max(marker, 0), projections)
-    inf = _Inference(model, trunk, got, dict(trunk.blocks[0].named_modules()), projections)
-    if not inf.lin:
-        raise TPPlanError(
-            f"{trunk.names[0]} holds no nn.Linear or other projection (a leaf with a 2-D weight whose forward is "
-            "x @ W + b), so tensor parallelism has nothing to split"
-        )
-    styles, regions, split_norms = _block_styles(inf, traced, notes)
-    heads: dict[str, HeadInfo] = {}
-    mlps: dict[str, MLPInfo] = {}
-    for r in regions:
-        key = inf.pat(r.parent)
-        if r.head is not None:
-            heads[key if key not in heads else inf.pat(r.out)] = r.head
-        else:
-            projs = tuple(inf.pat(n) for n in (*r.ins, r.out))
-            region = inf.pat(_common_parent(list(r.ins)))
-            mlps[key if key not in mlps else inf.pat(r.out)] = MLPInfo(r.hidden, len(r.ins) == 2, projs, region)
-    shapes = {inf.pat(n): s for n, m in kept.items() if (s := _shape(m)) is not None}
+    # One forward pass probes the first block of every structure.
+    traces = _trace_blocks(
+        model, [(trunk.blocks[i[0]], p[3], set(p[2]) | outer_proj) for i, p in zip(groups.values(), probed)], outer
+    )
+    found = [
+        _infer_group(model, trunk, idx, prefix, outer, marker, p, tr)
+        for (prefix, idx), p, tr in zip(groups.items(), probed, traces)
+    ]
+    got, traced = found[0].trace, found[0].traced
+    styles, inferred, heads, mlps, shapes = {}, {}, {}, {}, {}
+    split_norms: dict[str, tuple[str, ...]] = {}
+    problems: dict[str, tuple[str, ...]] = {}
+    notes: list[str] = []
+    fused: set[str] = set()
+    whole: dict[str, None] = {}
+    for g in found:
+        styles.update(g.styles)
+        heads.update(g.heads)
+        mlps.update(g.mlps)
+        shapes.update(g.shapes)
+        split_norms.update(g.split_norms)
+        problems.update(g.problems)
+        notes += [n for n in g.notes if n not in notes]
+        fused |= {k for h in g.heads.values() for k in h.fused_split}
+        whole.update(dict.fromkeys(g.whole))
     shapes.update({n: s for n, m in outer.items() if (s := _shape(m)) is not None})
-    _head_params(inf, regions, heads)
     inferred = dict(styles)
-    covered = _override(styles, shapes, {k for h in heads.values() for k in h.fused_split}, overrides or {})
+    covered = _override(styles, shapes, fused, overrides or {})
     _check_split_norms(styles, inferred, split_norms, covered)
+    for h in heads.values():
+        if any(styles.get(p) != "replicate" for p in h.latent) and any(
+            styles.get(p) == "colwise" for p in h.projections
+        ):
+            # Each rank's heads read all of the latent: a split latent would give them a slice of it.
+            bad = ", ".join(f"{p} ({styles.get(p)})" for p in h.latent if styles.get(p) != "replicate")
+            raise TPPlanError(
+                f"tp_plan splits the low-rank latent {bad} of the latent attention ({', '.join(h.projections)}), "
+                "which every head reads whole; map it to 'replicate', or map all of that attention to 'replicate'"
+            )
     errors = []
-    for msg, mods in inf.problems.items():
+    for msg, mods in problems.items():
         if mods and covered.issuperset(mods):
             notes.append(f"tp_plan decides where inference could not: {msg.split('; pass e.g.')[0]}")
         else:
@@ -154,9 +155,99 @@ def infer_tp_plan(model: nn.Module, *, overrides: dict[str, str] | None = None) 
         output=output,
         final_norm=final_norm,
         traced=traced,
-        notes=tuple(notes) + tuple(f"kept whole (mixture of experts): {inf.pat(w)}" for w in whole),
-        whole=whole,
+        notes=tuple(notes),
+        whole=tuple(whole),
+        groups={p: tuple(trunk.names[i] for i in idx) for p, idx in groups.items()} if len(groups) > 1 else {},
     )
+
+
+def _groups(trunk: Trunk) -> dict[str, list[int]]:
+    """Pattern prefix -> indices of the blocks of one structure (`_signature`), in order of first appearance.
+
+    One structure: ``{trunk}.*``. Several: each group's block keys, explicit (``model.layers.0``, or a set
+    ``model.layers.{1,2,3}``), since ``*`` would cover the other structures' blocks too.
+    """
+    by_sig: dict[str, list[int]] = {}
+    for i, block in enumerate(trunk.blocks):
+        by_sig.setdefault(repr(_signature(block)), []).append(i)
+    head = f"{trunk.path}." if trunk.path else ""
+    if len(by_sig) == 1:
+        return {f"{head}*": list(range(len(trunk.blocks)))}
+    keys = [n[len(head) :] for n in trunk.names]
+
+    def token(idx: list[int]) -> str:
+        return keys[idx[0]] if len(idx) == 1 else "{" + ",".join(keys[j] for j in idx) + "}"
+
+    return {head + token(idx): idx for idx in by_sig.values()}
+
+
+@dataclasses.dataclass
+class _Group:
+    """What inference found for one block structure (patterns under its prefix)."""
+
+    trace: _Trace
+    traced: bool
+    styles: dict[str, str]
+    heads: dict[str, HeadInfo]
+    mlps: dict[str, MLPInfo]
+    shapes: dict[str, ModuleShape]
+    split_norms: dict[str, tuple[str, ...]]
+    problems: dict[str, tuple[str, ...]]
+    notes: list[str]
+    whole: tuple[str, ...]
+
+
+def _moe_layers(model: nn.Module, block_name: str) -> tuple[str, ...]:
+    # Mixture-of-experts layers are kept whole: the plan splits attention and dense MLPs around them, and each tp
+    # rank runs the router and experts on the same replicated hidden state (sequence parallelism is then off:
+    # parallel/tensor_parallel.py). Experts are sharded by expert parallelism, not by tp.
+    first = block_name + "."
+    return tuple(m.name[len(first) :] for m in find_moe_layers(model) if m.name.startswith(first))
+
+
+def _infer_group(
+    model: nn.Module,
+    trunk: Trunk,
+    idx: list[int],
+    prefix: str,
+    outer: dict[str, nn.Module],
+    marker: int,
+    probed: tuple[tuple[str, ...], dict[str, nn.Module], dict[str, Any], dict[str, nn.Module]],
+    got: _Trace | str,
+) -> _Group:
+    block, block_name = trunk.blocks[idx[0]], trunk.names[idx[0]]
+    whole, kept, projections, inner = probed
+    notes: list[str] = []
+    traced = not isinstance(got, str)
+    if isinstance(got, str):
+        notes.append(
+            f"the probe forward failed ({got}); pairs guessed from registration order (set the module's "
+            "example_input_array to probe with a real input)"
+        )
+        got = _registration_order(inner, list(outer), max(marker, 0), projections)
+    inf = _Inference(model, trunk, got, dict(block.named_modules()), projections, idx[0], prefix)
+    if not inf.lin and len(trunk.blocks) == len(idx):
+        raise TPPlanError(
+            f"{block_name} holds no nn.Linear or other projection (a leaf with a 2-D weight whose forward is "
+            "x @ W + b), so tensor parallelism has nothing to split"
+        )
+    styles, regions, split_norms = _block_styles(inf, traced, notes) if inf.lin else ({}, [], {})
+    if not inf.lin:
+        styles = {inf.pat(n): "replicate" for n, m in inner.items() if _is_norm(m)}
+    heads: dict[str, HeadInfo] = {}
+    mlps: dict[str, MLPInfo] = {}
+    for r in regions:
+        key = inf.pat(r.parent)
+        if r.head is not None:
+            heads[key if key not in heads else inf.pat(r.out)] = r.head
+        else:
+            projs = tuple(inf.pat(n) for n in (*r.ins, r.out))
+            region = inf.pat(_common_parent(list(r.ins)))
+            mlps[key if key not in mlps else inf.pat(r.out)] = MLPInfo(r.hidden, len(r.ins) == 2, projs, region)
+    shapes = {inf.pat(n): s for n, m in kept.items() if (s := _shape(m)) is not None}
+    _head_params(inf, regions, heads)
+    notes += [f"kept whole (mixture of experts): {inf.pat(w)}" for w in whole]
+    return _Group(got, traced, styles, heads, mlps, shapes, split_norms, inf.problems, notes, whole)
 
 
 def _split_norm(
@@ -244,11 +335,12 @@ def _block_styles(
             styles[pat(n)] = "sequence_parallel" if on_stream else "replicate"
     if not regions and not inf.problems:
         inf.problem(
-            f"found no attention or MLP in {inf.trunk.names[0]}: no Linear back to the hidden width {tr.hidden} is "
+            f"found no attention or MLP in {inf.block_name}: no Linear back to the hidden width {tr.hidden} is "
             f"the only reader of other Linears ({inf.desc(lin)})",
             dict.fromkeys(lin, "replicate"),
         )
-    spare = [pat(n) for n in lin if n not in colwise and n not in rowwise]
+    latent = {k for r in regions if r.head for k in r.head.latent}
+    spare = [pat(n) for n in lin if n not in colwise and n not in rowwise and pat(n) not in latent]
     if spare and regions:
         notes.append(f"replicated, not in a column/row pair: {', '.join(spare)}")
     if fused & inf.guessed:

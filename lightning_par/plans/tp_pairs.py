@@ -59,12 +59,21 @@ class _Region:
 
 class _Inference:
     def __init__(
-        self, model: nn.Module, trunk: Trunk, tr: _Trace, mods: dict[str, nn.Module], lin: dict[str, Affine]
+        self,
+        model: nn.Module,
+        trunk: Trunk,
+        tr: _Trace,
+        mods: dict[str, nn.Module],
+        lin: dict[str, Affine],
+        block: int = 0,
+        prefix: str | None = None,
     ) -> None:
         self.model, self.trunk, self.tr, self.mods = model, trunk, tr, mods
         self.lin = lin  # block projections (Linears and affine leaves), by widths
         self.idx = {n: i for i, n in enumerate(tr.order)}
-        self.prefix = f"{trunk.path}.*" if trunk.path else "*"
+        # The probed block (the first of its structure) and the pattern prefix naming that structure's blocks.
+        self.block_name, self.block = trunk.names[block], trunk.blocks[block]
+        self.prefix = prefix if prefix is not None else f"{trunk.path}.*" if trunk.path else "*"
         self.guessed: set[str] = set()  # fused projections whose [q | k | v] layout no split confirmed
         self.problems: dict[str, tuple[str, ...]] = {}  # message -> patterns an override must cover to silence it
 
@@ -90,17 +99,19 @@ class _Inference:
     def sources(self, parent: str, ins: tuple[str, ...] = ()) -> list[tuple[str, Any]]:
         """Where head counts may live: the output projection's module, those of the input projections (BERT's
         ``attention.self``), each one's config, the block, the model, its config and hparams."""
-        block, model = self.trunk.names[0], self.model
+        block, model = self.block_name, self.model
         got: list[tuple[str, Any]] = []
         for rel in dict.fromkeys([parent, *(p.rpartition(".")[0] for p in ins)]):
             here, mod = (f"{block}.{rel}" if rel else block), self.mods[rel]
             got += [(here, mod), (f"{here}.config", getattr(mod, "config", None))]
-        got.append((block, self.trunk.blocks[0]))
+        got.append((block, self.block))
         got += [(f"model{a}", getattr(model, a[1:], None) if a else model) for a in ("", ".config", ".hparams")]
         return [(label, obj) for label, obj in got if obj is not None]
 
-    def classify(self, o: str, ins: list[str]) -> _Region | None:
+    def classify(self, o: str, ins: list[str], latent: list[str] | None = None) -> _Region | None:
         lin, e = self.lin, self.tr.hidden
+        if latent:
+            return self.latent_attention(o, ins, latent)
         q, parent = lin[o].in_features, o.rpartition(".")[0]
         pmod = self.mods[parent]
         own = _lookup(vars(pmod), _HEAD_DIM + _N_HEADS) is not None
@@ -192,6 +203,44 @@ class _Inference:
         head = HeadInfo(n_heads, n_kv, hd, src, local, fused, projs, self.pat(_common_parent(list(ins))))
         return _Region(parent, tuple(ins), o, q, head)
 
+    def latent_attention(self, o: str, ins: list[str], latent: list[str]) -> _Region | None:
+        """Multi-head latent attention: the latents whole, ``ins`` (queries; keys and values from the latent)
+        column-split by heads, ``o`` row-split. Heads come from the module's head count; every split output must
+        be viewed head-major, (B, T, n_heads, ...), as the probe saw it."""
+        lin, e, tr = self.lin, self.tr.hidden, self.tr
+        q, parent = lin[o].in_features, o.rpartition(".")[0]
+        # Without a head count (or views that show heads) the latent split cannot be made: whole is always safe.
+        pair = dict.fromkeys([*ins, *latent, o], "replicate")
+        where = f"latent attention {self.pat(parent)} ({self.desc(ins)} into {self.pat(o)}"
+        where += f"; latents {self.desc(latent)})"
+        bad = [p for p in ins if lin[p].in_features != e and not tr.producers.get(p, set()).issubset(latent)]
+        srcs = self.sources(parent, tuple(ins))
+        hit = next(((lb, h) for lb, obj in srcs if (h := _lookup(obj, _N_HEADS))), None)
+        if bad or hit is None:
+            why = f"{self.desc(bad)} read neither the hidden width nor a latent" if bad else "it has no head count"
+            self.problem(f"{where}: {why}; give the attention an n_heads / num_heads attribute", pair)
+            return None
+        n_heads, src = hit[1][1], f"{hit[0]}.{hit[1][0]}"
+        unviewed = [p for p in ins if self.groups(p, lin[p].out_features) != n_heads]
+        if q % n_heads or unviewed:
+            self.problem(
+                f"{where}: {self.desc(unviewed) or f'q={q}'} not seen split into {n_heads} heads (from {src}) by a "
+                "(B, T, n_heads, head_dim) view; tensor parallelism would split across heads",
+                pair,
+            )
+            return None
+        pmod, local = self.mods[parent], {}
+        local.update({a_: "n_heads" for a_ in _N_HEADS if vars(pmod).get(a_) == n_heads})
+        inside = f"{parent}." if parent else ""
+        # The latents' norms (kv_a_layernorm, q_a_layernorm): they read nothing but a latent.
+        norms = [n for n, s in tr.producers.items() if n not in lin and n.startswith(inside) and s and s <= set(latent)]
+        readers = [p for p in ins if tr.producers.get(p, set()) & set(latent)]
+        projs = tuple(self.pat(n) for n in (*ins, o))
+        head = HeadInfo(n_heads, n_heads, q // n_heads, src, local, {}, projs,
+                        self.pat(_common_parent([*ins, *latent])), (),
+                        tuple(self.pat(n) for n in (*latent, *norms)), tuple(self.pat(n) for n in readers))  # fmt: skip
+        return _Region(parent, tuple(ins), o, q, head)
+
     def parts(self, name: str, width: int) -> tuple[int, ...] | None:
         """Widths of a fused output's concatenated parts, from the split (or chunk) that first reads it."""
         op, shapes = self.tr.consumers.get(name, ("", []))
@@ -224,6 +273,8 @@ class _Inference:
             ins = sorted((p for p in tr.producers.get(o, ()) if lin[p].out_features > 1), key=lambda n: self.idx[n])
             if lin[o].out_features != tr.hidden or not ins or o in taken_in or taken_out.intersection(ins):
                 continue  # no input projection, or it reads an earlier pair's output (the residual stream)
+            latent = self.latents(o, ins, readers)
+            ins = [p for p in ins if p not in latent]
             others = set().union(*(readers[p] for p in ins)) - {o}
             if others:
                 rivals = sorted(others | {o}, key=lambda n: self.idx.get(n, 0))
@@ -236,9 +287,26 @@ class _Inference:
                     {**dict.fromkeys(ins, "colwise" if hint == "rowwise" else hint), **dict.fromkeys(rivals, hint)},
                 )
                 continue
-            region = self.classify(o, ins)
+            region = self.classify(o, ins, latent) if ins else None
             if region is not None:
                 regions.append(region)
-                taken_in.update(ins)
+                taken_in.update([*ins, *latent])
                 taken_out.add(o)
         return regions
+
+    def latents(self, o: str, ins: list[str], readers: dict[str, set[str]]) -> list[str]:
+        """Low-rank projections of a multi-head latent attention (DeepSeek-V2/V3's ``kv_a_proj_with_mqa``,
+        ``q_a_proj``): read the hidden width, narrower than it, and read by other input projections of ``o``'s
+        region (and by ``o``, through a part shared by all heads). Their outputs are not head-structured, so they
+        stay whole on every rank and the projections reading them are split by heads."""
+        e, lin, tr = self.tr.hidden, self.lin, self.tr
+        cands = dict.fromkeys([*ins, *(q for p in ins for q in sorted(tr.producers.get(p, ())))])
+        return [
+            p
+            for p in cands
+            if p != o
+            and lin[p].in_features == e
+            and lin[p].out_features < e
+            and (r := readers[p] - {o})
+            and r.issubset(ins)
+        ]

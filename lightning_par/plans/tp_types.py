@@ -47,6 +47,9 @@ class HeadInfo:
             replicated DTensor for all of them (gathered along the sequence under SP).
         head_params: patterns of the attention module's own parameters with one entry per query head along dim
             0 (GPT-OSS's ``sinks``): split with the heads, so each rank holds its heads' entries.
+        latent: multi-head latent attention (DeepSeek-V2/V3): the low-rank projections (``kv_a_proj_with_mqa``,
+            ``q_a_proj``) and the norms on their outputs, replicated on every rank inside the split region.
+        latent_readers: the column-split projections that read a latent (``kv_b_proj``, ``q_b_proj``).
     """
 
     n_heads: int
@@ -58,6 +61,8 @@ class HeadInfo:
     projections: tuple[str, ...]
     region: str = ""
     head_params: tuple[str, ...] = ()
+    latent: tuple[str, ...] = ()
+    latent_readers: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +89,9 @@ class TPPlan:
         traced: False when the forward pass failed and pairs were guessed from registration order.
         whole: block-relative names of mixture-of-experts layers kept whole on every tp rank (their router and
             experts are computed redundantly on the replicated hidden state; expert parallelism shards experts).
+        groups: for a trunk whose blocks differ (DeepSeek-V3's dense first block), each structure's pattern prefix
+            (``model.layers.0``, ``model.layers.{1,2,3}``: the block index explicit where ``*`` would be wrong) ->
+            the names of the blocks it covers; empty when all blocks share one structure (patterns use ``*``).
     """
 
     trunk: str
@@ -101,6 +109,7 @@ class TPPlan:
     traced: bool
     notes: tuple[str, ...]
     whole: tuple[str, ...] = ()
+    groups: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
     @property
     def mlp_hidden(self) -> dict[str, int]:
@@ -112,3 +121,43 @@ class TPPlan:
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def group_plans(self) -> list[TPPlan]:
+        """One plan per block structure, each written with ``{trunk}.*`` patterns over the blocks it names in
+        ``groups`` (as for a uniform trunk), so code that applies or checks a uniform plan handles each group; the
+        plan itself when all blocks share one structure."""
+        if not self.groups:
+            return [self]
+        return [_regroup(self, prefix, names) for prefix, names in self.groups.items()]
+
+
+def _regroup(plan: TPPlan, prefix: str, names: tuple[str, ...]) -> TPPlan:
+    star = f"{plan.trunk}.*" if plan.trunk else "*"
+    others = tuple(p for p in plan.groups if p != prefix)
+
+    def key(k: str) -> str:
+        return star + k[len(prefix) :] if k == prefix or k.startswith(prefix + ".") else k
+
+    def mine(k: str) -> bool:
+        return not any(k == p or k.startswith(p + ".") for p in others)
+
+    def keys(ks: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(key(k) for k in ks)
+
+    heads = {
+        key(k): dataclasses.replace(
+            h, fused_split={key(f): w for f, w in h.fused_split.items()}, projections=keys(h.projections),
+            region=key(h.region), head_params=keys(h.head_params), latent=keys(h.latent),
+            latent_readers=keys(h.latent_readers),
+        )
+        for k, h in plan.heads.items() if mine(k)
+    }  # fmt: skip
+    mlps = {
+        key(k): dataclasses.replace(m, projections=keys(m.projections), region=key(m.region))
+        for k, m in plan.mlps.items()
+        if mine(k)
+    }
+    return dataclasses.replace(
+        plan, first_block=names[0], n_blocks=len(names), styles={key(k): s for k, s in plan.styles.items() if mine(k)},
+        heads=heads, mlps=mlps, shapes={key(k): s for k, s in plan.shapes.items() if mine(k)}, groups={},
+    )  # fmt: skip

@@ -8,9 +8,10 @@ from lightning_par.plans.tp_types import _SHARDED, TPPlan, TPPlanError
 
 
 def _concrete(plan: TPPlan, pattern: str) -> str:
-    prefix = f"{plan.trunk}.*" if plan.trunk else "*"
-    if pattern == prefix or pattern.startswith(prefix + "."):
-        return plan.first_block + pattern[len(prefix) :]
+    star = f"{plan.trunk}.*" if plan.trunk else "*"
+    for prefix, names in {star: (plan.first_block,), **plan.groups}.items():
+        if pattern == prefix or pattern.startswith(prefix + "."):
+            return names[0] + pattern[len(prefix) :]
     return pattern
 
 
@@ -72,10 +73,13 @@ def format_plan(plan: TPPlan) -> str:
     width = max(len(k) for k in plan.styles)
     how = "traced forward" if plan.traced else "registration order"
     lines = [f"tp plan for {plan.n_blocks} blocks of {plan.trunk or '<root>'} (hidden {plan.hidden_size}, {how})"]
+    if plan.groups:
+        lines.append("blocks of different structures: " + "; ".join(f"{p} ({len(n)})" for p, n in plan.groups.items()))
     lines += [f"{k:<{width}}  {s:<17}  {shape(k)}" for k, s in plan.styles.items()]
     for k, h in plan.heads.items():
         attrs = ", ".join(f"{a}: {kind}" for a, kind in h.local_attrs.items()) or "none"
         split = f"; split with the heads: {', '.join(h.head_params)}" if h.head_params else ""
+        split += f"; latent, whole on every rank: {', '.join(h.latent)}" if h.latent else ""
         lines.append(
             f"attention {k}: n_heads={h.n_heads} n_kv_heads={h.n_kv_heads} head_dim={h.head_dim} (from {h.source}); "
             f"per-rank attributes: {attrs}{split}"

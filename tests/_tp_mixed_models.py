@@ -1,0 +1,75 @@
+"""A plain user model whose blocks alternate two structures, as x-transformers lays out its layers: one block class
+holding either a pre-norm attention or a pre-norm feed-forward. Nothing here knows about the strategies."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class _Attention(nn.Module):
+    def __init__(self, dim: int, n_heads: int) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        # No key bias: it shifts every logit of a query alike, so its gradient is zero up to rounding.
+        self.q, self.k, self.v = nn.Linear(dim, dim), nn.Linear(dim, dim, bias=False), nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, _ = x.shape
+        q, k, v = (p(x).view(b, t, self.n_heads, -1).transpose(1, 2) for p in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class _FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+class Layer(nn.Module):
+    """``kind`` "attn" or "ff": the same class, two structures."""
+
+    def __init__(self, kind: str, dim: int = 32, n_heads: int = 4) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.fn: nn.Module = _Attention(dim, n_heads) if kind == "attn" else _FeedForward(dim, 4 * dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.fn(self.norm(x))
+
+
+class AlternatingLM(L.LightningModule):
+    """Causal LM over bytes: attention, feed-forward, attention, feed-forward."""
+
+    def __init__(self, kinds: tuple[str, ...] = ("attn", "ff", "attn", "ff")) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(256, 32)
+        self.layers = nn.ModuleList(Layer(k) for k in kinds)
+        self.norm = nn.LayerNorm(32)
+        self.head = nn.Linear(32, 256)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        h = self.emb(idx)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(self.norm(h))
+
+    def _loss(self, x: Tensor, y: Tensor) -> Tensor:
+        return F.cross_entropy(self(x).flatten(0, 1), y.flatten())
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        loss = self._loss(*batch)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
