@@ -278,6 +278,34 @@ def test_ownership_follows_what_runs_before_and_after_the_trunk() -> None:
         find_ownership(between, find_trunk(between))
 
 
+class _BatchWrapper(nn.Module):
+    """A LightningModule-style wrapper whose forward wants the batch dict, around a model that registers its head
+    first, plus a module of its own registered after the model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = _HeadFirst()
+        self.extra = nn.Linear(16, 16)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.extra(self.model(batch["ids"]))
+
+
+def test_ownership_probes_the_wrapped_model_when_the_wrapper_cannot_be_called() -> None:
+    from lightning_par.parallel.pipeline_owners import find_ownership
+
+    wrapper = _BatchWrapper()
+    own = find_ownership(wrapper, find_trunk(wrapper))
+    # The wrapper's forward fails on token ids; the model holding the trunk is probed instead, so its head goes to
+    # the last stage although it is registered first. The wrapper's own module keeps registration order.
+    assert own.source == "probe"
+    assert [n for n, _ in own.pre] == ["model.unused", "model.emb"]
+    assert [n for n, _ in own.post] == ["model.head", "model.norm", "extra"]
+    wrapper.model.emb = nn.Linear(3, 8)  # now neither can be called on token ids: registration order, both reasons
+    fallback = find_ownership(wrapper, find_trunk(wrapper))
+    assert fallback.source == "registration order" and "the probe of model:" in fallback.reason
+
+
 class _SideOutputs(nn.Module):
     """Each block's hidden state is kept, and a penalty on all of them is added after the trunk (as Hugging Face
     MoE models add a load-balancing loss over every layer's router logits)."""

@@ -263,6 +263,8 @@ def find_ownership(module: nn.Module, trunk: Trunk, run: Optional[Callable[[], A
         )
     units = outer_units(module, trunk)
     uses = _probe(module, trunk, units, run or default_probe(module)) if units else None
+    if isinstance(uses, str) and run is None:
+        uses = _probe_holder(module, trunk, units, uses)
     if isinstance(uses, str):
         return _by_registration(module, trunk, units, uses)
     seen = uses.seen if uses is not None else {}
@@ -307,6 +309,23 @@ def _side_slots(uses: _Uses, trunk: Trunk) -> tuple[SideSlot, ...]:
             )
         slots[(block, path, leaf)] = SideSlot(block, path, leaf, name, spec)
     return tuple(sorted(slots.values(), key=lambda s: s.block))  # stable: within a block, the order made
+
+
+def _probe_holder(module: nn.Module, trunk: Trunk, units: Units, reason: str) -> _Uses | str:
+    # A LightningModule whose forward wants its batch (a dict, or no forward at all: the step calls `self.model`)
+    # cannot be probed with token ids, but the model it wraps usually can: probe the outermost submodule holding
+    # the trunk. Units outside that submodule never run in this probe; they keep registration order.
+    holder = next((n for n, _ in module.named_children() if trunk.path.startswith(n + ".")), None)
+    if holder is None:
+        return reason
+    uses = _probe(module, trunk, units, default_probe(module.get_submodule(holder)))
+    if isinstance(uses, str):
+        return f"{reason}; and the probe of {holder}: {uses}"
+    order = [n for n, _ in module.named_modules()]
+    for name, _ in units:
+        if not name.startswith(holder + "."):
+            uses.seen[name] = {"pre" if order.index(name) < order.index(holder) else "post"}
+    return uses
 
 
 def _by_registration(module: nn.Module, trunk: Trunk, units: Units, reason: str) -> Ownership:
