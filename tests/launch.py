@@ -36,3 +36,23 @@ def run_jobs(tmp: Path, jobs: list[dict[str, Any]], nproc: int = 1, timeout: flo
     if proc.returncode != 0 or not out.exists():
         raise AssertionError(f"worker failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
     return torch.load(out, weights_only=False)
+
+
+def split_gradients(tmp: Path, models: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    """Run tests/_tp_heads_worker.py on 2 ranks (one forward and backward of each model, whole vs tp=2) and check
+    that every model's loss and every gradient match the whole model's within 1e-5 relative.
+
+    Returns:
+        per model: ``loss`` and ``grads`` (relative errors), ``layouts`` (each parameter's placements).
+    """
+    out = tmp / "grads.pt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(Path(__file__).parent / "_tp_heads_worker.py"), str(out), *models]  # fmt: skip
+    proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=280, cwd=tmp)
+    assert proc.returncode == 0 and out.exists(), proc.stderr[-6000:]
+    got: dict[str, dict[str, Any]] = torch.load(out, weights_only=False)
+    for model, r in got.items():
+        assert r["loss"] < 1e-5, (model, r["loss"])
+        worst = max(r["grads"], key=r["grads"].get)
+        assert r["grads"][worst] < 1e-5, (model, worst, r["grads"][worst])
+    return got

@@ -13,20 +13,16 @@ gradient norms 1e-5 relative, SGD + momentum parameters 1e-5 relative / 1e-7 abs
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from conftest import reference_job
-from launch import run_jobs, worker_env
+from launch import run_jobs, split_gradients
 from parity import params_close, rel
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-HERE = Path(__file__).parent
 GRAD_MODELS = ("hf_qwen3", "hf_qwen3_moe", "hf_gpt_oss", "hf_olmoe")
 
 # Keys spelled out: docs/compatibility.md cites them (tests/test_check.py looks for each one here).
@@ -76,16 +72,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 @pytest.mark.timeout(300)
 def test_gradients_of_split_heads_match_one_process(tmp_path: Path) -> None:
-    out = tmp_path / "grads.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(HERE / "_tp_heads_worker.py"), str(out), *GRAD_MODELS]  # fmt: skip
-    proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=280, cwd=tmp_path)
-    assert proc.returncode == 0 and out.exists(), proc.stderr[-6000:]
-    got = torch.load(out, weights_only=False)
-    for model, r in got.items():
-        assert r["loss"] < 1e-5, (model, r["loss"])
-        worst = max(r["grads"], key=r["grads"].get)
-        assert r["grads"][worst] < 1e-5, (model, worst, r["grads"][worst])
+    got = split_gradients(tmp_path, GRAD_MODELS)
     layer = "model.model.layers.0.self_attn"
     # Per-head norms: replicated weights whose gradient is the sum over both ranks' heads (checked above).
     for model in ("hf_qwen3", "hf_qwen3_moe"):

@@ -12,15 +12,13 @@ momentum parameters 1e-5 relative / 1e-7 absolute.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from conftest import reference_job
-from launch import run_jobs, worker_env
+from launch import run_jobs, split_gradients
 from parity import params_close, rel
 
 from lightning_par.parallel.tp_check import check_local_shapes
@@ -41,7 +39,6 @@ JOBS_4: dict[str, dict[str, Any]] = {
 ALL = {**JOBS_2, **JOBS_4}
 
 
-HERE = Path(__file__).parent
 
 
 def _model(key: str) -> Any:
@@ -132,16 +129,7 @@ def test_every_structure_is_split_and_its_gradients_match_one_process(tmp_path: 
     # tests/_tp_heads_worker.py: one forward and backward, whole vs tp=2, each gradient laid out as its parameter
     # (a Partial left unsummed fails there) and equal to the reference's.
     models = ("hf_deepseek_v3", "hf_deepseek_v3_qlora", "user_alternating")
-    out = tmp_path / "grads.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(HERE / "_tp_heads_worker.py"), str(out), *models]  # fmt: skip
-    proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=280, cwd=tmp_path)
-    assert proc.returncode == 0 and out.exists(), proc.stderr[-6000:]
-    got = torch.load(out, weights_only=False)
-    for model, r in got.items():
-        assert r["loss"] < 1e-5, (model, r["loss"])
-        worst = max(r["grads"], key=r["grads"].get)
-        assert r["grads"][worst] < 1e-5, (model, worst, r["grads"][worst])
+    got = split_gradients(tmp_path, models)
     col, row, rep = "(Shard(dim=0),)", "(Shard(dim=1),)", "(Replicate(),)"
     for model in ("hf_deepseek_v3", "hf_deepseek_v3_qlora"):
         lay = got[model]["layouts"]
