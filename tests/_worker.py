@@ -31,6 +31,7 @@ from lightning.pytorch.loggers import Logger  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 import lightning_par  # noqa: E402  (registers the strategy names)
+from lightning_par.callbacks import ParallelismMonitor  # noqa: E402
 from lightning_par.checkpoint import full_tensor  # noqa: E402
 from lightning_par.data import ByteTextDataModule  # noqa: E402
 from lightning_par.models import GPT, Llama, MoEGPT  # noqa: E402
@@ -716,6 +717,9 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     ckpt_recorder = CheckpointRecorder(bool(job.get("record_step_params")))
     routing = RoutingRecorder()
     extra: list[L.Callback] = [ckpt_recorder, *([optim_recorder] if job.get("record_optim") else [])]
+    monitor = ParallelismMonitor() if job.get("expert_load") else None
+    if monitor is not None:
+        extra.append(monitor)
     if job.get("record_init"):
         extra.append(InitRecorder())
     if job.get("sigkill_at_step"):
@@ -813,6 +817,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         "draws": getattr(model, "draws", None),
         "warnings": [str(w.message) for w in caught] if job.get("record_warnings") else None,
         "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+        "expert_load": monitor.expert_load if monitor is not None else None,
         "logged": memory_logger.metrics if memory_logger is not None else None,
         "files_in_list_dir": sorted(str(p) for p in Path(job["list_dir"]).rglob("*") if p.is_file())
         if job.get("list_dir")

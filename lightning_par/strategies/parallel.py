@@ -31,6 +31,7 @@ from lightning_par.config import AUTO, ACMode, ParallelConfig
 from lightning_par.parallel.compose import parallelize
 from lightning_par.parallel.materialize import has_meta
 from lightning_par.parallel.run import ParallelRun
+from lightning_par.plans.moe import MoELayer
 from lightning_par.precision.parallel import ParallelPrecision
 from lightning_par.strategies._checkpointing import ShardedCheckpoints, Where, optimizer_entries
 from lightning_par.strategies._pipeline import PipelineSteps
@@ -147,6 +148,13 @@ class ParallelStrategy(ProcessGroupStrategy):
         """What `lightning_par.parallel.compose.parallelize` built (the ZeRO engine, the expert parallelism, the
         pipeline runner, ...), once the strategy is set up; ``None`` before, and under the DeepSpeed backend."""
         return self._run
+
+    @property
+    def moe_layers(self) -> Optional[list[MoELayer]]:
+        """This rank's MoE layers as found before their experts were sharded (``None`` before setup or without
+        any); `lightning_par.callbacks.ParallelismMonitor` counts their expert load."""
+        experts = self._run.experts if self._run is not None else None
+        return list(experts.layers) if experts is not None and experts.layers else None
 
     @property
     @override
