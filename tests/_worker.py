@@ -381,11 +381,17 @@ class RoutingRecorder(L.Callback):
     def __init__(self) -> None:
         self.steps: list[dict[str, torch.Tensor]] = []
         self._logits: list[torch.Tensor] = []
+        self.rows = [0]
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: Any) -> None:
         self._tp = getattr(getattr(trainer.strategy, "config", None), "tp", 1)  # tp ranks hold the same samples
         for moe in pl_module._moe_layers():
+            # Rows this rank's experts compute (after the dispatch hooks: under tp x ep, this rank's share).
+            moe.experts.register_forward_pre_hook(self._count_rows)
             moe.router.register_forward_hook(lambda _m, _a, out: self._logits.append(out.detach().float().clone()))
+
+    def _count_rows(self, module: torch.nn.Module, args: Any) -> None:
+        self.rows[0] += len(args[0])
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self._logits.clear()
@@ -787,6 +793,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         trainer.save_checkpoint(job["save"])
     recorder.mem["expert_param_bytes"] = _local_bytes(p for n, p in model.named_parameters() if ".experts." in n)
     recorder.mem["expert_shapes"] = {n: tuple(p.shape) for n, p in model.named_parameters() if ".experts." in n}
+    recorder.mem["expert_rows"] = routing.rows[0]
     mem_all: list[Any] = [recorder.mem]
     if dist.is_initialized():
         mem_all = [None] * dist.get_world_size()

@@ -78,6 +78,10 @@ def test_tp_moe_matches_one_process(results: dict[str, Any], name: str) -> None:
         assert got["mem"]["expert_shapes"]["model.model.layers.0.mlp.experts.gate_up_proj"] == (2, 96, 32)
     if ref["routing"] is None:
         return
+    # Each dispatched row is computed once over the 4 ranks under etp=1 (each tp rank its share), on both tp
+    # ranks' slices under etp=tp.
+    rows = sum(m["expert_rows"] for m in got["mem_all"])
+    assert ref["mem"]["expert_rows"] > 0 and rows == ref["mem"]["expert_rows"] * (2 if "etp" in name else 1)
     for step, (g, r) in enumerate(zip(got["routing"], ref["routing"], strict=True)):
         assert g.keys() == r.keys()
         for key in r:
