@@ -17,8 +17,9 @@ of `expert_dispatch.ExpertDispatch` (the ep group is the data-parallel ranks wit
   partial outputs its ``g`` (all-reduce forward, identity backward). Expert gradients are then per-slice, summed
   over ``edp`` only.
 
-The split is exact: the rows are a fixed partition of the layer's rows (contiguous in expert order, sizes from
-the row count alone, equal on every tp rank), and a row's expert output does not depend on which rank computes it.
+The split is exact: the rows are a fixed partition of the layer's rows (``1/tp`` of each expert's rows per tp rank,
+computed from the per-expert counts, equal on every tp rank), and a row's expert output does not depend on which
+rank computes it.
 """
 
 from __future__ import annotations
@@ -30,46 +31,55 @@ import torch.distributed as dist
 from torch import Tensor
 
 
-def _bounds(n: int, rank: int, size: int) -> tuple[int, int]:
-    return n * rank // size, n * (rank + 1) // size
+def _pieces(counts: Tensor, size: int) -> list[Tensor]:
+    """Row indices of each tp rank's share: ``1/size`` of every expert's rows (``counts[e]`` rows per expert,
+    expert-major), so every rank sends each expert about the same number of rows (a contiguous cut of the whole
+    list would send the first experts' rows from tp rank 0 only, and load their ep rank alone)."""
+    starts = counts.cumsum(0) - counts
+    out = []
+    for r in range(size):
+        lo, hi = counts * r // size, counts * (r + 1) // size
+        first = torch.repeat_interleave(starts + lo, hi - lo)
+        # within each expert's run, 0, 1, 2, ...: position minus the run's first position
+        runs = torch.repeat_interleave((hi - lo).cumsum(0) - (hi - lo), hi - lo)
+        out.append(first + torch.arange(len(first), device=counts.device) - runs)
+    return out
 
 
-def _gather_rows(x: Tensor, n: int, group: dist.ProcessGroup) -> Tensor:
-    """The ``n`` rows split over ``group`` by `_bounds`, all-gathered (padded: gloo needs equal sizes)."""
-    size = dist.get_world_size(group)
-    sizes = [b - a for a, b in (_bounds(n, r, size) for r in range(size))]
-    pad = max(sizes)
-    parts = [x.new_empty((pad, *x.shape[1:])) for _ in range(size)]
+def _gather_rows(x: Tensor, pieces: list[Tensor], n: int, group: dist.ProcessGroup) -> Tensor:
+    """Every tp rank's rows (rank ``r`` holds rows ``pieces[r]`` of ``n``), all-gathered into ``[n, ...]``; padded
+    to one size (gloo's all-gather needs equal sizes)."""
+    pad = max(len(p) for p in pieces)
+    parts = [x.new_empty((pad, *x.shape[1:])) for _ in pieces]
     dist.all_gather(parts, torch.cat([x, x.new_zeros((pad - x.shape[0], *x.shape[1:]))]).contiguous(), group=group)
-    return torch.cat([p[:s] for p, s in zip(parts, sizes)])
+    rows = torch.cat([part[: len(p)] for part, p in zip(parts, pieces)])
+    return x.new_empty((n, *x.shape[1:])).index_copy_(0, torch.cat(pieces), rows)
 
 
 class _SplitRows(torch.autograd.Function):
     """Keep this tp rank's rows of a tp-replicated tensor; backward: all-gather the rows' gradients over tp."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, group: dist.ProcessGroup) -> Tensor:
-        ctx.group, ctx.n = group, x.shape[0]
-        a, b = _bounds(x.shape[0], dist.get_rank(group), dist.get_world_size(group))
-        return x[a:b]
+    def forward(ctx: Any, x: Tensor, pieces: list[Tensor], group: dist.ProcessGroup) -> Tensor:
+        ctx.group, ctx.pieces, ctx.n = group, pieces, x.shape[0]
+        return x[pieces[dist.get_rank(group)]]
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return _gather_rows(grad.contiguous(), ctx.n, ctx.group), None
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        return _gather_rows(grad.contiguous(), ctx.pieces, ctx.n, ctx.group), None, None
 
 
 class _GatherRows(torch.autograd.Function):
     """All-gather every tp rank's rows into the replicated whole; backward: keep this rank's rows' gradient."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, n: int, group: dist.ProcessGroup) -> Tensor:
-        ctx.bounds = _bounds(n, dist.get_rank(group), dist.get_world_size(group))
-        return _gather_rows(x.detach(), n, group)
+    def forward(ctx: Any, x: Tensor, pieces: list[Tensor], n: int, group: dist.ProcessGroup) -> Tensor:
+        ctx.mine = pieces[dist.get_rank(group)]
+        return _gather_rows(x.detach(), pieces, n, group)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
-        a, b = ctx.bounds
-        return grad[a:b].contiguous(), None, None
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        return grad[ctx.mine].contiguous(), None, None, None
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -110,22 +120,20 @@ class TokenSplit:
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
-        self._rows: list[int] = []  # a stack, as the dispatch's routes: recomputation may re-enter
+        self._splits: list[tuple[list[Tensor], int]] = []  # a stack, as the dispatch's routes: recomputation re-enters
 
     def split(self, x: Tensor, counts: Tensor) -> tuple[Tensor, Tensor]:
         """This tp rank's rows of ``x`` (``counts[e]`` rows per expert, expert-major) and their counts per expert."""
-        n = x.shape[0]
-        a, b = _bounds(n, dist.get_rank(self.group), dist.get_world_size(self.group))
-        ends = counts.cumsum(0)
-        starts = ends - counts
-        mine = ends.clamp(a, b) - starts.clamp(a, b)
-        self._rows.append(n)
-        out: Tensor = _SplitRows.apply(x, self.group)
-        return out, mine
+        size, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        pieces = _pieces(counts, size)  # from the counts alone: the same on every tp rank
+        self._splits.append((pieces, x.shape[0]))
+        out: Tensor = _SplitRows.apply(x, pieces, self.group)
+        return out, counts * (rank + 1) // size - counts * rank // size
 
     def gather(self, out: Tensor) -> Tensor:
         """Every tp rank's outputs, in the order of the rows given to `split`."""
-        whole: Tensor = _GatherRows.apply(out, self._rows.pop(), self.group)
+        pieces, n = self._splits.pop()
+        whole: Tensor = _GatherRows.apply(out, pieces, n, self.group)
         return whole
 
 
