@@ -80,8 +80,11 @@ def test_tp_moe_matches_one_process(results: dict[str, Any], name: str) -> None:
         return
     # Each dispatched row is computed once over the 4 ranks under etp=1 (each tp rank its share), on both tp
     # ranks' slices under etp=tp.
-    rows = sum(m["expert_rows"] for m in got["mem_all"])
-    assert ref["mem"]["expert_rows"] > 0 and rows == ref["mem"]["expert_rows"] * (2 if "etp" in name else 1)
+    per_rank = [m["expert_rows"] for m in got["mem_all"]]
+    assert ref["mem"]["expert_rows"] > 0 and sum(per_rank) == ref["mem"]["expert_rows"] * (2 if "etp" in name else 1)
+    # The two tp ranks of a dp rank hold the same experts; each takes half of every expert's rows from each source
+    # (at most one row apart per local expert, source, layer and step): 2 x 2 x 2 x 3.
+    assert all(abs(per_rank[i] - per_rank[i + 1]) <= 24 for i in (0, 2)), per_rank
     for step, (g, r) in enumerate(zip(got["routing"], ref["routing"], strict=True)):
         assert g.keys() == r.keys()
         for key in r:
