@@ -97,7 +97,8 @@ def parallelize(
     experts = None
     if config.ep > 1 or find_moe_layers(module):
         group = mesh.dp.get_group() if mesh.dp.size() > 1 else None
-        experts = apply_expert_parallel(module, mesh.experts, group)
+        tp_group = mesh.tp.get_group() if config.tp > 1 else None  # tp x ep: who computes which token (expert_tp)
+        experts = apply_expert_parallel(module, mesh.experts, group, tp_group, config.etp)
 
     # 5. Activation checkpointing wraps each block's forward; FSDP2's hooks (next) stay outside the recomputed
     #    region, so a block is gathered once for its backward, recomputation included (torchtitan's order).

@@ -42,7 +42,7 @@ class ParallelStrategy(ProcessGroupStrategy):
     """One strategy for every combination of parallelism; `Trainer(strategy="zero2")` picks a preset of it.
 
     Args:
-        pp, dp_replicate, dp_shard, ep, tp, zero_stage, offload, activation_checkpointing, ac_every,
+        pp, dp_replicate, dp_shard, ep, tp, etp, zero_stage, offload, activation_checkpointing, ac_every,
             sequence_parallel, pp_schedule, microbatches, bucket_cap_mb, pp_split, pp_costs, auto_dims: see
             `lightning_par.config.ParallelConfig` (listed one by one because LightningCLI recipes set them by
             name from this signature).
@@ -75,6 +75,7 @@ class ParallelStrategy(ProcessGroupStrategy):
         dp_shard: int = AUTO,
         ep: int = 1,
         tp: int = 1,
+        etp: int = 1,
         zero_stage: int = 0,
         offload: bool = False,
         activation_checkpointing: ACMode = None,
@@ -112,7 +113,7 @@ class ParallelStrategy(ProcessGroupStrategy):
         # Validated now (static checks, unsupported combinations), before any process exists; the world-size checks
         # follow once, when the processes exist (`ProcessGroupStrategy.setup_environment`).
         config = ParallelConfig(
-            pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, ep=ep, tp=tp, zero_stage=zero_stage,
+            pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, ep=ep, tp=tp, etp=etp, zero_stage=zero_stage,
             offload=offload, activation_checkpointing=activation_checkpointing, ac_every=ac_every,
             sequence_parallel=sequence_parallel, pp_schedule=pp_schedule, microbatches=microbatches,
             bucket_cap_mb=bucket_cap_mb, pp_split=pp_split, pp_costs=pp_costs, auto_dims=auto_dims,
