@@ -241,6 +241,12 @@ class ParallelConfig:
             raise ParallelConfigError(f"etp={self.etp} must be 1 or equal tp={tp} here; set etp={tp} or etp=1")
         if "ep" in (self.auto_dims or ()):
             ep = dp
+            if ep == 1 and world_size > 1:
+                warnings.warn(
+                    f"the strategy name asks for moe, but world size {world_size} leaves one data-parallel rank, so "
+                    "ep=1: every rank holds every expert; run on more devices, or pass explicit degrees (tp, ep)",
+                    stacklevel=2,
+                )
         if dp % ep:
             raise ParallelConfigError(
                 f"ep={ep} does not divide the data-parallel size {dp}; choose ep in {_choices(dp)}"

@@ -179,9 +179,12 @@ def test_a_name_whose_dimension_gets_one_rank_warns():
         assert ParallelConfig(**strategy_kwargs("tp")).resolve(3, devices_per_node=3).tp == 1
     with pytest.warns(UserWarning, match=r"asks for pp, but world size 1 gives pp=1"):
         ParallelConfig(**strategy_kwargs("pipe")).resolve(1)
+    with pytest.warns(UserWarning, match=r"asks for moe, but world size 2 leaves one data-parallel rank, so ep=1"):
+        assert ParallelConfig(**strategy_kwargs("tp_moe")).resolve(2).ep == 1  # tp 2 takes the only factor
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ParallelConfig(**strategy_kwargs("tp_zero3")).resolve(4, devices_per_node=4)  # tp 2 x dp 2: no warning
+        assert ParallelConfig(**strategy_kwargs("tp_moe")).resolve(4).ep == 2  # tp 2 x dp 2, ep 2
 
 
 def test_one_function_resolves_names_and_degrees_and_validates_once(monkeypatch):
