@@ -30,6 +30,7 @@ from lightning_par import _compat
 
 _SEQ = 1  # batch-first models: the hidden state is (batch, sequence, hidden)
 _SOFTMAX = (F.softmax, torch.softmax, Tensor.softmax, torch.special.softmax)
+_SCORES = (*_SOFTMAX, torch.matmul, Tensor.matmul, Tensor.__matmul__, torch.bmm)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,16 +178,24 @@ class _AttentionMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             return _attention(self.cpar, self.block, *args, **kwargs)
-        if func in _SOFTMAX and args and isinstance(args[0], Tensor) and args[0].dim() >= 2:
+        if func in _SCORES and _local_scores(self.cpar, func, args):
             n = len(self.cpar._layout().local)
-            if args[0].shape[-1] == n and args[0].shape[-2] == n and n != self.cpar._layout().length:
-                raise NotImplementedError(
-                    f"{self.block} computes attention without scaled_dot_product_attention (a softmax over "
-                    f"{n} x {n} local scores): under cp each rank holds only part of the sequence, so it would attend "
-                    "within its part; make the model call torch.nn.functional.scaled_dot_product_attention (Hugging "
-                    "Face: attn_implementation='sdpa'), or train without cp"
-                )
+            raise NotImplementedError(
+                f"{self.block} computes attention without scaled_dot_product_attention ({n} x {n} local scores): under "
+                "cp each rank holds only part of the sequence, so it would attend within its part; make the model "
+                "call torch.nn.functional.scaled_dot_product_attention (Hugging Face: attn_implementation='sdpa'), "
+                "or train without cp"
+            )
         return func(*args, **kwargs)
+
+
+def _local_scores(cpar: ContextParallel, func: Any, args: tuple) -> bool:
+    # Hand-written attention shows as q @ k^T over per-head (>= 4-D) tensors, or a softmax of the square result.
+    n = len(cpar._layout().local)
+    tensors = [a for a in args[:2] if isinstance(a, Tensor)]
+    if func in _SOFTMAX:
+        return bool(tensors) and tensors[0].dim() >= 2 and tuple(tensors[0].shape[-2:]) == (n, n)
+    return len(tensors) == 2 and min(t.dim() for t in tensors) >= 4 and (tensors[0].shape[-2], tensors[1].shape[-1]) == (n, n)
 
 
 def _attention(
