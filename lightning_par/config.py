@@ -71,9 +71,9 @@ class ParallelConfig:
         pp_costs: one cost per trunk block for the automatic split (e.g. from
             `lightning_par.plans.partition.measure_block_times`); ``None``: parameter counts.
         bucket_cap_mb: size of a gradient/parameter communication bucket for ZeRO stages 0-2.
-        auto_dims: for registered names: the dimensions (``"pp"``, ``"tp"``, ``"dp"``, ``"ep"``) whose degrees
-            `resolve` splits from the world size (`split_world`; ``"ep"``: every data-parallel rank; ``"cp"``). ``None``:
-            the explicit degrees are used as given.
+        auto_dims: for registered names: the dimensions (``"pp"``, ``"tp"``, ``"cp"``, ``"dp"``, ``"ep"``) whose
+            degrees `resolve` splits from the world size (`split_world`; ``"ep"``: every data-parallel rank).
+            ``None``: the explicit degrees are used as given.
     """
 
     pp: int = 1

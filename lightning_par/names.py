@@ -1,7 +1,7 @@
 """The strategy names: their grammar, and the constructor arguments each one stands for.
 
-A name lists the dimensions it uses, joined by ``_`` in the order ``pipe``, ``tp``, ``cp``, ``moe``, ``zero1|2|3``, with an
-optional ``_offload`` suffix; ``3d`` is an alias of ``pipe_tp_zero1``, and every ZeRO name also exists with a
+A name lists the dimensions it uses, joined by ``_`` in the order ``pipe``, ``tp``, ``cp``, ``moe``, ``zero1|2|3``,
+with an optional ``_offload`` suffix; ``3d`` is an alias of ``pipe_tp_zero1``, and every ZeRO name also exists with a
 ``deepspeed_`` prefix (the same layout run by DeepSpeed's engine). A name fixes which dimensions are used, not their
 degrees: those come from the world size (`lightning_par.config.ParallelConfig.resolve`, docs/strategies.md).
 Pure data, no Lightning: `lightning_par.strategies.registry` registers these names with Lightning.

@@ -39,6 +39,7 @@ JOBS_4: dict[str, dict[str, Any]] = {
         "model": "hf_llama_sdpa", "seq_len": 30, "strategy": {"cp": 2, "zero_stage": 3, **UNEVEN}, "dp": 2,
     },
     "gpt_sgd_tp_cp": {"model": "gpt_sgd", "strategy": "tp_cp", "dp": 1},
+    "gpt_sgd_tp_cp_zero3": {"model": "gpt_sgd", "seq_len": 28, "strategy": "tp_cp_zero3", "dp": 1},
     "hf_llama_sdpa_tp_cp_uneven": {"model": "hf_llama_sdpa", "seq_len": 26, "strategy": {"tp": 2, "cp": 2, **UNEVEN},
                                    "dp": 1},
 }  # fmt: skip
@@ -178,7 +179,7 @@ def test_cp_refuses_attention_that_is_not_sdpa(model):
 def test_cp_refuses_a_length_2cp_does_not_divide_before_attention():
     net = _hf_llama("sdpa")
     cpar = apply_context_parallel(list(net.model.layers.named_children()), 2, 0, None)
-    with pytest.raises(ValueError, match="not a multiple of 2 \\* cp = 4.*cp_uneven=True"):
+    with pytest.raises(ValueError, match=r"not a multiple of 2 \* cp = 4.*cp_uneven=True"):
         net(torch.randint(0, 256, (2, 18)))
     cpar.remove()
     assert net(torch.randint(0, 256, (2, 18))).logits.shape == (2, 18, 256)  # the hooks come off cleanly

@@ -195,7 +195,9 @@ def _local_scores(cpar: ContextParallel, func: Any, args: tuple) -> bool:
     tensors = [a for a in args[:2] if isinstance(a, Tensor)]
     if func in _SOFTMAX:
         return bool(tensors) and tensors[0].dim() >= 2 and tuple(tensors[0].shape[-2:]) == (n, n)
-    return len(tensors) == 2 and min(t.dim() for t in tensors) >= 4 and (tensors[0].shape[-2], tensors[1].shape[-1]) == (n, n)
+    if len(tensors) < 2 or min(t.dim() for t in tensors) < 4:
+        return False
+    return (tensors[0].shape[-2], tensors[1].shape[-1]) == (n, n)
 
 
 def _attention(
@@ -251,11 +253,11 @@ def apply_context_parallel(
     modes: dict[int, list[_AttentionMode]] = {}
 
     def enter(i: int, name: str, mod: nn.Module, args: Any, kwargs: Any) -> Any:
+        hidden: Any = 0 if args else next(iter(kwargs))  # where the hidden state is: first positional, or kwarg
+        x = args[0] if args else kwargs[hidden]
         if i == 0:
-            hidden = args[0] if args else next(iter(kwargs.values()))
-            cpar.start(int(hidden.shape[_SEQ]), hidden.device)
-        hidden: Any = 0 if args else next(iter(kwargs))
-        batch = int((args[0] if args else kwargs[hidden]).shape[0])
+            cpar.start(int(x.shape[_SEQ]), x.device)
+        batch = int(x.shape[0])
 
         def cut(where: Any, value: Any) -> Any:
             # The hidden state of later blocks is already local; every other sequence-shaped argument is whole.
