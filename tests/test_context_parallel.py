@@ -81,7 +81,11 @@ def test_cp_matches_one_process(results, name):
     assert rel(got["losses"], ref["losses"]) < 1e-5
     assert rel(got["grad_norms"], ref["grad_norms"]) < 1e-5
     sgd = ALL[name]["model"].endswith("_sgd")
-    params_close(got["params"], ref["params"], rtol=1e-5, atol=1e-7 if sgd else 0.01 * LR)
+    # dp 2: the global batch's loss is a mean of two ranks' means, not one mean, and SGD with lr 0.5 + momentum
+    # carries that rounding into the weights over 4 steps (measured: one lm_head element of 8192 off by 3.9e-7);
+    # tests/test_checkpoint.py allows 1e-6 for the same reason.
+    atol = (1e-6 if ALL[name]["dp"] > 1 else 1e-7) if sgd else 0.01 * LR
+    params_close(got["params"], ref["params"], rtol=1e-5, atol=atol)
 
 
 @pytest.mark.slow
