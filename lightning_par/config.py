@@ -15,14 +15,15 @@ import math
 import warnings
 from typing import Literal, Optional, Union
 
-AXES = ("pp", "dp_replicate", "dp_shard", "ep", "tp")
+AXES = ("pp", "dp_replicate", "dp_shard", "cp", "ep", "tp")
 ZERO_STAGES = (0, 1, 2, 3)
 AC_MODES = (None, "full", "selective", "selective_op", "offload")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev")
 # Schedules that run input and weight gradients as separate backward passes (zero bubble).
 _SPLIT_BACKWARD = ("interleaved_zb", "zbv", "dualpipev")
 # The dimensions a registered name can leave to `resolve` (docs/strategies.md, "Names and the degree rule").
-AUTO_DIMS = ("pp", "tp", "dp", "ep")
+AUTO_DIMS = ("pp", "tp", "cp", "dp", "ep")
+CP_MODES = ("allgather",)  # "ulysses" and "ring": docs/context_parallel.md, "Modes"
 
 AUTO = -1  # a degree left for `resolve` to fill from the world size
 
@@ -51,6 +52,12 @@ class ParallelConfig:
         etp: expert tensor parallelism under tp x ep: ``1`` (default): each tp rank computes ``1/tp`` of an MoE
             layer's tokens on whole experts; ``tp``: each expert's hidden width is split over tp, every token
             computed on every tp rank's slice (`lightning_par.parallel.expert_tp`).
+        cp: context-parallel degree: each sequence is split over ``cp`` ranks inside the trunk
+            (docs/context_parallel.md); they read the same samples, and gradients average over dp x cp.
+        cp_mode: how attention sees the whole sequence under ``cp > 1``: ``"allgather"`` (keys and values
+            gathered over cp, local queries against all of them).
+        cp_uneven: accept sequence lengths that are not multiples of ``2 * cp`` (chunks then differ by one
+            token); ``False`` refuses them at the first batch, so that a layout is never silently unbalanced.
         zero_stage: 0 replicates everything (DDP), 1 shards optimizer state, 2 also gradients, 3 also parameters.
         offload: keep sharded parameters and optimizer state in CPU memory between uses (needs ``zero_stage=3``).
         activation_checkpointing: ``None``, ``"full"`` (recompute every block), ``"selective"`` (every
@@ -67,9 +74,9 @@ class ParallelConfig:
         pp_costs: one cost per trunk block for the automatic split (e.g. from
             `lightning_par.plans.partition.measure_block_times`); ``None``: parameter counts.
         bucket_cap_mb: size of a gradient/parameter communication bucket for ZeRO stages 0-2.
-        auto_dims: for registered names: the dimensions (``"pp"``, ``"tp"``, ``"dp"``, ``"ep"``) whose degrees
-            `resolve` splits from the world size (`split_world`; ``"ep"``: every data-parallel rank). ``None``:
-            the explicit degrees are used as given.
+        auto_dims: for registered names: the dimensions (``"pp"``, ``"tp"``, ``"cp"``, ``"dp"``, ``"ep"``) whose
+            degrees `resolve` splits from the world size (`split_world`; ``"ep"``: every data-parallel rank).
+            ``None``: the explicit degrees are used as given.
     """
 
     pp: int = 1
@@ -78,6 +85,9 @@ class ParallelConfig:
     ep: int = 1
     tp: int = 1
     etp: int = 1
+    cp: int = 1
+    cp_mode: str = "allgather"
+    cp_uneven: bool = False
     zero_stage: int = 0
     offload: bool = False
     activation_checkpointing: ACMode = None
@@ -109,6 +119,10 @@ class ParallelConfig:
             raise ParallelConfigError(
                 f"etp={self.etp} must be 1 or equal tp={self.tp} (experts are split over the whole tp group); set "
                 f"etp={self.tp} or etp=1"
+            )
+        if self.cp_mode not in CP_MODES:
+            raise ParallelConfigError(
+                f"cp_mode={self.cp_mode!r} is not implemented; choose one of {CP_MODES} (docs/context_parallel.md)"
             )
         if self.zero_stage not in ZERO_STAGES:
             raise ParallelConfigError(
@@ -207,12 +221,12 @@ class ParallelConfig:
         """
         if world_size < 1:
             raise ParallelConfigError(f"world_size={world_size} must be >= 1")
-        pp, tp, dp_shard, ep = self.pp, self.tp, self.dp_shard, self.ep
+        pp, tp, cp, dp_shard, ep = self.pp, self.tp, self.cp, self.dp_shard, self.ep
         if self.auto_dims is not None:
             degrees = split_world(self.auto_dims, world_size, tp_cap=devices_per_node)
-            pp, tp, dp_shard = degrees["pp"], degrees["tp"], AUTO
-            for dim, axis in (("tp", "tp"), ("pp", "pp")):
-                if dim in self.auto_dims and degrees[axis] == 1:
+            pp, tp, cp, dp_shard = degrees["pp"], degrees["tp"], degrees.get("cp", 1), AUTO
+            for dim, axis in (("tp", "tp"), ("cp", "cp"), ("pp", "pp")):
+                if dim in self.auto_dims and degrees.get(axis, 1) == 1:
                     # Silently training as plain data parallelism would hide that the name did nothing.
                     warnings.warn(
                         f"the strategy name asks for {dim}, but world size {world_size}"
@@ -222,18 +236,19 @@ class ParallelConfig:
                         + "; run on 2, 4 or 8 devices (per node for tp), or pass explicit degrees",
                         stacklevel=2,
                     )
-        fixed = pp * self.dp_replicate * tp
+        fixed = pp * self.dp_replicate * cp * tp
         if dp_shard == AUTO:
             if world_size % fixed:
                 raise ParallelConfigError(
-                    f"pp={pp} x dp_replicate={self.dp_replicate} x tp={tp} = {fixed} does not divide the world size "
+                    f"pp={pp} x dp_replicate={self.dp_replicate} x cp={cp} x tp={tp} = {fixed} does not divide the "
+                    f"world size "
                     f"{world_size}; choose degrees whose product divides {world_size}"
                 )
             dp_shard = world_size // fixed
         total = fixed * dp_shard
         if total != world_size:
             raise ParallelConfigError(
-                f"pp={pp} x dp_replicate={self.dp_replicate} x dp_shard={dp_shard} x tp={tp} = {total} "
+                f"pp={pp} x dp_replicate={self.dp_replicate} x dp_shard={dp_shard} x cp={cp} x tp={tp} = {total} "
                 f"but the world size is {world_size}; set dp_shard=-1 to fill it, or change devices/num_nodes"
             )
         dp = self.dp_replicate * dp_shard
@@ -266,7 +281,7 @@ class ParallelConfig:
                 "every data-parallel rank is a replica: set dp_replicate=1"
             )
         resolved = copy.copy(self)  # not dataclasses.replace: that would run __post_init__'s checks again
-        resolved.pp, resolved.tp, resolved.dp_shard, resolved.ep = pp, tp, dp_shard, ep
+        resolved.pp, resolved.tp, resolved.cp, resolved.dp_shard, resolved.ep = pp, tp, cp, dp_shard, ep
         return resolved
 
     def check_supported(self) -> None:
@@ -280,6 +295,10 @@ class ParallelConfig:
             if reason:
                 where = f"{self._degree('ep')} with {self._degree('tp')}, {self._degree('pp')}"
                 raise NotImplementedError(f"{where}: {reason}")
+        if self.uses("cp"):
+            reason = context_parallel_conflict(self.uses("pp"), self.uses("ep"), self.activation_checkpointing)
+            if reason:
+                raise NotImplementedError(f"{self._degree('cp')}: {reason}")
         if self.uses("pp") and self.uses("tp") and self.zero_stage == 3:
             raise NotImplementedError(
                 f"pipe_tp_zero3 ({self._degree('pp')} x {self._degree('tp')} with zero_stage=3) is not yet supported: "
@@ -309,23 +328,24 @@ def split_world(dims: tuple[str, ...], world_size: int, tp_cap: Optional[int] = 
     """Split ``world_size`` over the named dimensions as evenly as possible in powers of two.
 
     The rule every registered name relies on (docs/strategies.md): factors of two go round-robin to the named
-    model dimensions in the order ``tp``, ``pp``, ``dp`` (tp first because it wants the fast intra-node links);
-    data parallel takes whatever is left over (including any odd factor). ``ep`` is carved out of the
-    data-parallel ranks and does not take a share of its own, but a name with ``ep`` gets data-parallel ranks as if
-    it named ``dp`` (``tp_moe`` on 4 = tp 2 x dp 2, ep 2).
+    model dimensions in the order ``tp``, ``cp``, ``pp``, ``dp`` (tp first because it wants the fast intra-node
+    links, cp next because it exchanges keys and values every layer); data parallel takes whatever is left over
+    (including any odd factor). ``ep`` is carved out of the data-parallel ranks and does not take a share of its
+    own, but a name with ``ep`` gets data-parallel ranks as if it named ``dp`` (``tp_moe`` on 4 = tp 2 x dp 2, ep 2).
 
     Args:
-        dims: a subset of ``("pp", "tp", "dp", "ep")`` named by the strategy.
+        dims: a subset of ``("pp", "tp", "cp", "dp", "ep")`` named by the strategy.
         world_size: number of processes.
         tp_cap: devices per node: tp grows only while it divides them (a tp group must not span nodes); its
             share goes on round-robin.
 
     Returns:
-        degrees for ``pp``, ``tp`` and ``dp``.
+        degrees for ``pp``, ``tp`` and ``dp``, and for ``cp`` when it is named (the keys of the names without cp
+        stay as they were).
     """
     # ep lives inside dp, so a name with ep asks for data-parallel ranks too (tp_moe on 4 = tp 2 x ep 2 over dp 2).
-    order = [d for d in ("tp", "pp", "dp") if d in dims or (d == "dp" and "ep" in dims)]
-    degrees = {"pp": 1, "tp": 1, "dp": 1}
+    order = [d for d in ("tp", "cp", "pp", "dp") if d in dims or (d == "dp" and "ep" in dims)]
+    degrees = {"pp": 1, "tp": 1, "dp": 1, **({"cp": 1} if "cp" in dims else {})}
     twos = (world_size & -world_size).bit_length() - 1  # exponent of 2 in world_size
     turn = 0
     for _ in range(twos if order else 0):
@@ -354,5 +374,27 @@ def expert_parallel_conflict(tp: bool, pp: bool) -> Optional[str]:
         return (
             "expert parallelism does not compose with pipeline parallelism in lightning_par yet; use 'moe', "
             "'moe_zero1', 'moe_zero2', 'moe_zero3' or 'tp_moe*' without pipe, or pipe with ep=1"
+        )
+    return None
+
+
+def context_parallel_conflict(pp: bool, ep: bool, activation_checkpointing: ACMode) -> Optional[str]:
+    """Why context parallelism cannot combine with the given techniques yet (``None`` if it can).
+
+    Args:
+        pp: pipeline parallelism is used.
+        ep: expert parallelism is used.
+        activation_checkpointing: the checkpointing mode.
+    """
+    # Each is a missing piece, not a wrong result: a stage boundary would have to pass sequence chunks, the
+    # experts' data-parallel group would have to include cp, and recomputation runs outside the attention mode.
+    if pp:
+        return "context parallelism does not compose with pipeline parallelism yet; use 'cp', 'tp_cp' or 'cp_zero*'"
+    if ep:
+        return "context parallelism does not compose with expert parallelism yet; use 'moe*' without cp, or cp"
+    if activation_checkpointing is not None:
+        return (
+            f"activation_checkpointing={activation_checkpointing!r} does not compose with context parallelism "
+            "yet (recomputed attention would run without the cp gather); set activation_checkpointing=None"
         )
     return None

@@ -1,7 +1,8 @@
 """One DeviceMesh with named axes for every parallel dimension.
 
-Axes, outermost first: ``pp``, ``dp_replicate``, ``dp_shard``, ``tp``. tp is innermost so its ranks are adjacent
-(same node, fast links); pp is outermost because it sends the least data. Every axis exists even at size 1, so
+Axes, outermost first: ``pp``, ``dp_replicate``, ``dp_shard``, ``cp``, ``tp``. tp is innermost so its ranks are
+adjacent (same node, fast links), cp next to it (keys and values every layer); pp is outermost because it sends the
+least data. Every axis exists even at size 1, so
 code never has to assume a 1-D mesh. ``ep`` is carved out of the data-parallel ranks: `ExpertMesh` views them as
 ``(edp, ep) = (dp/ep, ep)``, ep innermost (the ranks that exchange tokens every layer are adjacent).
 """
@@ -9,6 +10,7 @@ code never has to assume a 1-D mesh. ``ep`` is carved out of the data-parallel r
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Optional
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -16,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from lightning_par import _compat
 from lightning_par.config import ParallelConfig
 
-MESH_AXES = ("pp", "dp_replicate", "dp_shard", "tp")
+MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,14 +26,18 @@ class ParallelMesh:
     """The job's meshes.
 
     Args:
-        root: the 4-D mesh named by `MESH_AXES`.
+        root: the 5-D mesh named by `MESH_AXES`.
         dp: all data-parallel ranks of this rank's replica group as one flat axis (loss averaging, the sampler,
-            metrics); kept here because torch deprecates slicing a flattened axis back out of the root.
+            metrics; never cp, whose ranks hold the same samples); kept here because torch deprecates slicing a
+            flattened axis back out of the root.
         experts: the (``edp``, ``ep``) view of the data-parallel ranks when ``ep > 1``, else ``None``.
-        dp_2d: the (``dp_replicate``, ``dp_shard``) sub-mesh ZeRO shards over (HSDP when both are > 1).
+        dp_2d: the (``dp_replicate``, ``dp_shard``) sub-mesh ZeRO shards and averages gradients over (HSDP when
+            both are > 1); under ``cp > 1`` its second axis is ``dp_shard_cp`` (dp_shard x cp flattened), since
+            every cp rank holds a part of each gradient (docs/context_parallel.md).
         tp: the 1-D tensor-parallel axis.
-        dp_tp: the (``dp_replicate``, ``dp_shard``, ``tp``) sub-mesh: where ZeRO 1-2 describe the optimizer
-            state of tensor-parallel parameters, and FSDP2 meets tensor parallelism.
+        dp_tp: the (``dp_replicate``, ``dp_shard`` or ``dp_shard_cp``, ``tp``) sub-mesh: where ZeRO 1-2 describe
+            the optimizer state of tensor-parallel parameters, and FSDP2 meets tensor parallelism.
+        cp: the 1-D context-parallel axis (sequence chunks; size 1 without cp).
     """
 
     root: DeviceMesh
@@ -39,6 +45,7 @@ class ParallelMesh:
     dp_2d: DeviceMesh
     tp: DeviceMesh
     dp_tp: DeviceMesh
+    cp: Optional[DeviceMesh] = None
     experts: Optional[ExpertMesh] = None
 
 
@@ -71,14 +78,24 @@ def build_mesh(config: ParallelConfig, device_type: str) -> ParallelMesh:
     dp_2d = root[("dp_replicate", "dp_shard")]
     dp = _compat.flatten_mesh(dp_2d, "dp")
     dp_tp = root[("dp_replicate", "dp_shard", "tp")]
+    if config.cp > 1:
+        # torchtitan's dp_shard_cp: ZeRO shards (and averages gradients) over dp_shard x cp. Slicing the flattened
+        # axis back out of the root is the one way to get a sub-mesh FSDP2 and DTensor accept next to tp (same
+        # root); torch 2.13 warns that it will change, so the warning is kept out of users' logs here.
+        _compat.flatten_mesh(root[("dp_shard", "cp")], "dp_shard_cp")
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Slicing a flattened dim")
+            dp_2d = root[("dp_replicate", "dp_shard_cp")]
+            dp_tp = root[("dp_replicate", "dp_shard_cp", "tp")]
     experts = _expert_mesh(root, dp, config.ep, device_type) if config.ep > 1 else None
-    return ParallelMesh(root=root, dp=dp, dp_2d=dp_2d, tp=root["tp"], dp_tp=dp_tp, experts=experts)
+    return ParallelMesh(root=root, dp=dp, dp_2d=dp_2d, tp=root["tp"], dp_tp=dp_tp, cp=root["cp"], experts=experts)
 
 
 def _expert_mesh(root: DeviceMesh, dp: DeviceMesh, ep: int, device_type: str) -> ExpertMesh:
     # Every rank's data-parallel ranks, (pp, tp, dp) -> (pp, tp, dp/ep, ep): a separate mesh over the same ranks
     # (DeviceMesh cannot unflatten an axis of the root), built collectively on every rank.
-    ranks = root.mesh.permute(0, 3, 1, 2).reshape(root.size(0), root.size(3), -1)
+    # (config.py refuses ep with cp, so the cp axis has size 1 and is dropped first.)
+    ranks = root.mesh.select(3, 0).permute(0, 3, 1, 2).reshape(root.size(0), root.size(4), -1)
     ranks = ranks.reshape(*ranks.shape[:2], -1, ep)
     mesh = DeviceMesh(device_type, ranks, mesh_dim_names=("pp", "tp", "edp", "ep"))
     tp_ep = mesh[("tp", "ep")] if root.size(3) > 1 else None

@@ -1,7 +1,7 @@
 """The strategy names: their grammar, and the constructor arguments each one stands for.
 
-A name lists the dimensions it uses, joined by ``_`` in the order ``pipe``, ``tp``, ``moe``, ``zero1|2|3``, with an
-optional ``_offload`` suffix; ``3d`` is an alias of ``pipe_tp_zero1``, and every ZeRO name also exists with a
+A name lists the dimensions it uses, joined by ``_`` in the order ``pipe``, ``tp``, ``cp``, ``moe``, ``zero1|2|3``,
+with an optional ``_offload`` suffix; ``3d`` is an alias of ``pipe_tp_zero1``, and every ZeRO name also exists with a
 ``deepspeed_`` prefix (the same layout run by DeepSpeed's engine). A name fixes which dimensions are used, not their
 degrees: those come from the world size (`lightning_par.config.ParallelConfig.resolve`, docs/strategies.md).
 Pure data, no Lightning: `lightning_par.strategies.registry` registers these names with Lightning.
@@ -12,9 +12,9 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from lightning_par.config import expert_parallel_conflict
+from lightning_par.config import context_parallel_conflict, expert_parallel_conflict
 
-_MODEL_DIMS = (("pipe", "pp"), ("tp", "tp"), ("moe", "ep"))
+_MODEL_DIMS = (("pipe", "pp"), ("tp", "tp"), ("cp", "cp"), ("moe", "ep"))
 _ZERO = ("", "zero1", "zero2", "zero3")
 ALIASES = {"3d": "pipe_tp_zero1"}
 DEEPSPEED_STRATEGY_NAMES = (
@@ -47,14 +47,18 @@ def strategy_kwargs(name: str) -> dict[str, Any]:
         if part.startswith("zero") and part[4:].isdigit():
             kwargs["zero_stage"] = int(part[4:])
             dims.append("dp")
-        elif part in ("pipe", "tp"):
-            dims.append({"pipe": "pp", "tp": "tp"}[part])
+        elif part in ("pipe", "tp", "cp"):
+            dims.append({"pipe": "pp", "tp": "tp", "cp": "cp"}[part])
         elif part == "moe":
             dims.append("ep")  # ep = every data-parallel rank, at start-up (docs/strategies.md: moe on 2 = ep 2 / dp 2)
         else:
             raise ValueError(f"unknown strategy part {part!r} in {name!r}; see lightning_par.STRATEGY_NAMES")
     if "ep" in dims:  # the names that are registered but not implemented fail here, with the reason
         reason = expert_parallel_conflict("tp" in dims, "pp" in dims)
+        if reason:
+            raise NotImplementedError(f"strategy {name!r}: {reason}")
+    if "cp" in dims:
+        reason = context_parallel_conflict("pp" in dims, "ep" in dims, None)
         if reason:
             raise NotImplementedError(f"strategy {name!r}: {reason}")
     kwargs["auto_dims"] = tuple(dims)

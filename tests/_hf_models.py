@@ -14,12 +14,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def _llama(layers: int) -> Any:
+def _llama(layers: int, attn: str = "eager") -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
         vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, attn_implementation="eager",
+        num_key_value_heads=2, max_position_embeddings=64, attn_implementation=attn,
     )  # fmt: skip
     return LlamaForCausalLM(config)
 
@@ -27,9 +27,9 @@ def _llama(layers: int) -> Any:
 class HFLlama(L.LightningModule):
     """``LlamaForCausalLM`` (GQA: 4 query heads, 2 key/value heads; SwiGLU; RMSNorm; rotary) on byte tokens."""
 
-    def __init__(self, lr: float = 3e-3, layers: int = 2) -> None:
+    def __init__(self, lr: float = 3e-3, layers: int = 2, attn: str = "eager") -> None:
         super().__init__()
-        self.model = _llama(layers)
+        self.model = _llama(layers, attn)
         self.lr = lr
 
     def forward(self, idx: Tensor) -> Tensor:

@@ -235,6 +235,7 @@ MODELS = {
     "gpt_uneven": lambda: GPT(vocab_size=258, block_size=34, n_layer=2, n_head=4, n_embd=36, lr=3e-3),
     "hf_llama": lambda: _hf_models().HFLlama(),
     "hf_llama_4": lambda: _hf_models().HFLlama(layers=4),  # four blocks, for pp 4
+    "hf_llama_sdpa": lambda: _hf_models().HFLlama(attn="sdpa"),  # Hugging Face's SDPA path (context parallel)
     "hf_llama_configure_model": lambda: _hf_models().HFLlamaConfigured(),  # built in configure_model()
     "gpt_3heads": lambda: GPT(vocab_size=256, block_size=32, n_layer=2, n_head=3, n_embd=24),  # tp=2 cannot split
     # MoE-GPT: dropless, and with capacity factor 0.75 (a quarter of the assignments or more are dropped).

@@ -150,7 +150,7 @@ def test_registry_names_follow_the_design_order():
                  "pipe_tp_zero1", "moe", "moe_zero2", "pipe_tp_moe_zero1", "3d"]:  # fmt: skip
         assert name in names
         assert name in L.pytorch.strategies.StrategyRegistry
-    assert all(re.fullmatch(r"(pipe_?)?(tp_?)?(moe_?)?(zero[123])?(_offload)?|3d", n) for n in names)
+    assert all(re.fullmatch(r"(pipe_?)?(tp_?)?(cp_?)?(moe_?)?(zero[123])?(_offload)?|3d", n) for n in names)
     assert strategy_kwargs("zero3_offload") == {"zero_stage": 3, "offload": True, "auto_dims": ("dp",)}
 
 

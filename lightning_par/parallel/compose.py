@@ -20,6 +20,7 @@ from lightning_par.checkpoint.pretrained import prepare_pretrained
 from lightning_par.config import ParallelConfig
 from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel.activation_checkpointing import apply_activation_checkpointing
+from lightning_par.parallel.context_parallel import apply_context_parallel
 from lightning_par.parallel.expert_parallel import apply_expert_parallel
 from lightning_par.parallel.materialize import base_seed, capture_init, has_meta, materialize
 from lightning_par.parallel.parts import ModelPart
@@ -80,6 +81,8 @@ def parallelize(
     #    needs none of it: its initialisation does not depend on the rank.
     if templates is None:
         sync_module_states(module, mesh.dp)
+        if mesh.cp is not None and mesh.cp.size() > 1:
+            sync_module_states(module, mesh.cp)  # cp ranks average gradients too: they must start equal
         if plan is not None:
             sync_module_states(module, mesh.tp)
 
@@ -90,6 +93,19 @@ def parallelize(
             blocks = None if part.whole_trunk else list(part.blocks)
             sp = config.sequence_parallel if part.whole_trunk else False
             apply_tensor_parallel(module, mesh.tp, plan, sequence_parallel=sp, blocks=blocks)
+
+    # 3b. Context parallelism: hooks on the trunk blocks, after tensor parallelism's, so that its pre-hooks run first
+    #     (the sequence is cut to this rank's chunks before sequence parallelism splits it further over tp) and its
+    #     exit hook last (gathered over tp before cp).
+    if config.cp > 1:
+        if trunk is None:
+            raise ValueError(
+                f"cp={config.cp} needs a trunk of repeated blocks (an nn.ModuleList / Sequential / ModuleDict) to "
+                f"split the sequence inside; none was found in {type(module).__name__}; set cp=1"
+            )
+        assert mesh.cp is not None
+        blocks = list(zip(trunk.names, trunk.blocks))
+        apply_context_parallel(blocks, config.cp, mesh.cp.get_local_rank(), mesh.cp.get_group(), config.cp_uneven)
 
     # 4. Expert parallelism keeps E/ep experts per rank. Also at ep=1: capacity and balancing statistics then span
     #    the data-parallel batch, as on one process. Its dispatch hooks sit on the experts module, inside any

@@ -78,6 +78,8 @@ def check_deepspeed_layout(config: ParallelConfig) -> None:
         "engine also owns; DeepSpeed's own PipelineModule needs a model rewritten as a layer list",
         "ep": "DeepSpeed ZeRO would shard our expert parameters over all data-parallel ranks, against the expert "
         "grouping (and DeepSpeed's own MoE refuses ZeRO-3)",
+        "cp": "DeepSpeed's engine would average gradients over the data-parallel ranks only, while every "
+        "context-parallel rank holds a part of each gradient",
     }
     for axis, why in reasons.items():
         if getattr(config, axis) > 1:

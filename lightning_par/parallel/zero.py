@@ -74,7 +74,7 @@ def apply_fsdp(
     # Pinned memory needs an accelerator (docs/testing.md); pinning only matters for async H2D copies anyway.
     off: OffloadPolicy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
     if mesh.ndim == 2 and mesh.size(0) == 1:
-        mesh = mesh["dp_shard"]  # HSDP with one replica is plain FSDP; skip the size-1 all-reduce
+        mesh = mesh[(mesh.mesh_dim_names or ("", "dp_shard"))[1]]  # one replica: plain FSDP, no size-1 all-reduce
     for block in blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp, offload_policy=off,
                     ignored_params=ignored_params)  # fmt: skip

@@ -154,10 +154,10 @@ class ReplicatedZero:
             raise ValueError(f"ReplicatedZero handles stages 0-2, got {stage}; stage 3 is `apply_fsdp`")
         self.stage = stage
         self.mesh = mesh
-        self.shard_group = mesh.get_group("dp_shard")
-        self.replicate_group = mesh.get_group("dp_replicate")
+        self.shard_group = mesh.get_group(1)  # dp_shard, or dp_shard_cp under context parallelism (mesh.py)
+        self.replicate_group = mesh.get_group(0)
         self.world = mesh.size(1)
-        self.rank = mesh.get_local_rank("dp_shard")
+        self.rank = mesh.get_local_rank(1)
         self.dp = mesh.size()
         self.state_mesh = state_mesh
         self._state_specs: dict[tuple[str, torch.dtype], Any] = {}  # distribute_state's DTensor specs

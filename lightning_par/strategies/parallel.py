@@ -42,8 +42,9 @@ class ParallelStrategy(ProcessGroupStrategy):
     """One strategy for every combination of parallelism; `Trainer(strategy="zero2")` picks a preset of it.
 
     Args:
-        pp, dp_replicate, dp_shard, ep, tp, etp, zero_stage, offload, activation_checkpointing, ac_every,
-            sequence_parallel, pp_schedule, microbatches, bucket_cap_mb, pp_split, pp_costs, auto_dims: see
+        pp, dp_replicate, dp_shard, ep, tp, etp, cp, cp_mode, cp_uneven, zero_stage, offload,
+            activation_checkpointing, ac_every, sequence_parallel, pp_schedule, microbatches, bucket_cap_mb, pp_split,
+            pp_costs, auto_dims: see
             `lightning_par.config.ParallelConfig` (listed one by one because LightningCLI recipes set them by
             name from this signature).
         timeout_s: collective timeout in seconds; a rank stuck in a collective past this fails instead of
@@ -76,6 +77,9 @@ class ParallelStrategy(ProcessGroupStrategy):
         ep: int = 1,
         tp: int = 1,
         etp: int = 1,
+        cp: int = 1,
+        cp_mode: str = "allgather",
+        cp_uneven: bool = False,
         zero_stage: int = 0,
         offload: bool = False,
         activation_checkpointing: ACMode = None,
@@ -113,7 +117,8 @@ class ParallelStrategy(ProcessGroupStrategy):
         # Validated now (static checks, unsupported combinations), before any process exists; the world-size checks
         # follow once, when the processes exist (`ProcessGroupStrategy.setup_environment`).
         config = ParallelConfig(
-            pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, ep=ep, tp=tp, etp=etp, zero_stage=zero_stage,
+            pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, ep=ep, tp=tp, etp=etp, cp=cp, cp_mode=cp_mode,
+            cp_uneven=cp_uneven, zero_stage=zero_stage,
             offload=offload, activation_checkpointing=activation_checkpointing, ac_every=ac_every,
             sequence_parallel=sequence_parallel, pp_schedule=pp_schedule, microbatches=microbatches,
             bucket_cap_mb=bucket_cap_mb, pp_split=pp_split, pp_costs=pp_costs, auto_dims=auto_dims,

@@ -1,0 +1,294 @@
+"""Context parallelism: each sequence is split over the cp ranks inside the trunk; attention sees all of it.
+
+Everything before the trunk (embeddings, rotary tables from the full positions, mask building) runs on the whole
+sequence on every cp rank, so positions stay right without touching the model. Each block's forward pre-hook keeps
+this rank's rows of every sequence-shaped argument (the hidden state entering the trunk, rotary tables, the rows of
+4-D masks, whose columns stay whole): the sequence is cut into ``2 * cp`` chunks and rank ``r`` holds chunks ``r``
+and ``2 * cp - 1 - r``, so that every rank does the same causal work. Inside the blocks a `TorchFunctionMode`
+replaces ``scaled_dot_product_attention``: keys and values are all-gathered over cp (mode ``"allgather"``, as in the
+Llama 3 paper), back in sequence order, and the local queries attend to them under the mask of their global
+positions. The last block's output is gathered back in order; its backward keeps this rank's rows of the upstream
+gradient (the same on every cp rank: the head runs on the whole sequence everywhere) times cp, so that averaging
+gradients over dp x cp, as ZeRO does (mesh.py, ``dp_shard_cp``), gives the one-process gradient.
+
+Attention written by hand (``softmax(q @ k.T)``, Hugging Face's eager path) would attend within the local chunks
+only: the mode sees the softmax of a square local score matrix and refuses, naming the block, at the first forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from lightning_par import _compat
+
+_SEQ = 1  # batch-first models: the hidden state is (batch, sequence, hidden)
+_SOFTMAX = (F.softmax, torch.softmax, Tensor.softmax, torch.special.softmax)
+_SCORES = (*_SOFTMAX, torch.matmul, Tensor.matmul, Tensor.__matmul__, torch.bmm)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Which positions of a length-``length`` sequence each cp rank holds.
+
+    Args:
+        length: the whole sequence's length.
+        local: global positions this rank holds, in its local order (chunk ``r``, then chunk ``2 * cp - 1 - r``).
+        sizes: every cp rank's local length (they differ by at most one when ``2 * cp`` does not divide it).
+        order: for each global position, its row in the gathered message (ranks' chunks padded to ``max(sizes)``).
+    """
+
+    length: int
+    local: Tensor
+    sizes: tuple[int, ...]
+    order: Tensor
+
+
+def layout(length: int, cp: int, rank: int, device: Optional[torch.device] = None) -> Layout:
+    """The load-balanced layout of a sequence over ``cp`` ranks (``2 * cp`` chunks, ``torch.tensor_split`` sizes).
+
+    Args:
+        length: sequence length, at least ``2 * cp``.
+        cp: context-parallel degree.
+        rank: this rank's index in its cp group.
+        device: where the index tensors live.
+    """
+    chunks = torch.arange(length, device=device).tensor_split(2 * cp)
+    held = [torch.cat([chunks[r], chunks[2 * cp - 1 - r]]) for r in range(cp)]
+    width = max(len(h) for h in held)
+    order = torch.empty(length, dtype=torch.long, device=device)
+    for r, h in enumerate(held):
+        order[h] = r * width + torch.arange(len(h), device=device)
+    return Layout(length, held[rank], tuple(len(h) for h in held), order)
+
+
+class _Gather(torch.autograd.Function):
+    """All-gather equal-size (padded) messages along ``dim``; backward keeps this rank's rows, summed over the
+    ranks first when each rank's output feeds different rows (keys and values: every rank's queries read them)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, dim: int, group: Any, width: int, rank: int, world: int, reduce: bool) -> Tensor:
+        ctx.dim, ctx.group, ctx.rank, ctx.width, ctx.n, ctx.reduce = dim, group, rank, width, x.shape[dim], reduce
+        ctx.world = world
+        moved = x.movedim(dim, 0)
+        if moved.shape[0] < width:  # gloo needs equal sizes: pad the message only, never the compute
+            moved = torch.cat([moved, moved.new_zeros((width - moved.shape[0], *moved.shape[1:]))])
+        out = moved.new_empty((world * width, *moved.shape[1:]))
+        _compat.all_gather_single(out, moved.contiguous(), group=group)
+        return out.movedim(0, dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Any:
+        grad = grad.contiguous()
+        if ctx.reduce:
+            grad = grad.clone()
+            dist.all_reduce(grad, group=ctx.group)
+        else:
+            grad = grad * ctx.world  # identical upstream on every cp rank; averaged over cp by ZeRO
+        return grad.narrow(ctx.dim, ctx.rank * ctx.width, ctx.n), None, None, None, None, None, None
+
+
+@dataclasses.dataclass
+class ContextParallel:
+    """The installed context parallelism of one model (hooks on its trunk blocks).
+
+    Args:
+        cp: the degree; ``rank`` this rank's index in ``group``.
+        group: the cp process group (``None`` only for checks that refuse before any communication).
+        uneven: accept lengths that ``2 * cp`` does not divide.
+        names: qualified names of the trunk blocks (for messages).
+    """
+
+    cp: int
+    rank: int
+    group: Any
+    uneven: bool
+    names: tuple[str, ...]
+    current: Optional[Layout] = None
+    handles: list[Any] = dataclasses.field(default_factory=list)
+
+    def start(self, length: int, device: torch.device) -> Layout:
+        """A new forward pass enters the trunk: check ``length`` and lay it out."""
+        if length < 2 * self.cp:
+            raise ValueError(
+                f"sequence length {length} is shorter than 2 * cp = {2 * self.cp} chunks; use longer sequences or a "
+                "smaller cp"
+            )
+        if length % (2 * self.cp) and not self.uneven:
+            raise ValueError(
+                f"sequence length {length} is not a multiple of 2 * cp = {2 * self.cp} (the load-balanced chunks); "
+                f"use a multiple of {2 * self.cp}, or pass cp_uneven=True to the strategy (chunks then differ by one "
+                "token)"
+            )
+        self.current = layout(length, self.cp, self.rank, device)
+        return self.current
+
+    def gather(self, x: Tensor, dim: int, reduce: bool) -> Tensor:
+        """This rank's rows of ``x`` along ``dim`` -> the whole sequence, in order (autograd included)."""
+        lay = self._layout()
+        full = _Gather.apply(x, dim, self.group, max(lay.sizes), self.rank, self.cp, reduce)
+        return full.index_select(dim, lay.order)
+
+    def _layout(self) -> Layout:
+        if self.current is None:
+            raise RuntimeError("context parallel attention ran outside the trunk's forward")
+        return self.current
+
+    def remove(self) -> None:
+        """Take the hooks off again."""
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+
+def _seq_dim(t: Tensor, length: int, batch: int) -> Optional[int]:
+    if t.dim() >= 2 and t.shape[-1] == length and t.shape[-2] == length:
+        return t.dim() - 2  # a mask or bias over (queries, keys): keep this rank's query rows, every key
+    dims = [d for d in range(t.dim()) if t.shape[d] == length]
+    if len(dims) > 1 and t.shape[0] == batch:
+        dims = dims[1:]  # batch-first: a batch as long as the sequence is still the batch
+    return dims[0] if dims else None
+
+
+def _slice(value: Any, cpar: ContextParallel, batch: int) -> Any:
+    lay = cpar._layout()
+    if isinstance(value, Tensor) and value.dim() > 0:
+        dim = _seq_dim(value, lay.length, batch)
+        return value if dim is None else value.index_select(dim, lay.local.to(value.device))
+    if isinstance(value, tuple):  # Hugging Face's position_embeddings = (cos, sin)
+        return tuple(_slice(v, cpar, batch) for v in value)
+    return value
+
+
+class _AttentionMode(TorchFunctionMode):
+    """Active inside each trunk block: SDPA over the whole sequence's keys and values; hand-written attention
+    (a softmax over a square local score matrix) refused."""
+
+    def __init__(self, cpar: ContextParallel, block: str) -> None:
+        super().__init__()
+        self.cpar, self.block = cpar, block
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return _attention(self.cpar, self.block, *args, **kwargs)
+        if func in _SCORES and _local_scores(self.cpar, func, args):
+            n = len(self.cpar._layout().local)
+            raise NotImplementedError(
+                f"{self.block} computes attention without scaled_dot_product_attention ({n} x {n} local scores): under "
+                "cp each rank holds only part of the sequence, so it would attend within its part; make the model "
+                "call torch.nn.functional.scaled_dot_product_attention (Hugging Face: attn_implementation='sdpa'), "
+                "or train without cp"
+            )
+        return func(*args, **kwargs)
+
+
+def _local_scores(cpar: ContextParallel, func: Any, args: tuple) -> bool:
+    # Hand-written attention shows as q @ k^T over per-head (>= 4-D) tensors, or a softmax of the square result.
+    n = len(cpar._layout().local)
+    tensors = [a for a in args[:2] if isinstance(a, Tensor)]
+    if func in _SOFTMAX:
+        return bool(tensors) and tensors[0].dim() >= 2 and tuple(tensors[0].shape[-2:]) == (n, n)
+    if len(tensors) < 2 or min(t.dim() for t in tensors) < 4:
+        return False
+    return (tensors[0].shape[-2], tensors[1].shape[-1]) == (n, n)
+
+
+def _attention(
+    cpar: ContextParallel,
+    block: str,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+) -> Tensor:
+    lay = cpar._layout()
+    n = len(lay.local)
+    if q.shape[-2] != n or k.shape[-2] != n:
+        raise NotImplementedError(
+            f"{block} calls scaled_dot_product_attention on {q.shape[-2]} queries / {k.shape[-2]} keys, not this cp "
+            f"rank's {n} positions (cross-attention, or a cache): context parallelism splits self-attention only; "
+            "train this model without cp"
+        )
+    full_k, full_v = cpar.gather(k, k.dim() - 2, True), cpar.gather(v, v.dim() - 2, True)
+    if is_causal:
+        mask = lay.local.to(q.device)[:, None] >= torch.arange(lay.length, device=q.device)[None, :]
+    elif attn_mask is not None:
+        if attn_mask.shape[-1] != lay.length:
+            raise NotImplementedError(
+                f"{block} passes an attention mask over {attn_mask.shape[-1]} keys, built inside the block from its "
+                f"local length; build the mask before the trunk (it is then split by rows), or use is_causal=True"
+            )
+        mask = attn_mask
+    else:
+        mask = None
+    return F.scaled_dot_product_attention(
+        q, full_k, full_v, attn_mask=mask, dropout_p=dropout_p, is_causal=False, scale=scale, enable_gqa=enable_gqa
+    )
+
+
+def apply_context_parallel(
+    blocks: list[tuple[str, nn.Module]], cp: int, rank: int, group: Any, uneven: bool = False
+) -> ContextParallel:
+    """Split the sequence over cp ranks inside the trunk ``blocks`` (hooks only; the model is unchanged).
+
+    Args:
+        blocks: (qualified name, module) of the trunk blocks, in execution order.
+        cp: context-parallel degree (> 1).
+        rank: this rank's index in the cp group.
+        group: the cp process group.
+        uneven: accept sequence lengths that ``2 * cp`` does not divide.
+    """
+    cpar = ContextParallel(cp, rank, group, uneven, tuple(n for n, _ in blocks))
+    modes: dict[int, list[_AttentionMode]] = {}
+
+    def enter(i: int, name: str, mod: nn.Module, args: Any, kwargs: Any) -> Any:
+        hidden: Any = 0 if args else next(iter(kwargs))  # where the hidden state is: first positional, or kwarg
+        x = args[0] if args else kwargs[hidden]
+        if i == 0:
+            cpar.start(int(x.shape[_SEQ]), x.device)
+        batch = int(x.shape[0])
+
+        def cut(where: Any, value: Any) -> Any:
+            # The hidden state of later blocks is already local; every other sequence-shaped argument is whole.
+            return value if i > 0 and where == hidden else _slice(value, cpar, batch)
+
+        args = tuple(cut(j, a) for j, a in enumerate(args))
+        kwargs = {k: cut(k, a) for k, a in kwargs.items()}
+        mode = _AttentionMode(cpar, name)
+        mode.__enter__()
+        modes.setdefault(i, []).append(mode)
+        return args, kwargs
+
+    def leave(i: int, mod: nn.Module, args: Any, kwargs: Any, out: Any) -> Any:
+        stack = modes.get(i)
+        if stack:
+            stack.pop().__exit__(None, None, None)
+        if i != len(blocks) - 1 or not isinstance(out, (Tensor, tuple)):
+            return None
+        if isinstance(out, Tensor):
+            return cpar.gather(out, _SEQ, False)
+        return (cpar.gather(out[0], _SEQ, False), *out[1:])
+
+    for i, (name, block) in enumerate(blocks):
+        cpar.handles.append(
+            block.register_forward_pre_hook(
+                lambda m, a, kw, i=i, name=name: enter(i, name, m, a, kw), with_kwargs=True, prepend=True
+            )
+        )
+        cpar.handles.append(
+            block.register_forward_hook(
+                lambda m, a, kw, o, i=i: leave(i, m, a, kw, o), with_kwargs=True, always_call=True
+            )
+        )
+    return cpar
