@@ -161,13 +161,6 @@ class ParallelConfig:
                 "selective checkpointing allows one backward; use activation_checkpointing='full' or a schedule "
                 "without a split backward ('1f1b', 'interleaved_1f1b')"
             )
-        if self.pp > 1 and self.zero_stage == 3 and (self.pp_schedule not in ("gpipe", "1f1b") or self.offload):
-            raise ParallelConfigError(
-                f"pp={self.pp} with zero_stage=3 runs with pp_schedule 'gpipe' or '1f1b' and without offload (got "
-                f"{self.pp_schedule!r}, offload={self.offload}): the multi-stage and zero-bubble schedules run a "
-                "block's backward after FSDP2 has freed its gathered parameters; use pp_schedule='1f1b', or "
-                "zero_stage 1-2 (pipe_zero1, pipe_zero2) with any schedule"
-            )
         if self.microbatches is not None and (not isinstance(self.microbatches, int) or self.microbatches < 1):
             raise ParallelConfigError(f"microbatches={self.microbatches!r} must be a positive int or None")
         if self.pp_split is not None:
@@ -299,12 +292,6 @@ class ParallelConfig:
             reason = context_parallel_conflict(self.uses("pp"), self.uses("ep"), self.activation_checkpointing)
             if reason:
                 raise NotImplementedError(f"{self._degree('cp')}: {reason}")
-        if self.uses("pp") and self.uses("tp") and self.zero_stage == 3:
-            raise NotImplementedError(
-                f"pipe_tp_zero3 ({self._degree('pp')} x {self._degree('tp')} with zero_stage=3) is not yet supported: "
-                "FSDP2 stages over tensor-parallel blocks are not tested; use zero_stage 1 or 2 (pipe_tp_zero1 = 3d, "
-                "pipe_tp_zero2)"
-            )
         if self.uses("pp") and self.uses("tp") and self.sequence_parallel:
             raise ParallelConfigError(
                 f"sequence_parallel=True with {self._degree('pp')} x {self._degree('tp')}: pipeline stages exchange "

@@ -633,6 +633,36 @@ def _recorded_warnings(into: list[Any], record: bool) -> Iterator[None]:
     into.extend(caught)
 
 
+@contextlib.contextmanager
+def _counted_reduce_scatters(into: list[int], record: bool) -> Iterator[None]:
+    """Count the reduce-scatters FSDP2 issues (it calls ``torch.distributed.reduce_scatter_single``); each call
+    still runs the real collective."""
+    if not record:
+        yield
+        return
+    real = dist.reduce_scatter_single
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        into.append(1)
+        return real(*args, **kwargs)
+
+    dist.reduce_scatter_single = counted
+    try:
+        yield
+    finally:
+        dist.reduce_scatter_single = real
+
+
+def _fsdp_groups(strategy: Any) -> int:
+    """FSDP2 parameter groups (one reduce-scatter each per reduction) on this rank, pipeline stages included."""
+    from torch.distributed.fsdp import FSDPModule
+
+    run = strategy.parallel_run
+    roots = run.pipeline.model.stage_modules() if run.pipeline is not None else [strategy.model]
+    units = {id(m): m for r in roots for m in r.modules() if isinstance(m, FSDPModule)}
+    return sum(m._get_fsdp_state()._fsdp_param_group is not None for m in units.values())  # type: ignore[operator]
+
+
 def _checkpoint_callbacks(job: dict[str, Any]) -> list[L.Callback]:
     if not job.get("ckpt_dir"):
         return []
@@ -792,8 +822,13 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         return {"error": None, "losses": recorder.losses}
     caught: list[Any] = []
     # record_warnings: what the strategy warned about during fit (tensor-parallel fallbacks).
-    with _patch_checkpoint_writes(job), _recorded_warnings(caught, bool(job.get("record_warnings"))):
+    scatters: list[int] = []  # count_reduce_scatter: how often FSDP2 reduced gradients during fit, on each rank
+    with _patch_checkpoint_writes(job), _recorded_warnings(caught, bool(job.get("record_warnings"))), \
+            _counted_reduce_scatters(scatters, bool(job.get("count_reduce_scatter"))):  # fmt: skip
         trainer.fit(model, datamodule=data, ckpt_path=resume)
+    if job.get("count_reduce_scatter"):
+        recorder.mem["reduce_scatters"] = len(scatters)
+        recorder.mem["fsdp_groups"] = _fsdp_groups(trainer.strategy)
     if job.get("save"):
         trainer.save_checkpoint(job["save"])
     recorder.mem["expert_param_bytes"] = _local_bytes(p for n, p in model.named_parameters() if ".experts." in n)

@@ -85,7 +85,6 @@ def test_at_least_twenty_bad_configs():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"pp": 2, "tp": 2, "zero_stage": 3}, r"pipe_tp_zero3 .* is not yet supported.*use zero_stage 1 or 2"),
         ({"ep": 2, "pp": 2}, r"does not compose with pipeline parallelism"),
     ],
 )
@@ -96,8 +95,7 @@ def test_combinations_not_landed_are_rejected_by_the_strategy(kwargs, message):
 
 @pytest.mark.parametrize(
     ("name", "reason"),
-    [("pipe_tp_zero3", "not yet supported"),
-     ("pipe_tp_moe", "does not compose with pipeline"),
+    [("pipe_tp_moe", "does not compose with pipeline"),
      ("pipe_moe_zero1", "does not compose with pipeline")],
 )  # fmt: skip
 def test_names_not_landed_fail_before_training_with_the_reason(name, reason):

@@ -415,16 +415,10 @@ def test_microbatches_split_tensors_tuples_and_dicts_along_dim_0() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "exc", "message"),
     [
-        ({"pp": 2, "tp": 2, "zero_stage": 3}, NotImplementedError, r"pipe_tp_zero3 .*not yet supported"),
         (
             {"pp": 2, "tp": 2, "sequence_parallel": True},
             ParallelConfigError,
             r"sequence_parallel=True with pp=2 x tp=2",
-        ),
-        (
-            {"pp": 2, "zero_stage": 3, "pp_schedule": "zbv"},
-            ParallelConfigError,
-            r"zero_stage=3 runs with pp_schedule 'gpipe' or '1f1b' .*got 'zbv'.*use pp_schedule='1f1b'",
         ),
         (
             {"pp": 2, "pp_schedule": "zbv", "activation_checkpointing": "selective_op"},
@@ -440,17 +434,9 @@ def test_pipeline_config_errors(kwargs: dict[str, Any], exc: type, message: str)
         ParallelConfig(**kwargs).check_supported()
 
 
-@pytest.mark.parametrize(("name", "message"), [("pipe_tp_zero3", "pipe_tp_zero3 .*not yet supported")])
-def test_pipe_names_not_yet_supported_fail_at_construction(name: str, message: str) -> None:
-    import lightning as L
-
-    import lightning_par  # noqa: F401
-
-    with pytest.raises(NotImplementedError, match=message):
-        L.Trainer(strategy=name, accelerator="cpu", devices=1)
-
-
-@pytest.mark.parametrize("name", ["pipe", "pipe_zero1", "pipe_zero2", "pipe_zero3", "pipe_tp", "3d", "pipe_tp_zero2"])
+@pytest.mark.parametrize(
+    "name", ["pipe", "pipe_zero1", "pipe_zero2", "pipe_zero3", "pipe_tp", "3d", "pipe_tp_zero2", "pipe_tp_zero3"]
+)
 def test_pipe_names_construct(name: str) -> None:
     from lightning_par.strategies.registry import strategy_kwargs
 

@@ -125,12 +125,16 @@ def parallelize(
     #    tp-local tensor over dp, the 2-D layout DTensor composes); expert shards are left to expert parallelism
     #    (sharding them again over dp would reduce their gradients over every dp rank, not the ranks holding the
     #    same experts). ZeRO 0-2: our bucketed engine over this rank's parameters, tp-local tensors included.
+    #    Under a pipeline the blocks stay gathered from their first forward to the step's end (torchtitan's choice
+    #    with pp): torch's schedules keep them gathered from the first backward on anyway, and reduce-scatter and
+    #    reshard each stage once per step (docs/pipeline.md, "ZeRO-3 inside stages").
     zero = None
     exclude = experts.params if experts is not None else []
     if config.zero_stage == 3:
         for part in parts:
             apply_fsdp(part.root, part.block_modules, mesh.dp_2d, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                       offload=config.offload, ignored_params=set(exclude) or None)  # fmt: skip
+                       offload=config.offload, ignored_params=set(exclude) or None,
+                       reshard_after_forward=cut is None)  # fmt: skip
     # A meta-built model now gets storage for what this rank holds, and its values (initialised, or read from the
     # pretrained checkpoint): after FSDP2 sharded it, so that each rank allocates its shards only; before the ZeRO
     # 0-2 engine copies the values into its fp32 masters.
