@@ -373,15 +373,11 @@ def context_parallel_conflict(pp: bool, ep: bool, activation_checkpointing: ACMo
         ep: expert parallelism is used.
         activation_checkpointing: the checkpointing mode.
     """
-    # Each is a missing piece, not a wrong result: a stage boundary would have to pass sequence chunks, the
-    # experts' data-parallel group would have to include cp, and recomputation runs outside the attention mode.
+    # Each is a missing piece, not a wrong result: a stage boundary would have to pass sequence chunks, and the
+    # experts' data-parallel group would have to include cp. Every activation checkpointing mode composes: the
+    # attention mode is entered inside the block's forward, which recomputation calls (context_parallel.py).
     if pp:
         return "context parallelism does not compose with pipeline parallelism yet; use 'cp', 'tp_cp' or 'cp_zero*'"
     if ep:
         return "context parallelism does not compose with expert parallelism yet; use 'moe*' without cp, or cp"
-    if activation_checkpointing is not None:
-        return (
-            f"activation_checkpointing={activation_checkpointing!r} does not compose with context parallelism "
-            "yet (recomputed attention would run without the cp gather); set activation_checkpointing=None"
-        )
     return None

@@ -18,6 +18,7 @@ only: the mode sees the softmax of a square local score matrix and refuses, nami
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Optional
 
 import torch
@@ -112,6 +113,7 @@ class ContextParallel:
     names: tuple[str, ...]
     current: Optional[Layout] = None
     handles: list[Any] = dataclasses.field(default_factory=list)
+    forwards: list[tuple[nn.Module, Any]] = dataclasses.field(default_factory=list)  # (block, its forward before)
 
     def start(self, length: int, device: torch.device) -> Layout:
         """A new forward pass enters the trunk: check ``length`` and lay it out."""
@@ -141,10 +143,13 @@ class ContextParallel:
         return self.current
 
     def remove(self) -> None:
-        """Take the hooks off again."""
+        """Take the hooks and the forward wrappers off again."""
         for h in self.handles:
             h.remove()
         self.handles.clear()
+        for block, forward in self.forwards:
+            block.forward = forward  # type: ignore[method-assign]
+        self.forwards.clear()
 
 
 def _seq_dim(t: Tensor, length: int, batch: int) -> Optional[int]:
@@ -265,15 +270,9 @@ def apply_context_parallel(
 
         args = tuple(cut(j, a) for j, a in enumerate(args))
         kwargs = {k: cut(k, a) for k, a in kwargs.items()}
-        mode = _AttentionMode(cpar, name)
-        mode.__enter__()
-        modes.setdefault(i, []).append(mode)
         return args, kwargs
 
     def leave(i: int, mod: nn.Module, args: Any, kwargs: Any, out: Any) -> Any:
-        stack = modes.get(i)
-        if stack:
-            stack.pop().__exit__(None, None, None)
         if i != len(blocks) - 1 or not isinstance(out, (Tensor, tuple)):
             return None
         if isinstance(out, Tensor):
@@ -281,14 +280,24 @@ def apply_context_parallel(
         return (cpar.gather(out[0], _SEQ, False), *out[1:])
 
     for i, (name, block) in enumerate(blocks):
+        # The attention mode is entered inside the block's forward, not in its pre-hook: activation checkpointing
+        # (installed later, compose.py) wraps this forward, so its recomputation in backward, which calls the
+        # forward without the module's hooks, runs under the mode too (on the arguments the pre-hook had cut).
+        cpar.forwards.append((block, block.forward))
+        block.forward = functools.partial(_in_mode, cpar, name, block.forward)  # type: ignore[method-assign]
         cpar.handles.append(
             block.register_forward_pre_hook(
                 lambda m, a, kw, i=i, name=name: enter(i, name, m, a, kw), with_kwargs=True, prepend=True
             )
         )
         cpar.handles.append(
-            block.register_forward_hook(
-                lambda m, a, kw, o, i=i: leave(i, m, a, kw, o), with_kwargs=True, always_call=True
-            )
+            block.register_forward_hook(lambda m, a, kw, o, i=i: leave(i, m, a, kw, o), with_kwargs=True)
         )
     return cpar
+
+
+def _in_mode(cpar: ContextParallel, name: str, forward: Any, *args: Any, **kwargs: Any) -> Any:
+    # A recomputation runs in the same step as its forward, whose microbatches share one length, so the current
+    # layout is the forward's; a mismatch would mean a new length started in between, which nothing here allows.
+    with _AttentionMode(cpar, name):
+        return forward(*args, **kwargs)
