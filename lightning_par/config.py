@@ -373,11 +373,9 @@ def context_parallel_conflict(pp: bool, ep: bool, activation_checkpointing: ACMo
         ep: expert parallelism is used.
         activation_checkpointing: the checkpointing mode.
     """
-    # Each is a missing piece, not a wrong result: a stage boundary would have to pass sequence chunks, and the
-    # experts' data-parallel group would have to include cp. Every activation checkpointing mode composes: the
-    # attention mode is entered inside the block's forward, which recomputation calls (context_parallel.py).
-    if pp:
-        return "context parallelism does not compose with pipeline parallelism yet; use 'cp', 'tp_cp' or 'cp_zero*'"
+    # A missing piece, not a wrong result: the experts' data-parallel group would have to include cp. Pipelines
+    # and every activation checkpointing mode compose: stages exchange sequence chunks, and the attention mode is
+    # entered inside the block's forward, which recomputation calls (context_parallel.py, compose.py).
     if ep:
         return "context parallelism does not compose with expert parallelism yet; use 'moe*' without cp, or cp"
     return None

@@ -148,7 +148,6 @@ def test_cp_names_and_degree_rule():
 @pytest.mark.parametrize(
     ("kwargs", "fix"),
     [
-        ({"cp": 2, "pp": 2}, "use 'cp', 'tp_cp' or 'cp_zero*'"),
         ({"cp": 2, "ep": 2}, "'moe*' without cp"),
         ({"cp": 2, "cp_mode": "ring"}, "choose one of ('allgather',)"),
     ],
@@ -156,8 +155,6 @@ def test_cp_names_and_degree_rule():
 def test_cp_refuses_what_is_not_implemented(kwargs, fix):
     with pytest.raises((NotImplementedError, ParallelConfigError), match=re.escape(fix)):
         ParallelConfig(**kwargs)
-    with pytest.raises(NotImplementedError, match="cp"):
-        strategy_kwargs("pipe_tp_cp_zero1")
 
 
 def test_cp_refuses_deepspeed():

@@ -96,7 +96,10 @@ def parallelize(
 
     # 3b. Context parallelism: hooks on the trunk blocks, after tensor parallelism's, so that its pre-hooks run first
     #     (the sequence is cut to this rank's chunks before sequence parallelism splits it further over tp) and its
-    #     exit hook last (gathered over tp before cp).
+    #     exit hook last (gathered over tp before cp). Its attention mode wraps each block's forward before
+    #     activation checkpointing (step 5) wraps it, so that recomputation runs under the mode too. Under a
+    #     pipeline each stage cuts at its first block and only the trunk's last block gathers: stages exchange
+    #     this rank's chunks (the schedule's buffers take the local length).
     if config.cp > 1:
         if trunk is None:
             raise ValueError(
@@ -104,8 +107,11 @@ def parallelize(
                 f"split the sequence inside; none was found in {type(module).__name__}; set cp=1"
             )
         assert mesh.cp is not None
-        blocks = list(zip(trunk.names, trunk.blocks))
-        apply_context_parallel(blocks, config.cp, mesh.cp.get_local_rank(), mesh.cp.get_group(), config.cp_uneven)
+        cp_args = (config.cp, mesh.cp.get_local_rank(), mesh.cp.get_group(), config.cp_uneven)
+        if cut is None:
+            apply_context_parallel(list(zip(trunk.names, trunk.blocks)), *cp_args)
+        else:
+            _cp_under_pipeline(cut, trunk, cp_args)
 
     # 4. Expert parallelism keeps E/ep experts per rank. Also at ep=1: capacity and balancing statistics then span
     #    the data-parallel batch, as on one process. Its dispatch hooks sit on the experts module, inside any
@@ -224,6 +230,22 @@ def tied_names(module: nn.Module) -> dict[str, str]:
 def _device(module: nn.Module) -> torch.device:
     param = next(module.parameters(), None)
     return param.device if param is not None else torch.device("cpu")
+
+
+def _cp_under_pipeline(cut: PipelineSplit, trunk: Trunk, cp_args: tuple) -> None:
+    model = cut.runner.model
+    if model.sides is not None:
+        raise NotImplementedError(
+            "context parallelism under a pipeline with trunk side outputs read after the trunk (an MoE's router "
+            "statistics) is not implemented: they would travel as sequence chunks; use cp without pipe, or pipe "
+            "without cp"
+        )
+    owned = sorted(model.blocks)
+    cpar = apply_context_parallel(
+        [(trunk.names[i], model.blocks[i]) for i in owned], *cp_args, indices=owned,
+        running=model.running_span, last=len(trunk.blocks) - 1,
+    )  # fmt: skip
+    cut.runner.wire_shape = cpar.local_shape
 
 
 def _split(

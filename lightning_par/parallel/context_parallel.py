@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 import torch
@@ -130,6 +131,11 @@ class ContextParallel:
             )
         self.current = layout(length, self.cp, self.rank, device)
         return self.current
+
+    def local_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of this rank's part of a whole-sequence hidden state of ``shape`` (a pipeline's messages)."""
+        lay = self.start(int(shape[_SEQ]), torch.device("cpu"))
+        return (*shape[:_SEQ], len(lay.local), *shape[_SEQ + 1 :])
 
     def gather(self, x: Tensor, dim: int, reduce: bool) -> Tensor:
         """This rank's rows of ``x`` along ``dim`` -> the whole sequence, in order (autograd included)."""
@@ -243,43 +249,65 @@ def _attention(
 
 
 def apply_context_parallel(
-    blocks: list[tuple[str, nn.Module]], cp: int, rank: int, group: Any, uneven: bool = False
+    blocks: list[tuple[str, nn.Module]],
+    cp: int,
+    rank: int,
+    group: Any,
+    uneven: bool = False,
+    *,
+    indices: Optional[Sequence[int]] = None,
+    running: Optional[Callable[[], Optional[tuple[int, int]]]] = None,
+    last: Optional[int] = None,
 ) -> ContextParallel:
     """Split the sequence over cp ranks inside the trunk ``blocks`` (hooks only; the model is unchanged).
 
     Args:
-        blocks: (qualified name, module) of the trunk blocks, in execution order.
+        blocks: (qualified name, module) of the trunk blocks this rank runs, in execution order.
         cp: context-parallel degree (> 1).
         rank: this rank's index in the cp group.
         group: the cp process group.
         uneven: accept sequence lengths that ``2 * cp`` does not divide.
+        indices: each block's position in the whole trunk (default ``0 .. len(blocks) - 1``, the whole trunk);
+            under a pipeline, the blocks of this rank's stages.
+        running: the trunk positions ``(start, end)`` the forward now in progress computes (a pipeline stage's);
+            the sequence is cut at ``start`` and gathered after the trunk's last block only. Default: all of them.
+        last: the trunk's last block position (default: the last of ``blocks``).
     """
+    where = list(indices) if indices is not None else list(range(len(blocks)))
+    end = last if last is not None else where[-1]
+    span = running if running is not None else (lambda: (0, len(blocks)))
     cpar = ContextParallel(cp, rank, group, uneven, tuple(n for n, _ in blocks))
-    modes: dict[int, list[_AttentionMode]] = {}
 
     def enter(i: int, name: str, mod: nn.Module, args: Any, kwargs: Any) -> Any:
+        now = span()
+        if now is None or not now[0] <= i < now[1]:
+            return None  # a pipeline's pass-through of a block another of this rank's stages computes
         hidden: Any = 0 if args else next(iter(kwargs))  # where the hidden state is: first positional, or kwarg
         x = args[0] if args else kwargs[hidden]
-        if i == 0:
+        first = i == now[0]
+        if first:  # the trunk's (or this stage's) first block: the hidden state is whole, the layout starts
             cpar.start(int(x.shape[_SEQ]), x.device)
         batch = int(x.shape[0])
 
-        def cut(where: Any, value: Any) -> Any:
+        def cut(at: Any, value: Any) -> Any:
             # The hidden state of later blocks is already local; every other sequence-shaped argument is whole.
-            return value if i > 0 and where == hidden else _slice(value, cpar, batch)
+            return value if not first and at == hidden else _slice(value, cpar, batch)
 
         args = tuple(cut(j, a) for j, a in enumerate(args))
         kwargs = {k: cut(k, a) for k, a in kwargs.items()}
         return args, kwargs
 
     def leave(i: int, mod: nn.Module, args: Any, kwargs: Any, out: Any) -> Any:
-        if i != len(blocks) - 1 or not isinstance(out, (Tensor, tuple)):
+        if i != end or not isinstance(out, (Tensor, tuple)):
+            return None
+        now = span()
+        if now is None or not now[0] <= i < now[1]:
             return None
         if isinstance(out, Tensor):
             return cpar.gather(out, _SEQ, False)
         return (cpar.gather(out[0], _SEQ, False), *out[1:])
 
-    for i, (name, block) in enumerate(blocks):
+    for i, (name, block) in zip(where, blocks):
         # The attention mode is entered inside the block's forward, not in its pre-hook: activation checkpointing
         # (installed later, compose.py) wraps this forward, so its recomputation in backward, which calls the
         # forward without the module's hooks, runs under the mode too (on the arguments the pre-hook had cut).

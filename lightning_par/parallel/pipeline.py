@@ -183,6 +183,12 @@ class PipelineModel:
                                       in_trunk=self._in_trunk)  # fmt: skip
                     _replace(module, name, stand_in)
 
+    def running_span(self) -> Optional[tuple[int, int]]:
+        """The trunk blocks ``range(start, end)`` the stage now running computes (``None`` outside a stage run):
+        context parallelism cuts the sequence at ``start``, where the stage's received activation comes in."""
+        active = self._active
+        return (active.spec.start, active.spec.end) if active is not None and active.spec is not None else None
+
     def _in_trunk(self) -> bool:
         return self._active is not None and self._active.trunk_started
 

@@ -171,6 +171,9 @@ class PipelineRunner:
         self._cache: dict[tuple, Any] = {}
         self.tied: Optional[TiedWeights] = None  # set by `split_pipeline` on end-stage ranks of a tied model
         self._loss_fn: Callable[[Tensor], Tensor] = lambda t: t
+        # The hidden state's shape between stages from its shape entering the trunk: context parallelism sends
+        # this rank's sequence chunks only (set by `compose.parallelize`).
+        self.wire_shape: Callable[[tuple[int, ...]], tuple[int, ...]] = lambda shape: shape
 
     @property
     def last_stage_rank(self) -> int:
@@ -224,6 +227,7 @@ class PipelineRunner:
         if key in self._cache:
             return self._cache[key]
         shape, dtype = self._hidden_meta(mbs[0], step_fn)
+        shape = self.wire_shape(shape)
         self.model.hidden_dtype = dtype
         side = self._side_meta(shape, dtype)
 
@@ -346,6 +350,7 @@ class PipelineRunner:
         key = (_signature(mbs[0]), "forward_only", torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled())
         if key not in self._cache:
             shape, dtype = self._hidden_meta(mbs[0], step_fn)
+            shape = self.wire_shape(shape)
             self.model.hidden_dtype = dtype
             self._cache[key] = ((shape, dtype), self._side_meta(shape, dtype), self.model.stage_modules())
         (shape, dtype), side, modules = self._cache[key]
