@@ -26,6 +26,7 @@ from lightning_par.parallel.context_parallel import apply_context_parallel, layo
 
 LR = 3e-3  # the AdamW models' learning rate (tests/_worker.py)
 UNEVEN = {"cp_uneven": True}
+OP_AC = {"activation_checkpointing": "selective_op"}
 
 JOBS_2: dict[str, dict[str, Any]] = {
     "gpt_sgd_cp": {"model": "gpt_sgd", "strategy": {"cp": 2}, "dp": 1},
@@ -35,9 +36,7 @@ JOBS_2: dict[str, dict[str, Any]] = {
     "gpt_sgd_cp_zero2": {"model": "gpt_sgd", "seq_len": 28, "strategy": "cp_zero2", "dp": 1},
     # Recomputation must run under the attention mode too (it calls the block's forward without its hooks).
     "gpt_sgd_cp_ac_full": {"model": "gpt_sgd", "strategy": {"cp": 2, "activation_checkpointing": "full"}, "dp": 1},
-    "hf_llama_sdpa_cp_ac_selective_op": {
-        "model": "hf_llama_sdpa", "strategy": {"cp": 2, "activation_checkpointing": "selective_op"}, "dp": 1,
-    },
+    "hf_llama_sdpa_cp_ac_selective_op": {"model": "hf_llama_sdpa", "strategy": {"cp": 2, **OP_AC}, "dp": 1},
 }
 JOBS_4: dict[str, dict[str, Any]] = {
     "gpt_sgd_cp_zero3": {"model": "gpt_sgd", "strategy": "cp_zero3", "dp": 2},
