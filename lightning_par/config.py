@@ -287,10 +287,11 @@ def split_world(dims: tuple[str, ...], world_size: int, tp_cap: Optional[int] = 
     The rule every registered name relies on (docs/strategies.md): factors of two go round-robin to the named
     model dimensions in the order ``tp``, ``pp``, ``dp`` (tp first because it wants the fast intra-node links);
     data parallel takes whatever is left over (including any odd factor). ``ep`` is carved out of the
-    data-parallel ranks and does not take a share.
+    data-parallel ranks: a name with ``ep`` takes dp's share even without a ``zero`` part (``pipe_moe`` on 4 is
+    pp 2 x dp 2 with ep 2, like ``pipe_zero1``), since expert parallelism needs the data-parallel ranks.
 
     Args:
-        dims: a subset of ``("pp", "tp", "dp")`` named by the strategy.
+        dims: a subset of ``("pp", "tp", "dp", "ep")`` named by the strategy.
         world_size: number of processes.
         tp_cap: devices per node: tp grows only while it divides them (a tp group must not span nodes); its
             share goes on round-robin.
@@ -298,7 +299,7 @@ def split_world(dims: tuple[str, ...], world_size: int, tp_cap: Optional[int] = 
     Returns:
         degrees for ``pp``, ``tp`` and ``dp``.
     """
-    order = [d for d in ("tp", "pp", "dp") if d in dims]
+    order = [d for d in ("tp", "pp", "dp") if d in dims or (d == "dp" and "ep" in dims)]
     degrees = {"pp": 1, "tp": 1, "dp": 1}
     twos = (world_size & -world_size).bit_length() - 1  # exponent of 2 in world_size
     turn = 0
@@ -322,12 +323,11 @@ def expert_parallel_conflict(tp: bool, pp: bool) -> Optional[str]:
         tp: tensor parallelism is used.
         pp: pipeline parallelism is used.
     """
-    # Hook for tp/pp: experts would need sharding inside a tp group (or tokens gathered over it first), and each
-    # pipeline stage its own ep all-to-alls per microbatch; neither is written yet.
-    if tp or pp:
-        what = "tensor" if tp else "pipeline"
+    # Hook for tp: experts would need sharding inside a tp group (or tokens gathered over it first). Pipelines
+    # compose: an ep group lies inside one stage (mesh.ExpertMesh), and its ranks run the same schedule.
+    if tp:
         return (
-            f"expert parallelism does not compose with {what} parallelism in lightning_par yet; use 'moe', "
-            "'moe_zero1', 'moe_zero2' or 'moe_zero3' without tp/pipe, or tp/pipe with ep=1"
+            "expert parallelism does not compose with tensor parallelism in lightning_par yet; use 'moe', "
+            "'moe_zero1', 'moe_zero2', 'moe_zero3' or 'pipe_moe*' without tp, or tp with ep=1"
         )
     return None

@@ -63,6 +63,8 @@ def find_moe_layers(model: nn.Module) -> list[MoELayer]:
         if any(_within(name, x.name) for x in found):
             continue
         if isinstance(m, MoE):
+            if next(m.parameters(), None) is None:  # a pipeline's meta copy of another stage's layer: none here
+                continue
             found.append(MoELayer(name, "lightning_par", m, m.experts, m.n_experts, m.top_k))
             continue
         s = match_block(m)
