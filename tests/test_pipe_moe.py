@@ -92,7 +92,7 @@ def test_pipe_moe_matches_one_process_accumulating_microbatches(results, name):
 def test_the_moe_losses_count(results):
     # The same model, seed and data without the aux / z-loss terms trains otherwise: the parity above is not vacuous
     # (losses missing a stage's layers' terms would fail it).
-    (got, ref), (noaux, _) = results["moe_gpt"], results["noaux"]
+    (_, ref), (noaux, _) = results["moe_gpt"], results["noaux"]
     assert rel(noaux["losses"], ref["losses"]) > 1e-4
 
 
@@ -112,7 +112,7 @@ def test_pipe_moe_names_resolve_and_tp_stays_refused():
     assert (layout.pp, layout.dp_shard, layout.ep) == (2, 2, 2)
     assert ParallelConfig(**strategy_kwargs("pipe_moe_zero1")).resolve(8).ep == 2
     for name in ("pipe_tp_moe", "pipe_tp_moe_zero1"):
-        with pytest.raises(NotImplementedError, match="tensor parallelism.*tp with ep=1"):
+        with pytest.raises(NotImplementedError, match=r"tensor parallelism.*tp with ep=1"):
             strategy_kwargs(name)
 
 
@@ -145,5 +145,5 @@ def test_moe_loss_slots_and_refusals():
     outside = _Outside()
     outside_trunk = find_trunk(outside)
     assert outside_trunk is not None
-    with pytest.raises(PipelineError, match="outside the trunk.*move the MoE layer into a block"):
+    with pytest.raises(PipelineError, match=r"outside the trunk.*move the MoE layer into a block"):
         find_ownership(outside, outside_trunk, run=lambda: outside(torch.zeros(2, 8)))

@@ -105,7 +105,11 @@ class ExpertParallel:
 
 
 def apply_expert_parallel(
-    model: nn.Module, mesh: Optional[ExpertMesh], token_group: Optional[dist.ProcessGroup]
+    model: nn.Module,
+    mesh: Optional[ExpertMesh],
+    token_group: Optional[dist.ProcessGroup],
+    *,
+    require_layers: bool = True,
 ) -> ExpertParallel:
     """Shard the experts of every recognised MoE layer of ``model`` over ``mesh.ep``, in place.
 
@@ -118,6 +122,8 @@ def apply_expert_parallel(
         mesh: the expert mesh (``ep`` and ``edp`` axes); ``None`` for ``ep == 1``.
         token_group: the ranks whose tokens form one batch for capacity and load-balancing statistics (the
             data-parallel group), or ``None`` for one process.
+        require_layers: refuse ``ep > 1`` without a recognised MoE layer; ``False`` for a pipeline stage of a model
+            whose MoE layers all sit on other stages (a dense first block).
 
     Raises:
         ValueError: ``ep`` does not divide a layer's number of experts (the message lists valid choices), or
@@ -133,7 +139,7 @@ def apply_expert_parallel(
             + ". Train it with a data-parallel strategy (e.g. 'zero3', which shards every parameter whatever the "
             "model's structure) or ep=1"
         )
-    if ep > 1 and not layers:
+    if ep > 1 and not layers and require_layers:
         raise ValueError(
             f"ep={ep} but {type(model).__name__} has no MoE layer of a recognised kind (lightning_par.nn.MoE, or a "
             "block with a router [E, d] and E experts, stacked or in an nn.ModuleList); use a data-parallel strategy "
