@@ -278,17 +278,17 @@ def find_ownership(module: nn.Module, trunk: Trunk, run: Optional[Callable[[], A
 
 
 def moe_loss_slots(module: nn.Module, trunk: Trunk) -> tuple[SideSlot, ...]:
-    """One side slot per `lightning_par.nn.MoE` layer inside the trunk that has an aux or z-loss: ``moe_loss(model)``
-    in the step reads the losses every layer stored on itself, so they travel down the pipeline like router logits.
+    """One side slot per `lightning_par.nn.MoE` layer inside the trunk: ``moe_loss(model)`` (and a model logging
+    routing statistics) reads what every layer stored on itself, so it travels down the pipeline like router logits.
 
     Raises:
         PipelineError: such a layer outside the trunk (the last stage could not read a first-stage layer's loss).
     """
     slots = []
     for name, m in module.named_modules():
-        if not isinstance(m, MoE) or not (m.aux_loss_coef or m.z_loss_coef):
-            continue
         block = next((i for i, b in enumerate(trunk.names) if name.startswith(b + ".")), None)
+        if not isinstance(m, MoE) or (block is None and not (m.aux_loss_coef or m.z_loss_coef)):
+            continue
         if block is None:
             raise PipelineError(
                 f"{name} adds a load-balancing / z-loss but runs outside the trunk's blocks ({trunk.path}), where a "
