@@ -48,6 +48,9 @@ class ParallelConfig:
         dp_shard: data-parallel ranks that shard the state (ZeRO). ``-1`` means "whatever the world size leaves".
         ep: expert-parallel degree, carved out of the data-parallel ranks (it does not multiply the world size).
         tp: tensor-parallel degree (innermost axis).
+        etp: expert tensor parallelism under tp x ep: ``1`` (default): each tp rank computes ``1/tp`` of an MoE
+            layer's tokens on whole experts; ``tp``: each expert's hidden width is split over tp, every token
+            computed on every tp rank's slice (`lightning_par.parallel.expert_tp`).
         zero_stage: 0 replicates everything (DDP), 1 shards optimizer state, 2 also gradients, 3 also parameters.
         offload: keep sharded parameters and optimizer state in CPU memory between uses (needs ``zero_stage=3``).
         activation_checkpointing: ``None``, ``"full"`` (recompute every block), ``"selective"`` (every
@@ -74,6 +77,7 @@ class ParallelConfig:
     dp_shard: int = AUTO
     ep: int = 1
     tp: int = 1
+    etp: int = 1
     zero_stage: int = 0
     offload: bool = False
     activation_checkpointing: ACMode = None
@@ -94,6 +98,18 @@ class ParallelConfig:
             if value < 1 and not (axis == "dp_shard" and value == AUTO):
                 hint = " or -1 (fill from the world size)" if axis == "dp_shard" else ""
                 raise ParallelConfigError(f"{axis}={value} must be a positive int{hint}")
+        if not isinstance(self.etp, int) or isinstance(self.etp, bool) or self.etp < 1:
+            raise ParallelConfigError(f"etp={self.etp!r} must be a positive int: 1 (split tokens) or the tp degree")
+        if self.etp > 1 and not (self.uses("ep") and self.uses("tp")):
+            raise ParallelConfigError(
+                f"etp={self.etp} splits experts over tensor parallelism, so it needs ep > 1 and tp > 1 (got "
+                f"{self._degree('ep')}, {self._degree('tp')}); use e.g. ParallelStrategy(tp=2, ep=2, etp=2), or etp=1"
+            )
+        if self.etp > 1 and "tp" not in (self.auto_dims or ()) and self.etp != self.tp:
+            raise ParallelConfigError(
+                f"etp={self.etp} must be 1 or equal tp={self.tp} (experts are split over the whole tp group); set "
+                f"etp={self.tp} or etp=1"
+            )
         if self.zero_stage not in ZERO_STAGES:
             raise ParallelConfigError(
                 f"zero_stage={self.zero_stage!r} does not exist; choose one of {ZERO_STAGES} "
@@ -221,6 +237,8 @@ class ParallelConfig:
                 f"but the world size is {world_size}; set dp_shard=-1 to fill it, or change devices/num_nodes"
             )
         dp = self.dp_replicate * dp_shard
+        if self.etp not in (1, tp):
+            raise ParallelConfigError(f"etp={self.etp} must be 1 or equal tp={tp} here; set etp={tp} or etp=1")
         if "ep" in (self.auto_dims or ()):
             ep = dp
         if dp % ep:
@@ -287,8 +305,8 @@ def split_world(dims: tuple[str, ...], world_size: int, tp_cap: Optional[int] = 
     The rule every registered name relies on (docs/strategies.md): factors of two go round-robin to the named
     model dimensions in the order ``tp``, ``pp``, ``dp`` (tp first because it wants the fast intra-node links);
     data parallel takes whatever is left over (including any odd factor). ``ep`` is carved out of the
-    data-parallel ranks: a name with ``ep`` takes dp's share even without a ``zero`` part (``pipe_moe`` on 4 is
-    pp 2 x dp 2 with ep 2, like ``pipe_zero1``), since expert parallelism needs the data-parallel ranks.
+    data-parallel ranks and does not take a share of its own, but a name with ``ep`` gets data-parallel ranks as if
+    it named ``dp`` (``tp_moe`` on 4 = tp 2 x dp 2, ep 2; ``pipe_moe`` on 4 = pp 2 x dp 2, ep 2, like ``pipe_zero1``).
 
     Args:
         dims: a subset of ``("pp", "tp", "dp", "ep")`` named by the strategy.
@@ -299,6 +317,7 @@ def split_world(dims: tuple[str, ...], world_size: int, tp_cap: Optional[int] = 
     Returns:
         degrees for ``pp``, ``tp`` and ``dp``.
     """
+    # ep lives inside dp, so a name with ep asks for data-parallel ranks too (tp_moe on 4 = tp 2 x ep 2 over dp 2).
     order = [d for d in ("tp", "pp", "dp") if d in dims or (d == "dp" and "ep" in dims)]
     degrees = {"pp": 1, "tp": 1, "dp": 1}
     twos = (world_size & -world_size).bit_length() - 1  # exponent of 2 in world_size
@@ -320,14 +339,15 @@ def expert_parallel_conflict(tp: bool, pp: bool) -> Optional[str]:
     """Why expert parallelism cannot combine with the given techniques yet (``None`` if it can).
 
     Args:
-        tp: tensor parallelism is used.
+        tp: tensor parallelism is used (composes: attention and dense layers split over tp, experts over ep,
+            optionally over tp too with ``etp``; docs/moe.md).
         pp: pipeline parallelism is used.
     """
-    # Hook for tp: experts would need sharding inside a tp group (or tokens gathered over it first). Pipelines
-    # compose: an ep group lies inside one stage (mesh.ExpertMesh), and its ranks run the same schedule.
-    if tp:
+    # Hook for pp with tp: a stage's experts under tp x ep (and its token split over tp) are not tested yet;
+    # pipe_moe* (pp x ep) and tp_moe* (tp x ep) compose: an ep group lies inside one stage and one tp index.
+    if pp and tp:
         return (
-            "expert parallelism does not compose with tensor parallelism in lightning_par yet; use 'moe', "
-            "'moe_zero1', 'moe_zero2', 'moe_zero3' or 'pipe_moe*' without tp, or tp with ep=1"
+            "expert parallelism with both pipeline and tensor parallelism (pipe_tp_moe*) is not tested in "
+            "lightning_par yet; use 'pipe_moe*' (pp x ep) or 'tp_moe*' (tp x ep), or 'pipe_tp' with ep=1"
         )
     return None

@@ -50,11 +50,13 @@ class ExpertMesh:
         ep: ranks holding different experts, exchanging tokens with all-to-all.
         edp: ranks holding the same experts (their gradients are summed over it).
         dp_size: all data-parallel ranks (``edp * ep``); expert gradients are divided by it.
+        tp_ep: the (``tp``, ``ep``) view, for experts also split over tp (``etp > 1``); ``None`` when ``tp == 1``.
     """
 
     ep: DeviceMesh
     edp: DeviceMesh
     dp_size: int
+    tp_ep: Optional[DeviceMesh] = None
 
 
 def build_mesh(config: ParallelConfig, device_type: str) -> ParallelMesh:
@@ -79,4 +81,5 @@ def _expert_mesh(root: DeviceMesh, dp: DeviceMesh, ep: int, device_type: str) ->
     ranks = root.mesh.permute(0, 3, 1, 2).reshape(root.size(0), root.size(3), -1)
     ranks = ranks.reshape(*ranks.shape[:2], -1, ep)
     mesh = DeviceMesh(device_type, ranks, mesh_dim_names=("pp", "tp", "edp", "ep"))
-    return ExpertMesh(ep=mesh["ep"], edp=mesh["edp"], dp_size=dp.size())
+    tp_ep = mesh[("tp", "ep")] if root.size(3) > 1 else None
+    return ExpertMesh(ep=mesh["ep"], edp=mesh["edp"], dp_size=dp.size(), tp_ep=tp_ep)

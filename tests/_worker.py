@@ -31,6 +31,7 @@ from lightning.pytorch.loggers import Logger  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 import lightning_par  # noqa: E402  (registers the strategy names)
+from lightning_par.callbacks import ParallelismMonitor  # noqa: E402
 from lightning_par.checkpoint import full_tensor  # noqa: E402
 from lightning_par.data import ByteTextDataModule  # noqa: E402
 from lightning_par.models import GPT, Llama, MoEGPT  # noqa: E402
@@ -385,10 +386,17 @@ class RoutingRecorder(L.Callback):
     def __init__(self) -> None:
         self.steps: list[dict[str, torch.Tensor]] = []
         self._logits: list[torch.Tensor] = []
+        self.rows = [0]
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        self._tp = getattr(getattr(trainer.strategy, "config", None), "tp", 1)  # tp ranks hold the same samples
         for moe in pl_module._moe_layers():
+            # Rows this rank's experts compute (after the dispatch hooks: under tp x ep, this rank's share).
+            moe.experts.register_forward_pre_hook(self._count_rows)
             moe.router.register_forward_hook(lambda _m, _a, out: self._logits.append(out.detach().float().clone()))
+
+    def _count_rows(self, module: torch.nn.Module, args: Any) -> None:
+        self.rows[0] += len(args[0])
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self._logits.clear()
@@ -408,6 +416,7 @@ class RoutingRecorder(L.Callback):
             return self.steps
         parts: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(parts, self.steps)
+        parts = parts[:: getattr(self, "_tp", 1)]  # one rank per tp group (tp innermost): the dp ranks' samples
         out = []
         for k, step in enumerate(parts[0]):
             merged = {}
@@ -415,7 +424,7 @@ class RoutingRecorder(L.Callback):
                 if key.endswith("tokens_per_expert"):
                     merged[key] = t
                     continue
-                # Interleave samples: global i*dp + r <- rank r's i (dp = world here: no tp/pp under moe tests).
+                # Interleave samples: global i*dp + r <- dp rank r's i (no pp under moe tests).
                 stacked = torch.stack([p[k][key] for p in parts], dim=1)  # [b, dp, ...]
                 merged[key] = stacked.flatten(0, 1)
             out.append(merged)
@@ -438,8 +447,13 @@ def _gather_experts(trainer: L.Trainer, model: torch.nn.Module, params: dict[str
     for n, p in experts.names.items():
         if n not in experts._full_shapes:
             continue
-        parts = [torch.empty_like(p) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, p.detach().contiguous(), group=group)
+        local = p.detach().contiguous()
+        if n in experts.tp_dims:  # etp = tp: the hidden width split over tp first
+            slices = [torch.empty_like(local) for _ in range(dist.get_world_size(experts.tp_group))]
+            dist.all_gather(slices, local, group=experts.tp_group)
+            local = torch.cat(slices, dim=experts.tp_dims[n]).contiguous()
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, local, group=group)
         params[names[p]] = torch.cat(parts).float().cpu()
 
 
@@ -720,6 +734,9 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     ckpt_recorder = CheckpointRecorder(bool(job.get("record_step_params")))
     routing = RoutingRecorder()
     extra: list[L.Callback] = [ckpt_recorder, *([optim_recorder] if job.get("record_optim") else [])]
+    monitor = ParallelismMonitor() if job.get("expert_load") else None
+    if monitor is not None:
+        extra.append(monitor)
     if job.get("record_init"):
         extra.append(InitRecorder())
     if job.get("sigkill_at_step"):
@@ -785,6 +802,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         trainer.save_checkpoint(job["save"])
     recorder.mem["expert_param_bytes"] = _local_bytes(p for n, p in model.named_parameters() if ".experts." in n)
     recorder.mem["expert_shapes"] = {n: tuple(p.shape) for n, p in model.named_parameters() if ".experts." in n}
+    recorder.mem["expert_rows"] = routing.rows[0]
     mem_all: list[Any] = [recorder.mem]
     if dist.is_initialized():
         mem_all = [None] * dist.get_world_size()
@@ -818,6 +836,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         "draws": getattr(model, "draws", None),
         "warnings": [str(w.message) for w in caught] if job.get("record_warnings") else None,
         "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+        "expert_load": monitor.expert_load if monitor is not None else None,
         "logged": memory_logger.metrics if memory_logger is not None else None,
         "files_in_list_dir": sorted(str(p) for p in Path(job["list_dir"]).rglob("*") if p.is_file())
         if job.get("list_dir")

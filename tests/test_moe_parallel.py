@@ -23,17 +23,21 @@ from parity import rel
 LR = 3e-3
 JOBS: dict[str, dict[str, Any]] = {
     "dropless": {"model": "moe_gpt_sgd", "strategy": "moe"},
-    "capacity": {"model": "moe_gpt_cap_sgd", "strategy": "moe"},
-    "adamw_zero1": {"model": "moe_gpt", "strategy": "moe_zero1", "accumulate": 2, "clip": 0.05},
+    "capacity": {"model": "moe_gpt_cap_sgd", "strategy": "moe", "expert_load": True},
+    "adamw_zero1": {"model": "moe_gpt", "strategy": "moe_zero1", "accumulate": 2, "clip": 0.05, "expert_load": True},
     "adamw_zero2": {"model": "moe_gpt", "strategy": "moe_zero2"},
     # ZeRO-3: FSDP2 shards the non-expert parameters over dp and ignores the expert shards.
     "capacity_zero3": {"model": "moe_gpt_cap_sgd", "strategy": "moe_zero3"},
     "adamw_zero3_clip": {"model": "moe_gpt", "strategy": "moe_zero3", "clip": 0.05},
     "dp_only": {"model": "moe_gpt_cap_sgd", "strategy": "zero2"},  # ep=1: experts replicated, same routing
     # Recomputation replays the all-to-alls (and the capacity all-gather) inside every checkpointed block.
-    "capacity_ac": {"model": "moe_gpt_cap_sgd", "strategy": {"ep": 2, "activation_checkpointing": "full"}},
+    "capacity_ac": {
+        "model": "moe_gpt_cap_sgd",
+        "strategy": {"ep": 2, "activation_checkpointing": "full"},
+        "expert_load": True,
+    },
     # A Hugging Face MixtralForCausalLM built from a config, in a LightningModule that knows nothing of lightning_par.
-    "hf_mixtral": {"model": "hf_mixtral", "strategy": "moe"},
+    "hf_mixtral": {"model": "hf_mixtral", "strategy": "moe", "expert_load": True},
     "hf_mixtral_zero3": {"model": "hf_mixtral", "strategy": "moe_zero3"},
     # MoE families we did not write, recognised by structure (tests/_families_moe.py), each with its own router
     # and its own loss (the Hugging Face ones with their load-balancing term, statistics over the global batch).
@@ -82,7 +86,7 @@ CKPT_JOBS: dict[str, dict[str, Any]] = {
 }
 # 4 ranks: dp 4 viewed as (edp 2) x (ep 2): expert gradients are summed over the 2 ranks with the same experts.
 JOBS_4 = {
-    "capacity_ep2_dp4": {"model": "moe_gpt_cap_sgd", "strategy": {"ep": 2}},
+    "capacity_ep2_dp4": {"model": "moe_gpt_cap_sgd", "strategy": {"ep": 2}, "expert_load": True},
     "adamw_zero2_ep2_dp4": {"model": "moe_gpt", "strategy": {"ep": 2, "zero_stage": 2}},
     "user_moe_list_zero3_ep2_dp4": {"model": "user_moe_list", "strategy": {"ep": 2, "zero_stage": 3}},
     "hf_deepseek_v3_zero3_ep2_dp4": {"model": "hf_deepseek_v3", "strategy": {"ep": 2, "zero_stage": 3}},
@@ -179,6 +183,28 @@ def test_moe_matches_one_process(got2, refs, name):
     if name == "user_moe_list":  # each rank keeps 2 of the 4 expert modules, under their own names
         held = [n for n in got["mem"]["expert_shapes"] if n.startswith("blocks.0.moe.experts.")]
         assert {n.split(".")[4] for n in held} == {"0", "1"}
+
+
+def test_monitor_expert_load_is_the_one_process_load(got2, got4, refs):
+    # ParallelismMonitor's per-step tokens per expert: summed over data-parallel ranks and over the accumulation
+    # window (adamw_zero1: 2 micro-batches), recomputation not counted twice (capacity_ac), capacity drops counted.
+    names = [n for n, j in {**JOBS, **JOBS_4}.items() if j.get("expert_load")]
+    assert len(names) == 5
+    for name in names:
+        got = (got4 if name in JOBS_4 else got2)[name]["expert_load"]
+        ref = refs[name]["expert_load"]
+        assert ref and got.keys() == ref.keys(), name
+        job = {**JOBS, **JOBS_4}[name]
+        tokens = job.get("global_batch", 8) * job.get("accumulate", 1) * job.get("seq_len", 32)
+        for layer, r in ref.items():
+            assert torch.equal(got[layer]["tokens_per_expert"], r["tokens_per_expert"]), (name, layer)
+            assert got[layer]["dropped_fraction"] == pytest.approx(r["dropped_fraction"], abs=1e-12)
+            kept = float(r["tokens_per_expert"].sum())
+            assert kept == pytest.approx(tokens * 2 * (1 - r["dropped_fraction"])), (name, layer)  # top-2
+        if "cap" in job["model"]:
+            assert all(r["dropped_fraction"] > 0.01 for r in ref.values()), name
+        metrics = got2[name]["callback_metrics"] if name in JOBS else got4[name]["callback_metrics"]
+        assert metrics["parallel/ep"] == 2 and metrics["experts/load_max_over_mean"] >= 1.0
 
 
 @pytest.mark.parametrize("name", list(LOW_PRECISION_JOBS))

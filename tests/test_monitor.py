@@ -199,3 +199,46 @@ def test_cuda_peak_lookup(tmp_path: Path) -> None:
     if peak is not None:
         expected = cb.flops_per_token * cb.last_metrics["perf/tokens_per_s"] / peak
         assert cb.last_metrics["perf/mfu"] == pytest.approx(expected, rel=1e-12)
+
+
+class TinyMoELM(L.LightningModule):
+    """Two blocks, each a `lightning_par.nn.MoE` (dropless, top-2 of 4), recomputed in backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from lightning_par.nn import MoE
+        from lightning_par.parallel.activation_checkpointing import apply_activation_checkpointing
+
+        self.emb = nn.Embedding(VOCAB, WIDTH)
+        # The MoE layer inside each block with work after it, as in a transformer: a recomputed block calls it
+        # again (torch stops a recomputation once the last saved tensor is back, so a last layer may be spared).
+        self.blocks = nn.ModuleList(
+            [nn.Sequential(MoE(WIDTH, 24, 4, 2, aux_loss_coef=0.0), nn.Linear(WIDTH, WIDTH)) for _ in range(2)]
+        )
+        self.head = nn.Linear(WIDTH, VOCAB)
+        apply_activation_checkpointing(list(self.blocks), "full")
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        h = self.emb(x)
+        for b in self.blocks:
+            h = h + b(h)
+        return F.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_expert_load_counts_each_token_once(tmp_path: Path) -> None:
+    # Summed over the accumulation window, recomputed forwards not counted again: every token's top-2 assignments
+    # of the logged step, once. A dense model logs no experts/ values.
+    cb = ParallelismMonitor()
+    _fit(tmp_path, cb, TinyMoELM(), accumulate_grad_batches=2)  # type: ignore[arg-type]
+    assert set(cb.expert_load) == {"blocks.0.0", "blocks.1.0"}
+    for v in cb.expert_load.values():
+        assert float(v["tokens_per_expert"].sum()) == 2 * BATCH * SEQ * 2 and v["dropped_fraction"] == 0.0
+    m = cb.last_metrics
+    assert m["experts/load_max_over_mean"] == max(m[f"experts/blocks.{i}.0/load_max_over_mean"] for i in (0, 1)) >= 1
+    dense = ParallelismMonitor()
+    _fit(tmp_path / "dense", dense)
+    assert dense.expert_load == {} and not any(k.startswith("experts/") for k in dense.last_metrics)

@@ -113,7 +113,7 @@ def test_pipe_moe_names_resolve_and_tp_stays_refused():
     assert (layout.pp, layout.dp_shard, layout.ep) == (2, 2, 2)
     assert ParallelConfig(**strategy_kwargs("pipe_moe_zero1")).resolve(8).ep == 2
     for name in ("pipe_tp_moe", "pipe_tp_moe_zero1"):
-        with pytest.raises(NotImplementedError, match=r"tensor parallelism.*tp with ep=1"):
+        with pytest.raises(NotImplementedError, match=r"both pipeline and tensor parallelism.*pipe_tp. with ep=1"):
             strategy_kwargs(name)
 
 

@@ -8,7 +8,12 @@ the strategies themselves:
   replica see the same batch, so only this size multiplies the per-rank token count. Absent: `world_size`.
 - `global_param_count: int`: the non-embedding parameter count, for strategies that shard parameters as plain
   tensors (a DTensor already reports its global `numel()`).
-- `parallel_layout: dict[str, int | str]`: logged once as the `parallel` hyperparameter.
+- `parallel_layout: dict[str, int | str]`: logged once as the `parallel` hyperparameter; its degrees also go out
+  as `parallel/<axis>` values at every log.
+- `token_group`: the process group whose ranks see different tokens, over which expert loads are summed.
+  Absent: every rank (plain data parallelism).
+- `moe_layers`: the MoE layers (`lightning_par.plans.moe.MoELayer`) as found before their experts were sharded.
+  Absent: found in the module.
 """
 
 import math
@@ -24,6 +29,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
+
+from lightning_par.callbacks.expert_load import ExpertLoad, load_metrics
 
 try:
     from torch.distributed.tensor import DTensor
@@ -113,6 +120,13 @@ def _local_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     return total
 
 
+def _degrees(layout: Mapping[str, Any]) -> dict[str, float]:
+    out = {f"parallel/{a}": float(layout[a]) for a in ("pp", "tp", "ep", "cp") if isinstance(layout.get(a), int)}
+    if isinstance(layout.get("dp_shard"), int) and isinstance(layout.get("dp_replicate"), int):
+        out["parallel/dp"] = float(layout["dp_shard"] * layout["dp_replicate"])
+    return out
+
+
 def _input_ids(batch: Any) -> torch.Tensor | None:
     if isinstance(batch, torch.Tensor):
         return batch
@@ -142,6 +156,11 @@ class ParallelismMonitor(Callback):
     - `mem/params_bytes`, `mem/grads_bytes` (measured in `on_before_optimizer_step`, while grads exist),
       `mem/optim_state_bytes`: storage this rank holds (a DTensor's local shard), and their `*_max_rank` over
       ranks; `mem/cuda_max_allocated_bytes` on CUDA.
+    - `experts/<layer>/load_max_over_mean`, `experts/<layer>/dropped_fraction` and their worst / mean over layers
+      `experts/load_max_over_mean`, `experts/dropped_fraction`: the logged step's tokens per expert over the global
+      batch (`lightning_par.callbacks.expert_load`); the counts themselves are kept in `expert_load`.
+    - `parallel/pp`, `parallel/dp`, `parallel/tp`, `parallel/ep`, `parallel/cp`: the layout's degrees (the axes the
+      strategy's `parallel_layout` has).
 
     Args:
         log_every_n_steps: Optimizer steps between logs; None uses the Trainer's. Values only reach the logger
@@ -156,6 +175,7 @@ class ParallelismMonitor(Callback):
         n_params: N of the FLOPs formula, set at `on_train_start`.
         flops_per_token: Training FLOPs per token, forward and backward.
         peak_flops: The per-device peak MFU divides by; None when unknown.
+        expert_load: Per MoE layer name, the logged step's ``tokens_per_expert`` and ``dropped_fraction``.
     """
 
     def __init__(
@@ -185,6 +205,9 @@ class ParallelismMonitor(Callback):
         self._seen_step = 0
         self._grads_bytes = 0
         self._warned_batch = False
+        self._load: ExpertLoad | None = None
+        self.expert_load: dict[str, dict[str, Any]] = {}
+        self._degrees: dict[str, float] = {}
 
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -233,6 +256,20 @@ class ParallelismMonitor(Callback):
         # Tensor- and pipeline-parallel ranks of one replica see the same batch: only dp multiplies tokens.
         self._dp_size = getattr(trainer.strategy, "dp_size", None) or trainer.world_size
         self._seen_step = trainer.global_step  # a resumed run starts at its checkpoint's step
+        self._degrees = _degrees(getattr(trainer.strategy, "parallel_layout", None) or {})
+        if self._load is not None:
+            self._load.remove()
+        group = getattr(trainer.strategy, "token_group", None)
+        if group is None and dist.is_available() and dist.is_initialized():
+            group = dist.group.WORLD
+        load = ExpertLoad(pl_module, group, getattr(trainer.strategy, "moe_layers", None))
+        found = len(load.layers)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            # A pipeline stage may hold no MoE layer while others do; `collect` is collective, so all ranks agree.
+            flag = torch.tensor([found], dtype=torch.int64, device=trainer.strategy.root_device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            found = int(flag.item())
+        self._load = load if found else None
         self._tokens, self._t0 = 0, None
 
     @staticmethod
@@ -284,9 +321,15 @@ class ParallelismMonitor(Callback):
             return  # a micro-batch of an accumulation window: no optimizer step yet
         self._seen_step = trainer.global_step
         if trainer.global_step % self._every:
+            if self._load is not None:
+                self._load.reset()
             return
         metrics = self._perf(trainer, pl_module) if ids is not None else {}
         metrics.update(self._memory(trainer, pl_module))
+        if self._load is not None:
+            self.expert_load = self._load.collect(trainer.strategy.root_device)
+            metrics.update(load_metrics(self.expert_load))
+        metrics.update(self._degrees)
         self.last_metrics = metrics
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=False)
 

@@ -20,8 +20,9 @@ region.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Optional
 
 import torch
@@ -73,14 +74,42 @@ def op_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+_recomputing = 0  # blocks being recomputed right now (nested checkpoints count each)
+
+
+def recomputing() -> bool:
+    """Whether a block checkpointed here is being recomputed in backward (not a forward of the step).
+
+    Observers that count per forward (the expert-load statistics of `lightning_par.callbacks.ParallelismMonitor`)
+    skip these replays, which would otherwise count every checkpointed forward twice.
+    """
+    return _recomputing > 0
+
+
+@contextlib.contextmanager
+def _marking_recompute(inner: Any = None) -> Iterator[None]:
+    global _recomputing
+    _recomputing += 1
+    try:
+        with inner if inner is not None else contextlib.nullcontext():
+            yield
+    finally:
+        _recomputing -= 1
+
+
+def _plain_contexts() -> tuple[Any, Any]:
+    return contextlib.nullcontext(), _marking_recompute()
+
+
 def _checkpointed(forward: Any, *args: Any, **kwargs: Any) -> Any:
     # Non-reentrant: works with keyword arguments, inputs that do not require grad and FSDP2's hooks.
-    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=_plain_contexts, **kwargs)
 
 
 def _sac_contexts() -> tuple[Any, Any]:
     # A fresh pair per call: the pair holds this forward's saved outputs until its backward.
-    return create_selective_checkpoint_contexts(op_policy)
+    forward, recompute = create_selective_checkpoint_contexts(op_policy)
+    return forward, _marking_recompute(recompute)
 
 
 def _checkpointed_op_level(forward: Any, *args: Any, **kwargs: Any) -> Any:

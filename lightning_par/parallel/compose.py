@@ -100,7 +100,9 @@ def parallelize(
     #    runs the same schedule, so each microbatch's all-to-alls line up.
     if config.ep > 1 or moe_layers:
         group = mesh.dp.get_group() if mesh.dp.size() > 1 else None
-        experts = apply_expert_parallel(module, mesh.experts, group, require_layers=cut is None or not moe_layers)
+        tp_group = mesh.tp.get_group() if config.tp > 1 else None  # tp x ep: who computes which token (expert_tp)
+        experts = apply_expert_parallel(module, mesh.experts, group, tp_group, config.etp,
+                                        require_layers=cut is None or not moe_layers)  # fmt: skip
 
     # 5. Activation checkpointing wraps each block's forward; FSDP2's hooks (next) stay outside the recomputed
     #    region, so a block is gathered once for its backward, recomputation included (torchtitan's order).

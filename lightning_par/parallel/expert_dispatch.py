@@ -11,11 +11,13 @@ not write (`moe_stacked`, `moe_module_list`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+
+from lightning_par.parallel.expert_tp import ExpertShard, TokenSplit
 
 
 class _AllToAll(torch.autograd.Function):
@@ -64,16 +66,22 @@ class ExpertDispatch:
 
     The pre-hook receives ``(x grouped by all E experts, counts[E])``, sends each ep rank the rows of its experts,
     and hands the module ``(rows grouped by its E/ep experts, counts[E/ep])``; the post-hook sends the outputs
-    back, in the order the caller gave them.
+    back, in the order the caller gave them. Under tensor parallelism ``tp`` says who computes what in the tp group
+    (`expert_tp`): each tp rank its share of the rows (`TokenSplit`), or every row on its slice of the experts
+    (`ExpertShard`).
     """
 
-    def __init__(self, group: dist.ProcessGroup, ep: int, n_local: int) -> None:
-        self.group, self.ep, self.n_local = group, ep, n_local
+    def __init__(
+        self, group: dist.ProcessGroup, ep: int, n_local: int, tp: Union[TokenSplit, ExpertShard, None] = None
+    ) -> None:
+        self.group, self.ep, self.n_local, self.tp = group, ep, n_local, tp
         self.route: list[_Route] = []  # a stack: activation checkpointing may re-enter before the combine
 
     def dispatch(self, module: nn.Module, args: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
         x, counts = args
         counts = counts.to(torch.int64)
+        if isinstance(self.tp, TokenSplit):
+            x, counts = self.tp.split(x, counts)  # before the exchange: each tp rank sends only its share
         recv_counts = torch.empty_like(counts)
         # recv_counts[j * n_local + e] = rows rank j sends to my local expert e
         dist.all_to_all_single(recv_counts, counts, group=self.group)
@@ -88,9 +96,15 @@ class ExpertDispatch:
         )
         to_local = label.argsort(stable=True)
         self.route.append(_Route(send, recv, to_local))
-        return rows[to_local], by_source.sum(0)
+        rows = rows[to_local]
+        if isinstance(self.tp, ExpertShard):
+            rows = self.tp.enter(rows)
+        return rows, by_source.sum(0)
 
     def combine(self, module: nn.Module, args: Any, out: Tensor) -> Tensor:
+        if isinstance(self.tp, ExpertShard):
+            out = self.tp.leave(out)  # the slices' partial sums, before the rows travel back
         route = self.route.pop()
         back = torch.empty_like(out).index_copy_(0, route.to_local, out)  # expert-major -> source-major
-        return all_to_all(back, route.send, route.recv, self.group)
+        back = all_to_all(back, route.send, route.recv, self.group)
+        return self.tp.gather(back) if isinstance(self.tp, TokenSplit) else back

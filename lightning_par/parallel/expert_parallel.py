@@ -15,6 +15,11 @@ Gradients. Each rank's loss is the mean over its own batch, and the strategy ave
 ``ep`` group (the backward all-to-all brought them); summing over the ``edp`` ranks that hold the same expert adds
 the rest of the ``dp`` ranks, so the average is that sum divided by ``dp`` (not by ``edp``): exactly the
 gradient of the mean loss over the global batch, as one process computes it.
+
+Under tensor parallelism (tp x ep, `expert_tp`): the ep group is the data-parallel ranks with this rank's tp index.
+With ``etp = 1`` each tp rank computes its share of the tokens, so expert gradients are summed over tp as well;
+with ``etp = tp`` each tp rank holds a slice of every local expert's hidden width (a shard over ep and tp) and
+computes every token on it.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from lightning_par.mesh import ExpertMesh
 from lightning_par.parallel.expert_dispatch import ExpertDispatch
+from lightning_par.parallel.expert_tp import ExpertShard, TokenSplit
 from lightning_par.parallel.grad_norm import mark_sharded
 from lightning_par.parallel.moe_module_list import shard_module_list_experts
 from lightning_par.parallel.moe_router_stats import gather_router_logits
@@ -45,6 +51,9 @@ class ExpertParallel:
         full_shapes: the shape before sharding (all ``E`` experts) of each stacked expert weight; the parameters of
             ``nn.ModuleList`` experts, whole on their rank, have none.
         mesh: the expert mesh; ``None`` when ``ep == 1``.
+        tp_group: the tensor-parallel group when the experts run inside one (tp x ep), else ``None``.
+        tp_dims: under ``etp = tp``, the dimension of each expert weight split over tp; empty otherwise (each tp
+            rank then computes a share of the tokens, and the gradients are summed over tp).
     """
 
     def __init__(
@@ -53,8 +62,11 @@ class ExpertParallel:
         params: dict[str, nn.Parameter],
         full_shapes: dict[str, torch.Size],
         mesh: Optional[ExpertMesh],
+        tp_group: Optional[dist.ProcessGroup] = None,
+        tp_dims: Optional[dict[str, int]] = None,
     ) -> None:
-        self.layers, self.mesh = layers, mesh
+        self.layers, self.mesh, self.tp_group = layers, mesh, tp_group
+        self.tp_dims = tp_dims or {}
         self.names = params  # qualified name -> this rank's shard
         self.params = list(params.values())
         self._full_shapes = full_shapes
@@ -73,10 +85,11 @@ class ExpertParallel:
         if not isinstance(value, Tensor) or value.shape != shard.shape:
             return value
         full = self._full_shapes[name]
-        return DTensor.from_local(
-            value, self.mesh.ep, (Shard(0),), shape=full, stride=torch.empty(full, device="meta").stride(),
-            run_check=False,
-        )  # fmt: skip
+        stride = torch.empty(full, device="meta").stride()
+        if name in self.tp_dims and self.mesh.tp_ep is not None:  # etp = tp: sliced over tp, then over ep
+            placements = (Shard(self.tp_dims[name]), Shard(0))
+            return DTensor.from_local(value, self.mesh.tp_ep, placements, shape=full, stride=stride, run_check=False)
+        return DTensor.from_local(value, self.mesh.ep, (Shard(0),), shape=full, stride=stride, run_check=False)
 
     def distribute_then(self, other: Optional[Callable[[str, Any], Any]]) -> Callable[[str, Any], Any]:
         """`distribute` for expert names, ``other`` (e.g. ZeRO's optimizer-state wrapper) for the rest."""
@@ -90,13 +103,16 @@ class ExpertParallel:
 
     @torch.no_grad()
     def reduce_gradients(self) -> None:
-        """Average expert gradients over the data-parallel ranks: sum over ``edp``, divide by ``dp``."""
+        """Average expert gradients over the data-parallel ranks: sum over ``edp`` (and over tp when each tp rank
+        computed a share of the tokens), divide by ``dp``."""
         grads = [p.grad for p in self.params if p.grad is not None]
         if not grads or self.mesh is None:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])
         if self.mesh.edp.size() > 1:
             dist.all_reduce(flat, group=self.mesh.edp.get_group())
+        if self.tp_group is not None and not self.tp_dims:
+            dist.all_reduce(flat, group=self.tp_group)
         flat.div_(self.mesh.dp_size)
         offset = 0
         for g in grads:
@@ -108,6 +124,8 @@ def apply_expert_parallel(
     model: nn.Module,
     mesh: Optional[ExpertMesh],
     token_group: Optional[dist.ProcessGroup],
+    tp_group: Optional[dist.ProcessGroup] = None,
+    etp: int = 1,
     *,
     require_layers: bool = True,
 ) -> ExpertParallel:
@@ -122,12 +140,16 @@ def apply_expert_parallel(
         mesh: the expert mesh (``ep`` and ``edp`` axes); ``None`` for ``ep == 1``.
         token_group: the ranks whose tokens form one batch for capacity and load-balancing statistics (the
             data-parallel group), or ``None`` for one process.
+        tp_group: the tensor-parallel group, when the MoE layers sit in a tp group that holds the same tokens on
+            every rank (``ep > 1`` only; at ``ep == 1`` the layers run whole on every tp rank).
+        etp: ``1``: each tp rank computes ``1/tp`` of the tokens; the tp size: each expert's hidden width is split
+            over tp (`lightning_par.nn.MoE` layers only).
         require_layers: refuse ``ep > 1`` without a recognised MoE layer; ``False`` for a pipeline stage of a model
             whose MoE layers all sit on other stages (a dense first block).
 
     Raises:
-        ValueError: ``ep`` does not divide a layer's number of experts (the message lists valid choices), or
-            ``ep > 1`` and the model has no recognised MoE layer.
+        ValueError: ``ep`` does not divide a layer's number of experts (the message lists valid choices), ``ep > 1``
+            and the model has no recognised MoE layer, or ``etp`` cannot split a layer's experts.
     """
     ep = mesh.ep.size() if mesh is not None else 1
     layers = find_moe_layers(model)
@@ -147,7 +169,11 @@ def apply_expert_parallel(
         )
     params: dict[str, nn.Parameter] = {}
     full_shapes: dict[str, torch.Size] = {}
+    tp_dims: dict[str, int] = {}
     remote: set[str] = set()
+    tp_group = tp_group if ep > 1 and tp_group is not None and dist.get_world_size(tp_group) > 1 else None
+    if etp > 1:
+        _check_etp(layers, etp, dist.get_world_size(tp_group) if tp_group is not None else 1)
     for layer in layers:
         if layer.n_experts % ep:
             choices = "{" + ", ".join(str(d) for d in range(1, layer.n_experts + 1) if layer.n_experts % d == 0) + "}"
@@ -165,7 +191,8 @@ def apply_expert_parallel(
         n_local = layer.n_experts // ep
         experts = layer.experts
         prefix = _qualified_name(model, experts)
-        hooks = ExpertDispatch(mesh.ep.get_group(), ep, n_local)
+        tp_mode = (ExpertShard(tp_group) if etp > 1 else TokenSplit(tp_group)) if tp_group is not None else None
+        hooks = ExpertDispatch(mesh.ep.get_group(), ep, n_local, tp_mode)
         if layer.kind == "module_list":
             local = range(rank * n_local, (rank + 1) * n_local)
             entries = [n for n, _ in layer.experts[0].state_dict().items()]  # type: ignore[index]
@@ -177,8 +204,15 @@ def apply_expert_parallel(
                     params[f"{prefix}{rank * n_local + i}.{name}"] = p
             continue
         for name, p in list(experts.named_parameters(recurse=False)):
-            shard = nn.Parameter(p.detach()[rank * n_local : (rank + 1) * n_local].clone(), p.requires_grad)
-            mark_sharded(shard, (mesh.ep.get_group(),))  # the global gradient norm sums these over ep
+            rows = p.detach()[rank * n_local : (rank + 1) * n_local]
+            groups: tuple[dist.ProcessGroup, ...] = (mesh.ep.get_group(),)
+            if etp > 1 and tp_group is not None:
+                dim = _ETP_DIMS[name]  # w1, w3 [E, d, f]: columns of f; w2 [E, f, d]: rows of f
+                width = rows.shape[dim] // etp
+                rows = rows.narrow(dim, dist.get_rank(tp_group) * width, width)
+                groups, tp_dims[prefix + name] = (*groups, tp_group), dim
+            shard = nn.Parameter(rows.clone(), p.requires_grad)
+            mark_sharded(shard, groups)  # the global gradient norm sums these over ep (and tp when split over it)
             setattr(experts, name, shard)
             params[prefix + name] = shard
             full_shapes[prefix + name] = p.shape
@@ -187,9 +221,37 @@ def apply_expert_parallel(
         else:
             experts.register_forward_pre_hook(hooks.dispatch)
             experts.register_forward_hook(hooks.combine)
-    applied = ExpertParallel(layers, params, full_shapes, mesh)
+    applied = ExpertParallel(layers, params, full_shapes, mesh, tp_group, tp_dims)
     applied.remote_keys = frozenset(remote)
     return applied
+
+
+# The dimension of each lightning_par.nn.Experts weight that holds the hidden width f.
+_ETP_DIMS = {"w1": 2, "w3": 2, "w2": 1}
+
+
+def _check_etp(layers: list[MoELayer], etp: int, tp_size: int) -> None:
+    """Refuse an ``etp`` that cannot split these layers' experts, naming the fix (before training)."""
+    if tp_size != etp:
+        raise ValueError(
+            f"etp={etp} splits each expert over the tensor-parallel group, but the experts run in a tp group of "
+            f"{tp_size} with ep > 1 here; set etp=1 (each tp rank computes its share of the tokens) or etp=tp with "
+            "tp > 1 and ep > 1"
+        )
+    for layer in layers:
+        if layer.kind != "lightning_par":
+            raise ValueError(
+                f"etp={etp}: {layer.name} is a {layer.kind} MoE block; only lightning_par.nn.MoE experts (stacked "
+                "w1/w2/w3) are split over tp here (other families keep their own expert math); set etp=1, which "
+                "still splits the tokens over tp"
+            )
+        hidden = layer.experts.w1.shape[2]  # type: ignore[union-attr, index]
+        if hidden % etp:
+            choices = "{" + ", ".join(str(d) for d in range(1, hidden + 1) if hidden % d == 0) + "}"
+            raise ValueError(
+                f"etp={etp} does not divide the expert hidden size d_ff={hidden} in {layer.name}; choose etp=1 (the "
+                f"tokens are split over tp instead), or tp = etp in {choices}"
+            )
 
 
 def _qualified_name(model: nn.Module, module: nn.Module) -> str:

@@ -49,7 +49,8 @@ class _GatherRows(torch.autograd.Function):
         return grad[ctx.start : ctx.start + ctx.rows], None
 
 
-def _is_top_k_output(out: Any) -> bool:
+def is_top_k_output(out: Any) -> bool:
+    """Whether a router's output is ``(logits [N, E], weights [N, k], index [N, k])``, transformers' top-k layout."""
     if not (isinstance(out, tuple) and len(out) == 3 and all(isinstance(t, Tensor) for t in out)):
         return False
     logits, weights, index = out
@@ -72,7 +73,7 @@ def gather_router_logits(router: nn.Module, group: dist.ProcessGroup) -> Removab
     """
 
     def hook(module: nn.Module, args: Any, out: Any) -> Any:
-        if not module.training or not _is_top_k_output(out):
+        if not module.training or not is_top_k_output(out):
             return out
         return (_GatherRows.apply(out[0], group), out[1], out[2])
 

@@ -70,6 +70,11 @@ class ProcessGroupStrategy(_LightningParallelStrategy):
         return self.meshes.dp.size()
 
     @property
+    def token_group(self) -> dist.ProcessGroup:
+        """The ranks whose tokens together make one step's batch (data parallel): where per-token statistics sum."""
+        return self.meshes.dp.get_group()
+
+    @property
     def parallel_layout(self) -> dict[str, Any]:
         """The resolved layout, for logs and the logger's config."""
         return {"world_size": self.world_size, "num_nodes": self.num_nodes, **self._config.layout()}

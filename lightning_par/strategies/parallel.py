@@ -31,6 +31,7 @@ from lightning_par.config import AUTO, ACMode, ParallelConfig
 from lightning_par.parallel.compose import parallelize
 from lightning_par.parallel.materialize import has_meta
 from lightning_par.parallel.run import ParallelRun
+from lightning_par.plans.moe import MoELayer
 from lightning_par.precision.parallel import ParallelPrecision
 from lightning_par.strategies._checkpointing import ShardedCheckpoints, Where, optimizer_entries
 from lightning_par.strategies._pipeline import PipelineSteps
@@ -41,7 +42,7 @@ class ParallelStrategy(ProcessGroupStrategy):
     """One strategy for every combination of parallelism; `Trainer(strategy="zero2")` picks a preset of it.
 
     Args:
-        pp, dp_replicate, dp_shard, ep, tp, zero_stage, offload, activation_checkpointing, ac_every,
+        pp, dp_replicate, dp_shard, ep, tp, etp, zero_stage, offload, activation_checkpointing, ac_every,
             sequence_parallel, pp_schedule, microbatches, bucket_cap_mb, pp_split, pp_costs, auto_dims: see
             `lightning_par.config.ParallelConfig` (listed one by one because LightningCLI recipes set them by
             name from this signature).
@@ -74,6 +75,7 @@ class ParallelStrategy(ProcessGroupStrategy):
         dp_shard: int = AUTO,
         ep: int = 1,
         tp: int = 1,
+        etp: int = 1,
         zero_stage: int = 0,
         offload: bool = False,
         activation_checkpointing: ACMode = None,
@@ -111,7 +113,7 @@ class ParallelStrategy(ProcessGroupStrategy):
         # Validated now (static checks, unsupported combinations), before any process exists; the world-size checks
         # follow once, when the processes exist (`ProcessGroupStrategy.setup_environment`).
         config = ParallelConfig(
-            pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, ep=ep, tp=tp, zero_stage=zero_stage,
+            pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, ep=ep, tp=tp, etp=etp, zero_stage=zero_stage,
             offload=offload, activation_checkpointing=activation_checkpointing, ac_every=ac_every,
             sequence_parallel=sequence_parallel, pp_schedule=pp_schedule, microbatches=microbatches,
             bucket_cap_mb=bucket_cap_mb, pp_split=pp_split, pp_costs=pp_costs, auto_dims=auto_dims,
@@ -147,6 +149,13 @@ class ParallelStrategy(ProcessGroupStrategy):
         """What `lightning_par.parallel.compose.parallelize` built (the ZeRO engine, the expert parallelism, the
         pipeline runner, ...), once the strategy is set up; ``None`` before, and under the DeepSpeed backend."""
         return self._run
+
+    @property
+    def moe_layers(self) -> Optional[list[MoELayer]]:
+        """This rank's MoE layers as found before their experts were sharded (``None`` before setup or without
+        any); `lightning_par.callbacks.ParallelismMonitor` counts their expert load."""
+        experts = self._run.experts if self._run is not None else None
+        return list(experts.layers) if experts is not None and experts.layers else None
 
     @property
     @override
