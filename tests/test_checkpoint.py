@@ -39,8 +39,10 @@ GPT_KWARGS = {"vocab_size": 256, "block_size": 32, "n_layer": 2, "n_head": 4, "n
 # layout is written on and resumed on, and the chains cross world sizes (2 <-> 4 <-> 2, 2 <-> 1 process) and ZeRO
 # stages. To extend the matrix, add a layout to a chain once its strategy is supported; the writers, resumes,
 # spawns and tests follow (`_dp` gives each job its data-parallel size, so every layout trains on the same global
-# batch). The "gpt" chain crosses tensor and pipeline layouts: zero3 <-> tp_zero3 (tp 2 x dp 2) <-> pipe_tp (pp 2 x
-# tp 2) <-> tp (tp 2) <-> plain data parallel. Expert layouts (moe ep=2 <-> ep=1) are in tests/test_moe_parallel.py.
+# batch). The "gpt" chain crosses tensor, pipeline and context-parallel layouts: zero3 <-> tp_zero3 (tp 2 x dp 2) <->
+# pipe_tp (pp 2 x tp 2) <-> tp_cp (tp 2 x cp 2) <-> tp (tp 2) <-> cp (cp 2) <-> plain data parallel. Expert layouts
+# (moe ep=2 <-> ep=1, tp_moe, pipe_moe) are in tests/test_moe_parallel.py, test_tp_moe.py and test_pipe_moe.py;
+# pipe_tp_zero3 in test_pipe_zero3.py.
 # "gpt_uneven": dims 258 and 34 do not divide by 4, so shards differ in rows across ranks (as real vocabularies do).
 ZERO0, ZERO1, ZERO3 = {"zero_stage": 0}, {"zero_stage": 1}, {"zero_stage": 3}
 CHAINS: dict[str, list[tuple[int, Any]]] = {
@@ -51,7 +53,9 @@ CHAINS: dict[str, list[tuple[int, Any]]] = {
         (4, "zero3"),
         (4, "tp_zero3"),
         (4, "pipe_tp"),
+        (4, "tp_cp"),
         (2, "tp"),
+        (2, "cp"),
         (2, ZERO0),
         (1, ZERO3),
     ],

@@ -126,6 +126,8 @@ def apply_expert_parallel(
     token_group: Optional[dist.ProcessGroup],
     tp_group: Optional[dist.ProcessGroup] = None,
     etp: int = 1,
+    *,
+    require_layers: bool = True,
 ) -> ExpertParallel:
     """Shard the experts of every recognised MoE layer of ``model`` over ``mesh.ep``, in place.
 
@@ -142,6 +144,8 @@ def apply_expert_parallel(
             every rank (``ep > 1`` only; at ``ep == 1`` the layers run whole on every tp rank).
         etp: ``1``: each tp rank computes ``1/tp`` of the tokens; the tp size: each expert's hidden width is split
             over tp (`lightning_par.nn.MoE` layers only).
+        require_layers: refuse ``ep > 1`` without a recognised MoE layer; ``False`` for a pipeline stage of a model
+            whose MoE layers all sit on other stages (a dense first block).
 
     Raises:
         ValueError: ``ep`` does not divide a layer's number of experts (the message lists valid choices), ``ep > 1``
@@ -157,7 +161,7 @@ def apply_expert_parallel(
             + ". Train it with a data-parallel strategy (e.g. 'zero3', which shards every parameter whatever the "
             "model's structure) or ep=1"
         )
-    if ep > 1 and not layers:
+    if ep > 1 and not layers and require_layers:
         raise ValueError(
             f"ep={ep} but {type(model).__name__} has no MoE layer of a recognised kind (lightning_par.nn.MoE, or a "
             "block with a router [E, d] and E experts, stacked or in an nn.ModuleList); use a data-parallel strategy "
