@@ -254,6 +254,7 @@ MODELS = {
     "hf_olmoe": lambda: _families_moe().HFOlmoe(),
     "hf_deepseek_v3": lambda: _families_moe().HFDeepseekV3(),
     "hf_gpt_oss": lambda: _families_moe().HFGptOss(),
+    "hf_mixtral_sdpa_aux": lambda: _families_moe().HFMixtralSdpaAux(),  # SDPA + its aux loss (cp x ep)
     "user_moe_list": lambda: _families_moe().UserMoEList(),
     "user_moe_uneven": lambda: _families_moe().UserMoEList(uneven=True),  # refused under ep > 1
     # Four blocks, for pp 4 (DeepSeek-V3: one dense block, three MoE blocks).

@@ -112,9 +112,11 @@ def parallelize(
     #    recomputed block, so recomputation replays the same all-to-alls on every rank.
     experts = None
     if config.ep > 1 or find_moe_layers(module):
-        group = mesh.dp.get_group() if mesh.dp.size() > 1 else None
+        tokens = mesh.token_mesh  # dp, times cp: under cp each rank's layers see a chunk of its samples' tokens
+        group = tokens.get_group() if tokens.size() > 1 else None
         tp_group = mesh.tp.get_group() if config.tp > 1 else None  # tp x ep: who computes which token (expert_tp)
-        experts = apply_expert_parallel(module, mesh.experts, group, tp_group, config.etp)
+        cp_group = mesh.cp.get_group() if mesh.cp is not None and mesh.cp.size() > 1 else None
+        experts = apply_expert_parallel(module, mesh.experts, group, tp_group, config.etp, cp_group)
 
     # 5. Activation checkpointing wraps each block's forward; FSDP2's hooks (next) stay outside the recomputed
     #    region, so a block is gathered once for its backward, recomputation included (torchtitan's order).
