@@ -242,6 +242,9 @@ MODELS = {
     "moe_gpt": lambda: MoEGPT(**_MOE, lr=3e-3),
     "moe_gpt_sgd": lambda: SGDMoEGPT(**_MOE),
     "moe_gpt_cap_sgd": lambda: SGDMoEGPT(**_MOE, capacity_factor=0.75),
+    # Aux and z-loss weights large enough that a per-rank mean where one over the whole samples is due shows at 1e-5.
+    "moe_gpt_cap_aux_sgd": lambda: SGDMoEGPT(**_MOE, capacity_factor=0.75, aux_loss_coef=1.0, z_loss_coef=0.1),
+    "moe_gpt_aux_sgd": lambda: SGDMoEGPT(**_MOE, aux_loss_coef=1.0, z_loss_coef=0.1),
     "moe_gpt_3experts": lambda: MoEGPT(**{**_MOE, "n_experts": 3}),
     "hf_mixtral": HFMixtralLM,
     "hf_mixtral_deferred": lambda: HFMixtralDeferred(),  # built in configure_model()
