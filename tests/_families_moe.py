@@ -70,6 +70,17 @@ class HFQwen3MoE(_HFMoELM):
         super().__init__(Qwen3MoeForCausalLM(config))
 
 
+class HFMixtralAux(_HFMoELM):
+    """Mixtral with its load-balancing loss in ``outputs.loss`` (``output_router_logits=True``)."""
+
+    def __init__(self, layers: int = 2) -> None:
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        config = MixtralConfig(**{**_TINY, "num_hidden_layers": layers}, intermediate_size=48, num_local_experts=4,
+                               num_experts_per_tok=2)  # fmt: skip
+        super().__init__(MixtralForCausalLM(config))
+
+
 class HFOlmoe(_HFMoELM):
     """OLMoE: routed experts, q/k norms."""
 

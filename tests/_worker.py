@@ -246,6 +246,9 @@ MODELS = {
     "moe_gpt_cap_aux_sgd": lambda: SGDMoEGPT(**_MOE, capacity_factor=0.75, aux_loss_coef=1.0, z_loss_coef=0.1),
     "moe_gpt_aux_sgd": lambda: SGDMoEGPT(**_MOE, aux_loss_coef=1.0, z_loss_coef=0.1),
     "moe_gpt_3experts": lambda: MoEGPT(**{**_MOE, "n_experts": 3}),
+    "moe_gpt_noaux": lambda: MoEGPT(**_MOE, lr=3e-3, aux_loss_coef=0.0, z_loss_coef=0.0),
+    "moe_gpt_cap_sgd_noaux": lambda: SGDMoEGPT(**_MOE, capacity_factor=0.75, aux_loss_coef=0.0, z_loss_coef=0.0),
+    "moe_gpt_cap_sgd_4": lambda: SGDMoEGPT(**{**_MOE, "n_layer": 4}, capacity_factor=0.75),  # for two stages a rank
     "hf_mixtral": HFMixtralLM,
     "hf_mixtral_deferred": lambda: HFMixtralDeferred(),  # built in configure_model()
     "hf_mixtral_4": lambda: HFMixtralLM(layers=4),  # four blocks, for pp 4
@@ -255,6 +258,7 @@ MODELS = {
     "hf_qwen2_moe": lambda: _families_moe().HFQwen2MoE(),
     "hf_qwen3_moe": lambda: _families_moe().HFQwen3MoE(),
     "hf_olmoe": lambda: _families_moe().HFOlmoe(),
+    "hf_mixtral_aux": lambda: _families_moe().HFMixtralAux(),  # output_router_logits=True, aux term in the loss
     "hf_deepseek_v3": lambda: _families_moe().HFDeepseekV3(),
     "hf_gpt_oss": lambda: _families_moe().HFGptOss(),
     "hf_mixtral_sdpa_aux": lambda: _families_moe().HFMixtralSdpaAux(),  # SDPA + its aux loss (cp x ep)
@@ -811,7 +815,8 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     # empty_init: the model is built under trainer.init_module(empty_init=True), on the meta device.
     with trainer.init_module(empty_init=True) if job.get("empty_init") else contextlib.nullcontext():
         model = model_cls()
-    if isinstance(model, MoEGPT):  # known once built (the trainer exists first, for init_module)
+    # (no_routing: under a pipeline a rank routes only its stages' tokens, which this recorder cannot reassemble.)
+    if isinstance(model, MoEGPT) and not job.get("no_routing"):  # known once built (the trainer exists first)
         trainer.callbacks.append(routing)
     if job.get("hf_from_pretrained"):  # the one-process reference of a pretrained start: transformers loads it
         if not hasattr(model, "model"):
@@ -854,7 +859,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         "grad_norms": recorder.grad_norms,
         "mem": recorder.mem,
         "params": params,
-        "routing": routing.global_order() if isinstance(model, MoEGPT) else None,
+        "routing": routing.global_order() if routing in trainer.callbacks else None,
         "init_state": next((c.state for c in extra if isinstance(c, InitRecorder)), None),
         # DeepSpeed backend, meta-built model: what materialising it cost each rank (parallel/deepspeed_init.py).
         "meta_init_all": _gathered_objects(_asdict(getattr(trainer.strategy, "meta_init", None))),

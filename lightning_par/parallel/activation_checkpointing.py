@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, Optional
 
 import torch
@@ -86,15 +86,25 @@ def recomputing() -> bool:
     return _recomputing > 0
 
 
-@contextlib.contextmanager
-def _marking_recompute(inner: Any = None) -> Iterator[None]:
-    global _recomputing
-    _recomputing += 1
-    try:
-        with inner if inner is not None else contextlib.nullcontext():
-            yield
-    finally:
-        _recomputing -= 1
+class _marking_recompute:
+    """Counts a recomputation while it runs. A class, not a generator: it is re-entered when one forward's block is
+    recomputed twice (the zero-bubble schedules' input and weight passes each unpack its saved tensors)."""
+
+    def __init__(self, inner: Any = None) -> None:
+        self.inner = inner
+
+    def __enter__(self) -> None:
+        global _recomputing
+        _recomputing += 1
+        if self.inner is not None:
+            self.inner.__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        global _recomputing
+        try:
+            return self.inner.__exit__(*exc) if self.inner is not None else None
+        finally:
+            _recomputing -= 1
 
 
 def _plain_contexts() -> tuple[Any, Any]:

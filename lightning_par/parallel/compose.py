@@ -71,6 +71,7 @@ def parallelize(
     device = device or _device(module)
     # Inferred on the whole model (one small forward), before a pipeline cut leaves a stage unable to run it.
     plan = _tp_plan(module, config, tp_plan)
+    moe_layers = bool(find_moe_layers(module))  # on the whole model: a pipeline stage may hold none of them
 
     # 1. Pipeline first: it removes other stages' modules, so every later step sees only this rank's parameters.
     cut = _split(module, trunk, mesh, config, timeout, device) if config.pp > 1 else None
@@ -111,12 +112,15 @@ def parallelize(
     #    the data-parallel batch, as on one process. Its dispatch hooks sit on the experts module, inside any
     #    recomputed block, so recomputation replays the same all-to-alls on every rank.
     experts = None
-    if config.ep > 1 or find_moe_layers(module):
+    #    Under a pipeline each stage shards its own layers; its ep group lies inside the stage (mesh.ExpertMesh) and
+    #    runs the same schedule, so each microbatch's all-to-alls line up.
+    if config.ep > 1 or moe_layers:
         tokens = mesh.token_mesh  # dp, times cp: under cp each rank's layers see a chunk of its samples' tokens
         group = tokens.get_group() if tokens.size() > 1 else None
         tp_group = mesh.tp.get_group() if config.tp > 1 else None  # tp x ep: who computes which token (expert_tp)
         cp_group = mesh.cp.get_group() if mesh.cp is not None and mesh.cp.size() > 1 else None
-        experts = apply_expert_parallel(module, mesh.experts, group, tp_group, config.etp, cp_group)
+        experts = apply_expert_parallel(module, mesh.experts, group, tp_group, config.etp, cp_group,
+                                        require_layers=cut is None or not moe_layers)  # fmt: skip
 
     # 5. Activation checkpointing wraps each block's forward; FSDP2's hooks (next) stay outside the recomputed
     #    region, so a block is gathered once for its backward, recomputation included (torchtitan's order).

@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
+from torch.utils.checkpoint import checkpoint
 
 from lightning_par import _compat
 
@@ -129,9 +130,10 @@ class ContextParallel:
         self.current = layout(length, self.cp, self.rank, device)
         return self.current
 
-    def gather(self, x: Tensor, dim: int, reduce: bool) -> Tensor:
-        """This rank's rows of ``x`` along ``dim`` -> the whole sequence, in order (autograd included)."""
-        lay = self._layout()
+    def gather(self, x: Tensor, dim: int, reduce: bool, lay: Optional[Layout] = None) -> Tensor:
+        """This rank's rows of ``x`` along ``dim`` -> the whole sequence, in order (autograd included); ``lay``:
+        the layout of the forward that produced ``x`` (default: the current one)."""
+        lay = lay if lay is not None else self._layout()
         full = _Gather.apply(x, dim, self.group, max(lay.sizes), self.rank, self.cp, reduce)
         return full.index_select(dim, lay.order)
 
@@ -220,7 +222,6 @@ def _attention(
             f"rank's {n} positions (cross-attention, or a cache): context parallelism splits self-attention only; "
             "train this model without cp"
         )
-    full_k, full_v = cpar.gather(k, k.dim() - 2, True), cpar.gather(v, v.dim() - 2, True)
     if is_causal:
         mask = lay.local.to(q.device)[:, None] >= torch.arange(lay.length, device=q.device)[None, :]
     elif attn_mask is not None:
@@ -232,9 +233,19 @@ def _attention(
         mask = attn_mask
     else:
         mask = None
-    return F.scaled_dot_product_attention(
-        q, full_k, full_v, attn_mask=mask, dropout_p=dropout_p, is_causal=False, scale=scale, enable_gqa=enable_gqa
-    )
+
+    def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        full_k, full_v = cpar.gather(k, k.dim() - 2, True, lay), cpar.gather(v, v.dim() - 2, True, lay)
+        return F.scaled_dot_product_attention(
+            q, full_k, full_v, attn_mask=mask, dropout_p=dropout_p, is_causal=False, scale=scale, enable_gqa=enable_gqa
+        )
+
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):
+        return attend(q, k, v)
+    # Recomputed in backward: autograd keeps this rank's keys and values, not the whole sequence's, so the memory a
+    # layer holds for backward falls by cp like the rest of the block; backward gathers them again (ring attention
+    # also moves K and V again in backward) and reruns this rank's attention forward.
+    return checkpoint(attend, q, k, v, use_reentrant=False)
 
 
 def apply_context_parallel(

@@ -131,6 +131,8 @@ def apply_expert_parallel(
     tp_group: Optional[dist.ProcessGroup] = None,
     etp: int = 1,
     cp_group: Optional[dist.ProcessGroup] = None,
+    *,
+    require_layers: bool = True,
 ) -> ExpertParallel:
     """Shard the experts of every recognised MoE layer of ``model`` over ``mesh.ep``, in place.
 
@@ -149,6 +151,8 @@ def apply_expert_parallel(
             over tp (`lightning_par.nn.MoE` layers only).
         cp_group: the context-parallel group under ``cp > 1`` (``token_group`` then spans dp x cp): our layers'
             per-sample means (the auxiliary losses' ``P_e``, the z-loss) span the chunks of one sample.
+        require_layers: refuse ``ep > 1`` without a recognised MoE layer; ``False`` for a pipeline stage of a model
+            whose MoE layers all sit on other stages (a dense first block).
 
     Raises:
         ValueError: ``ep`` does not divide a layer's number of experts (the message lists valid choices), ``ep > 1``
@@ -164,7 +168,7 @@ def apply_expert_parallel(
             + ". Train it with a data-parallel strategy (e.g. 'zero3', which shards every parameter whatever the "
             "model's structure) or ep=1"
         )
-    if ep > 1 and not layers:
+    if ep > 1 and not layers and require_layers:
         raise ValueError(
             f"ep={ep} but {type(model).__name__} has no MoE layer of a recognised kind (lightning_par.nn.MoE, or a "
             "block with a router [E, d] and E experts, stacked or in an nn.ModuleList); use a data-parallel strategy "

@@ -54,6 +54,8 @@ class SideSlot:
         leaf: index of the tensor among the producer output's pytree leaves.
         name: the producer's qualified name in the whole model (for messages).
         spec: the pytree structure of the producer's output (a replay returns the same structure).
+        kind: ``"output"`` (a tensor the producer returns), or ``"moe_loss"``: the aux / z-loss and routing
+            statistics a `lightning_par.nn.MoE` producer keeps on itself (`pipeline_sides.pack_moe`).
     """
 
     block: int
@@ -61,6 +63,7 @@ class SideSlot:
     leaf: int
     name: str
     spec: Any
+    kind: str = "output"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,19 +257,12 @@ def find_ownership(module: nn.Module, trunk: Trunk, run: Optional[Callable[[], A
         PipelineError: a unit's parameters are used between trunk blocks, where no stage boundary can own them; or
             code after the trunk reads a tensor computed inside it other than the last block's output.
     """
-    aux = [n for n, m in module.named_modules() if isinstance(m, MoE) and (m.aux_loss_coef or m.z_loss_coef)]
-    if aux:  # read by moe_loss(model) in the step, which the probe of the forward does not see
-        raise PipelineError(
-            f"{aux[0]} adds a load-balancing / z-loss that moe_loss(model) sums over every MoE layer after the "
-            "forward; under a pipeline the last stage holds only its own layers, so the loss would differ. Train "
-            "this model with strategy='moe' or 'zero3', or set aux_loss_coef=0 and z_loss_coef=0"
-        )
     units = outer_units(module, trunk)
     uses = _probe(module, trunk, units, run or default_probe(module)) if units else None
     if isinstance(uses, str) and run is None:
         uses = _probe_holder(module, trunk, units, uses)
     if isinstance(uses, str):
-        return _by_registration(module, trunk, units, uses)
+        return dataclasses.replace(_by_registration(module, trunk, units, uses), sides=moe_loss_slots(module, trunk))
     seen = uses.seen if uses is not None else {}
     sides = _side_slots(uses, trunk) if uses is not None else ()
     for name, phases in seen.items():
@@ -278,7 +274,29 @@ def find_ownership(module: nn.Module, trunk: Trunk, run: Optional[Callable[[], A
             )
     pre = [(n, m) for n, m in units if "pre" in seen.get(n, {"pre"})]  # never used: the first stage keeps it
     post = [(n, m) for n, m in units if "post" in seen.get(n, set())]
-    return Ownership(pre, post, _tied(module, pre, post), "probe", sides=sides)
+    return Ownership(pre, post, _tied(module, pre, post), "probe", sides=sides + moe_loss_slots(module, trunk))
+
+
+def moe_loss_slots(module: nn.Module, trunk: Trunk) -> tuple[SideSlot, ...]:
+    """One side slot per `lightning_par.nn.MoE` layer inside the trunk: ``moe_loss(model)`` (and a model logging
+    routing statistics) reads what every layer stored on itself, so it travels down the pipeline like router logits.
+
+    Raises:
+        PipelineError: such a layer outside the trunk (the last stage could not read a first-stage layer's loss).
+    """
+    slots = []
+    for name, m in module.named_modules():
+        block = next((i for i, b in enumerate(trunk.names) if name.startswith(b + ".")), None)
+        if not isinstance(m, MoE) or (block is None and not (m.aux_loss_coef or m.z_loss_coef)):
+            continue
+        if block is None:
+            raise PipelineError(
+                f"{name} adds a load-balancing / z-loss but runs outside the trunk's blocks ({trunk.path}), where a "
+                "pipeline cannot carry it to the loss; move the MoE layer into a block, set aux_loss_coef=0 and "
+                "z_loss_coef=0, or train without pipeline parallelism (strategy='moe' or 'zero3')"
+            )
+        slots.append(SideSlot(block, name[len(trunk.names[block]) + 1 :], 0, name, None, kind="moe_loss"))
+    return tuple(slots)
 
 
 def _side_slots(uses: _Uses, trunk: Trunk) -> tuple[SideSlot, ...]:

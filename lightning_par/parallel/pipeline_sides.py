@@ -26,12 +26,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Iterator, Sequence
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 from torch import Tensor, nn
 
 from lightning_par import _compat
+from lightning_par.nn.moe import MoE
 from lightning_par.parallel.pipeline_owners import PipelineError, SideSlot, meta_copy
 from lightning_par.plans.trunk import Trunk
 
@@ -65,9 +66,21 @@ class SideCarrier:
         self._replaying = False
         self._producers: dict[tuple[int, str], nn.Module] = {}
         self._replay_out: Any = None
+        # A `lightning_par.nn.MoE` slot: where its received losses are set for moe_loss(model) to read (the layer
+        # itself on a rank that holds the block, else a meta copy under the pass-through at the layer's path).
+        self._moe_targets: dict[int, MoE] = {}
         for key in dict.fromkeys((s.block, s.path) for s in self.slots):
             block, path = key
             original = trunk.blocks[block].get_submodule(path)
+            moe = [k for k, s in enumerate(self.slots) if (s.block, s.path) == key and s.kind == "moe_loss"]
+            if moe:
+                target = original if block in owned else meta_copy(original)
+                self._moe_targets[moe[0]] = cast(MoE, target)
+                if block in owned:
+                    original.register_forward_hook(self._capture_hook(block, path, moe=True))
+                else:
+                    _attach(passthroughs[block], path, target)
+                continue
             # Replays go through a copy made now, with the hooks the probe's forward left (a recorder installs
             # them on the first forward that records), never through the real module, whose later hooks (expert
             # parallelism's gather of router logits) must not run twice.
@@ -133,6 +146,9 @@ class SideCarrier:
         run = self._run
         if run is None or not run.received:
             return
+        for k, target in self._moe_targets.items():
+            if self.slots[k].block == block:
+                unpack_moe(target, run.received[k])
         for (b, path), producer in self._producers.items():
             if b != block:
                 continue
@@ -150,7 +166,7 @@ class SideCarrier:
     def _replayed(self, *_: Any, **__: Any) -> Any:
         return self._replay_out
 
-    def _capture_hook(self, block: int, path: str) -> Any:
+    def _capture_hook(self, block: int, path: str, moe: bool = False) -> Any:
         mine = [(k, s.leaf) for k, s in enumerate(self.slots) if (s.block, s.path) == (block, path)]
 
         def capture(_m: nn.Module, _a: Any, out: Any) -> None:  # returning a value would replace the output
@@ -158,12 +174,27 @@ class SideCarrier:
             # Not during a replay, nor outside a stage's run (a backward's recomputation of a checkpointed block).
             if run is None or self._replaying or not run.start <= block < run.end:
                 return
-            leaves = _compat.tree_flatten(out)[0]
+            leaves = [pack_moe(cast(MoE, _m))] if moe else _compat.tree_flatten(out)[0]
             for k, leaf in mine:
                 if leaf < len(leaves) and isinstance(leaves[leaf], Tensor):
                     run.made[k] = leaves[leaf]
 
         return capture
+
+
+def pack_moe(layer: MoE) -> Tensor:
+    """What a `lightning_par.nn.MoE` layer's slot carries after its forward: ``[aux_loss, z_loss, dropped_fraction,
+    *tokens_per_expert]`` in fp32 (the two losses with their gradients; the statistics are for the model's logs)."""
+    stats = layer.stats
+    return torch.cat([layer.aux_loss.float().reshape(1), layer.z_loss.float().reshape(1),
+                      stats["dropped_fraction"].float().reshape(1), stats["tokens_per_expert"].float()])  # fmt: skip
+
+
+def unpack_moe(layer: MoE, carried: Tensor) -> None:
+    """Set what `pack_moe` carried on ``layer``, as its own forward would have (``moe_loss(model)`` reads it); the
+    per-token statistics (``expert_index``, ``kept``) stay on the stage that routed the tokens."""
+    layer.aux_loss, layer.z_loss = carried[0], carried[1]
+    layer.stats = {"tokens_per_expert": carried[3:].detach(), "dropped_fraction": carried[2].detach()}
 
 
 def _n_leaves(spec: Any) -> int:

@@ -65,6 +65,8 @@ def find_moe_layers(model: nn.Module) -> list[MoELayer]:
         if any(_within(name, x.name) for x in found):
             continue
         if isinstance(m, MoE):
+            if next(m.parameters(), None) is None:  # a pipeline's meta copy of another stage's layer: none here
+                continue
             found.append(MoELayer(name, "lightning_par", m, m.experts, m.n_experts, m.top_k))
             continue
         s = match_block(m)
@@ -86,9 +88,11 @@ def unrecognised_experts(model: nn.Module, layers: Optional[list[MoELayer]] = No
     layers = find_moe_layers(model) if layers is None else layers
     covered = [x.name for x in layers]
     out = []
-    for name, _ in model.named_modules():
+    for name, m in model.named_modules():
         leaf = name.rsplit(".", 1)[-1].lower()
         if "expert" not in leaf or "shared" in leaf or any(_within(name, c) for c in covered):
+            continue
+        if next(m.parameters(), None) is None:  # nothing to shard here (a pipeline's meta copy of another stage's)
             continue
         parent_name = name.rsplit(".", 1)[0] if "." in name else ""
         parent = model.get_submodule(parent_name)
