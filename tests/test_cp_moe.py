@@ -24,13 +24,16 @@ from parity import params_close, rel
 from lightning_par.config import ParallelConfig
 from lightning_par.names import STRATEGY_NAMES, strategy_kwargs
 
+# The worker's routing recorder reassembles dp ranks' samples, not a sample's cp chunks; the losses, parameters and
+# expert loads below check the routing.
+NO_ROUTING = {"no_routing": True}
 JOBS: dict[str, dict[str, Any]] = {
-    "capacity": {"model": "moe_gpt_cap_aux_sgd", "strategy": "cp_moe", "dp": 2, "expert_load": True},
+    "capacity": {"model": "moe_gpt_cap_aux_sgd", "strategy": "cp_moe", "dp": 2, "expert_load": True, **NO_ROUTING},
     "hf_mixtral_sdpa_aux": {"model": "hf_mixtral_sdpa_aux", "strategy": "cp_moe", "dp": 2, "expert_load": True},
-    "capacity_zero3": {"model": "moe_gpt_cap_aux_sgd", "strategy": "cp_moe_zero3", "dp": 2},
+    "capacity_zero3": {"model": "moe_gpt_cap_aux_sgd", "strategy": "cp_moe_zero3", "dp": 2, **NO_ROUTING},
     # 29 tokens: cp ranks hold 15 and 14, so a mean of the two ranks' means would be off; the sums are not.
     "dropless_zero2_uneven": {
-        "model": "moe_gpt_aux_sgd", "seq_len": 29, "dp": 2,
+        "model": "moe_gpt_aux_sgd", "seq_len": 29, "dp": 2, **NO_ROUTING,
         "strategy": {"cp": 2, "ep": 2, "zero_stage": 2, "cp_uneven": True},
     },
 }  # fmt: skip
