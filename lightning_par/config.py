@@ -373,15 +373,13 @@ def context_parallel_conflict(pp: bool, ep: bool, activation_checkpointing: ACMo
 
     Args:
         pp: pipeline parallelism is used.
-        ep: expert parallelism is used.
+        ep: expert parallelism is used (it composes; the argument stays for callers that pass it).
         activation_checkpointing: the checkpointing mode.
     """
-    # Each is a missing piece, not a wrong result: a stage boundary would have to pass sequence chunks, the
-    # experts' data-parallel group would have to include cp, and recomputation runs outside the attention mode.
+    # Each is a missing piece, not a wrong result: a stage boundary would have to pass sequence chunks,
+    # and recomputation runs outside the attention mode. (ep composes: docs/moe.md, "Under context parallelism".)
     if pp:
         return "context parallelism does not compose with pipeline parallelism yet; use 'cp', 'tp_cp' or 'cp_zero*'"
-    if ep:
-        return "context parallelism does not compose with expert parallelism yet; use 'moe*' without cp, or cp"
     if activation_checkpointing is not None:
         return (
             f"activation_checkpointing={activation_checkpointing!r} does not compose with context parallelism "

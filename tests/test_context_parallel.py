@@ -144,7 +144,6 @@ def test_cp_names_and_degree_rule():
     ("kwargs", "fix"),
     [
         ({"cp": 2, "pp": 2}, "use 'cp', 'tp_cp' or 'cp_zero*'"),
-        ({"cp": 2, "ep": 2}, "'moe*' without cp"),
         ({"cp": 2, "activation_checkpointing": "full"}, "set activation_checkpointing=None"),
         ({"cp": 2, "cp_mode": "ring"}, "choose one of ('allgather',)"),
     ],
