@@ -4,7 +4,9 @@ Axes, outermost first: ``pp``, ``dp_replicate``, ``dp_shard``, ``cp``, ``tp``. t
 adjacent (same node, fast links), cp next to it (keys and values every layer); pp is outermost because it sends the
 least data. Every axis exists even at size 1, so
 code never has to assume a 1-D mesh. ``ep`` is carved out of the data-parallel ranks: `ExpertMesh` views them as
-``(edp, ep) = (dp/ep, ep)``, ep innermost (the ranks that exchange tokens every layer are adjacent).
+``(edp, ep) = (dp/ep, ep)``, ep innermost (the ranks that exchange tokens every layer are adjacent). Under cp the
+ep groups stay inside the data-parallel ranks of one cp index, and ``edp`` spans cp too: cp ranks hold the same
+experts, fed different chunks of the same samples (docs/moe.md, "Under context parallelism").
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ class ParallelMesh:
         dp_tp: the (``dp_replicate``, ``dp_shard`` or ``dp_shard_cp``, ``tp``) sub-mesh: where ZeRO 1-2 describe
             the optimizer state of tensor-parallel parameters, and FSDP2 meets tensor parallelism.
         cp: the 1-D context-parallel axis (sequence chunks; size 1 without cp).
+        tokens: the ranks whose tokens together make one step's batch: ``dp`` x ``cp`` flattened under
+            ``cp > 1`` (capacity, load-balancing statistics, expert loads), else ``None`` (``dp`` then).
     """
 
     root: DeviceMesh
@@ -47,6 +51,12 @@ class ParallelMesh:
     dp_tp: DeviceMesh
     cp: Optional[DeviceMesh] = None
     experts: Optional[ExpertMesh] = None
+    tokens: Optional[DeviceMesh] = None
+
+    @property
+    def token_mesh(self) -> DeviceMesh:
+        """The ranks whose tokens together make one step's batch (``dp``, times ``cp`` under context parallelism)."""
+        return self.tokens if self.tokens is not None else self.dp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,8 +65,9 @@ class ExpertMesh:
 
     Args:
         ep: ranks holding different experts, exchanging tokens with all-to-all.
-        edp: ranks holding the same experts (their gradients are summed over it).
-        dp_size: all data-parallel ranks (``edp * ep``); expert gradients are divided by it.
+        edp: ranks holding the same experts (their gradients are summed over it): ``dp/ep``, times ``cp``.
+        dp_size: the ranks gradients are averaged over (``edp * ep``: dp, times cp); expert gradients are divided
+            by it.
         tp_ep: the (``tp``, ``ep``) view, for experts also split over tp (``etp > 1``); ``None`` when ``tp == 1``.
     """
 
@@ -78,7 +89,9 @@ def build_mesh(config: ParallelConfig, device_type: str) -> ParallelMesh:
     dp_2d = root[("dp_replicate", "dp_shard")]
     dp = _compat.flatten_mesh(dp_2d, "dp")
     dp_tp = root[("dp_replicate", "dp_shard", "tp")]
+    tokens = None
     if config.cp > 1:
+        tokens = _compat.flatten_mesh(root[("dp_replicate", "dp_shard", "cp")], "dp_cp")
         # torchtitan's dp_shard_cp: ZeRO shards (and averages gradients) over dp_shard x cp. Slicing the flattened
         # axis back out of the root is the one way to get a sub-mesh FSDP2 and DTensor accept next to tp (same
         # root); torch 2.13 warns that it will change, so the warning is kept out of users' logs here.
@@ -87,16 +100,17 @@ def build_mesh(config: ParallelConfig, device_type: str) -> ParallelMesh:
             warnings.filterwarnings("ignore", message="Slicing a flattened dim")
             dp_2d = root[("dp_replicate", "dp_shard_cp")]
             dp_tp = root[("dp_replicate", "dp_shard_cp", "tp")]
-    experts = _expert_mesh(root, dp, config.ep, device_type) if config.ep > 1 else None
-    return ParallelMesh(root=root, dp=dp, dp_2d=dp_2d, tp=root["tp"], dp_tp=dp_tp, cp=root["cp"], experts=experts)
+    experts = _expert_mesh(root, config.ep, device_type) if config.ep > 1 else None
+    return ParallelMesh(root=root, dp=dp, dp_2d=dp_2d, tp=root["tp"], dp_tp=dp_tp, cp=root["cp"], experts=experts,
+                        tokens=tokens)  # fmt: skip
 
 
-def _expert_mesh(root: DeviceMesh, dp: DeviceMesh, ep: int, device_type: str) -> ExpertMesh:
-    # Every rank's data-parallel ranks, (pp, tp, dp) -> (pp, tp, dp/ep, ep): a separate mesh over the same ranks
-    # (DeviceMesh cannot unflatten an axis of the root), built collectively on every rank.
-    # (config.py refuses ep with cp, so the cp axis has size 1 and is dropped first.)
-    ranks = root.mesh.select(3, 0).permute(0, 3, 1, 2).reshape(root.size(0), root.size(4), -1)
-    ranks = ranks.reshape(*ranks.shape[:2], -1, ep)
+def _expert_mesh(root: DeviceMesh, ep: int, device_type: str) -> ExpertMesh:
+    # Every rank's data-parallel ranks, (pp, tp, cp, dp) -> (pp, tp, cp * dp/ep, ep): a separate mesh over the same
+    # ranks (DeviceMesh cannot unflatten an axis of the root), built collectively on every rank. ep stays within
+    # one cp index (the ranks holding the same positions of different samples); edp takes cp with dp/ep, since cp
+    # ranks hold the same experts and average their gradients like data-parallel ones.
+    ranks = root.mesh.permute(0, 4, 3, 1, 2).reshape(root.size(0), root.size(4), -1, ep)
     mesh = DeviceMesh(device_type, ranks, mesh_dim_names=("pp", "tp", "edp", "ep"))
-    tp_ep = mesh[("tp", "ep")] if root.size(3) > 1 else None
-    return ExpertMesh(ep=mesh["ep"], edp=mesh["edp"], dp_size=dp.size(), tp_ep=tp_ep)
+    tp_ep = mesh[("tp", "ep")] if root.size(4) > 1 else None
+    return ExpertMesh(ep=mesh["ep"], edp=mesh["edp"], dp_size=mesh["edp"].size() * ep, tp_ep=tp_ep)

@@ -212,3 +212,15 @@ class UserMoEList(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
+
+
+class HFMixtralSdpaAux(_HFMoELM):
+    """Mixtral on its SDPA attention path (context parallelism needs SDPA), with its load-balancing term in the
+    loss (``output_router_logits=True``): the cp x ep tests' Hugging Face model."""
+
+    def __init__(self) -> None:
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        tiny = {**_TINY, "attn_implementation": "sdpa"}
+        config = MixtralConfig(**tiny, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2)
+        super().__init__(MixtralForCausalLM(config))

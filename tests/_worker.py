@@ -242,6 +242,9 @@ MODELS = {
     "moe_gpt": lambda: MoEGPT(**_MOE, lr=3e-3),
     "moe_gpt_sgd": lambda: SGDMoEGPT(**_MOE),
     "moe_gpt_cap_sgd": lambda: SGDMoEGPT(**_MOE, capacity_factor=0.75),
+    # Aux and z-loss weights large enough that a per-rank mean where one over the whole samples is due shows at 1e-5.
+    "moe_gpt_cap_aux_sgd": lambda: SGDMoEGPT(**_MOE, capacity_factor=0.75, aux_loss_coef=1.0, z_loss_coef=0.1),
+    "moe_gpt_aux_sgd": lambda: SGDMoEGPT(**_MOE, aux_loss_coef=1.0, z_loss_coef=0.1),
     "moe_gpt_3experts": lambda: MoEGPT(**{**_MOE, "n_experts": 3}),
     "moe_gpt_noaux": lambda: MoEGPT(**_MOE, lr=3e-3, aux_loss_coef=0.0, z_loss_coef=0.0),
     "moe_gpt_cap_sgd_noaux": lambda: SGDMoEGPT(**_MOE, capacity_factor=0.75, aux_loss_coef=0.0, z_loss_coef=0.0),
@@ -258,6 +261,7 @@ MODELS = {
     "hf_mixtral_aux": lambda: _families_moe().HFMixtralAux(),  # output_router_logits=True, aux term in the loss
     "hf_deepseek_v3": lambda: _families_moe().HFDeepseekV3(),
     "hf_gpt_oss": lambda: _families_moe().HFGptOss(),
+    "hf_mixtral_sdpa_aux": lambda: _families_moe().HFMixtralSdpaAux(),  # SDPA + its aux loss (cp x ep)
     "user_moe_list": lambda: _families_moe().UserMoEList(),
     "user_moe_uneven": lambda: _families_moe().UserMoEList(uneven=True),  # refused under ep > 1
     # Four blocks, for pp 4 (DeepSeek-V3: one dense block, three MoE blocks).

@@ -147,7 +147,7 @@ def test_cp_names_and_degree_rule():
 @pytest.mark.parametrize(
     ("kwargs", "fix"),
     [
-        ({"cp": 2, "ep": 2}, "'moe*' without cp"),
+        ({"cp": 2, "pp": 2, "ep": 2}, "'cp_moe*' (without pipe)"),
         ({"cp": 2, "cp_mode": "ring"}, "choose one of ('allgather',)"),
     ],
 )

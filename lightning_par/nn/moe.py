@@ -20,8 +20,8 @@ sums them over a model):
 - ``aux_loss``: the Switch/GShard load-balancing loss ``E * sum_e f_e * P_e`` with ``f_e`` the fraction of the
   ``N * k`` assignments routed to ``e`` (before capacity) and ``P_e`` the mean router probability of ``e``; it is
   1.0 for perfectly uniform routing. ``f_e`` (not differentiable) is counted over the whole batch (token group);
-  ``P_e`` is this rank's mean, so the data-parallel mean of the per-rank losses and of their gradients is the
-  one-device value.
+  ``P_e`` is this rank's mean (under context parallelism, over the tokens of its samples on every cp rank), so
+  the data-parallel mean of the per-rank losses and of their gradients is the one-device value.
 - ``z_loss``: the router z-loss of ST-MoE (Zoph et al. 2022, arXiv 2202.08906), ``mean_t logsumexp(logits_t)^2``.
 
 Options: ``router_jitter`` multiplies the router input by noise ``U(1 - eps, 1 + eps)`` in training (Switch);
@@ -102,6 +102,25 @@ class Experts(nn.Module):
         return torch.cat(outs) if outs else x.new_empty(0, w2.shape[-1])
 
 
+class _SumOver(torch.autograd.Function):
+    """All-reduce (sum) with autograd: backward sums the upstream gradients too. Every rank of the group computes
+    the same loss from the sum, so each gets ``group size x`` its own rows' part, which the strategy's average
+    over those ranks (context parallelism: dp x cp) turns into the exact gradient."""
+
+    @staticmethod
+    def forward(ctx: object, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group  # type: ignore[attr-defined]
+        out = x.detach().clone().contiguous()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: object, grad: Tensor) -> tuple[Tensor, None]:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)  # type: ignore[attr-defined]
+        return grad, None
+
+
 class MoE(nn.Module):
     """Drop-in mixture-of-experts replacement for a transformer block's feed-forward layer.
 
@@ -166,6 +185,9 @@ class MoE(nn.Module):
         # The ranks whose tokens form one batch for capacity and the load-balancing statistics. Set by the
         # strategy to the data-parallel group; None = this device's tokens only.
         self.token_group: Optional[dist.ProcessGroup] = None
+        # Under context parallelism: the ranks holding chunks of the same samples; the per-rank means of the
+        # auxiliary losses (P_e, the z-loss) are then taken over their tokens together, as one device would.
+        self.sample_group: Optional[dist.ProcessGroup] = None
         self.aux_loss: Tensor = torch.zeros(())
         self.z_loss: Tensor = torch.zeros(())
         self.stats: dict[str, Tensor] = {}
@@ -198,6 +220,14 @@ class MoE(nn.Module):
         if self.token_group is not None:
             dist.all_reduce(t, group=self.token_group)
         return t
+
+    def _sample_means(self, rows: Tensor) -> Tensor:
+        """Column means of ``rows`` over this rank's tokens, or over the sample group's (autograd included);
+        zeros with a gradient path when there are no tokens."""
+        total = torch.cat([rows.sum(0), rows.new_tensor([rows.shape[0]])])
+        if self.sample_group is not None and dist.get_world_size(self.sample_group) > 1:
+            total = _SumOver.apply(total, self.sample_group)
+        return total[:-1] / total[-1].detach().clamp(min=1)
 
     @torch.no_grad()
     def _keep_mask(self, priority: Tensor, chosen: Tensor, n_global: int) -> Tensor:
@@ -235,8 +265,9 @@ class MoE(nn.Module):
         totals = self._all_reduce(torch.cat([counts, counts.new_tensor([n])]))
         counts_global, n_global = totals[:-1], int(totals[-1].item())
         frac = counts_global / max(n_global * self.top_k, 1)
-        self.aux_loss = self.n_experts * (frac * probs.mean(0)).sum() if n else probs.sum() * 0.0
-        self.z_loss = logits.logsumexp(-1).pow(2).mean() if n else logits.sum() * 0.0
+        means = self._sample_means(torch.cat([probs, logits.logsumexp(-1, keepdim=True).pow(2)], 1))
+        self.aux_loss = self.n_experts * (frac * means[:-1]).sum()
+        self.z_loss = means[-1]
 
         if self.capacity_factor is None:
             keep = torch.ones_like(chosen, dtype=torch.bool)

@@ -121,9 +121,11 @@ def parallelize(
     #    Under a pipeline each stage shards its own layers; its ep group lies inside the stage (mesh.ExpertMesh) and
     #    runs the same schedule, so each microbatch's all-to-alls line up.
     if config.ep > 1 or moe_layers:
-        group = mesh.dp.get_group() if mesh.dp.size() > 1 else None
+        tokens = mesh.token_mesh  # dp, times cp: under cp each rank's layers see a chunk of its samples' tokens
+        group = tokens.get_group() if tokens.size() > 1 else None
         tp_group = mesh.tp.get_group() if config.tp > 1 else None  # tp x ep: who computes which token (expert_tp)
-        experts = apply_expert_parallel(module, mesh.experts, group, tp_group, config.etp,
+        cp_group = mesh.cp.get_group() if mesh.cp is not None and mesh.cp.size() > 1 else None
+        experts = apply_expert_parallel(module, mesh.experts, group, tp_group, config.etp, cp_group,
                                         require_layers=cut is None or not moe_layers)  # fmt: skip
 
     # 5. Activation checkpointing wraps each block's forward; FSDP2's hooks (next) stay outside the recomputed

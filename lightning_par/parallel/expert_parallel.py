@@ -16,6 +16,10 @@ Gradients. Each rank's loss is the mean over its own batch, and the strategy ave
 the rest of the ``dp`` ranks, so the average is that sum divided by ``dp`` (not by ``edp``): exactly the
 gradient of the mean loss over the global batch, as one process computes it.
 
+Under context parallelism (cp x ep): the ep group is the data-parallel ranks with this rank's cp index, and
+``edp`` spans cp too (`lightning_par.mesh.ExpertMesh`). Rank r's expert gradient is then ``cp x`` the part of its
+own chunk (cp's trunk-exit backward), so the same sum over ``edp``, divided by ``dp x cp``, is exact.
+
 Under tensor parallelism (tp x ep, `expert_tp`): the ep group is the data-parallel ranks with this rank's tp index.
 With ``etp = 1`` each tp rank computes its share of the tokens, so expert gradients are summed over tp as well;
 with ``etp = tp`` each tp rank holds a slice of every local expert's hidden width (a shard over ep and tp) and
@@ -104,7 +108,7 @@ class ExpertParallel:
     @torch.no_grad()
     def reduce_gradients(self) -> None:
         """Average expert gradients over the data-parallel ranks: sum over ``edp`` (and over tp when each tp rank
-        computed a share of the tokens), divide by ``dp``."""
+        computed a share of the tokens), divide by ``dp`` (times ``cp``, which ``edp`` then spans)."""
         grads = [p.grad for p in self.params if p.grad is not None]
         if not grads or self.mesh is None:
             return
@@ -126,6 +130,7 @@ def apply_expert_parallel(
     token_group: Optional[dist.ProcessGroup],
     tp_group: Optional[dist.ProcessGroup] = None,
     etp: int = 1,
+    cp_group: Optional[dist.ProcessGroup] = None,
     *,
     require_layers: bool = True,
 ) -> ExpertParallel:
@@ -139,11 +144,13 @@ def apply_expert_parallel(
         model: the module to change.
         mesh: the expert mesh (``ep`` and ``edp`` axes); ``None`` for ``ep == 1``.
         token_group: the ranks whose tokens form one batch for capacity and load-balancing statistics (the
-            data-parallel group), or ``None`` for one process.
+            data-parallel ranks, and the cp ranks under context parallelism), or ``None`` for one process.
         tp_group: the tensor-parallel group, when the MoE layers sit in a tp group that holds the same tokens on
             every rank (``ep > 1`` only; at ``ep == 1`` the layers run whole on every tp rank).
         etp: ``1``: each tp rank computes ``1/tp`` of the tokens; the tp size: each expert's hidden width is split
             over tp (`lightning_par.nn.MoE` layers only).
+        cp_group: the context-parallel group under ``cp > 1`` (``token_group`` then spans dp x cp): our layers'
+            per-sample means (the auxiliary losses' ``P_e``, the z-loss) span the chunks of one sample.
         require_layers: refuse ``ep > 1`` without a recognised MoE layer; ``False`` for a pipeline stage of a model
             whose MoE layers all sit on other stages (a dense first block).
 
@@ -181,7 +188,7 @@ def apply_expert_parallel(
                 f"ep={ep} does not divide n_experts={layer.n_experts} in {layer.name}; choose ep in {choices} "
                 "(and dividing the data-parallel size)"
             )
-        layer.set_token_group(token_group)
+        layer.set_token_group(token_group, cp_group)
         if layer.kind == "stacked" and layer.router is not None and token_group is not None:
             if dist.get_world_size(token_group) > 1:
                 gather_router_logits(layer.router, token_group)

@@ -45,11 +45,13 @@ class MoELayer:
     top_k: int
     router: Optional[nn.Module] = None
 
-    def set_token_group(self, group: Optional[dist.ProcessGroup]) -> None:
+    def set_token_group(self, group: Optional[dist.ProcessGroup], cp_group: Optional[dist.ProcessGroup] = None) -> None:
         """Make capacity and the balancing statistics span ``group``'s tokens (our layer; the others get their
-        router statistics gathered by `lightning_par.parallel.moe_router_stats`)."""
+        router statistics gathered by `lightning_par.parallel.moe_router_stats`); ``cp_group``: the ranks holding
+        chunks of the same samples, over which our layer's per-sample means are taken."""
         if isinstance(self.module, MoE):
             self.module.token_group = group
+            self.module.sample_group = cp_group
 
 
 def find_moe_layers(model: nn.Module) -> list[MoELayer]:

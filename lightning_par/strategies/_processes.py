@@ -71,8 +71,9 @@ class ProcessGroupStrategy(_LightningParallelStrategy):
 
     @property
     def token_group(self) -> dist.ProcessGroup:
-        """The ranks whose tokens together make one step's batch (data parallel): where per-token statistics sum."""
-        return self.meshes.dp.get_group()
+        """The ranks whose tokens together make one step's batch: where per-token statistics sum. Data parallel, and
+        under cp the cp ranks too (each holds a chunk of its samples' tokens inside the trunk)."""
+        return self.meshes.token_mesh.get_group()
 
     @property
     def parallel_layout(self) -> dict[str, Any]:
