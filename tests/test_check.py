@@ -144,3 +144,15 @@ def test_moe_families_with_per_head_parts_train_under_tp_and_say_what_follows_th
     for ok in ("hf_mixtral", "hf_qwen2_moe"):
         got = _verdicts(ok, strategies=["tp", "pipe_tp"])
         assert got["tp"].ok and "kept whole on every tp rank" in got["tp"].reason, (ok, got["tp"].reason)
+
+
+def test_cp_needs_sdpa_attention_and_names_the_switch():
+    # Hugging Face's eager attention is refused (as set-up refuses it at the first forward); its sdpa path passes.
+    eager = _verdicts("hf_llama", strategies=["cp", "tp_cp_zero1"])
+    assert not eager["cp"].ok and "attn_implementation='sdpa'" in eager["cp"].reason, eager["cp"].reason
+    assert not eager["tp_cp_zero1"].ok
+    sdpa = _verdicts("hf_llama_sdpa", strategies=["cp", "pipe_tp_cp_zero1", "cp_zero3"])
+    assert all(v.ok for v in sdpa.values()), {k: v.reason for k, v in sdpa.items()}
+    assert "sequence split over cp" in sdpa["cp"].reason and "sdpa attention" in sdpa["cp"].reason
+    gpt = _verdicts("gpt", strategies=["cp"])["cp"]
+    assert gpt.ok and "checked at the first forward" in gpt.reason

@@ -110,6 +110,22 @@ class _Checks:
 
         return _guard(run, PipelineError)
 
+    def _cp(self) -> _Result:
+        trunk = find_trunk(self.module)
+        if trunk is None:
+            return _Result(False, "found no trunk of >= 2 same-class blocks to split the sequence in; train without cp")
+        # Hugging Face models name their attention path in the config; other models are checked at the first forward.
+        configs = {id(c): c for m in self.module.modules() if (c := getattr(m, "config", None)) is not None}
+        impls = {getattr(c, "_attn_implementation", None) for c in configs.values()} - {None}
+        if impls - {"sdpa"}:
+            return _Result(
+                False,
+                f"attention runs as {sorted(impls - {'sdpa'})[0]!r}, not scaled_dot_product_attention; build the model "
+                "with attn_implementation='sdpa', or train without cp",
+            )
+        how = "sdpa attention" if impls else "attention checked at the first forward (it must call SDPA)"
+        return _Result(True, f"sequence split over cp inside the {len(trunk.blocks)} blocks of {trunk.path} ({how})")
+
     def _ep(self) -> _Result:
         layers = find_moe_layers(self.module)
         unknown = unrecognised_experts(self.module, layers)
