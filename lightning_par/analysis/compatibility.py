@@ -116,7 +116,7 @@ class _Checks:
             return _Result(False, "found no trunk of >= 2 same-class blocks to split the sequence in; train without cp")
         # Hugging Face models name their attention path in the config; other models are checked at the first forward.
         configs = {id(c): c for m in self.module.modules() if (c := getattr(m, "config", None)) is not None}
-        impls = {getattr(c, "_attn_implementation", None) for c in configs.values()} - {None}
+        impls = {str(i) for c in configs.values() if (i := getattr(c, "_attn_implementation", None)) is not None}
         if impls - {"sdpa"}:
             return _Result(
                 False,
