@@ -13,7 +13,7 @@ MoE-GPT job): with the carried losses not set on the layers (moe_loss then reads
 and capacity over one rank's tokens) by 3.5e-4, gradient norms by 1.7e-3.
 
 One reference spawn, one 4-rank spawn (pp 2 x dp 2, ep 2), one 8-rank spawn (pipe_tp_moe_zero1: pp 2 x tp 2 x
-dp 2, ep 2), one one-process resume.
+dp 2, ep 2; pipe_cp_moe: pp 2 x cp 2 x dp 2, ep 2), one one-process resume.
 """
 
 from __future__ import annotations
@@ -49,7 +49,11 @@ JOBS: dict[str, dict[str, Any]] = {
 # 8 ranks: pp 2 x tp 2 x dp 2, ep 2 over the dp ranks of each (stage, tp index); attention split over tp.
 JOBS_8: dict[str, dict[str, Any]] = {
     "pipe_tp_moe_zero1": {**PIPE, "model": "moe_gpt_cap_sgd", "strategy": "pipe_tp_moe_zero1"},
+    # pp 2 x cp 2 x dp 2, ep 2: each stage's MoE layers see a chunk of each sequence; their token group spans dp x
+    # cp, their aux / z means a sample's chunks (MoE.sample_group), and the carried losses are those global values.
+    "pipe_cp_moe": {**PIPE, "model": "moe_gpt_cap_aux_sgd", "strategy": "pipe_cp_moe", "expert_load": True},
 }
+SPLIT_8 = {"pipe_tp_moe_zero1": "tp", "pipe_cp_moe": "cp"}  # the third dimension of each 8-rank layout
 # Checkpoints: no aux term and dropless, so a pipeline trains exactly like one batch (cross-entropy is linear in the
 # tokens): written under pipe_moe (ep 2 in each stage), resumed under moe (ep 4, no pipeline) and in one process.
 CKPT = {**PIPE, "model": "moe_gpt_noaux", "epoch_steps": 1, "max_steps": 4}
@@ -86,7 +90,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def test_pipe_moe_matches_one_process_accumulating_microbatches(results, name):
     got, ref = results[name]
     assert got["layout"]["pp"] == 2 and got["layout"]["ep"] == 2 and got["layout"]["dp_shard"] == 2
-    assert got["layout"]["tp"] == (2 if name in JOBS_8 else 1)
+    for dim in ("tp", "cp"):
+        assert got["layout"][dim] == (2 if SPLIT_8.get(name) == dim else 1), (name, dim)
     want = [sum(ref["losses"][i : i + 4]) / 4 for i in range(0, len(ref["losses"]), 4)]  # the logged mean
     assert len(got["losses"]) == len(want) == 3
     assert rel(got["losses"], want) < 1e-5
@@ -95,6 +100,10 @@ def test_pipe_moe_matches_one_process_accumulating_microbatches(results, name):
     # Each rank holds its stage's experts, E/ep of each layer: a quarter of the model's (pp 2 x ep 2).
     held = [m["expert_param_bytes"] for m in got["mem_all"]]  # (whole experts on each tp rank: etp=1)
     assert held == [ref["mem"]["expert_param_bytes"] // 4] * len(held) and len(held) in (4, 8)
+    if {**JOBS, **JOBS_8}[name].get("expert_load"):  # ParallelismMonitor's loads of the step, token for token
+        assert got["expert_load"].keys() == ref["expert_load"].keys() and ref["expert_load"]
+        for layer, r in ref["expert_load"].items():
+            assert torch.equal(got["expert_load"][layer]["tokens_per_expert"], r["tokens_per_expert"]), layer
     if name in JOBS and JOBS[name].get("validate"):
         assert abs(got["val"]["val_loss"] - ref["val"]["val_loss"]) <= 1e-5 * abs(ref["val"]["val_loss"])
 
