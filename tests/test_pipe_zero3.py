@@ -46,6 +46,9 @@ JOBS_8: dict[str, dict[str, Any]] = {
 COUNTED = {**JOBS_4, **JOBS_8}
 
 
+pytestmark = pytest.mark.slow  # every test reads the spawned runs (docs/testing.md: the tiers)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp: Path = tmp_path_factory.mktemp("pipe_zero3")
