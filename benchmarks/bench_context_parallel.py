@@ -40,6 +40,7 @@ torch.set_num_threads(1)
 
 import lightning as L  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from _rounds import finish, ratio_line  # noqa: E402
 from torch.autograd.graph import saved_tensors_hooks  # noqa: E402
 
 import lightning_par  # noqa: E402
@@ -47,7 +48,6 @@ from lightning_par import _compat  # noqa: E402
 from lightning_par.data import ByteTextDataModule  # noqa: E402
 from lightning_par.models import Llama  # noqa: E402
 from lightning_par.plans.trunk import find_trunk  # noqa: E402
-from lightning_par.utils import clean_exit  # noqa: E402
 
 SEQ, PER_RANK, LAYERS, DIM, HEADS, KV_HEADS = 512, 2, 8, 128, 8, 4
 
@@ -173,14 +173,8 @@ def main() -> None:
             f"total ratio {total / mem[1][0]:.3f}"
         )
     for cp in degrees[1:]:
-        ratios = [a / b for a, b in zip(times[cp], times[1])]
-        out.append(
-            f"step time cp {cp}: median {statistics.median(times[cp]):.1f} ms vs cp 1 {statistics.median(times[1]):.1f}"
-            f" ms; per round {[round(x, 3) for x in ratios]}, median ratio {statistics.median(ratios):.3f}"
-        )
-    if dist.get_rank() == 0:
-        print("\n".join(out), flush=True)
-    clean_exit()
+        out.append(ratio_line(f"cp {cp}", times[cp], times[1], "cp 1"))
+    finish(out)
 
 
 if __name__ == "__main__":

@@ -26,11 +26,11 @@ torch.set_num_threads(1)
 
 import lightning as L  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from _rounds import finish, ratio_line  # noqa: E402
 from bench_moe import BATCH, SEQ, _Counter, _model  # noqa: E402
 
 import lightning_par  # noqa: E402
 from lightning_par.data import ByteTextDataModule  # noqa: E402
-from lightning_par.utils import clean_exit  # noqa: E402
 
 LAYOUTS: dict[str, dict[str, Any]] = {
     "tp_moe": {"tp": 2, "ep": 2},  # dp 2 from the world of 4
@@ -106,15 +106,8 @@ def main() -> None:
                     f"formula k*T*d*4*(ep-1)/ep/tp {formula / 2**10:.2f} KiB (mean measured/formula "
                     f"{statistics.mean(got) / formula:.3f})"
                 )
-    ratio = [a / b for a, b in zip(times["tp_moe"], times["moe_dp4"])]
-    out.append(
-        f"step time median ms: tp_moe {statistics.median(times['tp_moe']):.1f}, moe ep 2 over dp 4 "
-        f"{statistics.median(times['moe_dp4']):.1f}; per round {[round(x, 3) for x in ratio]}, "
-        f"median {statistics.median(ratio):.3f}"
-    )
-    if dist.get_rank() == 0:
-        print("\n".join(out), flush=True)
-    clean_exit()
+    out.append(ratio_line("tp_moe", times["tp_moe"], times["moe_dp4"], "moe ep 2 over dp 4"))
+    finish(out)
 
 
 if __name__ == "__main__":
