@@ -52,8 +52,19 @@ JOBS_8: dict[str, dict[str, Any]] = {
     # pp 2 x cp 2 x dp 2, ep 2: each stage's MoE layers see a chunk of each sequence; their token group spans dp x
     # cp, their aux / z means a sample's chunks (MoE.sample_group), and the carried losses are those global values.
     "pipe_cp_moe": {**PIPE, "model": "moe_gpt_cap_aux_sgd", "strategy": "pipe_cp_moe", "expert_load": True},
+    # Hugging Face Mixtral with its router loss (logits carried down the pipeline, gathered over dp).
+    "mixtral_pipe_tp_moe_zero1": {
+        **PIPE,
+        "model": "hf_mixtral_aux",
+        "strategy": "pipe_tp_moe_zero1",
+        "expert_load": True,
+    },
 }
-SPLIT_8 = {"pipe_tp_moe_zero1": "tp", "pipe_cp_moe": "cp"}  # the third dimension of each 8-rank layout
+SPLIT_8 = {
+    "pipe_tp_moe_zero1": "tp",
+    "pipe_cp_moe": "cp",
+    "mixtral_pipe_tp_moe_zero1": "tp",
+}  # the third dimension of each 8-rank layout
 # Checkpoints: no aux term and dropless, so a pipeline trains exactly like one batch (cross-entropy is linear in the
 # tokens): written under pipe_moe (ep 2 in each stage), resumed under moe (ep 4, no pipeline) and in one process.
 CKPT = {**PIPE, "model": "moe_gpt_noaux", "epoch_steps": 1, "max_steps": 4}
