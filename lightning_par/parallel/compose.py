@@ -116,10 +116,10 @@ def parallelize(
 
     # 4. Expert parallelism keeps E/ep experts per rank. Also at ep=1: capacity and balancing statistics then span
     #    the data-parallel batch, as on one process. Its dispatch hooks sit on the experts module, inside any
-    #    recomputed block, so recomputation replays the same all-to-alls on every rank.
+    #    recomputed block, so recomputation replays the same all-to-alls on every rank. Under a pipeline each stage
+    #    shards its own layers; its ep group lies inside the stage (mesh.ExpertMesh) and runs the same schedule, so
+    #    each microbatch's all-to-alls line up.
     experts = None
-    #    Under a pipeline each stage shards its own layers; its ep group lies inside the stage (mesh.ExpertMesh) and
-    #    runs the same schedule, so each microbatch's all-to-alls line up.
     if config.ep > 1 or moe_layers:
         tokens = mesh.token_mesh  # dp, times cp: under cp each rank's layers see a chunk of its samples' tokens
         group = tokens.get_group() if tokens.size() > 1 else None
