@@ -121,7 +121,7 @@ def test_tp_moe_names_resolve_to_tp_times_ep_over_dp() -> None:
         ({"tp": 2, "etp": 2}, r"etp=2 splits experts over tensor parallelism, so it needs ep > 1 and tp > 1"),
         ({"ep": 2, "etp": 2}, r"needs ep > 1 and tp > 1"),
         ({"tp": 2, "ep": 2, "etp": 0}, r"etp=0 must be a positive int"),
-        ({"tp": 2, "ep": 2, "pp": 2}, r"does not compose with pipeline parallelism"),
+        ({"tp": 2, "ep": 2, "pp": 2, "etp": 2}, r"etp=2 with pp=2: experts split over tp inside pipeline stages"),
     ],
 )
 def test_bad_etp_is_refused_at_construction(kwargs: dict[str, Any], message: str) -> None:
