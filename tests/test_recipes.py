@@ -66,7 +66,8 @@ def test_demo_command_trains_and_logs_to_wandb_offline(tmp_path):
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1, os.listdir(tmp_path)
     assert list(runs[0].glob("run-*.wandb")), "the offline run has its log file"
-    assert "lightning_par layout: world 2 = pp 1 x dp_replicate 1 x dp_shard 2 x tp 1" in proc.stdout + proc.stderr
+    layout = "lightning_par layout: world 2 = pp 1 x dp_replicate 1 x dp_shard 2 x cp 1 x tp 1"
+    assert layout in proc.stdout + proc.stderr
 
 
 def test_plan_command_prints_the_inferred_plan(tmp_path):
