@@ -1,5 +1,6 @@
-"""Context parallelism: communication bytes per layer against the ring-attention formula, and the activation memory
-a rank keeps for backward under cp 1, 2 and 4 at the same sequence length.
+"""Context parallelism: communication bytes per layer against the ring-attention formula (all-gather mode) and the
+Ulysses formula (all-to-all mode), and the activation memory a rank keeps for backward under cp 1, 2 and 4 at the
+same sequence length, in both modes.
 
 Launch (4 ranks; every layout runs in the same script, alternated over rounds):
 
@@ -18,6 +19,10 @@ worth of tokens and only the split differs.
   the query heads before the call, so they travel repeated (a model passing grouped K/V with `enable_gqa` sends
   `n_kv_heads / n_heads` of that). Backward gathers them again (the attention is recomputed, so a layer keeps only
   its local K and V for backward) and all-reduces their gradients; not counted here.
+- Ulysses bytes (``cp_mode="ulysses"``): every all-to-all (`torch.distributed.all_to_all_single`) in the forward of
+  the measured step, bytes received from the other ranks. Per layer: q, k and v to head groups, the output back:
+  ``(cp-1)/cp`` of this rank's local q, k, v and output each, i.e. ``4 (cp-1)/cp^2 |K|`` with ``|K|`` the whole
+  sequence's keys (q, k, v and the output have the same size here). Backward runs the transposed all-to-alls.
 - Activation memory: bytes of the distinct storages autograd saves for backward during the forward
   (`torch.autograd.graph.saved_tensors_hooks`; parameters excluded), in total and inside the trunk's blocks only;
   the goal is 1/cp of cp 1's inside the trunk. What runs outside the trunk (embedding, head, loss) runs on the
@@ -59,6 +64,7 @@ class _Probe(L.Callback):
         self.measure_step = measure_step
         self.times: list[float] = []
         self.gathered = 0
+        self.exchanged = 0  # all-to-all bytes received (Ulysses)
         self.saved_total = 0
         self.saved_trunk = 0
         self._on = False
@@ -68,6 +74,7 @@ class _Probe(L.Callback):
         self._hooks: Any = None
         self._t = 0.0
         self._orig = _compat.all_gather_single
+        self._orig_a2a = dist.all_to_all_single
 
     def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
         self._params = {p.untyped_storage().data_ptr() for p in pl_module.parameters()}
@@ -83,10 +90,19 @@ class _Probe(L.Callback):
                 self.gathered += inp.numel() * inp.element_size() * (n - 1)  # received from the other ranks
             return self._orig(out, inp, group=group)
 
+        def exchanged(out: torch.Tensor, inp: torch.Tensor, out_splits: Any = None, in_splits: Any = None,
+                      group: Any = None) -> Any:  # fmt: skip
+            if self._on and out_splits is not None:
+                own = out_splits[dist.get_rank(group)]
+                self.exchanged += (sum(out_splits) - own) * out[0].numel() * out.element_size()
+            return self._orig_a2a(out, inp, out_splits, in_splits, group=group)
+
         _compat.all_gather_single = counted  # type: ignore[assignment]
+        dist.all_to_all_single = exchanged  # type: ignore[assignment]
 
     def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:
         _compat.all_gather_single = self._orig  # type: ignore[assignment]
+        dist.all_to_all_single = self._orig_a2a  # type: ignore[assignment]
 
     def _enter(self) -> None:
         self._in_block += 1
@@ -120,13 +136,13 @@ class _Probe(L.Callback):
         self.times.append(time.perf_counter() - self._t)
 
 
-def _run(cp: int, steps: int) -> tuple[_Probe, int]:
+def _run(cp: int, mode: str, steps: int) -> tuple[_Probe, int]:
     L.seed_everything(0, verbose=False)
     world = int(os.environ["WORLD_SIZE"])
     dp = world // cp
     probe = _Probe(measure_step=steps - 1)
     data = ByteTextDataModule(seq_len=SEQ, batch_size=PER_RANK, num_samples=PER_RANK * dp * steps, seed=0)
-    strategy = lightning_par.ParallelStrategy(cp=cp) if cp > 1 else lightning_par.ParallelStrategy()
+    strategy = lightning_par.ParallelStrategy(cp=cp, cp_mode=mode) if cp > 1 else lightning_par.ParallelStrategy()
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[probe])  # fmt: skip
@@ -141,39 +157,49 @@ def main() -> None:
     args = parser.parse_args()
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     steps, rounds, warm = (3, 1, 1) if args.quick else (6, 3, 2)
-    degrees = (1, 2, 4)
-    times: dict[int, list[float]] = {cp: [] for cp in degrees}
-    mem: dict[int, tuple[int, int]] = {}
+    layouts = [(1, "allgather"), (2, "allgather"), (4, "allgather"), (2, "ulysses"), (4, "ulysses")]
+    times: dict[tuple[int, str], list[float]] = {x: [] for x in layouts}
+    mem: dict[tuple[int, str], tuple[int, int]] = {}
     out: list[str] = []
     # K and V of the whole sequence as scaled_dot_product_attention receives them, fp32: the reference Llama repeats
     # its KV_HEADS to HEADS before the call (Meta's repeat_kv), so that is what travels.
     kv = 2 * PER_RANK * SEQ * HEADS * (DIM // HEADS) * 4
     hidden = PER_RANK * SEQ * DIM * 4
     for r in range(rounds):
-        for cp in degrees:
-            probe, _ = _run(cp, steps)
-            times[cp].append(statistics.median(probe.times[warm:]) * 1e3)
+        for cp, mode in layouts:
+            probe, _ = _run(cp, mode, steps)
+            times[cp, mode].append(statistics.median(probe.times[warm:]) * 1e3)
             if r:
                 continue
-            mem[cp] = (probe.saved_total, probe.saved_trunk)
-            if cp > 1:
-                exit_bytes = hidden * (cp - 1) // cp
+            mem[cp, mode] = (probe.saved_total, probe.saved_trunk)
+            if cp == 1:
+                continue
+            exit_bytes = hidden * (cp - 1) // cp
+            if mode == "allgather":
                 per_layer = (probe.gathered - exit_bytes) / LAYERS
                 formula = kv * (cp - 1) / cp
-                out.append(
-                    f"cp {cp}: K/V all-gather received per layer {per_layer / 2**10:.1f} KiB, ring formula "
-                    f"2*(cp-1)/cp*|K| {formula / 2**10:.1f} KiB, measured/formula {per_layer / formula:.4f}; trunk "
-                    f"exit gather {exit_bytes / 2**10:.1f} KiB per forward"
-                )
-    for cp in degrees:
-        total, trunk = mem[cp]
+                name = "K/V all-gather received per layer"
+                how = "ring formula 2*(cp-1)/cp*|K|"
+            else:
+                per_layer = probe.exchanged / LAYERS
+                formula = 2 * kv * (cp - 1) / cp**2  # q, k, v and the output: 4 (cp-1)/cp^2 |K|
+                name = "q/k/v/out all-to-all received per layer"
+                how = "Ulysses formula 4*(cp-1)/cp^2*|K|"
+            out.append(
+                f"cp {cp} {mode}: {name} {per_layer / 2**10:.1f} KiB, {how} {formula / 2**10:.1f} KiB, "
+                f"measured/formula {per_layer / formula:.4f}; trunk exit gather {exit_bytes / 2**10:.1f} KiB per "
+                f"forward" + ("" if mode == "allgather" else f" (counted: {probe.gathered / 2**10:.1f} KiB)")
+            )
+    base = mem[1, "allgather"]
+    for cp, mode in layouts:
+        total, trunk = mem[cp, mode]
         out.append(
-            f"cp {cp}: saved activations per rank {total / 2**20:.2f} MiB (trunk {trunk / 2**20:.2f} MiB, outside "
-            f"{(total - trunk) / 2**20:.2f} MiB); trunk ratio to cp 1 {trunk / mem[1][1]:.3f} (goal {1 / cp:.3f}), "
-            f"total ratio {total / mem[1][0]:.3f}"
+            f"cp {cp} {mode}: saved activations per rank {total / 2**20:.2f} MiB (trunk {trunk / 2**20:.2f} MiB, "
+            f"outside {(total - trunk) / 2**20:.2f} MiB); trunk ratio to cp 1 {trunk / base[1]:.3f} (goal "
+            f"{1 / cp:.3f}), total ratio {total / base[0]:.3f}"
         )
-    for cp in degrees[1:]:
-        out.append(ratio_line(f"cp {cp}", times[cp], times[1], "cp 1"))
+    for cp, mode in layouts[1:]:
+        out.append(ratio_line(f"cp {cp} {mode}", times[cp, mode], times[1, "allgather"], "cp 1"))
     finish(out)
 
 

@@ -23,7 +23,7 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_
 _SPLIT_BACKWARD = ("interleaved_zb", "zbv", "dualpipev")
 # The dimensions a registered name can leave to `resolve` (docs/strategies.md, "Names and the degree rule").
 AUTO_DIMS = ("pp", "tp", "cp", "dp", "ep")
-CP_MODES = ("allgather",)  # "ulysses" and "ring": docs/context_parallel.md, "Modes"
+CP_MODES = ("allgather", "ulysses")  # and why not "ring" (torch's): docs/context_parallel.md, "Modes"
 
 AUTO = -1  # a degree left for `resolve` to fill from the world size
 
@@ -55,7 +55,9 @@ class ParallelConfig:
         cp: context-parallel degree: each sequence is split over ``cp`` ranks inside the trunk
             (docs/context_parallel.md); they read the same samples, and gradients average over dp x cp.
         cp_mode: how attention sees the whole sequence under ``cp > 1``: ``"allgather"`` (keys and values
-            gathered over cp, local queries against all of them).
+            gathered over cp, local queries against all of them; any head count) or ``"ulysses"`` (an all-to-all
+            gives each rank every position of ``1/cp`` of the heads; less traffic from cp 3 up with as many key /
+            value heads as query heads, but the heads must divide by cp). docs/context_parallel.md, "Modes".
         cp_uneven: accept sequence lengths that are not multiples of ``2 * cp`` (chunks then differ by one
             token); ``False`` refuses them at the first batch, so that a layout is never silently unbalanced.
         zero_stage: 0 replicates everything (DDP), 1 shards optimizer state, 2 also gradients, 3 also parameters.

@@ -1,10 +1,11 @@
 """Context parallelism (``cp``) against one process: the sequence split over cp ranks inside the trunk, attention
-over all-gathered keys and values, gradients averaged over dp x cp (docs/context_parallel.md).
+over all-gathered keys and values or (``cp_mode="ulysses"``) over an all-to-all of heads and sequence, gradients
+averaged over dp x cp (docs/context_parallel.md).
 
 Two spawns: on 2 ranks ``cp`` (cp 2) on the reference GPT and Llama and Hugging Face's Llama on its SDPA path, at
-sequence lengths that are and are not multiples of ``2 * cp``, plus the refusals that need a running strategy; on 4
-ranks ``cp_zero3`` (cp 2 x dp 2; its checkpoint resumed in one process), ``tp_cp`` and ``tp_cp_zero3`` (tp 2 x
-cp 2). Tolerances as everywhere (docs/testing.md): fp32 losses
+sequence lengths that are and are not multiples of ``2 * cp``, in both modes, plus the refusals that need a running
+strategy; on 4 ranks ``cp_zero3`` (cp 2 x dp 2; its checkpoint resumed in one process), ``tp_cp`` and
+``tp_cp_zero3`` (tp 2 x cp 2), in both modes. Tolerances as everywhere (docs/testing.md): fp32 losses
 and gradient norms 1e-5 relative, SGD parameters 1e-5 relative / 1e-7 absolute, AdamW ones 1% of the learning rate
 absolute. The no-spawn tests check the layout, the names and the refusals that need no process group.
 """
@@ -27,6 +28,7 @@ from lightning_par.parallel.context_parallel import apply_context_parallel, layo
 LR = 3e-3  # the AdamW models' learning rate (tests/_worker.py)
 UNEVEN = {"cp_uneven": True}
 OP_AC = {"activation_checkpointing": "selective_op"}
+ULYSSES = {"cp_mode": "ulysses"}
 
 JOBS_2: dict[str, dict[str, Any]] = {
     "gpt_sgd_cp": {"model": "gpt_sgd", "strategy": {"cp": 2}, "dp": 1},
@@ -37,6 +39,11 @@ JOBS_2: dict[str, dict[str, Any]] = {
     # Recomputation must run under the attention mode too (it calls the block's forward without its hooks).
     "gpt_sgd_cp_ac_full": {"model": "gpt_sgd", "strategy": {"cp": 2, "activation_checkpointing": "full"}, "dp": 1},
     "hf_llama_sdpa_cp_ac_selective_op": {"model": "hf_llama_sdpa", "strategy": {"cp": 2, **OP_AC}, "dp": 1},
+    # Ulysses: K/V with as many heads as q (the reference Llama repeats them before the call) at an uneven length;
+    # Hugging Face's grouped K/V (2 of 4 heads) split by head groups, recomputed under selective checkpointing.
+    "gpt_sgd_cp_ulysses": {"model": "gpt_sgd", "strategy": {"cp": 2, **ULYSSES}, "dp": 1},
+    "llama_cp_ulysses_uneven": {"model": "llama", "seq_len": 27, "strategy": {"cp": 2, **ULYSSES, **UNEVEN}, "dp": 1},
+    "hf_llama_sdpa_cp_ulysses_ac": {"model": "hf_llama_sdpa", "strategy": {"cp": 2, **ULYSSES, **OP_AC}, "dp": 1},
 }
 JOBS_4: dict[str, dict[str, Any]] = {
     "gpt_sgd_cp_zero3": {"model": "gpt_sgd", "strategy": "cp_zero3", "dp": 2},
@@ -47,6 +54,10 @@ JOBS_4: dict[str, dict[str, Any]] = {
     "gpt_sgd_tp_cp_zero3": {"model": "gpt_sgd", "seq_len": 28, "strategy": "tp_cp_zero3", "dp": 1},
     "hf_llama_sdpa_tp_cp_uneven": {"model": "hf_llama_sdpa", "seq_len": 26, "strategy": {"tp": 2, "cp": 2, **UNEVEN},
                                    "dp": 1},
+    # Ulysses under tp: each tp rank's 2 query heads over cp 2, its one key/value head repeated to each group.
+    "hf_llama_sdpa_tp_cp_ulysses_uneven": {"model": "hf_llama_sdpa", "seq_len": 26,
+                                           "strategy": {"tp": 2, "cp": 2, **ULYSSES, **UNEVEN}, "dp": 1},
+    "gpt_sgd_cp_ulysses_zero3": {"model": "gpt_sgd", "strategy": {"cp": 2, "zero_stage": 3, **ULYSSES}, "dp": 2},
 }  # fmt: skip
 ALL = {**JOBS_2, **JOBS_4}
 # Refused at the first batch, before any optimizer step, on every rank alike.
@@ -147,7 +158,7 @@ def test_cp_names_and_degree_rule():
 def test_cp_composes_with_every_dimension_and_refuses_unknown_modes():
     # pp x cp x ep trains (tests/test_pipe_moe.py::pipe_cp_moe): no combination is refused at construction.
     ParallelConfig(cp=2, pp=2, ep=2, tp=2, zero_stage=1)
-    with pytest.raises(ParallelConfigError, match=re.escape("choose one of ('allgather',)")):
+    with pytest.raises(ParallelConfigError, match=re.escape("choose one of ('allgather', 'ulysses')")):
         ParallelConfig(cp=2, cp_mode="ring")
 
 
@@ -190,6 +201,33 @@ def test_cp_refuses_attention_that_is_not_sdpa(model):
     apply_context_parallel([(f"model.layers.{n}" if model == "hf_eager" else n, b) for n, b in blocks], 2, 0, None)
     with pytest.raises(NotImplementedError, match=rf"{where} computes attention without scaled_dot_product"):
         net(tokens)
+
+
+class _Heads(torch.nn.Module):
+    """A block of ``heads`` attention heads through SDPA, with an optional per-head mask argument."""
+
+    def __init__(self, heads: int) -> None:
+        super().__init__()
+        self.heads, self.qkv = heads, torch.nn.Linear(4 * heads, 12 * heads)
+
+    def forward(self, x: torch.Tensor, mask: Any = None) -> torch.Tensor:
+        q, k, v = (t.unflatten(-1, (self.heads, 4)).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        return x + y.transpose(1, 2).flatten(-2)
+
+
+def test_ulysses_refuses_heads_cp_does_not_divide_and_masks_built_in_the_block():
+    # No process group: both refusals come before the first all-to-all.
+    net = torch.nn.Sequential(*[_Heads(3) for _ in range(2)])
+    apply_context_parallel(list(net.named_children()), 2, 0, None, mode="ulysses")
+    with pytest.raises(NotImplementedError, match=re.escape("cp=2 does not divide the 3 query heads") + ".*[3].*"
+                       "cp_mode='allgather'"):  # fmt: skip
+        net(torch.randn(2, 16, 12))
+    block = _Heads(2)
+    apply_context_parallel([("0", block), ("1", _Heads(2))], 2, 0, None, mode="ulysses")
+    # A float mask over this rank's 8 positions (made inside the model from the local length), not the 16.
+    with pytest.raises(NotImplementedError, match=r"mask of shape \(8, 8\), built inside the block"):
+        block(torch.randn(2, 16, 8), torch.zeros(8, 8))
 
 
 def test_cp_refuses_a_length_2cp_does_not_divide_before_attention():

@@ -3,8 +3,9 @@
 Each stage cuts the sequence to this rank's chunks at its first block (side inputs, rotary tables and masks, are
 recomputed whole on every stage and cut there too), stages exchange the chunks, and the last stage gathers after
 the trunk's last block, before the head and the loss (docs/context_parallel.md, "Under a pipeline"). Two spawns:
-4 ranks (pp 2 x cp 2: 1f1b on GPT + SGD, interleaved 1f1b with full activation checkpointing on GPT + AdamW, and
-`pipe_cp_zero3`), 8 ranks (pp 2 x tp 2 x cp 2 with ZeRO-1 on GPT + SGD and Hugging Face's Llama on its SDPA path).
+4 ranks (pp 2 x cp 2: 1f1b on GPT + SGD, interleaved 1f1b with full activation checkpointing on GPT + AdamW,
+`pipe_cp_zero3`, and Ulysses attention on Hugging Face's Llama), 8 ranks (pp 2 x tp 2 x cp 2 with ZeRO-1 on GPT +
+SGD and Hugging Face's Llama on its SDPA path).
 Tolerances as everywhere (docs/testing.md): fp32 losses 1e-5 relative, SGD parameters 1e-5 relative / 1e-7
 absolute, AdamW ones 1% of the learning rate absolute.
 """
@@ -30,6 +31,11 @@ JOBS_4: dict[str, dict[str, Any]] = {
                                       "activation_checkpointing": "full"}, "dp": 1,
     },
     "gpt4_sgd_pipe_cp_zero3": {"model": "gpt4_sgd", "seq_len": 24, "strategy": "pipe_cp_zero3", "dp": 1},
+    # Ulysses attention inside the stages, Hugging Face's grouped K/V at an uneven length.
+    "hf_llama_sdpa_pipe_cp_ulysses": {
+        "model": "hf_llama_sdpa", "seq_len": 30,
+        "strategy": {"pp": 2, "cp": 2, "cp_mode": "ulysses", "cp_uneven": True}, "dp": 1,
+    },
 }  # fmt: skip
 JOBS_8: dict[str, dict[str, Any]] = {
     "gpt4_sgd_pipe_tp_cp_zero1": {"model": "gpt4_sgd", "strategy": "pipe_tp_cp_zero1", "dp": 1},

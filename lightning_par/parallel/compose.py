@@ -108,7 +108,7 @@ def parallelize(
                 f"split the sequence inside; none was found in {type(module).__name__}; set cp=1"
             )
         assert mesh.cp is not None
-        cp_args = (config.cp, mesh.cp.get_local_rank(), mesh.cp.get_group(), config.cp_uneven)
+        cp_args = (config.cp, mesh.cp.get_local_rank(), mesh.cp.get_group(), config.cp_uneven, config.cp_mode)
         if cut is None:
             apply_context_parallel(list(zip(trunk.names, trunk.blocks)), *cp_args)
         else:

@@ -7,9 +7,11 @@ this rank's rows of every sequence-shaped argument (the hidden state entering th
 and ``2 * cp - 1 - r``, so that every rank does the same causal work. Inside the blocks a `TorchFunctionMode`
 replaces ``scaled_dot_product_attention``: keys and values are all-gathered over cp (mode ``"allgather"``, as in the
 Llama 3 paper), back in sequence order, and the local queries attend to them under the mask of their global
-positions. The last block's output is gathered back in order; its backward keeps this rank's rows of the upstream
-gradient (the same on every cp rank: the head runs on the whole sequence everywhere) times cp, so that averaging
-gradients over dp x cp, as ZeRO does (mesh.py, ``dp_shard_cp``), gives the one-process gradient.
+positions; or (mode ``"ulysses"``, cp_ulysses.py) an all-to-all gives each rank every position of ``1/cp`` of the
+heads, for which masks stay whole. The last block's output is gathered back in order; its backward keeps this
+rank's rows of the upstream gradient (the same on every cp rank: the head runs on the whole sequence everywhere)
+times cp, so that averaging gradients over dp x cp, as ZeRO does (mesh.py, ``dp_shard_cp``), gives the one-process
+gradient.
 
 Attention written by hand (``softmax(q @ k.T)``, Hugging Face's eager path) would attend within the local chunks
 only: the mode sees the softmax of a square local score matrix and refuses, naming the block, at the first forward.
@@ -30,45 +32,12 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
 from lightning_par import _compat
+from lightning_par.parallel.cp_layout import Layout, layout
+from lightning_par.parallel.cp_ulysses import ulysses_attention
 
 _SEQ = 1  # batch-first models: the hidden state is (batch, sequence, hidden)
 _SOFTMAX = (F.softmax, torch.softmax, Tensor.softmax, torch.special.softmax)
 _SCORES = (*_SOFTMAX, torch.matmul, Tensor.matmul, Tensor.__matmul__, torch.bmm)
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """Which positions of a length-``length`` sequence each cp rank holds.
-
-    Args:
-        length: the whole sequence's length.
-        local: global positions this rank holds, in its local order (chunk ``r``, then chunk ``2 * cp - 1 - r``).
-        sizes: every cp rank's local length (they differ by at most one when ``2 * cp`` does not divide it).
-        order: for each global position, its row in the gathered message (ranks' chunks padded to ``max(sizes)``).
-    """
-
-    length: int
-    local: Tensor
-    sizes: tuple[int, ...]
-    order: Tensor
-
-
-def layout(length: int, cp: int, rank: int, device: Optional[torch.device] = None) -> Layout:
-    """The load-balanced layout of a sequence over ``cp`` ranks (``2 * cp`` chunks, ``torch.tensor_split`` sizes).
-
-    Args:
-        length: sequence length, at least ``2 * cp``.
-        cp: context-parallel degree.
-        rank: this rank's index in its cp group.
-        device: where the index tensors live.
-    """
-    chunks = torch.arange(length, device=device).tensor_split(2 * cp)
-    held = [torch.cat([chunks[r], chunks[2 * cp - 1 - r]]) for r in range(cp)]
-    width = max(len(h) for h in held)
-    order = torch.empty(length, dtype=torch.long, device=device)
-    for r, h in enumerate(held):
-        order[h] = r * width + torch.arange(len(h), device=device)
-    return Layout(length, held[rank], tuple(len(h) for h in held), order)
 
 
 class _Gather(torch.autograd.Function):
@@ -106,6 +75,8 @@ class ContextParallel:
         group: the cp process group (``None`` only for checks that refuse before any communication).
         uneven: accept lengths that ``2 * cp`` does not divide.
         names: qualified names of the trunk blocks (for messages).
+        mode: how attention sees the whole sequence: ``"allgather"`` (keys and values gathered) or ``"ulysses"``
+            (heads <-> sequence all-to-all, cp_ulysses.py).
     """
 
     cp: int
@@ -113,6 +84,7 @@ class ContextParallel:
     group: Any
     uneven: bool
     names: tuple[str, ...]
+    mode: str = "allgather"
     current: Optional[Layout] = None
     handles: list[Any] = dataclasses.field(default_factory=list)
     forwards: list[tuple[nn.Module, Any]] = dataclasses.field(default_factory=list)  # (block, its forward before)
@@ -160,19 +132,27 @@ class ContextParallel:
         self.forwards.clear()
 
 
-def _seq_dim(t: Tensor, length: int, batch: int) -> Optional[int]:
+def _seq_dim(t: Tensor, length: int, batch: int, whole_masks: bool) -> Optional[int]:
     if t.dim() >= 2 and t.shape[-1] == length and t.shape[-2] == length:
-        return t.dim() - 2  # a mask or bias over (queries, keys): keep this rank's query rows, every key
+        # A mask or bias over (queries, keys): all-gather attention keeps this rank's query rows and every key.
+        # Ulysses attention computes every query (of some heads), so it keeps the mask whole; there only what is
+        # surely a mask (4-D as SDPA takes it, or boolean), since a 2-D / 3-D float table whose width happens to
+        # equal the length must be cut by its rows (a mask taken for one is refused by the attention, not misused).
+        if not whole_masks:
+            return t.dim() - 2
+        if t.dim() == 4 or t.dtype == torch.bool:
+            return None
     dims = [d for d in range(t.dim()) if t.shape[d] == length]
     if len(dims) > 1 and t.shape[0] == batch:
         dims = dims[1:]  # batch-first: a batch as long as the sequence is still the batch
     return dims[0] if dims else None
 
 
-def _slice(value: Any, cpar: ContextParallel, batch: int) -> Any:
+def _slice(value: Any, cpar: ContextParallel, batch: int, hidden: bool = False) -> Any:
     lay = cpar._layout()
     if isinstance(value, Tensor) and value.dim() > 0:
-        dim = _seq_dim(value, lay.length, batch)
+        # The hidden state is (batch, sequence, hidden) by the trunk contract, even when hidden == sequence length.
+        dim = _SEQ if hidden else _seq_dim(value, lay.length, batch, whole_masks=cpar.mode == "ulysses")
         return value if dim is None else value.index_select(dim, lay.local.to(value.device))
     if isinstance(value, tuple):  # Hugging Face's position_embeddings = (cos, sin)
         return tuple(_slice(v, cpar, batch) for v in value)
@@ -190,6 +170,11 @@ class _AttentionMode(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
+            q, k = args[0] if args else kwargs["query"], args[1] if len(args) > 1 else kwargs["key"]
+            _check_self_attention(self.cpar, self.block, q, k)
+            if self.cpar.mode == "ulysses":
+                cpar = self.cpar
+                return ulysses_attention(cpar._layout(), cpar.group, cpar.rank, self.block, *args, **kwargs)
             return _attention(self.cpar, self.block, *args, **kwargs)
         if func in _SCORES and _local_scores(self.cpar, func, args):
             n = len(self.cpar._layout().local)
@@ -213,6 +198,16 @@ def _local_scores(cpar: ContextParallel, func: Any, args: tuple) -> bool:
     return (tensors[0].shape[-2], tensors[1].shape[-1]) == (n, n)
 
 
+def _check_self_attention(cpar: ContextParallel, block: str, q: Tensor, k: Tensor) -> None:
+    n = len(cpar._layout().local)
+    if q.shape[-2] != n or k.shape[-2] != n:
+        raise NotImplementedError(
+            f"{block} calls scaled_dot_product_attention on {q.shape[-2]} queries / {k.shape[-2]} keys, not this cp "
+            f"rank's {n} positions (cross-attention, or a cache): context parallelism splits self-attention only; "
+            "train this model without cp"
+        )
+
+
 def _attention(
     cpar: ContextParallel,
     block: str,
@@ -226,13 +221,6 @@ def _attention(
     enable_gqa: bool = False,
 ) -> Tensor:
     lay = cpar._layout()
-    n = len(lay.local)
-    if q.shape[-2] != n or k.shape[-2] != n:
-        raise NotImplementedError(
-            f"{block} calls scaled_dot_product_attention on {q.shape[-2]} queries / {k.shape[-2]} keys, not this cp "
-            f"rank's {n} positions (cross-attention, or a cache): context parallelism splits self-attention only; "
-            "train this model without cp"
-        )
     if is_causal:
         mask = lay.local.to(q.device)[:, None] >= torch.arange(lay.length, device=q.device)[None, :]
     elif attn_mask is not None:
@@ -265,6 +253,7 @@ def apply_context_parallel(
     rank: int,
     group: Any,
     uneven: bool = False,
+    mode: str = "allgather",
     *,
     indices: Optional[Sequence[int]] = None,
     running: Optional[Callable[[], Optional[tuple[int, int]]]] = None,
@@ -278,6 +267,8 @@ def apply_context_parallel(
         rank: this rank's index in the cp group.
         group: the cp process group.
         uneven: accept sequence lengths that ``2 * cp`` does not divide.
+        mode: ``"allgather"`` (keys and values all-gathered over cp) or ``"ulysses"`` (an all-to-all of heads and
+            sequence around each attention call; the heads must divide by cp).
         indices: each block's position in the whole trunk (default ``0 .. len(blocks) - 1``, the whole trunk);
             under a pipeline, the blocks of this rank's stages.
         running: the trunk positions ``(start, end)`` the forward now in progress computes (a pipeline stage's);
@@ -287,7 +278,7 @@ def apply_context_parallel(
     where = list(indices) if indices is not None else list(range(len(blocks)))
     end = last if last is not None else where[-1]
     span = running if running is not None else (lambda: (0, len(blocks)))
-    cpar = ContextParallel(cp, rank, group, uneven, tuple(n for n, _ in blocks))
+    cpar = ContextParallel(cp, rank, group, uneven, tuple(n for n, _ in blocks), mode)
 
     def enter(i: int, name: str, mod: nn.Module, args: Any, kwargs: Any) -> Any:
         now = span()
@@ -302,7 +293,9 @@ def apply_context_parallel(
 
         def cut(at: Any, value: Any) -> Any:
             # The hidden state of later blocks is already local; every other sequence-shaped argument is whole.
-            return value if not first and at == hidden else _slice(value, cpar, batch)
+            if at == hidden:
+                return _slice(value, cpar, batch, hidden=True) if first else value
+            return _slice(value, cpar, batch)
 
         args = tuple(cut(j, a) for j, a in enumerate(args))
         kwargs = {k: cut(k, a) for k, a in kwargs.items()}
