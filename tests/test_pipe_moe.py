@@ -12,8 +12,15 @@ MoE-GPT job): with the carried losses not set on the layers (moe_loss then reads
 8.5e-5 relative and 1350 embedding entries fail; with the token group left per rank under a pipeline (statistics
 and capacity over one rank's tokens) by 3.5e-4, gradient norms by 1.7e-3.
 
-One reference spawn, one 4-rank spawn (pp 2 x dp 2, ep 2), one 8-rank spawn (pipe_tp_moe_zero1: pp 2 x tp 2 x
-dp 2, ep 2; pipe_cp_moe: pp 2 x cp 2 x dp 2, ep 2), one one-process resume.
+``etp=2`` inside the stages (pipe_tp_moe_etp_zero1, clipped): losses 3.0e-8 relative, gradient norms 6.6e-8,
+parameters 7.5e-9 absolute. Broken by hand: expert gradients also summed over tp (the etp=1 rule) moves the losses
+by 5.7e-5 relative, the norms by 8.2e-3 (w2 2900x the tolerance); expert slices marked sharded over ep only (the
+norm misses the other tp slice) by 2.4e-5 and 3.8e-3; without Megatron's ``f`` (the rows' gradient all-reduced over
+tp) the first step's norm is 1.1e-2 off, and at the second the tp ranks, their replicated weights now apart, route
+differently and the all-to-all sizes no longer match (the spawn fails).
+
+One reference spawn, one 4-rank spawn (pp 2 x dp 2, ep 2), one 8-rank spawn (pipe_tp_moe_zero1 and
+pipe_tp_moe_etp_zero1: pp 2 x tp 2 x dp 2, ep 2; pipe_cp_moe: pp 2 x cp 2 x dp 2, ep 2), one one-process resume.
 """
 
 from __future__ import annotations
@@ -49,6 +56,15 @@ JOBS: dict[str, dict[str, Any]] = {
 # 8 ranks: pp 2 x tp 2 x dp 2, ep 2 over the dp ranks of each (stage, tp index); attention split over tp.
 JOBS_8: dict[str, dict[str, Any]] = {
     "pipe_tp_moe_zero1": {**PIPE, "model": "moe_gpt_cap_sgd", "strategy": "pipe_tp_moe_zero1"},
+    # etp=tp: each stage's experts split over tp too (w1/w3 by columns, w2 by rows), aux + z-loss carried down the
+    # pipeline, clipped by the global norm (expert slices summed over ep and tp, stages over pp).
+    "pipe_tp_moe_etp_zero1": {
+        **PIPE,
+        "model": "moe_gpt_cap_aux_sgd",
+        "strategy": {"pp": 2, "tp": 2, "ep": 2, "etp": 2, "zero_stage": 1},
+        "clip": 0.05,
+        "expert_load": True,
+    },
     # pp 2 x cp 2 x dp 2, ep 2: each stage's MoE layers see a chunk of each sequence; their token group spans dp x
     # cp, their aux / z means a sample's chunks (MoE.sample_group), and the carried losses are those global values.
     "pipe_cp_moe": {**PIPE, "model": "moe_gpt_cap_aux_sgd", "strategy": "pipe_cp_moe", "expert_load": True},
@@ -62,6 +78,7 @@ JOBS_8: dict[str, dict[str, Any]] = {
 }
 SPLIT_8 = {
     "pipe_tp_moe_zero1": "tp",
+    "pipe_tp_moe_etp_zero1": "tp",
     "pipe_cp_moe": "cp",
     "mixtral_pipe_tp_moe_zero1": "tp",
 }  # the third dimension of each 8-rank layout
@@ -108,9 +125,11 @@ def test_pipe_moe_matches_one_process_accumulating_microbatches(results, name):
     assert rel(got["losses"], want) < 1e-5
     assert rel(got["grad_norms"], ref["grad_norms"]) < 1e-5
     params_close(got["params"], ref["params"], rtol=1e-5, atol=1e-7)
-    # Each rank holds its stage's experts, E/ep of each layer: a quarter of the model's (pp 2 x ep 2).
-    held = [m["expert_param_bytes"] for m in got["mem_all"]]  # (whole experts on each tp rank: etp=1)
-    assert held == [ref["mem"]["expert_param_bytes"] // 4] * len(held) and len(held) in (4, 8)
+    # Each rank holds its stage's experts, E/ep of each layer: a quarter of the model's (pp 2 x ep 2), whole on each
+    # tp rank under etp=1, an eighth under etp=tp (each expert's hidden width split over tp 2).
+    held = [m["expert_param_bytes"] for m in got["mem_all"]]
+    share = 8 if "etp" in name else 4
+    assert held == [ref["mem"]["expert_param_bytes"] // share] * len(held) and len(held) in (4, 8)
     if {**JOBS, **JOBS_8}[name].get("expert_load"):  # ParallelismMonitor's loads of the step, token for token
         assert got["expert_load"].keys() == ref["expert_load"].keys() and ref["expert_load"]
         for layer, r in ref["expert_load"].items():
@@ -143,8 +162,9 @@ def test_pipe_moe_names_resolve():
     assert ParallelConfig(**strategy_kwargs("pipe_moe_zero1")).resolve(8).ep == 2
     three = ParallelConfig(**strategy_kwargs("pipe_tp_moe_zero1")).resolve(8)
     assert (three.pp, three.tp, three.dp_shard, three.ep) == (2, 2, 2, 2)
-    with pytest.raises(NotImplementedError, match=r"etp=2 with pp=2: .*use etp=1"):
-        ParallelConfig(pp=2, tp=2, ep=2, etp=2)
+    etp = ParallelConfig(pp=2, tp=2, ep=2, etp=2, zero_stage=1).resolve(8)  # experts split over tp in each stage
+    assert (etp.pp, etp.tp, etp.dp_shard, etp.ep, etp.etp) == (2, 2, 2, 2, 2)
+    assert ParallelConfig(**{**strategy_kwargs("pipe_tp_moe_zero1"), "etp": 2}).resolve(8).etp == 2
 
 
 class _Outside(torch.nn.Module):

@@ -112,6 +112,7 @@ def test_tp_moe_names_resolve_to_tp_times_ep_over_dp() -> None:
     config = ParallelConfig(**strategy_kwargs("tp_moe_zero3")).resolve(4)
     assert (config.tp, config.dp_shard, config.ep, config.etp) == (2, 2, 2, 1)
     lightning_par.ParallelStrategy(tp=2, ep=2, etp=2, zero_stage=3)  # constructs
+    lightning_par.ParallelStrategy(pp=2, tp=2, ep=2, etp=2, zero_stage=1)  # inside pipeline stages too
 
 
 @pytest.mark.parametrize(
@@ -121,7 +122,6 @@ def test_tp_moe_names_resolve_to_tp_times_ep_over_dp() -> None:
         ({"tp": 2, "etp": 2}, r"etp=2 splits experts over tensor parallelism, so it needs ep > 1 and tp > 1"),
         ({"ep": 2, "etp": 2}, r"needs ep > 1 and tp > 1"),
         ({"tp": 2, "ep": 2, "etp": 0}, r"etp=0 must be a positive int"),
-        ({"tp": 2, "ep": 2, "pp": 2, "etp": 2}, r"etp=2 with pp=2: experts split over tp inside pipeline stages"),
     ],
 )
 def test_bad_etp_is_refused_at_construction(kwargs: dict[str, Any], message: str) -> None:
