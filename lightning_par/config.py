@@ -280,20 +280,12 @@ class ParallelConfig:
         return resolved
 
     def check_supported(self) -> None:
-        """Reject combinations whose implementation has not landed, naming what does work.
+        """Reject settings that contradict the dimensions used, naming the fix.
 
         Runs in ``__post_init__``, on the degrees given or, for a registered name, on the dimensions it names
-        (before the world size is known), so an unsupported name fails at construction, before any process starts.
+        (before the world size is known), so a bad combination fails at construction, before any process starts.
+        Every combination of pp, tp, cp, ep and ZeRO composes (docs/compatibility.md, "Combinations").
         """
-        if self.uses("ep"):
-            reason = expert_parallel_conflict(self.uses("tp"), self.uses("pp"))
-            if reason:
-                where = f"{self._degree('ep')} with {self._degree('tp')}, {self._degree('pp')}"
-                raise NotImplementedError(f"{where}: {reason}")
-        if self.uses("cp"):
-            reason = context_parallel_conflict(self.uses("pp"), self.uses("ep"), self.activation_checkpointing)
-            if reason:
-                raise NotImplementedError(f"{self._degree('cp')}: {reason}")
         if self.uses("pp") and self.uses("tp") and self.sequence_parallel:
             raise ParallelConfigError(
                 f"sequence_parallel=True with {self._degree('pp')} x {self._degree('tp')}: pipeline stages exchange "
@@ -349,33 +341,3 @@ def split_world(dims: tuple[str, ...], world_size: int, tp_cap: Optional[int] = 
         turn += 1
     degrees["dp"] *= world_size // math.prod(degrees.values())
     return degrees
-
-
-def expert_parallel_conflict(tp: bool, pp: bool) -> Optional[str]:
-    """Why expert parallelism cannot combine with the given techniques yet (``None`` if it can).
-
-    Args:
-        tp: tensor parallelism is used (composes: attention and dense layers split over tp, experts over ep,
-            optionally over tp too with ``etp``; docs/moe.md).
-        pp: pipeline parallelism is used.
-    """
-    # Every combination composes (pipe_tp_moe_zero1 tested at 8 ranks: an ep group lies inside one stage and one
-    # tp index), etp=tp too: the tp group splitting the experts lies inside one stage, whose ranks run the same
-    # schedule, so its all-reduces line up per microbatch as attention's do (pipe_tp_moe_etp_zero1). The hook stays
-    # for the next dimension.
-    del tp, pp
-    return None
-
-
-def context_parallel_conflict(pp: bool, ep: bool, activation_checkpointing: ACMode) -> Optional[str]:
-    """Why context parallelism cannot combine with the given techniques yet (``None`` if it can).
-
-    Args:
-        pp: pipeline parallelism is used.
-        ep: expert parallelism is used (it composes; the argument stays for callers that pass it).
-        activation_checkpointing: the checkpointing mode.
-    """
-    # Everything composes: stages exchange sequence chunks, the attention mode is entered inside the block's forward,
-    # which recomputation calls (context_parallel.py, compose.py), and ep runs on the local tokens (docs/moe.md);
-    # all three under pipe_cp_moe (tests/test_pipe_moe.py). The hook stays for the next dimension.
-    return None

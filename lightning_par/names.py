@@ -12,8 +12,6 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from lightning_par.config import context_parallel_conflict, expert_parallel_conflict
-
 _MODEL_DIMS = (("pipe", "pp"), ("tp", "tp"), ("cp", "cp"), ("moe", "ep"))
 _ZERO = ("", "zero1", "zero2", "zero3")
 ALIASES = {"3d": "pipe_tp_zero1"}
@@ -53,14 +51,6 @@ def strategy_kwargs(name: str) -> dict[str, Any]:
             dims.append("ep")  # ep = every data-parallel rank, at start-up (docs/strategies.md: moe on 2 = ep 2 / dp 2)
         else:
             raise ValueError(f"unknown strategy part {part!r} in {name!r}; see lightning_par.STRATEGY_NAMES")
-    if "ep" in dims:  # the names that are registered but not implemented fail here, with the reason
-        reason = expert_parallel_conflict("tp" in dims, "pp" in dims)
-        if reason:
-            raise NotImplementedError(f"strategy {name!r}: {reason}")
-    if "cp" in dims:
-        reason = context_parallel_conflict("pp" in dims, "ep" in dims, None)
-        if reason:
-            raise NotImplementedError(f"strategy {name!r}: {reason}")
     kwargs["auto_dims"] = tuple(dims)
     return kwargs
 
