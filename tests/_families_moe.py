@@ -218,9 +218,9 @@ class HFMixtralSdpaAux(_HFMoELM):
     """Mixtral on its SDPA attention path (context parallelism needs SDPA), with its load-balancing term in the
     loss (``output_router_logits=True``): the cp x ep tests' Hugging Face model."""
 
-    def __init__(self) -> None:
+    def __init__(self, layers: int = 2) -> None:
         from transformers import MixtralConfig, MixtralForCausalLM
 
-        tiny = {**_TINY, "attn_implementation": "sdpa"}
+        tiny = {**_TINY, "attn_implementation": "sdpa", "num_hidden_layers": layers}
         config = MixtralConfig(**tiny, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2)
         super().__init__(MixtralForCausalLM(config))

@@ -268,6 +268,7 @@ MODELS = {
     "hf_deepseek_v3_4": lambda: _families_moe().HFDeepseekV3(layers=4),
     "hf_qwen2_moe_4": lambda: _families_moe().HFQwen2MoE(layers=4),
     "hf_qwen3_moe_4": lambda: _families_moe().HFQwen3MoE(layers=4),
+    "hf_mixtral_sdpa_aux_4": lambda: _families_moe().HFMixtralSdpaAux(layers=4),  # pp 2 x cp 2, interleaved
     "hf_olmoe_4": lambda: _families_moe().HFOlmoe(layers=4),
     # output_router_logits=False: no load-balancing term (tests/test_pipeline_aux.py checks that it counts).
     "hf_qwen2_moe_noaux": lambda: _families_moe().HFQwen2MoE(router_logits=False),

@@ -10,7 +10,9 @@ losses, gradient norms and parameters after training to 1e-5 relative (SGD: 1e-7
 <= 1.3e-7 relative, gradient norms <= 1.6e-7. Checked by hand that these fail when the mechanism breaks (on the
 MoE-GPT job): with the carried losses not set on the layers (moe_loss then reads stale values) the losses differ by
 8.5e-5 relative and 1350 embedding entries fail; with the token group left per rank under a pipeline (statistics
-and capacity over one rank's tokens) by 3.5e-4, gradient norms by 1.7e-3.
+and capacity over one rank's tokens) by 3.5e-4, gradient norms by 1.7e-3. Hugging Face Mixtral under pipe_cp_moe
+(router logits gathered over dp x cp, then carried): measured losses 6.4e-8 relative, gradient norms 9.2e-8; with
+the logits gathered over dp only, losses 3.6e-5 and gradient norms 6.7e-4 off, every parameter tensor failing.
 
 ``etp=2`` inside the stages (pipe_tp_moe_etp_zero1, clipped): losses 3.0e-8 relative, gradient norms 6.6e-8,
 parameters 7.5e-9 absolute. Broken by hand: expert gradients also summed over tp (the etp=1 rule) moves the losses
@@ -20,7 +22,8 @@ tp) the first step's norm is 1.1e-2 off, and at the second the tp ranks, their r
 differently and the all-to-all sizes no longer match (the spawn fails).
 
 One reference spawn, one 4-rank spawn (pp 2 x dp 2, ep 2), one 8-rank spawn (pipe_tp_moe_zero1 and
-pipe_tp_moe_etp_zero1: pp 2 x tp 2 x dp 2, ep 2; pipe_cp_moe: pp 2 x cp 2 x dp 2, ep 2), one one-process resume.
+pipe_tp_moe_etp_zero1: pp 2 x tp 2 x dp 2, ep 2; pipe_cp_moe: pp 2 x cp 2 x dp 2, ep 2, on the MoE-GPT and
+Mixtral), one one-process resume.
 """
 
 from __future__ import annotations
@@ -75,12 +78,15 @@ JOBS_8: dict[str, dict[str, Any]] = {
         "strategy": "pipe_tp_moe_zero1",
         "expert_load": True,
     },
+    # The same under pipe_cp_moe (SDPA): the logits are gathered over dp x cp before the stage carries them.
+    "mixtral_pipe_cp_moe": {**PIPE, "model": "hf_mixtral_sdpa_aux", "strategy": "pipe_cp_moe", "expert_load": True},
 }
 SPLIT_8 = {
     "pipe_tp_moe_zero1": "tp",
     "pipe_tp_moe_etp_zero1": "tp",
     "pipe_cp_moe": "cp",
     "mixtral_pipe_tp_moe_zero1": "tp",
+    "mixtral_pipe_cp_moe": "cp",
 }  # the third dimension of each 8-rank layout
 # Checkpoints: no aux term and dropless, so a pipeline trains exactly like one batch (cross-entropy is linear in the
 # tokens): written under pipe_moe (ep 2 in each stage), resumed under moe (ep 4, no pipeline) and in one process.

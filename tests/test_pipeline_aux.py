@@ -11,6 +11,10 @@ parameters to 1e-5 relative / 1e-7 absolute (tests/test_pipeline_families.py); b
 reference to 1e-4 (measured: losses <= 9e-8 relative, parameters <= 1.2e-7 absolute). The aux term is checked to
 count: the same model without it trains differently. Checked by hand: with the replay off, or the received logits
 detached, the one-process chain and the jobs tried (1f1b, interleaved, zbv) fail (losses off by 9e-4 to 9e-3).
+Under pp 2 x cp 2 (``mixtral_pipe_cp``) the logits carried are those gathered over cp (moe_router_stats); measured
+losses 8.6e-8 relative; checked by hand that it fails with the gather off (each cp rank's aux from its own chunk:
+losses 5.1e-5, gradient norms 3.5e-4 off, 33 of 39 parameter tensors) and with the received logits detached (4.5e-4,
+6.8e-3, all 39).
 Two spawns (2 and 4 ranks) and one reference process.
 """
 
@@ -46,7 +50,8 @@ JOBS_2: dict[str, dict[str, Any]] = {
     "qwen2_bf16_mixed": {"model": "hf_qwen2_moe", "strategy": {"pp": 2}, "precision": "bf16-mixed"},
 }  # fmt: skip
 
-# 4 ranks: pp 4 (four blocks), and pp 2 x tp 2 (attention split, the MoE layer whole on each tp rank).
+# 4 ranks: pp 4 (four blocks), pp 2 x tp 2 (attention split, the MoE layer whole on each tp rank), pp 2 x dp 2 and
+# pp 2 x cp 2.
 JOBS_4: dict[str, dict[str, Any]] = {
     "qwen2_pp4": {"model": "hf_qwen2_moe_4", "strategy": {"pp": 4, "microbatches": 4}, "dp": 1, "validate": True},
     "qwen2_pipe_tp": {"model": "hf_qwen2_moe", "strategy": {"pp": 2, "tp": 2}, "dp": 1},
@@ -55,6 +60,10 @@ JOBS_4: dict[str, dict[str, Any]] = {
     "qwen3_pipe_tp": {"model": "hf_qwen3_moe", "strategy": {"pp": 2, "tp": 2}, "dp": 1},
     # pp 2 x dp 2 under ZeRO-3: each stage module is an FSDP2 root, also when the side outputs are measured.
     "qwen2_pipe_zero3": {"model": "hf_qwen2_moe", "strategy": {"pp": 2, "zero_stage": 3}, "dp": 2},
+    # pp 2 x cp 2 (Mixtral on SDPA): the routers' logits are gathered over cp before they are carried, so each
+    # microbatch's loss sees all its tokens; two stages per rank, and 29 tokens (cp ranks route 15 and 14 per sample).
+    "mixtral_pipe_cp": {"model": "hf_mixtral_sdpa_aux_4", "seq_len": 29, "dp": 1,
+                        "strategy": {"pp": 2, "cp": 2, "cp_uneven": True, "pp_schedule": "interleaved_1f1b"}},
 }  # fmt: skip
 
 ALL = {**JOBS_2, **JOBS_4}

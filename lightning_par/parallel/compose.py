@@ -240,14 +240,11 @@ def _device(module: nn.Module) -> torch.device:
 
 def _cp_under_pipeline(cut: PipelineSplit, trunk: Trunk, cp_args: tuple) -> None:
     model = cut.runner.model
-    # `lightning_par.nn.MoE` slots carry scalars already reduced over the cp ranks (MoE.sample_group); other side
-    # outputs (Hugging Face router logits) hold one row per local token.
-    if model.sides is not None and any(s.kind != "moe_loss" for s in model.sides.slots):
-        raise NotImplementedError(
-            "context parallelism under a pipeline with trunk side outputs read after the trunk (an MoE's router "
-            "statistics) is not implemented: they would travel as sequence chunks; use cp without pipe, or pipe "
-            "without cp"
-        )
+    # The trunk's side outputs (pipeline_sides) travel as the code after the trunk would read them under cp without
+    # a pipeline, so nothing here changes them: `lightning_par.nn.MoE` slots carry losses already reduced over the
+    # cp ranks (MoE.sample_group), and a Hugging Face router's logits are gathered over the token group dp x cp
+    # (moe_router_stats, a hook prepended in step 4) before the stage's capture hook sees them, so every cp rank
+    # carries the same whole-microbatch tensor and the gather's backward sums its gradient over dp x cp.
     owned = sorted(model.blocks)
     cpar = apply_context_parallel(
         [(trunk.names[i], model.blocks[i]) for i in owned], *cp_args, indices=owned,

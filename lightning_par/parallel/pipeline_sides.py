@@ -19,6 +19,11 @@ the producers (`SideSlot`: a tensor a module inside a block returns and code aft
 - the shapes the schedule allocates receive buffers with come from one forward of each stage, without gradients, on
   zeros of the hidden state's shape (`measure`), gathered over the pipeline group; a microbatch whose side tensor
   has another shape is refused.
+
+A capture hook is registered at the cut; expert parallelism later prepends its gather of router logits over the
+token group (`moe_router_stats`: dp, times cp under context parallelism) to the router's hooks, so what is captured
+and carried is the gathered tensor, the same on every rank of that group: under cp the whole microbatch's tokens,
+never this rank's sequence chunk.
 """
 
 from __future__ import annotations
