@@ -40,7 +40,10 @@ class _HFMoELM(L.LightningModule):
         return out.loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
-        self.log("val_loss", self(batch[0]).loss, sync_dist=True)
+        out = self(batch[0])
+        self.log("val_loss", out.loss, sync_dist=True)
+        if out.aux_loss is not None:  # apart too: a wrong aux term hides in the total at 1e-6
+            self.log("val_aux", out.aux_loss, sync_dist=True)
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)

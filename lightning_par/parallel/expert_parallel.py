@@ -191,7 +191,7 @@ def apply_expert_parallel(
         layer.set_token_group(token_group, cp_group)
         if layer.kind == "stacked" and layer.router is not None and token_group is not None:
             if dist.get_world_size(token_group) > 1:
-                gather_router_logits(layer.router, token_group)
+                gather_router_logits(layer.router, token_group, cp_group)
         if mesh is None or ep == 1:
             continue
         rank = mesh.ep.get_local_rank()

@@ -12,13 +12,15 @@ backward sums the gradient of every rank's loss (all-reduce) and keeps this rank
 average over the ``dp`` ranks that is exactly the gradient of the one-process loss. The cost is one all-gather of
 ``N x E`` logits per layer and step (small beside the token all-to-alls). The blocks' routing itself never sees
 the gathered logits. Only in training mode: evaluation and generation (possibly on one rank) keep per-rank
-logits. A model that masks padding in that loss (``attention_mask`` passed to the model) would pair
-a local mask with global logits and is not supported with ``output_router_logits`` under data parallelism.
+logits, except that a sample's context-parallel chunks are gathered there too (its cp ranks run every forward
+together), so a validation loss under cp is the one a rank would compute on its whole samples. A model that masks
+padding in that loss (``attention_mask`` passed to the model) would pair a local mask with global logits and is not
+supported with ``output_router_logits`` under data parallelism.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -60,22 +62,28 @@ def is_top_k_output(out: Any) -> bool:
     )  # fmt: skip
 
 
-def gather_router_logits(router: nn.Module, group: dist.ProcessGroup) -> RemovableHandle:
+def gather_router_logits(
+    router: nn.Module, group: dist.ProcessGroup, eval_group: Optional[dist.ProcessGroup] = None
+) -> RemovableHandle:
     """Make ``router``'s first output (the logits the model records) span every rank of ``group``.
 
-    Only in training mode (evaluation and generation may run on some ranks only), and only a router returning
+    In training mode over ``group``; in evaluation over ``eval_group`` only (the context-parallel ranks, which hold
+    chunks of the same samples and always run a forward together), or not at all: data-parallel evaluation and
+    generation may run on some ranks only, and each keeps its own batch's logits. Only a router returning
     ``(logits [N, E], weights [N, k], index [N, k])`` is changed; any other output passes unchanged (its block may
     route with the logits themselves).
 
     Args:
         router: the router module of a recognised stacked-experts block.
-        group: the data-parallel ranks whose tokens form one batch.
+        group: the ranks whose tokens form one batch (dp, times cp).
+        eval_group: the ranks whose tokens form one sample in evaluation (cp), or ``None``.
     """
 
     def hook(module: nn.Module, args: Any, out: Any) -> Any:
-        if not module.training or not is_top_k_output(out):
+        over = group if module.training else eval_group
+        if over is None or not is_top_k_output(out):
             return out
-        return (_GatherRows.apply(out[0], group), out[1], out[2])
+        return (_GatherRows.apply(out[0], over), out[1], out[2])
 
     # prepend: the model's output recorders (installed on its first forward) must see the gathered logits.
     return router.register_forward_hook(hook, prepend=True)
