@@ -53,13 +53,12 @@ def ulysses_attention(
         q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa: the call's arguments; ``attn_mask`` over
             the whole sequence (``[..., length, length]``: context parallelism leaves masks whole in this mode).
     """
-    cp = len(lay.sizes)
-    heads, kv_heads = q.shape[_HEADS] if q.dim() == 4 else 0, k.shape[_HEADS] if k.dim() == 4 else 0
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise NotImplementedError(
             f"{block} calls scaled_dot_product_attention on {q.dim()}-D queries; cp_mode='ulysses' splits the head "
             "dimension of (batch, heads, sequence, features) tensors; use cp_mode='allgather'"
         )
+    cp, heads, kv_heads = len(lay.sizes), q.shape[_HEADS], k.shape[_HEADS]
     if heads % cp:
         divisors = [d for d in range(2, heads + 1) if heads % d == 0]
         raise NotImplementedError(
