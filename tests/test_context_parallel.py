@@ -29,6 +29,7 @@ LR = 3e-3  # the AdamW models' learning rate (tests/_worker.py)
 UNEVEN = {"cp_uneven": True}
 OP_AC = {"activation_checkpointing": "selective_op"}
 ULYSSES = {"cp_mode": "ulysses"}
+BF16 = {"precision": "bf16-mixed"}
 
 JOBS_2: dict[str, dict[str, Any]] = {
     "gpt_sgd_cp": {"model": "gpt_sgd", "strategy": {"cp": 2}, "dp": 1},
@@ -44,6 +45,9 @@ JOBS_2: dict[str, dict[str, Any]] = {
     "gpt_sgd_cp_ulysses": {"model": "gpt_sgd", "strategy": {"cp": 2, **ULYSSES}, "dp": 1},
     "llama_cp_ulysses_uneven": {"model": "llama", "seq_len": 27, "strategy": {"cp": 2, **ULYSSES, **UNEVEN}, "dp": 1},
     "hf_llama_sdpa_cp_ulysses_ac": {"model": "hf_llama_sdpa", "strategy": {"cp": 2, **ULYSSES, **OP_AC}, "dp": 1},
+    # bf16-mixed against a bf16-mixed process: the K/V gather and the all-to-alls carry bf16.
+    "hf_llama_sdpa_cp_bf16": {"model": "hf_llama_sdpa", "strategy": {"cp": 2}, "dp": 1, **BF16},
+    "hf_llama_sdpa_cp_ulysses_bf16": {"model": "hf_llama_sdpa", "strategy": {"cp": 2, **ULYSSES}, "dp": 1, **BF16},
     # Mixtral's load-balancing term in training and in validation (its cp ranks gather a sample's router logits).
     "hf_mixtral_sdpa_aux_cp_val": {"model": "hf_mixtral_sdpa_aux", "strategy": {"cp": 2}, "dp": 1, "validate": True},
 }
@@ -95,6 +99,14 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def test_cp_matches_one_process(results, name):
     got, ref = results["parity"][name]
     assert len(got["losses"]) == len(ref["losses"]) >= 3
+    if ALL[name].get("precision") == "bf16-mixed":
+        # Attention over a chunk's queries (or a head group) in bf16 rounds otherwise than over the whole sequence;
+        # measured: losses 2.2e-5 (all-gather) and 4.4e-7 (Ulysses) relative, gradient norms 6.4e-4 and 1.8e-4.
+        # The norms carry the check: with the exit gather's "x cp" dropped (trunk gradients halved) they are 0.28
+        # off while AdamW's losses move by 2e-5 only (measured).
+        assert rel(got["losses"], ref["losses"]) < 1e-3
+        assert rel(got["grad_norms"], ref["grad_norms"]) < 5e-3
+        return
     assert rel(got["losses"], ref["losses"]) < 1e-5
     assert rel(got["grad_norms"], ref["grad_norms"]) < 1e-5
     sgd = ALL[name]["model"].endswith("_sgd")
