@@ -295,9 +295,10 @@ class ParallelConfig:
     def describe(self, world_size: int) -> str:
         """The resolved layout in one line, printed at start-up (every mesh axis, then ep and the techniques)."""
         axes = " x ".join(f"{axis} {getattr(self, axis)}" for axis in AXES if axis != "ep")
+        cp = f", cp_mode {self.cp_mode}" if self.cp > 1 else ""
         return (
             f"world {world_size} = {axes} (ep {self.ep}); zero_stage {self.zero_stage}, offload {self.offload}, "
-            f"activation checkpointing {self.activation_checkpointing}"
+            f"activation checkpointing {self.activation_checkpointing}{cp}"
         )
 
     def layout(self) -> dict[str, Union[int, str, bool, tuple, None]]:

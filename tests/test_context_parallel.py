@@ -177,6 +177,9 @@ def test_cp_names_and_degree_rule():
 def test_cp_composes_with_every_dimension_and_refuses_unknown_modes():
     # pp x cp x ep trains (tests/test_pipe_moe.py::pipe_cp_moe): no combination is refused at construction.
     ParallelConfig(cp=2, pp=2, ep=2, tp=2, zero_stage=1)
+    # The start-up line names the mode under cp.
+    assert ParallelConfig(cp=2, cp_mode="ulysses").resolve(4).describe(4).endswith("cp_mode ulysses")
+    assert "cp_mode" not in ParallelConfig(tp=2).resolve(4).describe(4)
     with pytest.raises(ParallelConfigError, match=re.escape("choose one of ('allgather', 'ulysses')")):
         ParallelConfig(cp=2, cp_mode="ring")
 

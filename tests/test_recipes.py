@@ -24,7 +24,9 @@ EXPECTED = {  # recipe -> (zero_stage, offload, dp_replicate, tp)
     "tp": (0, False, 1, 2),
     "tp_zero3": (3, False, 1, 2),
     "moe": (2, False, 1, 1),
+    "cp_zero3": (3, False, 1, 1),
 }
+CP = {"cp_zero3": (2, "ulysses")}  # recipe -> (cp, cp_mode); every other recipe has cp 1
 
 
 def test_every_recipe_is_covered():
@@ -48,6 +50,7 @@ def test_recipe_parses_and_builds(recipe: Path, tmp_path, monkeypatch):
     assert isinstance(strategy, lightning_par.ParallelStrategy)
     c = strategy.config
     assert (c.zero_stage, c.offload, c.dp_replicate, c.tp) == EXPECTED[recipe.stem]
+    assert (c.cp, c.cp_mode) == CP.get(recipe.stem, (1, "allgather"))
     assert type(cli.model).__module__.startswith("lightning_par.models")
     assert type(cli.datamodule).__name__ == "ByteTextDataModule"
     assert isinstance(cli.trainer.precision_plugin, lightning_par.ParallelPrecision)
