@@ -6,7 +6,8 @@ experts, their gradients averaged over cp too.
 One spawn on 4 ranks (cp 2 x dp 2, ep 2 by the degree rule): the reference MoE-GPT with capacity (a quarter or more
 of the assignments dropped) and its aux + z losses (weights 1.0 and 0.1, so that a wrong mean shows), Hugging Face
 Mixtral on its SDPA path with its own load-balancing term (router logits gathered over dp x cp), ``cp_moe_zero3``,
-and an uneven length under ZeRO-2.
+and an uneven length under ZeRO-2. One spawn on 8 ranks (tp 2 x cp 2 x dp 2, ep 2): the MoE-GPT with capacity under
+Ulysses attention, and Mixtral under ``tp_cp_moe_zero3``.
 Tolerances as everywhere (docs/testing.md): fp32 losses and gradient norms 1e-5 relative, SGD parameters 1e-5
 relative / 1e-6 absolute at dp 2 (tests/test_context_parallel.py says why).
 """
@@ -37,19 +38,31 @@ JOBS: dict[str, dict[str, Any]] = {
         "strategy": {"cp": 2, "ep": 2, "zero_stage": 2, "cp_uneven": True},
     },
 }  # fmt: skip
+# 8 ranks: tp 2 x cp 2 x dp 2, ep 2 (ep over the dp ranks of one tp and cp index).
+JOBS_8: dict[str, dict[str, Any]] = {
+    "capacity_tp_cp_moe_ulysses": {
+        "model": "moe_gpt_cap_aux_sgd", "strategy": {"tp": 2, "cp": 2, "ep": 2, "cp_mode": "ulysses"}, "dp": 2,
+        "expert_load": True, **NO_ROUTING,
+    },
+    "hf_mixtral_sdpa_aux_tp_cp_moe_zero3": {
+        "model": "hf_mixtral_sdpa_aux", "strategy": "tp_cp_moe_zero3", "dp": 2, "expert_load": True,
+    },
+}  # fmt: skip
+ALL = {**JOBS, **JOBS_8}
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("cp_moe")
-    jobs = {k: {**j, "steps": 3} for k, j in JOBS.items()}
+    jobs = {k: {**j, "steps": 3} for k, j in ALL.items()}
     refs = run_jobs(tmp, [reference_job({k: v for k, v in j.items() if k != "dp"}) for j in jobs.values()], nproc=1)
-    got = run_jobs(tmp, list(jobs.values()), nproc=4, timeout=500)
-    return dict(zip(JOBS, zip(got, refs)))
+    got = run_jobs(tmp, [jobs[k] for k in JOBS], nproc=4, timeout=500)
+    got += run_jobs(tmp, [jobs[k] for k in JOBS_8], nproc=8, timeout=700)
+    return dict(zip(ALL, zip(got, refs)))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(JOBS))
+@pytest.mark.parametrize("name", list(ALL))
 def test_cp_moe_matches_one_process(results, name):
     got, ref = results[name]
     assert got.get("error") is None, got.get("error")
@@ -62,11 +75,11 @@ def test_cp_moe_matches_one_process(results, name):
 @pytest.mark.slow
 def test_cp_moe_expert_load_is_the_one_process_load(results):
     # ParallelismMonitor's tokens per expert sum over strategy.token_group: dp x cp under cp.
-    names = [n for n, j in JOBS.items() if j.get("expert_load")]
+    names = [n for n, j in ALL.items() if j.get("expert_load")]
     for name in names:
         got, ref = (r["expert_load"] for r in results[name])
         assert ref and got.keys() == ref.keys(), name
-        tokens = 8 * JOBS[name].get("seq_len", 32)
+        tokens = 8 * ALL[name].get("seq_len", 32)
         for layer, r in ref.items():
             assert torch.equal(got[layer]["tokens_per_expert"], r["tokens_per_expert"]), (name, layer)
             assert got[layer]["dropped_fraction"] == pytest.approx(r["dropped_fraction"], abs=1e-12)
