@@ -242,3 +242,14 @@ def test_expert_load_counts_each_token_once(tmp_path: Path) -> None:
     dense = ParallelismMonitor()
     _fit(tmp_path / "dense", dense)
     assert dense.expert_load == {} and not any(k.startswith("experts/") for k in dense.last_metrics)
+
+
+def test_the_layout_degrees_are_logged_for_every_axis() -> None:
+    # Each step's metrics carry the layout's degrees (parallel/pp, /tp, /ep, /cp, /dp), read from the strategy's
+    # parallel_layout, which is ParallelConfig.layout() plus the world size.
+    from lightning_par.config import ParallelConfig
+
+    layout = ParallelConfig(pp=2, tp=2, cp=2, ep=2, zero_stage=1).resolve(16).layout()
+    assert monitor_mod._degrees(layout) == {
+        "parallel/pp": 2.0, "parallel/tp": 2.0, "parallel/ep": 2.0, "parallel/cp": 2.0, "parallel/dp": 2.0,
+    }  # fmt: skip
