@@ -234,7 +234,10 @@ class _Heads(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, mask: Any = None) -> torch.Tensor:
         q, k, v = (t.unflatten(-1, (self.heads, 4)).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
-        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        # SDPA's tensors by keyword, as some models pass them.
+        y = torch.nn.functional.scaled_dot_product_attention(
+            query=q, key=k, value=v, attn_mask=mask, is_causal=mask is None
+        )
         return x + y.transpose(1, 2).flatten(-2)
 
 

@@ -170,12 +170,13 @@ class _AttentionMode(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
-            q, k = args[0] if args else kwargs["query"], args[1] if len(args) > 1 else kwargs["key"]
-            _check_self_attention(self.cpar, self.block, q, k)
-            if self.cpar.mode == "ulysses":
-                cpar = self.cpar
+            # SDPA's tensors may come by keyword (query=, key=, value=): both modes take them by position.
+            args = (*args, *(kwargs.pop(n) for n in ("query", "key", "value")[len(args) :] if n in kwargs))
+            cpar = self.cpar
+            _check_self_attention(cpar, self.block, args[0], args[1])
+            if cpar.mode == "ulysses":
                 return ulysses_attention(cpar._layout(), cpar.group, cpar.rank, self.block, *args, **kwargs)
-            return _attention(self.cpar, self.block, *args, **kwargs)
+            return _attention(cpar, self.block, *args, **kwargs)
         if func in _SCORES and _local_scores(self.cpar, func, args):
             n = len(self.cpar._layout().local)
             raise NotImplementedError(
