@@ -138,6 +138,7 @@ def test_offload_packs_activations_through_save_on_cpu(name, monkeypatch):
     assert not params & {t.untyped_storage().data_ptr() for t in packed}
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="offload frees accelerator memory; needs a CUDA device")
 @pytest.mark.parametrize("name", ["gpt", "llama"])
 def test_offload_frees_gpu_memory(name):

@@ -189,6 +189,7 @@ def test_dtensor_counts_local_shard(tmp_path: Path) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on a lent GPU)")
 def test_cuda_peak_lookup(tmp_path: Path) -> None:
     peak = peak_flops_for(torch.cuda.get_device_name(), "bf16-mixed")

@@ -10,6 +10,9 @@ that return means every rank's data files were written and synced and the index 
 them (DCP gathers each rank's write result to rank 0 before writing the index). So a folder appears under its
 real name only complete, and a crash at any point leaves at most a ``.tmp`` folder, which loading ignores.
 
+On a GPU the copies go into page-locked buffers on a stream of the saver's own and return at once; a device-side
+fence orders them before the next forward and a host-side one before the next optimizer step (`device_staging`).
+
 Costs: a CPU copy of this rank's part of the model and optimizer state (ZeRO-1/2 also copy the replicated
 parameters; DCP writes them once), kept from the first save until `AsyncSaver.release`, so later saves copy into
 it instead of allocating. At most one save is in flight: the next one first waits for the previous, as do loading
@@ -34,6 +37,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_par import _compat
 from lightning_par.checkpoint.dcp import commit, prepare_tmp, serialize, tmp_path, write_small
+from lightning_par.checkpoint.device_staging import DeviceCopies, pinned_like
 from lightning_par.checkpoint.reader import CheckpointError
 from lightning_par.checkpoint.strided import canonicalize
 
@@ -71,14 +75,22 @@ class _BufferStager:
     def __init__(self) -> None:
         self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
         self._later: list[_Copy] = []
+        self._watched: list[_Copy] = []  # deferred accelerator tensors: copied by `_device`, version-checked later
+        self._device = DeviceCopies()
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self.deferred: frozenset[int] = frozenset()  # storage pointers whose copy may wait for the worker thread
 
     def _copy(self, key: tuple[Any, ...], tensor: torch.Tensor) -> torch.Tensor:
         buf = self._buffers.get(key)
         if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
-            buf = self._buffers[key] = torch.empty_like(tensor, device="cpu")
+            buf = self._buffers[key] = pinned_like(tensor)
         source = tensor.detach()
-        if source.device.type == "cpu" and source.untyped_storage().data_ptr() in self.deferred:
+        deferred = source.untyped_storage().data_ptr() in self.deferred
+        if source.device.type == "cuda":
+            self._device.add(buf, source, deferred)
+            if deferred:
+                self._watched.append((buf, source, _compat.tensor_version(source), key))
+        elif deferred and source.device.type == "cpu":
             self._later.append((buf, source, _compat.tensor_version(source), key))
         else:
             buf.copy_(source)
@@ -98,17 +110,41 @@ class _BufferStager:
             return type(value)(self._stage((*key, i), v) for i, v in enumerate(value))
         return copy.deepcopy(value)  # e.g. param_groups' numbers, which LR schedulers change in place
 
-    def capture(self, state_dict: dict[str, Any]) -> tuple[dict[str, Any], list[_Copy]]:
-        """The staged state dict (its buffers filled except the deferred ones) and the deferred copies."""
-        self._later = []
+    def capture(self, state_dict: dict[str, Any]) -> tuple[dict[str, Any], _Later]:
+        """The staged state dict (its buffers filled except the deferred ones) and what is left to copy or wait for.
+
+        Accelerator tensors' copies are issued here and run on the saver's stream (`device_staging`).
+        """
+        self._later, self._watched = [], []
         staged = {k: self._stage((k,), v) for k, v in state_dict.items()}
-        later, self._later = self._later, []
+        self._device.issue(self._streams)
+        later = _Later(self._later, self._watched, self._device)
+        self._later, self._watched, self._device = [], [], DeviceCopies()
         return staged, later
 
     @staticmethod
-    def _copy_later(copies: list[_Copy]) -> None:
-        for buf, source, version, key in copies:
+    def _copy_later(later: _Later) -> None:
+        later.run()  # a seam the recovery tests slow down or gate
+
+    def close(self) -> None:
+        self._buffers.clear()
+        self._streams.clear()
+
+
+@dataclasses.dataclass
+class _Later:
+    """What a save leaves to its worker thread before the next optimizer step may run."""
+
+    copies: list[_Copy]  # CPU tensors to copy now
+    watched: list[_Copy]  # accelerator tensors whose issued copies `device` waits for
+    device: DeviceCopies
+
+    def run(self) -> None:
+        """Make the copies, wait for the device's, then check that no source changed before its copy was taken."""
+        for buf, source, _, _ in self.copies:
             buf.copy_(source)
+        self.device.wait()
+        for _, source, version, key in self.copies + self.watched:
             if _compat.tensor_version(source) != version:
                 name = ".".join(str(k) for k in key)
                 raise StagingError(
@@ -117,13 +153,10 @@ class _BufferStager:
                     "optimizer.step() right after a save must first call trainer.strategy.wait_for_staging()"
                 )
 
-    def close(self) -> None:
-        self._buffers.clear()
-
 
 def _write(
     staged: dict[str, Any],
-    later: list[_Copy],
+    later: _Later,
     small: tuple[Optional[bytes], Optional[bytes]],
     *,
     path: Path,

@@ -145,6 +145,7 @@ class DeepSpeedParallelStrategy(ParallelStrategy):
         if backend != "deepspeed":
             raise ValueError(f"DeepSpeedParallelStrategy is backend='deepspeed', not {backend!r}; use ParallelStrategy")
         super().__init__(*args, **kwargs)
+        self._torch_linear = torch.nn.functional.linear  # before any zero.Init of this run replaces it (`teardown`)
         # A dimension DeepSpeed cannot combine with is refused here with its reason, also once it runs natively.
         check_deepspeed_layout(self.config)
         self._user_config = load_user_config(deepspeed_config)
@@ -185,6 +186,15 @@ class DeepSpeedParallelStrategy(ParallelStrategy):
             use_cpu_accelerator()
 
     # ---- model and optimizer ---------------------------------------------------------------------------------
+    @override
+    def teardown(self) -> None:
+        try:
+            super().teardown()
+        finally:
+            # ZeRO-3's zero.Init swaps torch.nn.functional.linear for its own, process-wide, and leaves it ("persists
+            # unless manually reset"): every model trained later in this process would run DeepSpeed's linear.
+            torch.nn.functional.linear = self._torch_linear
+
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
