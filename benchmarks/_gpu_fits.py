@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import importlib.util
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, Optional
 
 import lightning as L
@@ -39,23 +41,29 @@ def loader(dataset: TensorDataset, batch: int, plain: bool) -> DataLoader:
 
 
 class Recorder(L.Callback):
-    """Losses of every step and wall time of each step (synchronized with the device)."""
+    """Losses of every step, and wall time from one step's end to the next (synchronized with the device): the whole
+    loop, the next batch's fetch and Lightning's hooks included, as the hand-written loop's times include its own."""
 
     def __init__(self) -> None:
         self.losses: list[float] = []
         self.step_s: list[float] = []
-        self._t0 = 0.0
+        self._last: Optional[float] = None
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        if pl_module.device.type == "cuda":
-            torch.cuda.synchronize(pl_module.device)
-        self._t0 = time.perf_counter()
+        if self._last is None:  # the first step is timed from its start
+            if pl_module.device.type == "cuda":
+                torch.cuda.synchronize(pl_module.device)
+            self._last = time.perf_counter()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        loss = float(outputs["loss"])  # the hand-written loop reads its loss too
         if pl_module.device.type == "cuda":
             torch.cuda.synchronize(pl_module.device)
-        self.step_s.append(time.perf_counter() - self._t0)
-        self.losses.append(float(outputs["loss"]))
+        now = time.perf_counter()
+        assert self._last is not None
+        self.step_s.append(now - self._last)
+        self._last = now
+        self.losses.append(loss)
 
 
 def fit(
@@ -80,6 +88,22 @@ def fit(
     )  # fmt: skip
     trainer.fit(model, train_dataloaders=loader(data, batch, plain=strategy == "auto"))
     return record, model, trainer
+
+
+@contextmanager
+def host_syncs(accelerator: str) -> Iterator[list[warnings.WarningMessage]]:
+    """Records a warning per implicit host-device synchronization on CUDA (``.item()``, ``.tolist()``, ...): MoE's
+    per-layer ``counts.tolist()`` among them. Explicit ``torch.cuda.synchronize()`` calls are not counted."""
+    with warnings.catch_warnings(record=True) as caught:
+        if accelerator != "cuda":
+            yield caught
+            return
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield caught
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
 
 
 def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -137,8 +161,9 @@ def parity(accelerator: str, smoke: bool) -> list[dict[str, Any]]:
                     rec, model, _ = fit(models[name], "auto", data, batch=8, steps=5, accelerator=accelerator,
                                         precision=precision)  # fmt: skip
                     refs[name] = (rec.losses, full_params(model))
-                rec, model, _ = fit(models[name], strategy, data, batch=8, steps=5, accelerator=accelerator,
-                                    precision=precision)  # fmt: skip
+                with host_syncs(accelerator) as syncs:
+                    rec, model, _ = fit(models[name], strategy, data, batch=8, steps=5, accelerator=accelerator,
+                                        precision=precision)  # fmt: skip
             except Exception as err:  # a report row, not a crash: the other rows still run
                 rows.append({**row, "ok": False, "note": f"{type(err).__name__}: {err}"[:400]})
                 continue
@@ -152,4 +177,6 @@ def parity(accelerator: str, smoke: bool) -> list[dict[str, Any]]:
             worst = max(float(d.max()) for d in diffs.values())
             tolerance = TOLERANCE[precision]
             rows.append({**row, "ok": ok, "loss_rel": loss_rel, "param_max_abs": worst, "tolerance": tolerance})
+            if accelerator == "cuda":  # the whole fit's, set-up included, per step: a comparison between rows
+                rows[-1]["host_syncs_per_step"] = sum("synchroniz" in str(w.message) for w in syncs) / 5
     return rows

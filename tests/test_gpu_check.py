@@ -10,6 +10,7 @@ first), and both checkpoints hold the weights of their save's moment. Timings ar
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,18 @@ from pathlib import Path
 from launch import worker_env
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_check_runs_every_cuda_marked_test_file():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from gpu_check import CUDA_TEST_FILES
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    mark = re.compile(r"^(@pytest\.mark\.cuda\b|pytestmark = \[\s*pytest\.mark\.cuda\b)", re.M)
+    marked = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "tests").glob("test_*.py")
+                    if mark.search(p.read_text()))  # fmt: skip
+    assert list(CUDA_TEST_FILES) == marked
 
 
 def test_gpu_check_smoke_runs_every_section_and_reports(tmp_path):
