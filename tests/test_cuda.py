@@ -124,4 +124,6 @@ def test_resume_on_cuda_continues_the_dropout_stream_exactly(tmp_path):
     whole = _fit_gpt(tmp_path, max_steps=6, save_at=3)
     resumed = _fit_gpt(tmp_path, max_steps=6, ckpt=tmp_path / "mid.ckpt")
     assert len(whole) == 6 and len(resumed) == 3
-    assert resumed == whole[3:]  # bit-identical: same kernels, same RNG offsets
+    # Dropout masks drawn from a wrong generator state move the loss by ~1e-2; 1e-5 leaves room for the atomics of
+    # attention's backward (not bit-deterministic on CUDA).
+    assert max(abs(a - b) / abs(b) for a, b in zip(resumed, whole[3:])) < 1e-5
