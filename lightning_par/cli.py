@@ -11,6 +11,9 @@ file (`lightning_par.checkpoint.consolidate`); with ``--format hf [--config CONF
 ``lightning-par plan --config RECIPE`` prints the tensor-parallel plan inferred for the recipe's model (with the
 strategy's ``tp_plan`` overrides applied, and checked against its ``tp`` when that is set), without training.
 
+``lightning-par recipes [FOLDER]`` lists the recipes (``./recipes``, else the ones beside this package's source), one
+line each: the name and what it trains.
+
 ``lightning-par check --config RECIPE`` reports, without training, which strategy names can train the recipe's model
 and why the others cannot (`lightning_par.analysis.compatibility`).
 """
@@ -18,7 +21,9 @@ and why the others cannot (`lightning_par.analysis.compatibility`).
 from __future__ import annotations
 
 import os
+import re
 import sys
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -92,6 +97,40 @@ def check_recipe(args: list[str]) -> str:
     return format_verdicts(check_model(cli.model, optimizer))
 
 
+def _recipe_summary(path: Path) -> str:
+    # A recipe opens with its launch command (and notes), then a bare "#" line, then the paragraph saying what it
+    # trains: its first sentence is the summary.
+    lines = path.read_text().splitlines()
+    start = next((i for i, line in enumerate(lines) if line.strip() == "#"), None)
+    words: list[str] = []
+    for line in lines[start + 1 :] if start is not None else []:
+        if not line.startswith("#") or not line.lstrip("#").strip():
+            break
+        words.append(line.lstrip("#").strip())
+    paragraph = re.sub(r"(\w)- (\w)", r"\1-\2", " ".join(words))  # a word hyphenated across two lines
+    return re.split(r"(?<=\.)\s", paragraph, maxsplit=1)[0]
+
+
+def list_recipes(folder: Optional[Path] = None) -> str:
+    """One line per recipe in ``folder`` (default ``./recipes``, else the checkout's beside the package).
+
+    Raises:
+        FileNotFoundError: no recipe folder was found.
+    """
+    candidates = [folder] if folder is not None else [Path("recipes"), Path(__file__).resolve().parents[1] / "recipes"]
+    found = next((c for c in candidates if c.is_dir() and any(c.glob("*.yaml"))), None)
+    if found is None:
+        raise FileNotFoundError(
+            f"no recipes in {', '.join(map(str, candidates))}: pass the folder (`lightning-par recipes PATH`), or "
+            "run from a checkout of lightning_par, whose recipes/ folder holds them"
+        )
+    paths = sorted(found.glob("*.yaml"))
+    width = max(len(p.stem) for p in paths)
+    rows = [f"{p.stem:<{width}}  {_recipe_summary(p)}" for p in paths]
+    return "\n".join([f"recipes in {found} (launch: each file's first line; train: lightning-par fit --config FILE)",
+                      *rows])  # fmt: skip
+
+
 def main() -> None:
     """Entry point of the ``lightning-par`` console script."""
     if len(sys.argv) > 1 and sys.argv[1] == "consolidate":  # not a LightningCLI subcommand: no trainer, no model
@@ -101,6 +140,9 @@ def main() -> None:
         return
     if len(sys.argv) > 1 and sys.argv[1] == "plan":
         print(print_plan(sys.argv[2:]))
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "recipes":
+        print(list_recipes(Path(sys.argv[2]) if len(sys.argv) > 2 else None))
         return
     if len(sys.argv) > 1 and sys.argv[1] == "check":
         print(check_recipe(sys.argv[2:]))

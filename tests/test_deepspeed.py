@@ -180,6 +180,29 @@ def test_accumulation_clipping_validation(runs, references, name):
     assert got["predict"] is not None and len(got["predict"]) > 0
 
 
+def test_nvme_without_async_io_is_refused_before_training(monkeypatch):
+    """Where async_io cannot be built (no libaio), deepspeed_zero3_nvme is refused at set-up naming the package to
+    install, before any step, instead of failing inside DeepSpeed ("Unable to JIT load the async_io op")."""
+    import lightning as L
+    import torch.distributed as dist
+
+    from lightning_par.data import ByteTextDataModule
+    from lightning_par.models import GPT
+    from lightning_par.parallel.deepspeed_zero import DeepSpeedConfigError, async_io_available
+
+    assert async_io_available() == AIO  # the strategy's probe agrees with the one this module skips on
+    monkeypatch.setattr("lightning_par.strategies.deepspeed.async_io_available", lambda: False)  # a machine without
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy="deepspeed_zero3_nvme", max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    try:
+        with pytest.raises(DeepSpeedConfigError, match=r"apt-get install libaio-dev.*deepspeed_zero3_offload"):
+            trainer.fit(GPT(), datamodule=ByteTextDataModule(seq_len=32, batch_size=4, num_samples=8))
+        assert trainer.global_step == 0
+    finally:
+        if dist.is_initialized():  # the world-1 group of this in-process fit; later tests start their own
+            dist.destroy_process_group()
+
+
 @pytest.mark.skipif(not AIO, reason=NO_AIO)
 def test_nvme_offload_swaps_through_the_folder_and_saves(runs):
     from lightning_par.checkpoint import load_full_state

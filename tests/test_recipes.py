@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from launch import ROOT, worker_env
 
 import lightning_par
@@ -25,7 +26,31 @@ EXPECTED = {  # recipe -> (zero_stage, offload, dp_replicate, tp)
     "tp_zero3": (3, False, 1, 2),
     "moe": (2, False, 1, 1),
     "cp_zero3": (3, False, 1, 1),
+    "pipe": (1, False, 1, 1),
+    "3d": (1, False, 1, 1),  # pp and tp are split from the world size at start-up (auto_dims)
+    "deepspeed_zero3": (3, False, 1, 1),
+    "hf_finetune": (3, False, 1, 2),
 }
+PP = {"pipe": 2}  # recipe -> pp; every other recipe has pp 1 (`3d` too until the world size splits it)
+
+
+def _hf_folder(path: Path) -> Path:
+    """A tiny Hugging Face Llama folder (config.json + model.safetensors), what a fine-tuning recipe starts from."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def _extra(recipe: str, tmp_path: Path) -> list[str]:
+    # The fine-tuning recipe names a local folder; the test writes one.
+    if recipe != "hf_finetune":
+        return []
+    folder = str(_hf_folder(tmp_path / "hf_model"))
+    return [f"--model.init_args.config={folder}", f"--trainer.strategy.init_args.pretrained={folder}"]
 CP = {"cp_zero3": (2, "ulysses")}  # recipe -> (cp, cp_mode); every other recipe has cp 1
 
 
@@ -45,11 +70,13 @@ def test_recipe_parses_and_builds(recipe: Path, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setattr(sys, "argv", ["lightning-par"])  # not pytest's own arguments
-    cli = build_cli(["--config", str(recipe)], run=False)
+    cli = build_cli(["--config", str(recipe), *_extra(recipe.stem, tmp_path)], run=False)
     strategy = cli.trainer.strategy
     assert isinstance(strategy, lightning_par.ParallelStrategy)
     c = strategy.config
     assert (c.zero_stage, c.offload, c.dp_replicate, c.tp) == EXPECTED[recipe.stem]
+    assert c.pp == PP.get(recipe.stem, 1)
+    assert isinstance(strategy, lightning_par.DeepSpeedParallelStrategy) == recipe.stem.startswith("deepspeed")
     assert (c.cp, c.cp_mode) == CP.get(recipe.stem, (1, "allgather"))
     assert type(cli.model).__module__.startswith("lightning_par.models")
     assert type(cli.datamodule).__name__ == "ByteTextDataModule"
@@ -82,3 +109,50 @@ def test_plan_command_prints_the_inferred_plan(tmp_path):
     assert "transformer.h.*.attn.c_attn" in out and "colwise_fused_qkv" in out
     assert "transformer.h.*.mlp.c_proj" in out and "rowwise" in out
     assert "n_heads=4 n_kv_heads=4" in out and "valid for tp=2" in out
+
+
+def test_recipes_command_lists_every_recipe_with_what_it_trains(tmp_path):
+    cmd = [sys.executable, "-m", "lightning_par.cli", "recipes", str(ROOT / "recipes")]
+    proc = subprocess.run(cmd, env=worker_env(), cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {line.split()[0]: line.split(maxsplit=1)[1] for line in proc.stdout.splitlines()[1:]}
+    assert set(rows) == {r.stem for r in RECIPES}
+    assert all(text.endswith(".") and len(text) > 20 for text in rows.values()), rows
+    assert rows["pipe"].startswith("Pipeline parallelism") and rows["zero1"].startswith("ZeRO-1: optimizer state")
+    missing = subprocess.run([*cmd[:-1], str(tmp_path)], env=worker_env(), capture_output=True, text=True, timeout=60)
+    assert missing.returncode != 0 and "pass the folder" in missing.stderr
+
+
+def _small(recipe: Path, root: Path) -> list[str]:
+    """The recipe as written, on 4 CPU processes for 2 steps of 4 x 64 tokens per replica, without a logger (the
+    demo's test has the W&B run). 64 suits every recipe's constraints (tp, 2 x cp, microbatches divide)."""
+    return [
+        "--config", str(recipe), "--trainer.accelerator=cpu", "--trainer.devices=4", "--trainer.num_nodes=1",
+        "--trainer.max_steps=2", "--trainer.logger=false", "--trainer.limit_val_batches=0",
+        "--trainer.val_check_interval=1.0", "--trainer.enable_checkpointing=false",
+        "--trainer.enable_progress_bar=false", f"--trainer.default_root_dir={root / recipe.stem}",
+        "--data.init_args.num_samples=64", "--data.init_args.seq_len=64", "--data.init_args.batch_size=4",
+    ]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_every_recipe_trains_a_few_steps(tmp_path):
+    """Every recipe, unchanged but for the launch (4 ranks of one machine, CPU), no logger and 2 steps, trains through
+    the real CLI in one torchrun of 4 processes (one spawn for all: a recipe costs its set-up and 2 steps)."""
+    import json
+
+    runs = [[r.stem, [*_small(r, tmp_path), *_extra(r.stem, tmp_path)]] for r in RECIPES]
+    spec, out = tmp_path / "spec.json", tmp_path / "out.pt"
+    spec.write_text(json.dumps({"out": str(out), "runs": runs}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+           str(ROOT / "tests" / "_recipe_worker.py"), str(spec)]  # fmt: skip
+    proc = subprocess.run(cmd, env=worker_env(), cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-6000:]
+    got = torch.load(out, weights_only=False)
+    assert set(got) == {r.stem for r in RECIPES}
+    for name, r in got.items():
+        assert r["steps"] == 2 and 0 < r["loss"] < 10, (name, r)
+    assert got["deepspeed_zero3"]["strategy"] == "_NamedDeepSpeedStrategy"
+    assert (got["pipe"]["layout"]["pp"], got["pipe"]["layout"]["dp_shard"]) == (2, 2)
+    assert got["hybrid_zero3"]["layout"]["dp_replicate"] == 2 and got["cp_zero3"]["layout"]["cp"] == 2
+    assert got["3d"]["layout"]["pp"] * got["3d"]["layout"]["tp"] == 4

@@ -54,10 +54,12 @@ class ByteTextDataModule(L.LightningDataModule):
     """Next-byte prediction on the bundled corpus; the first `1 - val_fraction` of the text trains.
 
     The training loader keeps a sequential sampler and any shuffling is a fixed permutation inside the dataset.
-    Lightning swaps that sampler for a non-shuffling `DistributedSampler` under multi-process training, so rank r
-    reads samples r, r + n, r + 2n, ...: at every step the union of the n per-rank batches is exactly the batch of
-    size `n * batch_size` that one process would see, which is what the parity tests compare against. For exact
-    parity on the last step, make the sample count a multiple of `n * batch_size` (see `num_samples`).
+    Under a distributed strategy (this suite's at any world size, Lightning's DDP) Lightning replaces that sampler
+    with `DistributedSampler(shuffle=True, seed=0)`: each epoch visits the windows in that sampler's seeded order,
+    the same on every rank, and rank r of n data-parallel ranks reads positions r, r + n, r + 2n, ... of it. At every
+    step the union of the n per-rank batches is exactly the batch of size `n * batch_size` that one process reading
+    the dataset in that order would see, which is what the parity tests compare against. For exact parity on the
+    last step, make the sample count a multiple of `n * batch_size` (see `num_samples`).
 
     Args:
         seq_len: Tokens per sample; must not exceed the model's context length.

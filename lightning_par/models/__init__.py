@@ -5,7 +5,8 @@ reference.
 """
 
 from .gpt import GPT
+from .hf import HFCausalLM
 from .llama import Llama
 from .moe_gpt import MoEGPT
 
-__all__ = ["GPT", "Llama", "MoEGPT"]
+__all__ = ["GPT", "HFCausalLM", "Llama", "MoEGPT"]

@@ -283,6 +283,28 @@ def fp16_supported() -> bool:
     return bool(get_accelerator().is_fp16_supported())
 
 
+def async_io_available() -> bool:
+    """Whether DeepSpeed's async_io op (NVMe offload's reads and writes) can be built or loaded here.
+
+    It needs libaio and its headers; DeepSpeed's own probe compiles a test program against them (~3 s).
+    """
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("AsyncIOBuilder")
+    return builder is not None and bool(builder.is_compatible(verbose=False))
+
+
+def check_async_io(available: bool) -> None:
+    """Refuse NVMe offload before training when its op cannot be built (else DeepSpeed fails deep inside, with
+    "Unable to JIT load the async_io op")."""
+    if not available:
+        raise DeepSpeedConfigError(
+            "deepspeed_zero3_nvme (offload_device='nvme') needs DeepSpeed's async_io op, which cannot be built here: "
+            "it needs the libaio library and its headers. Install them (Debian/Ubuntu: apt-get install libaio-dev; "
+            "RHEL/Fedora: dnf install libaio-devel), or offload to CPU memory instead: deepspeed_zero3_offload"
+        )
+
+
 def init_comm() -> None:
     """Point DeepSpeed's comm layer at the (gloo or nccl) default process group that already exists."""
     import deepspeed

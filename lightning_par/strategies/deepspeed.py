@@ -34,7 +34,9 @@ from lightning_par.parallel.compose import tied_names
 from lightning_par.parallel.deepspeed_init import MetaInitReport, materialize_for_deepspeed
 from lightning_par.parallel.deepspeed_zero import (
     DeepSpeedConfigError,
+    async_io_available,
     build_config,
+    check_async_io,
     check_deepspeed_layout,
     deepspeed_optimizer,
     fp16_supported,
@@ -211,6 +213,8 @@ class DeepSpeedParallelStrategy(ParallelStrategy):
     def _build_engine(self, trainer: pl.Trainer, module: pl.LightningModule, fitting: bool) -> None:
         if trainer.gradient_clip_val and trainer.gradient_clip_algorithm == "value":
             raise DeepSpeedConfigError("DeepSpeed clips by norm only; use gradient_clip_algorithm='norm'")
+        if self._offload_device == "nvme":
+            check_async_io(async_io_available())  # on every rank: each builds the op itself
         if self._offload_device == "nvme" and self._nvme_path is None:
             # Per process, so concurrent jobs on one machine never share swap files; the engine reads them until
             # the process ends (validate/predict after fit too), so they go at exit.
