@@ -878,6 +878,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         "warnings": [str(w.message) for w in caught] if job.get("record_warnings") else None,
         "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
         "expert_load": monitor.expert_load if monitor is not None else None,
+        "flops_per_token": monitor.flops_per_token if monitor is not None else None,
         "logged": memory_logger.metrics if memory_logger is not None else None,
         "files_in_list_dir": sorted(str(p) for p in Path(job["list_dir"]).rglob("*") if p.is_file())
         if job.get("list_dir")

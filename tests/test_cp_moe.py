@@ -85,6 +85,10 @@ def test_cp_moe_expert_load_is_the_one_process_load(results):
             assert got[layer]["dropped_fraction"] == pytest.approx(r["dropped_fraction"], abs=1e-12)
             assert float(r["tokens_per_expert"].sum()) == pytest.approx(tokens * 2 * (1 - r["dropped_fraction"]))
     assert all(r["dropped_fraction"] > 0.01 for r in results["capacity"][1]["expert_load"].values())
+    # Model FLOPs come from the whole model's active parameters: the same number under every layout.
+    for name in names:
+        got, ref = (r["flops_per_token"] for r in results[name])
+        assert got == ref > 0, (name, got, ref)
 
 
 def test_cp_moe_names_train_and_follow_the_degree_rule():

@@ -245,6 +245,19 @@ def test_expert_load_counts_each_token_once(tmp_path: Path) -> None:
     assert dense.expert_load == {} and not any(k.startswith("experts/") for k in dense.last_metrics)
 
 
+def test_model_flops_count_the_active_experts_only(tmp_path: Path) -> None:
+    # top-2 of 4 experts: N leaves out the embedding and half of every layer's experts (router and the rest whole).
+    from lightning_par.plans.flops import active_param_count
+
+    model = TinyMoELM()
+    experts = sum(p.numel() for b in model.blocks for p in b[0].experts.parameters())
+    everything = sum(p.numel() for p in model.parameters()) - model.emb.weight.numel()
+    assert experts > 0 and active_param_count(model) == everything - experts // 2
+    cb = ParallelismMonitor()
+    _fit(tmp_path, cb, model, max_steps=1)  # type: ignore[arg-type]
+    assert cb.flops_per_token == 6.0 * (everything - experts // 2)  # Lightning's own strategy: counted here
+
+
 def test_the_layout_degrees_are_logged_for_every_axis() -> None:
     # Each step's metrics carry the layout's degrees (parallel/pp, /tp, /ep, /cp, /dp), read from the strategy's
     # parallel_layout, which is ParallelConfig.layout() plus the world size.

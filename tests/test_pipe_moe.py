@@ -140,6 +140,8 @@ def test_pipe_moe_matches_one_process_accumulating_microbatches(results, name):
         assert got["expert_load"].keys() == ref["expert_load"].keys() and ref["expert_load"]
         for layer, r in ref["expert_load"].items():
             assert torch.equal(got["expert_load"][layer]["tokens_per_expert"], r["tokens_per_expert"]), layer
+        # Model FLOPs from the whole model's active parameters, not this rank's stage, tp slice or experts.
+        assert got["flops_per_token"] == ref["flops_per_token"] > 0
     if name in JOBS and JOBS[name].get("validate"):
         assert abs(got["val"]["val_loss"] - ref["val"]["val_loss"]) <= 1e-5 * abs(ref["val"]["val_loss"])
 

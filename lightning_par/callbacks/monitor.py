@@ -6,8 +6,9 @@ the strategies themselves:
 
 - `dp_size: int`: ranks that see *different* batches. Tensor- and pipeline-parallel ranks of one data-parallel
   replica see the same batch, so only this size multiplies the per-rank token count. Absent: `world_size`.
-- `global_param_count: int`: the non-embedding parameter count, for strategies that shard parameters as plain
-  tensors (a DTensor already reports its global `numel()`).
+- `global_param_count: int`: the active non-embedding parameter count of the whole model
+  (`lightning_par.plans.flops.active_param_count`, counted before the model is laid out, so the same under every
+  layout); lightning_par's strategies set it at set-up. Absent (other strategies): counted on the module here.
 - `parallel_layout: dict[str, int | str]`: logged once as the `parallel` hyperparameter; its degrees also go out
   as `parallel/<axis>` values at every log.
 - `token_group`: the process group whose ranks see different tokens, over which expert loads are summed.
@@ -27,10 +28,10 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from torch import nn
 from typing_extensions import override
 
 from lightning_par.callbacks.expert_load import ExpertLoad, load_metrics
+from lightning_par.plans.flops import active_param_count
 
 try:
     from torch.distributed.tensor import DTensor
@@ -150,8 +151,9 @@ class ParallelismMonitor(Callback):
       ids on this rank, summed over the micro-batches of each optimizer step (so `B*T*accumulate_grad_batches`),
       times the data-parallel size. Validation time inside the window is excluded.
     - `perf/model_tflops_per_s_per_device` and, when a peak is known, `perf/mfu`: model FLOPs per token is
-      `6N + 12*L*H*T` (PaLM, Chowdhery et al. 2022, appendix B), N the non-embedding parameters (all except
-      `nn.Embedding` weights; a head tied to the embedding is therefore not counted), L/H/T from the module's
+      `6N + 12*L*H*T` (PaLM, Chowdhery et al. 2022, appendix B), N the active non-embedding parameters of the
+      whole model (all except `nn.Embedding` weights, so a head tied to the embedding is not counted, and only
+      top_k / n_experts of each MoE layer's experts; the same under every layout), L/H/T from the module's
       `n_layers`/`hidden_size`/`seq_len` or the arguments below; without them only `6N` is used.
     - `mem/params_bytes`, `mem/grads_bytes` (measured in `on_before_optimizer_step`, while grads exist),
       `mem/optim_state_bytes`: storage this rank holds (a DTensor's local shard), and their `*_max_rank` over
@@ -277,9 +279,8 @@ class ParallelismMonitor(Callback):
         given = getattr(trainer.strategy, "global_param_count", None)
         if isinstance(given, int):
             return given
-        embedding = {id(p) for m in pl_module.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
         # DTensor.numel() is the global count, so sharded DTensor parameters need no all-reduce here.
-        return sum(p.numel() for p in pl_module.parameters() if id(p) not in embedding)
+        return active_param_count(pl_module)
 
     @override
     def on_train_batch_start(

@@ -48,6 +48,7 @@ from lightning_par.parallel.deepspeed_zero import (
 )
 from lightning_par.parallel.materialize import base_seed, has_meta
 from lightning_par.parallel.optimizers import check_elementwise
+from lightning_par.plans.flops import active_param_count
 from lightning_par.precision.parallel import ParallelPrecision
 from lightning_par.strategies.parallel import ParallelStrategy
 
@@ -205,6 +206,8 @@ class DeepSpeedParallelStrategy(ParallelStrategy):
         assert module is not None
         fitting = trainer.state.fn == TrainerFn.FITTING
         if self._engine is None or (fitting and self._client is None):
+            if self._engine is None:  # the whole model, before DeepSpeed partitions it (ParallelismMonitor's N)
+                self.global_param_count = active_param_count(module)
             self._build_engine(trainer, module, fitting)
         self.model = self._engine
         self.barrier()

@@ -31,6 +31,7 @@ from lightning_par.config import AUTO, ACMode, ParallelConfig
 from lightning_par.parallel.compose import parallelize
 from lightning_par.parallel.materialize import has_meta
 from lightning_par.parallel.run import ParallelRun
+from lightning_par.plans.flops import active_param_count
 from lightning_par.plans.moe import MoELayer
 from lightning_par.precision.parallel import ParallelPrecision
 from lightning_par.strategies._checkpointing import ShardedCheckpoints, Where, optimizer_entries
@@ -131,6 +132,7 @@ class ParallelStrategy(ProcessGroupStrategy):
         self._tp_plan = dict(tp_plan) if tp_plan else None
         self._pretrained = str(pretrained) if pretrained is not None else None
         self._checkpoints = ShardedCheckpoints(self._timeout, async_save)
+        self.global_param_count: Optional[int] = None  # set at set-up: what ParallelismMonitor counts FLOPs from
         self._run: Optional[ParallelRun] = None
         self._pipeline: Optional[PipelineSteps] = None
         self._accumulating = False
@@ -181,6 +183,8 @@ class ParallelStrategy(ProcessGroupStrategy):
         module = self.lightning_module
         assert module is not None
         if self._run is None:
+            # Model FLOPs come from the whole model: after `parallelize` a rank holds a stage, a slice or a shard.
+            self.global_param_count = active_param_count(module)
             precision.convert_module(module)  # in place (bf16-true casts the parameters)
             if not has_meta(module):  # a meta-built model gets its storage inside `parallelize`, rank by rank
                 module.to(self.root_device)
