@@ -79,7 +79,7 @@ BF16_ROUND_TRIPS = {
 def _parity_jobs(tmp: Path) -> dict[str, dict[str, Any]]:
     jobs: dict[str, dict[str, Any]] = {}
     for name in NAMES:
-        jobs[f"{name}/gpt"] = {**PARITY_JOBS["gpt"], "strategy": name}
+        jobs[f"{name}/gpt"] = {**PARITY_JOBS["gpt"], "strategy": name, "expert_load": True}  # + ParallelismMonitor
         jobs[f"{name}/gpt_bf16_mixed"] = {**PARITY_JOBS["gpt_bf16_mixed"], "strategy": name}
     # DeepSpeed keeps partitions under 1 MiB in memory even under NVMe offload, so the small GPT above never touches
     # the disk: a wider one (0.9 M parameters) with its swap folder in tmp, against native zero3 on the same spawn.
@@ -178,6 +178,17 @@ def test_accumulation_clipping_validation(runs, references, name):
     assert got["val"]["val_loss"] == pytest.approx(ref["val"]["val_loss"], rel=1e-5)
     assert got["test"]["test_loss"] == pytest.approx(ref["test"]["test_loss"], rel=1e-5)
     assert got["predict"] is not None and len(got["predict"]) > 0
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_monitor_counts_model_flops_of_the_whole_model(runs, name):
+    # Under ZeRO-3 DeepSpeed leaves each parameter an empty placeholder: the strategy counts before partitioning.
+    from lightning_par.models import GPT
+    from lightning_par.plans.flops import active_param_count
+
+    m = GPT(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=32)  # the worker's "gpt"
+    want = 6.0 * active_param_count(m) + 12.0 * m.n_layers * m.hidden_size * m.seq_len
+    assert runs[f"{name}/gpt"]["flops_per_token"] == want > 0
 
 
 def test_nvme_without_async_io_is_refused_before_training(monkeypatch):
