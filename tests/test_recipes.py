@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -89,8 +90,8 @@ def test_demo_command_trains_and_logs_to_wandb_offline(tmp_path):
     env.pop("WANDB_MODE", None)  # the CLI must choose offline by itself when there is no API key
     env.pop("WANDB_API_KEY", None)
     demo = str(ROOT / "recipes" / "demo.yaml")
-    cmd = [sys.executable, "-m", "lightning_par.cli", "fit", "--config", demo, "--trainer.max_steps=4",
-           "--trainer.val_check_interval=2", "--trainer.enable_progress_bar=false"]  # fmt: skip
+    cmd = [sys.executable, "-m", "lightning_par.cli", "fit", "--config", demo, "--trainer.max_steps=6",
+           "--trainer.val_check_interval=3", "--trainer.enable_progress_bar=false"]  # fmt: skip
     proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
@@ -98,6 +99,22 @@ def test_demo_command_trains_and_logs_to_wandb_offline(tmp_path):
     assert list(runs[0].glob("run-*.wandb")), "the offline run has its log file"
     layout = "lightning_par layout: world 2 = pp 1 x dp_replicate 1 x dp_shard 2 x cp 1 x tp 1"
     assert layout in proc.stdout + proc.stderr
+    # What reached W&B, read back from the offline run's transaction log with wandb's own reader.
+    reader = [str(Path(sys.executable).with_name("wandb")), "leet", "inspect", "--json", str(runs[0])]
+    read = subprocess.run(reader, env=env, capture_output=True, text=True, timeout=120)
+    assert read.returncode == 0, read.stderr[-2000:]
+    records = [json.loads(line) for line in read.stdout.splitlines() if line.startswith("{")]
+    config: dict = {}
+    for r in records:
+        if r["type"] == "config":
+            config.update(r["config"]["update"])
+    assert config["parallel"]["dp_shard"] == 2 and config["parallel"]["zero_stage"] == 2  # the layout, once
+    assert config["n_layer"] == 2 and config["seq_len"] == 64  # model and data hyperparameters
+    history = [r["history"]["item"] for r in records if r["type"] == "history"]
+    step5 = next(h for h in history if "perf/tokens_per_s" in h)  # the demo logs every 5 steps
+    assert step5["trainer/global_step"] == 4 and 0 < step5["train_loss"] < 6  # step 5 (0-based 4)
+    assert step5["perf/tokens_per_s"] > 0 and step5["mem/params_bytes"] > 0 and step5["parallel/dp"] == 2
+    assert sum("val_loss" in h for h in history) == 2  # validation after steps 3 and 6
 
 
 def test_plan_command_prints_the_inferred_plan(tmp_path):
