@@ -50,6 +50,14 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True) -> LightningCL
     return LightningCLI(args=args, run=run, **kwargs)
 
 
+def _built(model: Any) -> Any:
+    # A model built in configure_model() (Lightning's hook for models larger than one device) has no layers until
+    # the hook runs: run it on the meta device, as the strategies do, so that inspecting it allocates nothing.
+    with torch.device("meta"):
+        model.configure_model()
+    return model
+
+
 def print_plan(args: list[str]) -> str:
     """Build the recipe's model and strategy (no processes, no training) and return its tensor-parallel plan.
 
@@ -64,7 +72,7 @@ def print_plan(args: list[str]) -> str:
     cli = build_cli(args, run=False)
     strategy = cli.trainer.strategy
     overrides = getattr(strategy, "_tp_plan", None)
-    plan = infer_tp_plan(cli.model, overrides=overrides)
+    plan = infer_tp_plan(_built(cli.model), overrides=overrides)
     text = format_plan(plan)
     tp = strategy.config.tp if isinstance(strategy, lightning_par.ParallelStrategy) else 1
     if tp > 1:
@@ -93,7 +101,7 @@ def check_recipe(args: list[str]) -> str:
     from lightning_par.analysis.compatibility import check_model, format_verdicts
 
     cli = build_cli(args, run=False)
-    optimizer = _first_optimizer(cli.model.configure_optimizers())
+    optimizer = _first_optimizer(_built(cli.model).configure_optimizers())
     return format_verdicts(check_model(cli.model, optimizer))
 
 

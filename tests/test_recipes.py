@@ -173,3 +173,17 @@ def test_every_recipe_trains_a_few_steps(tmp_path):
     assert (got["pipe"]["layout"]["pp"], got["pipe"]["layout"]["dp_shard"]) == (2, 2)
     assert got["hybrid_zero3"]["layout"]["dp_replicate"] == 2 and got["cp_zero3"]["layout"]["cp"] == 2
     assert got["3d"]["layout"]["pp"] * got["3d"]["layout"]["tp"] == 4
+
+
+def test_plan_and_check_see_a_model_built_in_configure_model(tmp_path, monkeypatch):
+    """`HFCausalLM` builds its network in configure_model() (the large-model hook): `plan` and `check` run that hook
+    on the meta device before inspecting, instead of finding no layers (or an empty optimizer)."""
+    from lightning_par.cli import check_recipe, print_plan
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["lightning-par"])
+    args = ["--config", str(ROOT / "recipes" / "hf_finetune.yaml"), *_extra("hf_finetune", tmp_path)]
+    plan = print_plan(args)
+    assert "model.model.layers.*.self_attn.q_proj" in plan and "valid for tp=2" in plan
+    verdicts = {line.split()[0]: line.split()[1] for line in check_recipe(args).splitlines() if line.strip()}
+    assert verdicts["tp_zero3"] == "ok" and verdicts["pipe"] == "ok" and verdicts["moe"] == "no"
