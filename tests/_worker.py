@@ -770,7 +770,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     ckpt_recorder = CheckpointRecorder(bool(job.get("record_step_params")))
     routing = RoutingRecorder()
     extra: list[L.Callback] = [ckpt_recorder, *([optim_recorder] if job.get("record_optim") else [])]
-    monitor = ParallelismMonitor() if job.get("expert_load") else None
+    monitor = ParallelismMonitor(pictures_every_n_steps=1) if job.get("expert_load") else None
     if monitor is not None:
         extra.append(monitor)
     if job.get("record_init"):
@@ -879,6 +879,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
         "expert_load": monitor.expert_load if monitor is not None else None,
         "flops_per_token": monitor.flops_per_token if monitor is not None else None,
+        "pictures": {k: tuple(v.shape) for k, v in monitor.last_pictures.items()} if monitor is not None else None,
         "logged": memory_logger.metrics if memory_logger is not None else None,
         "files_in_list_dir": sorted(str(p) for p in Path(job["list_dir"]).rglob("*") if p.is_file())
         if job.get("list_dir")

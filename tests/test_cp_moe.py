@@ -89,6 +89,11 @@ def test_cp_moe_expert_load_is_the_one_process_load(results):
     for name in names:
         got, ref = (r["flops_per_token"] for r in results[name])
         assert got == ref > 0, (name, got, ref)
+        # Pictures on rank 0: a bar per rank (all-gathered), a heatmap row per MoE layer, a cell per expert.
+        pictures, world = results[name][0]["pictures"], results[name][0]["layout"]["world_size"]
+        assert pictures["pictures/memory_per_rank"] == (270, 220 + 40 * world, 3), (name, pictures)
+        layers = len(results[name][1]["expert_load"])
+        assert pictures["pictures/expert_load"][0] == 24 + 18 * layers + 10, (name, pictures)
 
 
 def test_cp_moe_names_train_and_follow_the_degree_rule():

@@ -60,8 +60,8 @@ def _fit(tmp_path: Path, cb: ParallelismMonitor, model: TinyLM | None = None, **
     model = model or TinyLM()
     kw: dict[str, Any] = {"accelerator": "cpu", "devices": 1, "max_steps": 4, "log_every_n_steps": 1}
     kw.update(trainer_kw)
+    kw.setdefault("logger", CSVLogger(tmp_path, name="run"))
     trainer = L.Trainer(
-        logger=CSVLogger(tmp_path, name="run"),
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -256,6 +256,64 @@ def test_model_flops_count_the_active_experts_only(tmp_path: Path) -> None:
     cb = ParallelismMonitor()
     _fit(tmp_path, cb, model, max_steps=1)  # type: ignore[arg-type]
     assert cb.flops_per_token == 6.0 * (everything - experts // 2)  # Lightning's own strategy: counted here
+
+
+def test_pictures_reach_wandb_as_images(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Read back from the offline run with wandb's own reader: each picture is an image record of the logged step,
+    # its PNG in the run's files, decodable, and the pixels the callback drew.
+    import json
+    import subprocess
+    import sys
+
+    import numpy as np
+    from lightning.pytorch.loggers import WandbLogger
+    from PIL import Image
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.chdir(tmp_path)
+    cb = ParallelismMonitor(pictures_every_n_steps=2)
+    logger = WandbLogger(project="pictures", save_dir=str(tmp_path))
+    _fit(tmp_path, cb, TinyMoELM(), logger=logger)  # type: ignore[arg-type]
+    logger.experiment.finish()
+    assert set(cb.last_pictures) == {"pictures/memory_per_rank", "pictures/expert_load"}
+    (run,) = (tmp_path / "wandb").glob("offline-run-*")
+    reader = [str(Path(sys.executable).with_name("wandb")), "leet", "inspect", "--json", str(run)]
+    read = subprocess.run(reader, capture_output=True, text=True, timeout=120)
+    assert read.returncode == 0, read.stderr[-2000:]
+    history = [json.loads(line)["history"]["item"] for line in read.stdout.splitlines() if '"type":"history"' in line]
+    shown = [h for h in history if "pictures/memory_per_rank._type" in h]
+    # Optimizer steps 2 and 4, at the x Lightning gives their metrics (steps before them: 1 and 3), in one row each.
+    assert [h["trainer/global_step"] for h in shown] == [1, 3]
+    for key, drawn in cb.last_pictures.items():
+        row = shown[-1]
+        assert row[f"{key}._type"] == "image-file" and row[f"{key}.width"] == drawn.shape[1], row
+        name = row[f"{key}.path"]
+        assert np.array_equal(np.asarray(Image.open(run / "files" / name).convert("RGB")), drawn)
+    heat = cb.last_pictures["pictures/expert_load"]
+    assert heat.shape[0] == 24 + 18 * 2 + 10  # two MoE layers, one row each
+    assert len({tuple(px) for px in heat.reshape(-1, 3)}) > 4  # shades, not a blank canvas
+
+
+def test_pictures_reach_tensorboard(tmp_path: Path) -> None:
+    # Read back from the event file with TensorBoard's own reader: the same pixels, at the metrics' step.
+    import io
+
+    import numpy as np
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from PIL import Image
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cb = ParallelismMonitor(pictures_every_n_steps=2)
+    _fit(tmp_path, cb, TinyMoELM(), logger=TensorBoardLogger(tmp_path, name="tb"))  # type: ignore[arg-type]
+    (events,) = (tmp_path / "tb").rglob("events.out.tfevents.*")
+    acc = EventAccumulator(str(events), size_guidance={"images": 0})
+    acc.Reload()
+    assert set(cb.last_pictures) <= set(acc.Tags()["images"])
+    for key, drawn in cb.last_pictures.items():
+        shots = acc.Images(key)
+        assert [s.step for s in shots] == [1, 3]
+        decoded = np.asarray(Image.open(io.BytesIO(shots[-1].encoded_image_string)).convert("RGB"))
+        assert np.array_equal(decoded, drawn)
 
 
 def test_the_layout_degrees_are_logged_for_every_axis() -> None:

@@ -31,6 +31,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_par.callbacks.expert_load import ExpertLoad, load_metrics
+from lightning_par.callbacks.pictures import MEMORY_KINDS, load_heatmap, log_pictures, memory_bars
 from lightning_par.plans.flops import active_param_count
 
 try:
@@ -171,6 +172,10 @@ class ParallelismMonitor(Callback):
         n_layers: Overrides the module's `n_layers` (L of the attention FLOPs term).
         hidden_size: Overrides the module's `hidden_size` (H*Q, the model width, in PaLM's notation).
         seq_len: Overrides the module's `seq_len` (T).
+        pictures_every_n_steps: Optimizer steps between pictures (a multiple of the log interval; None: none):
+            `pictures/memory_per_rank` (stacked bars of every rank's parameter, gradient and optimizer-state
+            bytes) and, with MoE layers, `pictures/expert_load` (layers x experts, load over mean), sent to the
+            loggers that take images (W&B, TensorBoard; `lightning_par.callbacks.pictures`).
 
     Attributes:
         last_metrics: The values of the latest log, exact (not rounded to float32).
@@ -178,6 +183,7 @@ class ParallelismMonitor(Callback):
         flops_per_token: Training FLOPs per token, forward and backward.
         peak_flops: The per-device peak MFU divides by; None when unknown.
         expert_load: Per MoE layer name, the logged step's ``tokens_per_expert`` and ``dropped_fraction``.
+        last_pictures: The latest pictures (RGB arrays) by key, on global rank 0.
     """
 
     def __init__(
@@ -187,7 +193,10 @@ class ParallelismMonitor(Callback):
         n_layers: int | None = None,
         hidden_size: int | None = None,
         seq_len: int | None = None,
+        pictures_every_n_steps: int | None = None,
     ) -> None:
+        if pictures_every_n_steps is not None and pictures_every_n_steps < 1:
+            raise ValueError(f"pictures_every_n_steps={pictures_every_n_steps} must be >= 1, or None for no pictures")
         if log_every_n_steps is not None and log_every_n_steps < 1:
             raise ValueError(f"log_every_n_steps={log_every_n_steps} must be >= 1; pass None to use the Trainer's")
         if peak_flops is not None and peak_flops <= 0:
@@ -210,6 +219,8 @@ class ParallelismMonitor(Callback):
         self._load: ExpertLoad | None = None
         self.expert_load: dict[str, dict[str, Any]] = {}
         self._degrees: dict[str, float] = {}
+        self._pictures_every = pictures_every_n_steps
+        self.last_pictures: dict[str, Any] = {}
 
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -331,6 +342,8 @@ class ParallelismMonitor(Callback):
             self.expert_load = self._load.collect(trainer.strategy.root_device)
             metrics.update(load_metrics(self.expert_load))
         metrics.update(self._degrees)
+        if self._pictures_every and trainer.global_step % self._pictures_every == 0:
+            self._pictures(trainer, metrics)
         self.last_metrics = metrics
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=False)
 
@@ -347,6 +360,25 @@ class ParallelismMonitor(Callback):
         if self.peak_flops is not None:
             out["perf/mfu"] = flops_per_device / self.peak_flops
         return out
+
+    def _pictures(self, trainer: "pl.Trainer", metrics: Mapping[str, float]) -> None:
+        mine = [int(metrics[f"mem/{kind}_bytes"]) for kind in MEMORY_KINDS]
+        rows = [mine]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:  # every rank, same step
+            local = torch.tensor(mine, dtype=torch.int64, device=trainer.strategy.root_device)
+            every = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+            dist.all_gather(every, local)
+            rows = [t.tolist() for t in every]
+        if not trainer.is_global_zero:
+            return
+        pictures = {"pictures/memory_per_rank": memory_bars(rows)}
+        if self.expert_load:
+            loads = {k: v["tokens_per_expert"] for k, v in self.expert_load.items()}
+            pictures["pictures/expert_load"] = load_heatmap(loads)
+        self.last_pictures = pictures
+        # Lightning logs the metrics of this optimizer step at the count of steps before it (its loop increments
+        # after on_train_batch_end): the pictures go to the same x.
+        log_pictures(trainer.loggers, pictures, trainer.global_step - 1)
 
     def _memory(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> dict[str, float]:
         states = (v for opt in trainer.optimizers for s in opt.state.values() for v in s.values())
