@@ -110,6 +110,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="alternated rounds of the throughput section")
     parser.add_argument("--only", nargs="*", default=None, help="run only these sections")
     args = parser.parse_args()
+    # A world-1 script: a launcher's variables (inherited from a parent that ran a distributed fit) would make
+    # Lightning join that world, or reuse a port the parent still holds.
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        os.environ.pop(name, None)
     accelerator = "cuda" if torch.cuda.is_available() else "cpu"
     if accelerator == "cpu" and not args.smoke:
         parser.error("no CUDA device here: run with --smoke (tiny sizes) or on a GPU machine")
