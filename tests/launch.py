@@ -18,6 +18,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def worker_env() -> dict[str, str]:
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), WANDB_MODE="offline", PYTHONUNBUFFERED="1")
+    # An in-process W&B run (tests/test_monitor.py) leaves its service's address here: a child would hand its
+    # runs to that service instead of starting its own.
+    env.pop("WANDB_SERVICE", None)
     return env
 
 

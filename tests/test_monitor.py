@@ -270,11 +270,15 @@ def test_pictures_reach_wandb_as_images(tmp_path: Path, monkeypatch: pytest.Monk
     from PIL import Image
 
     monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_SERVICE", raising=False)  # removed again after the test: wandb.init sets it
     monkeypatch.chdir(tmp_path)
     cb = ParallelismMonitor(pictures_every_n_steps=2)
     logger = WandbLogger(project="pictures", save_dir=str(tmp_path))
     _fit(tmp_path, cb, TinyMoELM(), logger=logger)  # type: ignore[arg-type]
     logger.experiment.finish()
+    import wandb
+
+    wandb.teardown()  # this process's W&B service: later tests' children must not find it
     assert set(cb.last_pictures) == {"pictures/memory_per_rank", "pictures/expert_load"}
     (run,) = (tmp_path / "wandb").glob("offline-run-*")
     reader = [str(Path(sys.executable).with_name("wandb")), "leet", "inspect", "--json", str(run)]
