@@ -7,7 +7,6 @@ table, test_activation_checkpointing's offload).
 
 from __future__ import annotations
 
-import threading
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -15,33 +14,13 @@ from typing import Any
 
 import pytest
 import torch
+from test_checkpoint_recovery import _full_state
+from test_checkpoint_recovery import _gated_staging as _gate  # holds the worker until the test opens the gate
 
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (benchmarks/gpu_check.py runs it)"),
 ]
-
-
-def _full_state(path: Path) -> dict[str, Any]:
-    from lightning_par.checkpoint import load_full_state
-
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*load in a single process")
-        return load_full_state(path)
-
-
-def _gate(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
-    # Holds the worker thread's wait for the device copies, so the training thread's next moves come first.
-    from lightning_par.checkpoint.async_save import _BufferStager
-
-    gate, original = threading.Event(), _BufferStager._copy_later
-
-    def held(later: Any) -> None:
-        assert gate.wait(60)
-        original(later)
-
-    monkeypatch.setattr(_BufferStager, "_copy_later", staticmethod(held))
-    return gate
 
 
 def test_async_save_stages_cuda_tensors_into_pinned_buffers_with_save_time_values(tmp_path, monkeypatch):
