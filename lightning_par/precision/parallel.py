@@ -14,22 +14,17 @@ which halves all-gather traffic; the fp32 shards stay the master weights. Lightn
 
 from __future__ import annotations
 
-from collections.abc import Generator
-from contextlib import contextmanager, nullcontext
-from typing import Any, Literal, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch.plugins.precision import MixedPrecision
-from torch import nn
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_par import _compat
 from lightning_par.parallel.grad_norm import clip_grad_norm
-
-PrecisionFlag = Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true"]
-SUPPORTED = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
+from lightning_par.precision.flags import PrecisionFlags, check_flag
 
 
 class ShardedGradScaler(_compat.GradScalerUnscaleHook):
@@ -62,7 +57,7 @@ class ShardedGradScaler(_compat.GradScalerUnscaleHook):
         return {total.device: total}
 
 
-class ParallelPrecision(MixedPrecision):
+class ParallelPrecision(PrecisionFlags, MixedPrecision):
     """Precision plugin of `lightning_par.ParallelStrategy` for all four supported flags.
 
     Args:
@@ -72,10 +67,7 @@ class ParallelPrecision(MixedPrecision):
     """
 
     def __init__(self, precision: str, device: str = "cpu", scaler: Optional[torch.amp.GradScaler] = None) -> None:
-        if precision not in SUPPORTED:
-            raise ValueError(
-                f"precision={precision!r} is not supported by lightning_par strategies; choose one of {SUPPORTED}"
-            )
+        check_flag(precision)
         if precision == "16-mixed" and scaler is None:
             scaler = ShardedGradScaler(device)
         self.precision = precision  # type: ignore[assignment]
@@ -85,69 +77,6 @@ class ParallelPrecision(MixedPrecision):
         # clipping sums the squared norm over them too. Set by the strategy.
         self.norm_groups: tuple[Any, ...] = ()
 
-    @property
-    def mixed(self) -> bool:
-        """Whether compute runs in autocast over fp32 master weights."""
-        return self.precision in ("bf16-mixed", "16-mixed")
-
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        """The dtype matmuls run in."""
-        return {"32-true": torch.float32, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(
-            self.precision, torch.bfloat16
-        )
-
-    @property
-    def param_dtype(self) -> torch.dtype:
-        """The dtype parameters (and their master copies) are stored in."""
-        return torch.bfloat16 if self.precision == "bf16-true" else torch.float32
-
-    @override
-    def convert_module(self, module: nn.Module) -> nn.Module:
-        return module.to(dtype=self.param_dtype) if self.precision == "bf16-true" else module
-
-    @contextmanager
-    def _default_dtype(self) -> Generator[None, None, None]:
-        if self.precision != "bf16-true":
-            yield
-            return
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(torch.bfloat16)
-        try:
-            yield
-        finally:
-            torch.set_default_dtype(previous)
-
-    @override
-    @contextmanager
-    def tensor_init_context(self) -> Generator[None, None, None]:
-        with self._default_dtype():
-            yield
-
-    @override
-    @contextmanager
-    def module_init_context(self) -> Generator[None, None, None]:
-        with self._default_dtype():
-            yield
-
-    @override
-    @contextmanager
-    def forward_context(self) -> Generator[None, None, None]:
-        ctx: Any = self.autocast_context_manager() if self.mixed else nullcontext()
-        with ctx:
-            yield
-
     @override
     def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:  # type: ignore[override]
         clip_grad_norm(self.main_params(optimizer), clip_val, sum_groups=self.norm_groups)
-
-    @override
-    def convert_input(self, data: Any) -> Any:
-        if self.precision != "bf16-true":
-            return data
-        from lightning.fabric.utilities.apply_func import apply_to_collection
-
-        def _cast(t: torch.Tensor) -> torch.Tensor:
-            return t.to(torch.bfloat16) if torch.is_floating_point(t) else t
-
-        return apply_to_collection(data, torch.Tensor, _cast)

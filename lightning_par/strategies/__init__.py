@@ -1,11 +1,14 @@
-"""Lightning glue: `ParallelStrategy`, its DeepSpeed-backed variant, and the registry of strategy names."""
+"""Lightning glue: `ParallelStrategy`, its DeepSpeed-backed variant, `FabricParallelStrategy`, and the registry of
+strategy names."""
 
-# Through the registry: the one module that imports both strategy classes.
+# Through the registry: the one module that imports the strategy classes together.
 from lightning_par.strategies.registry import (
     STRATEGY_NAMES,
     DeepSpeedParallelStrategy,
+    FabricParallelStrategy,
     ParallelStrategy,
     make_strategy,
+    register_fabric_strategies,
     register_strategies,
     strategy_kwargs,
 )
@@ -13,8 +16,10 @@ from lightning_par.strategies.registry import (
 __all__ = [
     "STRATEGY_NAMES",
     "DeepSpeedParallelStrategy",
+    "FabricParallelStrategy",
     "ParallelStrategy",
     "make_strategy",
+    "register_fabric_strategies",
     "register_strategies",
     "strategy_kwargs",
 ]

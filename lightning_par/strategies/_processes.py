@@ -13,6 +13,7 @@ from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import ParallelStrategy as _LightningParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
@@ -114,14 +115,11 @@ class ProcessGroupStrategy(_LightningParallelStrategy):
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
-        backend = self._process_group_backend or _compat.default_process_group_backend(self.root_device)
-        self._process_group_backend = backend
         assert self.cluster_environment is not None
-        device_id = self.root_device if self.root_device.type != "cpu" else None
-        _compat.init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
-        self._config = self._config.resolve(self.world_size, devices_per_node=self.num_processes)
-        self._mesh = build_mesh(self._config, self.root_device.type)
-        rank_zero_info(f"lightning_par layout: {self._config.describe(self.world_size)}")
+        self._process_group_backend, self._config, self._mesh = join_processes(
+            self.cluster_environment, self.root_device, self._process_group_backend, self._timeout, self._config,
+            self.num_processes,
+        )  # fmt: skip
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -130,14 +128,7 @@ class ProcessGroupStrategy(_LightningParallelStrategy):
         rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
 
     def _set_metric_groups(self, module: nn.Module) -> None:
-        # torchmetrics sync over the default (world) group unless told otherwise; they must reduce over
-        # data-parallel ranks only, or tensor/pipeline ranks would count the same samples twice.
-        from torchmetrics import Metric
-
-        group = self.meshes.dp.get_group()
-        for m in module.modules():
-            if isinstance(m, Metric):
-                m.process_group = group
+        set_metric_groups(module, self.meshes.dp.get_group())
 
     # ---- collectives -----------------------------------------------------------------------------------------
     @override
@@ -163,3 +154,47 @@ class ProcessGroupStrategy(_LightningParallelStrategy):
         if group is None and self._mesh is not None:
             group = self._mesh.dp.get_group()
         return _compat.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+
+
+def join_processes(
+    environment: ClusterEnvironment,
+    device: torch.device,
+    backend: Optional[str],
+    timeout: timedelta,
+    config: ParallelConfig,
+    devices_per_node: int,
+) -> tuple[str, ParallelConfig, ParallelMesh]:
+    """Join the default process group, resolve the layout against the world and build the mesh (Trainer and Fabric).
+
+    Args:
+        environment: Lightning's cluster environment, its ranks already set.
+        device: this rank's device.
+        backend: ``"gloo"`` / ``"nccl"``, or ``None`` for the device's default.
+        timeout: collective timeout.
+        config: the requested layout, validated.
+        devices_per_node: processes per node (tensor parallelism never spans nodes).
+
+    Returns:
+        the backend, the resolved config and the job's meshes.
+    """
+    backend = backend or _compat.default_process_group_backend(device)
+    device_id = device if device.type != "cpu" else None
+    _compat.init_dist_connection(environment, backend, timeout=timeout, device_id=device_id)
+    world = environment.world_size()
+    config = config.resolve(world, devices_per_node=devices_per_node)
+    mesh = build_mesh(config, device.type)
+    rank_zero_info(f"lightning_par layout: {config.describe(world)}")
+    return backend, config, mesh
+
+
+def set_metric_groups(module: nn.Module, group: dist.ProcessGroup) -> None:
+    """Make every torchmetrics ``Metric`` in ``module`` sync over ``group`` (the data-parallel ranks).
+
+    torchmetrics sync over the world unless told otherwise; tensor and pipeline ranks of one replica see the same
+    samples, which would then count twice.
+    """
+    from torchmetrics import Metric
+
+    for m in module.modules():
+        if isinstance(m, Metric):
+            m.process_group = group

@@ -1,13 +1,15 @@
-"""Register the strategy names (`lightning_par.names`) in Lightning's `StrategyRegistry` on ``import lightning_par``.
+"""Register the strategy names (`lightning_par.names`) in Lightning's `StrategyRegistry` (Trainer) and in Fabric's
+``STRATEGY_REGISTRY`` on ``import lightning_par``.
 
-The only module that imports both strategy classes. Names whose combination has not landed yet are registered too
-and fail at construction with the reason, so recipes and docs stay stable when it lands.
+The only module that imports the strategy classes together. Names whose combination has not landed yet (or that a
+loop cannot run) are registered too and fail at construction with the reason, so recipes and docs stay stable.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_par.names import (
@@ -17,6 +19,7 @@ from lightning_par.names import (
     strategy_kwargs,
 )
 from lightning_par.strategies.deepspeed import DeepSpeedParallelStrategy
+from lightning_par.strategies.fabric import FabricParallelStrategy
 from lightning_par.strategies.parallel import ParallelStrategy
 
 
@@ -54,3 +57,25 @@ def register_strategies(registry: Any = StrategyRegistry) -> None:
         for name in names:
             if name not in registry:
                 registry.register(name, cls, description=f"lightning_par {name}", preset=name)
+
+
+class _NamedFabricStrategy(FabricParallelStrategy):
+    """Registered constructor of the Fabric names (``pipe*`` fail here with the reason)."""
+
+    def __init__(self, preset: str, **kwargs: Any) -> None:
+        if preset in DEEPSPEED_STRATEGY_NAMES:
+            raise ValueError(
+                f"Fabric(strategy={preset!r}): lightning_par runs DeepSpeed under the Trainer only; under Fabric use "
+                "the native layout of the same name without 'deepspeed_' (e.g. 'zero3'), or Lightning's own "
+                "Fabric(strategy='deepspeed_stage_3')"
+            )
+        super().__init__(**{**strategy_kwargs(preset), **kwargs})
+        self.registered_name = preset
+
+
+def register_fabric_strategies(registry: Any = FABRIC_REGISTRY) -> None:
+    """Register every name of `STRATEGY_NAMES` and `DEEPSPEED_STRATEGY_NAMES` for ``Fabric(strategy=...)``
+    (idempotent); the ``deepspeed_*`` and ``pipe*`` ones refuse at construction, with the reason."""
+    for name in (*STRATEGY_NAMES, *DEEPSPEED_STRATEGY_NAMES):
+        if name not in registry:
+            registry.register(name, _NamedFabricStrategy, description=f"lightning_par {name} (Fabric)", preset=name)
