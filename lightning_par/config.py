@@ -76,6 +76,9 @@ class ParallelConfig:
         pp_costs: one cost per trunk block for the automatic split (e.g. from
             `lightning_par.plans.partition.measure_block_times`); ``None``: parameter counts.
         bucket_cap_mb: size of a gradient/parameter communication bucket for ZeRO stages 0-2.
+        compile: `torch.compile` each trunk block (after activation checkpointing and tensor parallelism, before
+            FSDP2; `lightning_par.parallel.compile`): the code outside the trunk and ``training_step`` stay eager,
+            parameter names do not change. Costs compile time at the first step (and after a shape change).
         auto_dims: for registered names: the dimensions (``"pp"``, ``"tp"``, ``"cp"``, ``"dp"``, ``"ep"``) whose
             degrees `resolve` splits from the world size (`split_world`; ``"ep"``: every data-parallel rank).
             ``None``: the explicit degrees are used as given.
@@ -100,6 +103,7 @@ class ParallelConfig:
     bucket_cap_mb: float = 25.0
     pp_split: Optional[tuple[int, ...]] = None
     pp_costs: Optional[tuple[float, ...]] = None
+    compile: bool = False
     auto_dims: Optional[tuple[str, ...]] = None
 
     def __post_init__(self) -> None:
@@ -150,6 +154,8 @@ class ParallelConfig:
                 f"ac_every={self.ac_every} only applies to activation_checkpointing='selective' (got "
                 f"{self.activation_checkpointing!r}); use activation_checkpointing='selective' or drop ac_every"
             )
+        if not isinstance(self.compile, bool):
+            raise ParallelConfigError(f"compile={self.compile!r} must be True (compile each trunk block) or False")
         if self.sequence_parallel not in (None, True, False):
             raise ParallelConfigError(
                 f"sequence_parallel={self.sequence_parallel!r} must be None (wherever exact), True or False"
@@ -298,7 +304,7 @@ class ParallelConfig:
         cp = f", cp_mode {self.cp_mode}" if self.cp > 1 else ""
         return (
             f"world {world_size} = {axes} (ep {self.ep}); zero_stage {self.zero_stage}, offload {self.offload}, "
-            f"activation checkpointing {self.activation_checkpointing}{cp}"
+            f"activation checkpointing {self.activation_checkpointing}{cp}{', blocks compiled' if self.compile else ''}"
         )
 
     def layout(self) -> dict[str, Union[int, str, bool, tuple, None]]:

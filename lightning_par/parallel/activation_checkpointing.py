@@ -122,6 +122,17 @@ def _sac_contexts() -> tuple[Any, Any]:
     return forward, _marking_recompute(recompute)
 
 
+def _checkpointed_compiled(forward: Any, *args: Any, **kwargs: Any) -> Any:
+    # Under torch.compile (`lightning_par.parallel.compile`): dynamo accepts the default context_fn and selective
+    # checkpointing's dispatch modes only, so no recomputation is marked (`recomputing` stays False).
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def _checkpointed_op_level_compiled(forward: Any, *args: Any, **kwargs: Any) -> Any:
+    contexts = functools.partial(create_selective_checkpoint_contexts, op_policy)
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+
+
 def _checkpointed_op_level(forward: Any, *args: Any, **kwargs: Any) -> Any:
     # Saved outputs must not be modified in place afterwards (torch checks it and raises in backward).
     return checkpoint(forward, *args, use_reentrant=False, context_fn=_sac_contexts, **kwargs)
@@ -165,7 +176,12 @@ def _no_cache_while_recomputing(model: nn.Module, blocks: Sequence[nn.Module]) -
 
 
 def apply_activation_checkpointing(
-    blocks: Sequence[nn.Module], mode: Optional[str], every: int = 2, model: Optional[nn.Module] = None
+    blocks: Sequence[nn.Module],
+    mode: Optional[str],
+    every: int = 2,
+    model: Optional[nn.Module] = None,
+    *,
+    compiled: bool = False,
 ) -> list[int]:
     """Checkpoint (or offload the activations of) ``blocks`` in place.
 
@@ -178,6 +194,9 @@ def apply_activation_checkpointing(
         model: the whole model, when it is known: a recomputing mode turns on the ``gradient_checkpointing``
             switch of the modules around the blocks that declare one (Hugging Face models: no key/value cache is
             built in training, which a recomputed block would fill twice).
+        compiled: the blocks are compiled next (`lightning_par.parallel.compile`): checkpoint without the
+            recomputation marker, which dynamo cannot trace (`recomputing` then stays False, so the expert-load
+            statistics of a checkpointed MoE block also count its recomputation).
 
     Returns:
         indices of the blocks the mode was applied to.
@@ -195,9 +214,10 @@ def apply_activation_checkpointing(
         if mode == "offload":
             wrapped = functools.partial(_offloaded, block, block.forward)
         elif mode == "selective_op":
-            wrapped = functools.partial(_checkpointed_op_level, block.forward)
+            op_level = _checkpointed_op_level_compiled if compiled else _checkpointed_op_level
+            wrapped = functools.partial(op_level, block.forward)
         else:
-            wrapped = functools.partial(_checkpointed, block.forward)
+            wrapped = functools.partial(_checkpointed_compiled if compiled else _checkpointed, block.forward)
         block.forward = wrapped  # type: ignore[method-assign]
         block._lp_checkpointed = mode  # type: ignore[assignment]
     if model is not None and mode != "offload":

@@ -20,6 +20,7 @@ from lightning_par.checkpoint.pretrained import prepare_pretrained
 from lightning_par.config import ParallelConfig
 from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel.activation_checkpointing import apply_activation_checkpointing
+from lightning_par.parallel.compile import apply_compile
 from lightning_par.parallel.context_parallel import apply_context_parallel
 from lightning_par.parallel.expert_parallel import apply_expert_parallel
 from lightning_par.parallel.materialize import base_seed, capture_init, has_meta, materialize
@@ -131,7 +132,15 @@ def parallelize(
     # 5. Activation checkpointing wraps each block's forward; FSDP2's hooks (next) stay outside the recomputed
     #    region, so a block is gathered once for its backward, recomputation included (torchtitan's order).
     for part in parts:
-        apply_activation_checkpointing(part.block_modules, config.activation_checkpointing, config.ac_every, module)
+        apply_activation_checkpointing(part.block_modules, config.activation_checkpointing, config.ac_every, module,
+                                       compiled=config.compile)  # fmt: skip
+
+    # 5b. torch.compile per block (torchtitan's order): after activation checkpointing, so that the recomputation is
+    #     compiled too, and after tensor parallelism, so that dynamo traces the DTensor redistributions; before FSDP2
+    #     and the pipeline's hooks, which stay on the block, outside the compiled forward (parallel/compile.py).
+    if config.compile:
+        for part in parts:
+            apply_compile(part.block_modules)
 
     # 6. ZeRO shards what is left. ZeRO-3: FSDP2 per part, each block a unit inside the part's root (it shards each
     #    tp-local tensor over dp, the 2-D layout DTensor composes); expert shards are left to expert parallelism
@@ -207,6 +216,11 @@ def _trunk(module: nn.Module, config: ParallelConfig) -> Optional[Trunk]:
         raise ValueError(
             f"activation_checkpointing={config.activation_checkpointing!r} needs {blocks}; {where}; set "
             "activation_checkpointing=None"
+        )
+    if config.compile:
+        raise ValueError(
+            f"compile=True compiles each block of {blocks}; {where}; set compile=False and compile the model's "
+            "forward yourself (docs/compile.md)"
         )
     return None
 

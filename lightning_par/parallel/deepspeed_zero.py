@@ -87,6 +87,12 @@ def check_deepspeed_layout(config: ParallelConfig) -> None:
                 f"{axis}={getattr(config, axis)} cannot be combined with the DeepSpeed backend: {why}; use "
                 f"backend='native' for {axis} > 1, or set {axis}=1"
             )
+    if config.compile:
+        raise DeepSpeedConfigError(
+            "compile=True cannot be combined with the DeepSpeed backend: DeepSpeed's ZeRO hooks on every submodule "
+            "would sit inside each compiled block; use backend='native' (ParallelStrategy(zero_stage=..., "
+            "compile=True) or strategy='zero2' / 'zero3' with compile=True), or compile=False"
+        )
     if config.dp_replicate > 1:
         raise DeepSpeedConfigError(
             f"dp_replicate={config.dp_replicate} (hybrid sharding) is not mapped to DeepSpeed (its ZeRO++ hpZ "

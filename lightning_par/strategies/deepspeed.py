@@ -136,6 +136,11 @@ class DeepSpeedParallelStrategy(ParallelStrategy):
         **kwargs: `ParallelStrategy`'s arguments; ``backend`` may be given only as ``"deepspeed"``.
     """
 
+    _compile_refusal = (
+        "DeepSpeed's ZeRO hooks on every submodule would sit inside each compiled block; use a native strategy "
+        "(strategy='zero2' / 'zero3', or ParallelStrategy(..., compile=True)), or pass the model uncompiled"
+    )
+
     def __init__(
         self,
         *args: Any,

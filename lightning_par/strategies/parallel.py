@@ -35,6 +35,7 @@ from lightning_par.plans.flops import active_param_count
 from lightning_par.plans.moe import MoELayer
 from lightning_par.precision.parallel import ParallelPrecision
 from lightning_par.strategies._checkpointing import ShardedCheckpoints, Where, optimizer_entries
+from lightning_par.strategies._compiled import take_compiled
 from lightning_par.strategies._pipeline import PipelineSteps
 from lightning_par.strategies._processes import ProcessGroupStrategy
 
@@ -45,7 +46,7 @@ class ParallelStrategy(ProcessGroupStrategy):
     Args:
         pp, dp_replicate, dp_shard, ep, tp, etp, cp, cp_mode, cp_uneven, zero_stage, offload,
             activation_checkpointing, ac_every, sequence_parallel, pp_schedule, microbatches, bucket_cap_mb, pp_split,
-            pp_costs, auto_dims: see
+            pp_costs, compile, auto_dims: see
             `lightning_par.config.ParallelConfig` (listed one by one because LightningCLI recipes set them by
             name from this signature).
         timeout_s: collective timeout in seconds; a rank stuck in a collective past this fails instead of
@@ -91,6 +92,7 @@ class ParallelStrategy(ProcessGroupStrategy):
         bucket_cap_mb: float = 25.0,
         pp_split: Optional[tuple[int, ...]] = None,
         pp_costs: Optional[tuple[float, ...]] = None,
+        compile: bool = False,
         auto_dims: Optional[tuple[str, ...]] = None,
         timeout_s: float = 600.0,
         process_group_backend: Optional[str] = None,
@@ -122,7 +124,7 @@ class ParallelStrategy(ProcessGroupStrategy):
             cp_uneven=cp_uneven, zero_stage=zero_stage,
             offload=offload, activation_checkpointing=activation_checkpointing, ac_every=ac_every,
             sequence_parallel=sequence_parallel, pp_schedule=pp_schedule, microbatches=microbatches,
-            bucket_cap_mb=bucket_cap_mb, pp_split=pp_split, pp_costs=pp_costs, auto_dims=auto_dims,
+            bucket_cap_mb=bucket_cap_mb, pp_split=pp_split, pp_costs=pp_costs, compile=compile, auto_dims=auto_dims,
         )  # fmt: skip
         super().__init__(
             config, timedelta(seconds=timeout_s), process_group_backend, accelerator=accelerator,
@@ -136,6 +138,20 @@ class ParallelStrategy(ProcessGroupStrategy):
         self._run: Optional[ParallelRun] = None
         self._pipeline: Optional[PipelineSteps] = None
         self._accumulating = False
+
+    # `trainer.fit(torch.compile(model))`: the trainer assigns the unwrapped module here, then checks whether the
+    # strategy accepts compiled modules; it becomes compile=True instead (strategies/_compiled.py).
+    _compile_refusal: Optional[str] = None
+
+    @property  # type: ignore[override]
+    def _lightning_module(self) -> Optional[pl.LightningModule]:
+        return self.__dict__.get("_lp_lightning_module")
+
+    @_lightning_module.setter
+    def _lightning_module(self, module: Optional[pl.LightningModule]) -> None:
+        if getattr(module, "_compiler_ctx", None) is not None:  # (Lightning's __init__ assigns None before _config)
+            module = take_compiled(module, self._config, self._compile_refusal)
+        self.__dict__["_lp_lightning_module"] = module
 
     def precision_plugin_for(self, flag: str, device: str) -> Precision:
         """The precision plugin for ``Trainer(precision=flag)`` (Lightning asks: strategies/_precision_choice.py)."""
