@@ -50,6 +50,15 @@ class SGDGPT(GPT):
         return torch.optim.SGD(groups, lr=0.5, momentum=0.9)
 
 
+class NoLogGPT(GPT):
+    """The GPT whose training_step does not call self.log (Lightning's single-device strategy cannot fit a
+    torch.compile'd module that does: docs/strategies.md, "torch.compile")."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        return self._loss(self(x), y)
+
+
 class FailingGPT(GPT):
     """Raises in training_step on global rank 1 at batch 1: a user bug on one rank only."""
 
@@ -226,6 +235,7 @@ MODELS = {
     "gpt": lambda: GPT(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=32, lr=3e-3),
     "llama": lambda: Llama(vocab_size=256, max_seq_len=32, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
                            ffn_hidden=64, lr=3e-3),
+    "gpt_nolog": lambda: NoLogGPT(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=32, lr=3e-3),
     "gpt_fail": lambda: FailingGPT(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=32),
     "gpt_sgd": lambda: SGDGPT(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=32),
     "gpt_dropout": lambda: DropoutGPT(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=32, lr=3e-3),
@@ -368,7 +378,7 @@ class Recorder(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.batch_heads.append(batch[0][:, 0].tolist())
         self.local_losses.append(float(outputs["loss"]))
-        self.losses.append(float(trainer.callback_metrics["train_loss"]))
+        self.losses.append(float(trainer.callback_metrics.get("train_loss", outputs["loss"])))  # (NoLogGPT: its own)
         self.mem["params"] = _local_bytes(pl_module.parameters())
         self.mem["optim"] = _local_bytes(
             v for opt in trainer.optimizers for s in opt.state.values() for k, v in s.items() if k != "step"
@@ -826,7 +836,8 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     if job.get("expect_error"):
         try:
             with _patch_checkpoint_writes(job):
-                trainer.fit(model, datamodule=data, ckpt_path=resume)
+                trainer.fit(torch.compile(model) if job.get("torch_compile") else model, datamodule=data,
+                            ckpt_path=resume)  # fmt: skip
         except Exception as err:
             return {"error": f"{type(err).__name__}: {err}", "losses": recorder.losses}
         return {"error": None, "losses": recorder.losses}
@@ -835,7 +846,8 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     scatters: list[int] = []  # count_reduce_scatter: how often FSDP2 reduced gradients during fit, on each rank
     with _patch_checkpoint_writes(job), _recorded_warnings(caught, bool(job.get("record_warnings"))), \
             _counted_reduce_scatters(scatters, bool(job.get("count_reduce_scatter"))):  # fmt: skip
-        trainer.fit(model, datamodule=data, ckpt_path=resume)
+        # torch_compile: fit what torch.compile returns (an OptimizedModule; our strategies compile per block).
+        trainer.fit(torch.compile(model) if job.get("torch_compile") else model, datamodule=data, ckpt_path=resume)
     if job.get("count_reduce_scatter"):
         recorder.mem["reduce_scatters"] = len(scatters)
         recorder.mem["fsdp_groups"] = _fsdp_groups(trainer.strategy)
@@ -855,6 +867,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         "total_param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         "param_shapes": {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in model.named_parameters()},
         "losses": recorder.losses,
+        "compiled_blocks": sum(bool(getattr(m, "_lp_compiled", False)) for m in model.modules()),
         "batch_heads": recorder.batch_heads,
         "local_losses": recorder.local_losses,
         "grad_norms": recorder.grad_norms,
