@@ -220,7 +220,7 @@ def _trunk(module: nn.Module, config: ParallelConfig) -> Optional[Trunk]:
     if config.compile:
         raise ValueError(
             f"compile=True compiles each block of {blocks}; {where}; set compile=False and compile the model's "
-            "forward yourself (docs/compile.md)"
+            "forward yourself (docs/strategies.md, 'torch.compile')"
         )
     return None
 
