@@ -271,6 +271,22 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                "lightning_par.strategies.parallel sets (in its _configure_launcher override) to launch processes",
                ("set_subprocess_launcher",),
                lambda: (_sets(f"{_LS}.strategy.Strategy", "_launcher"), _attr(f"{_LS}.Strategy._configure_launcher"))),
+    PrivateAPI("lightning", "lightning.fabric.strategies.launchers.subprocess_script._SubprocessScriptLauncher",
+               "lightning_par.strategies.fabric starts one process per device with",
+               ("set_fabric_subprocess_launcher",),
+               lambda: (_params("lightning.fabric.strategies.launchers.subprocess_script._SubprocessScriptLauncher",
+                                "cluster_environment", "num_processes", "num_nodes"),
+                        _sets("lightning.fabric.strategies.strategy.Strategy", "_launcher"))),
+    PrivateAPI("lightning", f"{_LF}._all_gather_ddp_if_available",
+               "lightning_par.strategies.fabric gathers over the data-parallel ranks with",
+               ("all_gather_ddp_if_available",),
+               lambda: _params(f"{_LF}._all_gather_ddp_if_available", "tensor", "group", "sync_grads")),
+    PrivateAPI("lightning", "lightning.fabric.strategies.strategy.Strategy._backward_sync_control",
+               "lightning_par.strategies.fabric accumulates gradients under fabric.no_backward_sync with",
+               ("set_fabric_backward_sync",),
+               lambda: (_sets("lightning.fabric.strategies.strategy.Strategy", "_backward_sync_control"),
+                        _params("lightning.fabric.strategies.strategy._BackwardSyncControl.no_backward_sync",
+                                "self", "module", "enabled"))),
     PrivateAPI("lightning", f"{_LS}.Strategy._reset_optimizers_and_schedulers",
                "lightning_par.strategies.parallel sets optimizers up again (ZeRO shards them) with",
                ("reset_optimizers_and_schedulers",), lambda: _attr(f"{_LS}.Strategy._reset_optimizers_and_schedulers")),
@@ -329,7 +345,7 @@ def check(api: PrivateAPI) -> Optional[str]:
         api.probe()
     except Exception as err:
         return (
-            f"{_version(api.library)} moved {api.name}, which {api.used_by}; update lightning_par/_compat.py "
+            f"{_version(api.library)} moved {api.name}, which {api.used_by}; update lightning_par/_compat/ "
             f"({type(err).__name__}: {err})"
         )
     return None

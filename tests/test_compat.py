@@ -1,5 +1,5 @@
 """Private APIs of torch, Lightning, torchmetrics and DeepSpeed: each is where `lightning_par._compat` expects it,
-and no other module reaches one directly (so an upgrade that moves one means editing `_compat.py` alone)."""
+and no other module reaches one directly (so an upgrade that moves one means editing `_compat/` alone)."""
 
 from __future__ import annotations
 
@@ -15,14 +15,15 @@ from torch import nn
 from lightning_par import _compat
 
 ROOT = Path(__file__).resolve().parents[1]
+COMPAT = ROOT / "lightning_par" / "_compat"  # the accessors: __init__.py and lightning.py
 LIBRARIES = frozenset({"torch", "lightning", "lightning_fabric", "pytorch_lightning", "torchmetrics", "deepspeed"})
 
 # Private (or undocumented) names of those libraries that lightning_par uses: an attribute, a getattr string or a
-# method override with one of these names outside `_compat.py` is a use that bypasses it. Private attributes are
+# method override with one of these names outside `_compat/` is a use that bypasses it. Private attributes are
 # also caught when read off a name imported from the libraries (`torch._x`, `dist._x`, `DTensor._x`).
 # Not here, deliberately: Lightning's private hooks overridden in classes, DeepSpeedStrategy._setup_model_and_optimizer
 # (benchmarks/bench_deepspeed.py) and Strategy._configure_launcher (strategies/parallel.py): a Lightning base class
-# cannot live in `_compat.py`, which imports no Lightning at module level. PRIVATE_APIS checks that both still exist.
+# cannot live in `_compat/`, which imports no Lightning at module level. PRIVATE_APIS checks that both still exist.
 KNOWN_PRIVATE = frozenset({
     # torch
     "_StridedShard", "_flatten", "_spec", "_local_tensor", "_version", "_cdata", "_schema", "_c10d_functional",
@@ -68,7 +69,7 @@ def test_a_moved_api_is_reported_with_version_user_and_fix() -> None:
     assert message is not None
     version = importlib.metadata.version("torch")
     assert message.startswith(f"torch {version} moved torch.nn.Module._gone, which lightning_par.example")
-    assert "update lightning_par/_compat.py" in message and "AttributeError" in message
+    assert "update lightning_par/_compat" in message and "AttributeError" in message
 
 
 def test_check_private_apis_finds_nothing_missing() -> None:
@@ -104,13 +105,13 @@ def _defined_names(tree: ast.Module) -> set[str]:
 
 
 def test_every_accessor_is_checked() -> None:
-    tree = ast.parse((ROOT / "lightning_par" / "_compat.py").read_text())
     own = {"PrivateAPI", "PRIVATE_APIS", "check", "check_private_apis"}
-    public = {n for n in _defined_names(tree) if not n.startswith("_")} - own
+    public = set().union(*(_defined_names(ast.parse(f.read_text())) for f in COMPAT.glob("*.py")))
+    public = {n for n in public if not n.startswith("_")} - own
     checked = {name for api in _private_apis.PRIVATE_APIS for name in api.accessors}
     assert public <= checked, f"accessors without an entry in PRIVATE_APIS: {sorted(public - checked)}"
     missing = checked - set(vars(_compat))
-    assert not missing, f"PRIVATE_APIS names accessors that _compat.py lacks: {sorted(missing)}"
+    assert not missing, f"PRIVATE_APIS names accessors that _compat does not export: {sorted(missing)}"
 
 
 # ---- the hooks torch calls still reach our overrides ------------------------------------------------------------
@@ -130,7 +131,7 @@ def test_conversions_go_through_module_apply() -> None:
     m = Counted()
     assert m.to(torch.float64) is m and m.lin.weight.dtype == torch.float64
     m.to_empty(device="cpu")
-    assert len(calls) == 2, "torch no longer converts through Module._apply: update Llama._apply and _compat.py"
+    assert len(calls) == 2, "torch no longer converts through Module._apply: update Llama._apply and _compat"
 
 
 def test_grad_scaler_unscale_reaches_the_hook() -> None:
@@ -146,7 +147,7 @@ def test_grad_scaler_unscale_reaches_the_hook() -> None:
     scaler = Recording("cpu", init_scale=4.0)
     scaler.scale((p * 2).sum()).backward()
     scaler.unscale_(opt)
-    assert seen == [opt], "GradScaler.unscale_ no longer calls _unscale_grads_: update _compat.py"
+    assert seen == [opt], "GradScaler.unscale_ no longer calls _unscale_grads_: update _compat"
     torch.testing.assert_close(p.grad, torch.full((3,), 2.0))
 
 
@@ -233,7 +234,7 @@ def private_uses(path: Path) -> list[tuple[int, str]]:
 
 def _scanned() -> list[Path]:
     files = [*sorted((ROOT / "lightning_par").rglob("*.py")), *sorted((ROOT / "benchmarks").rglob("*.py"))]
-    return [f for f in files if f.name != "_compat.py"]
+    return [f for f in files if COMPAT not in f.parents]
 
 
 def test_no_module_but_compat_reaches_private_apis() -> None:
@@ -244,7 +245,7 @@ def test_no_module_but_compat_reaches_private_apis() -> None:
             offenders[name] = uses
     assert not offenders, (
         "these reach private torch/Lightning/torchmetrics/DeepSpeed names directly; add an accessor to "
-        f"lightning_par/_compat.py (with a PRIVATE_APIS entry) and use it instead: {offenders}"
+        f"lightning_par/_compat/ (with a PRIVATE_APIS entry) and use it instead: {offenders}"
     )
 
 
@@ -261,13 +262,13 @@ def test_the_scan_finds_what_it_looks_for(tmp_path: Path) -> None:
 
 
 def test_compat_imports_only_torch_at_module_level() -> None:
-    tree = ast.parse((ROOT / "lightning_par" / "_compat.py").read_text())
     allowed = {"torch", "typing_extensions", "__future__", "dataclasses", "importlib", "inspect", "re", "collections",
                "functools", "typing"}  # fmt: skip
     top = []
-    for node in tree.body:  # module level only: TYPE_CHECKING blocks are skipped, accessors import lazily
+    body = [node for f in COMPAT.glob("*.py") for node in ast.parse(f.read_text()).body]
+    for node in body:  # module level only: TYPE_CHECKING blocks are skipped, accessors import lazily
         if isinstance(node, ast.Import):
             top += [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module:
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.module.startswith("lightning_par._compat"):
             top.append(node.module)
-    assert {m.split(".")[0] for m in top} <= allowed, f"_compat.py imports {top} at module level"
+    assert {m.split(".")[0] for m in top} <= allowed, f"_compat imports {top} at module level"

@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from lightning.fabric.utilities.types import _Stateful
 from torch import nn
 
+from lightning_par import _compat
 from lightning_par.checkpoint.dcp import OptimizerEntry, load_sharded, model_state, save_sharded
 from lightning_par.parallel.run import ParallelRun
 from lightning_par.strategies._checkpointing import ShardedCheckpoints, optimizer_entries
@@ -57,7 +57,7 @@ def save_state(path: Path, state: dict[str, Any], run: ParallelRun, rank: int, b
     tensors: dict[str, Any] = {"state_dict": model_state(run.module, run.distribute_model())}
     for i, key in enumerate(optimizer_keys):
         tensors[f"optimizer_{i}"] = ShardedCheckpoints.optimizer_state(run, entries, state[key])
-    meta = {k: state[k].state_dict() if isinstance(state[k], _Stateful) else state[k] for k in rest}
+    meta = {k: state[k].state_dict() if isinstance(state[k], _compat.stateful_protocol()) else state[k] for k in rest}
     meta[KEYS] = {"model": model_key, "optimizers": optimizer_keys}
     save_sharded(Path(broadcast(str(path))), tensors, meta, rank)
 
@@ -84,7 +84,7 @@ def load_state(path: Path, state: dict[str, Any], run: ParallelRun, strict: bool
         if key not in meta:
             continue
         value = meta.pop(key)
-        if isinstance(state[key], _Stateful):
+        if isinstance(state[key], _compat.stateful_protocol()):
             state[key].load_state_dict(value)
         else:
             state[key] = value

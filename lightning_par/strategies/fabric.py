@@ -24,15 +24,13 @@ from lightning.fabric.accelerators import Accelerator, CUDAAccelerator
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import ParallelStrategy as _FabricParallel
-from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.fabric.strategies.strategy import _BackwardSyncControl
-from lightning.fabric.utilities.distributed import _all_gather_ddp_if_available, _sync_ddp_if_available
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_par import _compat
 from lightning_par.config import ParallelConfig
 from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel.compose import parallelize
@@ -95,7 +93,7 @@ class FabricParallelStrategy(_FabricParallel):
         self._mesh: Optional[ParallelMesh] = None
         self._run: Optional[ParallelRun] = None
         self._accumulation = _Accumulation()
-        self._backward_sync_control = self._accumulation
+        _compat.set_fabric_backward_sync(self, self._accumulation)
         self._num_nodes = 1
         self.global_param_count: Optional[int] = None  # the whole model's active parameters, set at set-up
 
@@ -169,7 +167,7 @@ class FabricParallelStrategy(_FabricParallel):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            _compat.set_fabric_subprocess_launcher(self)
 
     @override
     def setup_environment(self) -> None:
@@ -276,13 +274,13 @@ class FabricParallelStrategy(_FabricParallel):
         ``group``."""
         if not isinstance(tensor, Tensor):
             return tensor
-        return _sync_ddp_if_available(tensor, group if group is not None else self._dp_group(), reduce_op=reduce_op)
+        return _compat.sync_ddp_if_available(tensor, group if group is not None else self._dp_group(), reduce_op)
 
     @override
     def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
         """Gather from the data-parallel ranks (one value per replica), or from ``group``."""
         group = group if group is not None else self._dp_group()
-        return _all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
+        return _compat.all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
 
     def _dp_group(self) -> Optional[dist.ProcessGroup]:
         return self._mesh.dp.get_group() if self._mesh is not None else None
@@ -337,13 +335,12 @@ class FabricParallelStrategy(_FabricParallel):
         return self._run
 
 
-class _Accumulation(_BackwardSyncControl):
+class _Accumulation:
     """``fabric.no_backward_sync(model)``: the backward passes inside accumulate; the reduction follows the last."""
 
     def __init__(self) -> None:
         self.accumulating = False
 
-    @override
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
         return self._while(enabled)
 
