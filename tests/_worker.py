@@ -18,7 +18,7 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -553,6 +553,14 @@ def _full_params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def _ds_batch(strategy: Any) -> Optional[tuple[int, int, int]]:
+    """DeepSpeed's (micro batch per rank, train batch size, throughput timer's batch size), or ``None``."""
+    if not isinstance(strategy, lightning_par.DeepSpeedParallelStrategy) or strategy._engine is None:
+        return None
+    engine = strategy.engine
+    return engine.train_micro_batch_size_per_gpu(), engine.train_batch_size(), engine.tput_timer.batch_size
+
+
 def _deepspeed_optimizer_state(strategy: Any, opt: Any) -> dict[str, dict[str, Any]]:
     # Each rank keeps a round-robin share of the names (lightning_par.parallel.deepspeed_state): merge them.
     mine = {
@@ -878,6 +886,8 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         # DeepSpeed backend, meta-built model: what materialising it cost each rank (parallel/deepspeed_init.py).
         "meta_init_all": _gathered_objects(_asdict(getattr(trainer.strategy, "meta_init", None))),
         "layout": getattr(trainer.strategy, "parallel_layout", None),
+        "per_rank_batch": data.batch_size,
+        "ds_batch": _ds_batch(trainer.strategy),
         "optim_at_start": optim_recorder.state,
         "start_step": ckpt_recorder.start_step,
         "step_params": ckpt_recorder.step_params,

@@ -178,6 +178,9 @@ def test_accumulation_clipping_validation(runs, references, name):
     assert got["val"]["val_loss"] == pytest.approx(ref["val"]["val_loss"], rel=1e-5)
     assert got["test"]["test_loss"] == pytest.approx(ref["test"]["test_loss"], rel=1e-5)
     assert got["predict"] is not None and len(got["predict"]) > 0
+    # DeepSpeed's batch bookkeeping holds the real batch: micro x 2 accumulated x dp 2 (its config said 1 at build).
+    micro = got["per_rank_batch"]
+    assert micro > 1 and got["ds_batch"] == (micro, micro * 2 * 2, micro * 2 * 2)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -16,8 +16,9 @@ What we generate and why (keys of the DeepSpeed JSON, https://www.deepspeed.ai/d
   backward is called with ``scale_wrt_gas=False`` and the boundary is set explicitly.
 - ``gradient_clipping`` from ``Trainer(gradient_clip_val=...)``: DeepSpeed clips on the global norm over all
   shards, as our native clipping does.
-- ``train_micro_batch_size_per_gpu`` = 1: bookkeeping only (DeepSpeed's own data loader and throughput log); the
-  trainer feeds the batches.
+- ``train_micro_batch_size_per_gpu`` = 1 at construction, before the loader exists; the strategy sets the real
+  per-rank batch from the first training batch (``engine.set_train_micro_batch_size``). Bookkeeping only (DeepSpeed's
+  throughput log and ``train_batch_size``): the trainer feeds the batches.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from typing import Any, Optional, Union
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from typing_extensions import override
@@ -163,6 +164,7 @@ class DeepSpeedParallelStrategy(ParallelStrategy):
         self._nvme_path = nvme_path
         self._engine: Any = None
         self._client: Optional[torch.optim.Optimizer] = None  # what configure_optimizers returned
+        self._batch_known = False  # the engine's micro-batch size is taken from the first training batch
         self._group_names: list[list[str]] = []
         #: What materialising a meta-built model cost this rank (``None`` for a model built eagerly).
         self.meta_init: Optional[MetaInitReport] = None
@@ -287,6 +289,17 @@ class DeepSpeedParallelStrategy(ParallelStrategy):
                 for key in ("lr", "betas", "eps", "weight_decay"):
                     mine[key] = theirs[key]
         engine.step()
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._batch_known and args:
+            # The engine was built before the loader existed (with 1); its batch bookkeeping (throughput timer,
+            # train_batch_size = micro x accumulation x dp) takes the real per-rank batch from the first one.
+            self._batch_known = True
+            micro = extract_batch_size(args[0])
+            self.engine.set_train_micro_batch_size(micro)
+            self.engine.tput_timer.batch_size = self.engine.train_batch_size()
+        return super().training_step(*args, **kwargs)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
