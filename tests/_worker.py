@@ -903,6 +903,8 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         "expert_load": monitor.expert_load if monitor is not None else None,
         "flops_per_token": monitor.flops_per_token if monitor is not None else None,
         "pictures": {k: tuple(v.shape) for k, v in monitor.last_pictures.items()} if monitor is not None else None,
+        "timeline": monitor.last_pictures.get("pictures/pipeline_timeline") if monitor is not None else None,
+        "monitor_metrics": monitor.last_metrics if monitor is not None else None,
         "logged": memory_logger.metrics if memory_logger is not None else None,
         "files_in_list_dir": sorted(str(p) for p in Path(job["list_dir"]).rglob("*") if p.is_file())
         if job.get("list_dir")

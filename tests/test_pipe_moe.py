@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from conftest import reference_job
@@ -142,8 +143,21 @@ def test_pipe_moe_matches_one_process_accumulating_microbatches(results, name):
             assert torch.equal(got["expert_load"][layer]["tokens_per_expert"], r["tokens_per_expert"]), layer
         # Model FLOPs from the whole model's active parameters, not this rank's stage, tp slice or experts.
         assert got["flops_per_token"] == ref["flops_per_token"] > 0
+        _pipeline_step_is_measured(got)
     if name in JOBS and JOBS[name].get("validate"):
         assert abs(got["val"]["val_loss"] - ref["val"]["val_loss"]) <= 1e-5 * abs(ref["val"]["val_loss"])
+
+
+def _pipeline_step_is_measured(got: dict[str, Any]) -> None:
+    """ParallelismMonitor's bubble and timeline of the logged step, from the schedule's own waits and actions."""
+    m = got["monitor_metrics"]
+    # 2 stages, 4 microbatches: each rank waits at least through its peer's first forward or last backward.
+    assert 0 < m["pipe/bubble_mean"] <= m["pipe/bubble_max_rank"] < 1 and 0 <= m["pipe/bubble"] < 1
+    assert m["pipe/step_ms"] > 0
+    timeline = got["timeline"]
+    assert timeline is not None and timeline.shape[2] == 3 and timeline.dtype == np.uint8
+    colours = {tuple(c) for c in timeline.reshape(-1, 3).tolist()}
+    assert {(66, 133, 244), (52, 168, 83), (234, 67, 53)} <= colours  # forward, backward and waiting all drawn
 
 
 def test_the_moe_losses_count(results):

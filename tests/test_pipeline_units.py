@@ -506,3 +506,49 @@ def test_replay_names_the_action_a_broken_table_waits_on() -> None:
     table = {0: [Action(0, "F", 0), Action(0, "B", 0)], 1: [Action(1, "F", 1), Action(1, "B", 1)]}
     with pytest.raises(ValueError, match=r"cannot progress: next actions \{0: .*1: "):
         replay(table, 1.0, 1.0, 1.0)
+
+
+def test_step_trace_times_actions_and_waits_and_the_timeline_draws_them() -> None:
+    import time
+
+    import numpy as np
+
+    from lightning_par import _compat
+    from lightning_par.callbacks.pictures import pipeline_timeline
+    from lightning_par.parallel.pipeline_trace import StepTrace
+
+    class Stage:  # the three action methods a torch PipelineStage has, each taking 10 ms
+        stage_index = 1
+
+        def forward_one_chunk(self, chunk: int, args: Any = None) -> None:
+            time.sleep(0.01)
+
+        def backward_one_chunk(self, chunk: int, loss: Any = None, full_backward: bool = True) -> None:
+            time.sleep(0.01)
+
+        def backward_weight_one_chunk(self, chunk: int) -> None:
+            time.sleep(0.01)
+
+    trace, stage = StepTrace(), Stage()
+    trace.watch(stage)
+    stage.forward_one_chunk(0)  # outside a step: not recorded
+    assert trace.last is None
+    with trace:
+        stage.forward_one_chunk(0)
+        _compat.pipeline_p2p_wait()([])  # what torch's schedules call: timed as waiting
+        stage.backward_one_chunk(0, full_backward=False)
+        stage.backward_weight_one_chunk(0)
+        stage.backward_one_chunk(1)
+    record = trace.last
+    assert record is not None
+    assert [(s.kind, s.stage, s.microbatch) for s in record.spans] == [
+        ("F", 1, 0), ("wait", -1, -1), ("I", 1, 0), ("W", 1, 0), ("B", 1, 1)
+    ]  # fmt: skip
+    assert all(a.end <= b.start for a, b in zip(record.spans, record.spans[1:]))
+    assert record.spans[-1].end <= record.duration and record.duration >= 0.04
+    assert record.waiting == record.spans[1].end - record.spans[1].start
+    assert record.bubble == record.waiting / record.duration
+    picture = pipeline_timeline([record, record])
+    assert picture.dtype == np.uint8 and picture.shape[2] == 3
+    colours = {tuple(c) for c in picture.reshape(-1, 3).tolist()}
+    assert {(66, 133, 244), (52, 168, 83), (251, 140, 0)} <= colours

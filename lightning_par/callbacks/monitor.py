@@ -31,7 +31,8 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_par.callbacks.expert_load import ExpertLoad, load_metrics
-from lightning_par.callbacks.pictures import MEMORY_KINDS, load_heatmap, log_pictures, memory_bars
+from lightning_par.callbacks.pictures import MEMORY_KINDS, load_heatmap, log_pictures, memory_bars, pipeline_timeline
+from lightning_par.callbacks.pipeline_view import bubble_metrics, gather_records, step_record
 from lightning_par.plans.flops import active_param_count
 
 try:
@@ -162,6 +163,8 @@ class ParallelismMonitor(Callback):
     - `experts/<layer>/load_max_over_mean`, `experts/<layer>/dropped_fraction` and their worst / mean over layers
       `experts/load_max_over_mean`, `experts/dropped_fraction`: the logged step's tokens per expert over the global
       batch (`lightning_par.callbacks.expert_load`); the counts themselves are kept in `expert_load`.
+    - `pipe/bubble` (this rank), `pipe/bubble_mean`, `pipe/bubble_max_rank`, `pipe/step_ms`: under a pipeline, the
+      logged step's time inside the schedule's waits on peers over its step time (`callbacks/pipeline_view.py`).
     - `parallel/pp`, `parallel/dp`, `parallel/tp`, `parallel/ep`, `parallel/cp`: the layout's degrees (the axes the
       strategy's `parallel_layout` has).
 
@@ -174,8 +177,9 @@ class ParallelismMonitor(Callback):
         seq_len: Overrides the module's `seq_len` (T).
         pictures_every_n_steps: Optimizer steps between pictures (a multiple of the log interval; None: none):
             `pictures/memory_per_rank` (stacked bars of every rank's parameter, gradient and optimizer-state
-            bytes) and, with MoE layers, `pictures/expert_load` (layers x experts, load over mean), sent to the
-            loggers that take images (W&B, TensorBoard; `lightning_par.callbacks.pictures`).
+            bytes), with MoE layers `pictures/expert_load` (layers x experts, load over mean) and under a pipeline
+            `pictures/pipeline_timeline` (each rank's F / B / W / wait spans of the step), sent to the loggers that
+            take images (W&B, TensorBoard; `lightning_par.callbacks.pictures`).
 
     Attributes:
         last_metrics: The values of the latest log, exact (not rounded to float32).
@@ -338,6 +342,8 @@ class ParallelismMonitor(Callback):
             return
         metrics = self._perf(trainer, pl_module) if ids is not None else {}
         metrics.update(self._memory(trainer, pl_module))
+        if (record := step_record(trainer)) is not None:
+            metrics.update(bubble_metrics(record, trainer.strategy.root_device))
         if self._load is not None:
             self.expert_load = self._load.collect(trainer.strategy.root_device)
             metrics.update(load_metrics(self.expert_load))
@@ -369,9 +375,13 @@ class ParallelismMonitor(Callback):
             every = [torch.empty_like(local) for _ in range(dist.get_world_size())]
             dist.all_gather(every, local)
             rows = [t.tolist() for t in every]
+        record = step_record(trainer)
+        timelines = gather_records(record) if record is not None else None  # every rank: a collective
         if not trainer.is_global_zero:
             return
         pictures = {"pictures/memory_per_rank": memory_bars(rows)}
+        if timelines is not None:
+            pictures["pictures/pipeline_timeline"] = pipeline_timeline(timelines)
         if self.expert_load:
             loads = {k: v["tokens_per_expert"] for k, v in self.expert_load.items()}
             pictures["pictures/expert_load"] = load_heatmap(loads)

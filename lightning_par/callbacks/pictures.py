@@ -1,7 +1,7 @@
 """Pictures of the logged step for loggers that take images: memory per rank as stacked bars, expert load as a
-heatmap. Plain RGB arrays (height x width x 3, uint8) drawn with Pillow, so any logger can take them: W&B
-(`WandbLogger.log_image`) and TensorBoard (`add_image`) are fed by `log_pictures`; the numbers behind them are
-logged as metrics too, for loggers without images (CSV).
+heatmap, a pipeline step as a timeline. Plain RGB arrays (height x width x 3, uint8) drawn with Pillow, so any
+logger can take them: W&B (`WandbLogger.log_image`) and TensorBoard (`add_image`) are fed by `log_pictures`; the
+numbers behind them are logged as metrics too, for loggers without images (CSV).
 """
 
 from __future__ import annotations
@@ -59,6 +59,33 @@ def load_heatmap(loads: Mapping[str, torch.Tensor]) -> np.ndarray:
             fade = round(255 * (1 - value / most))
             x, y = left + e * cell, top + i * cell
             draw.rectangle([x, y, x + cell - 2, y + cell - 2], fill=(255, fade, fade), outline=_GREY)
+    return np.asarray(image)
+
+
+_SPAN_COLOURS = {"F": (66, 133, 244), "B": (52, 168, 83), "I": (52, 168, 83), "W": (251, 140, 0),
+                 "wait": (234, 67, 53)}  # fmt: skip
+
+
+def pipeline_timeline(per_rank: Sequence[Any]) -> np.ndarray:
+    """One row per rank of a pipeline step: forward (blue), backward / input gradient (green), weight gradient
+    (orange) and waiting on peers (red) over a common time axis; white is time the rank spent elsewhere.
+
+    Args:
+        per_rank: each rank's `lightning_par.parallel.pipeline_trace.StepRecord`.
+    """
+    width, left, top, row = 720, 40, 24, 22
+    longest = max((r.duration for r in per_rank), default=0.0) or 1.0
+    image = Image.new("RGB", (left + width + 10, top + len(per_rank) * row + 24), _WHITE)
+    draw = ImageDraw.Draw(image)
+    draw.text((4, 4), f"pipeline step {longest * 1e3:.1f} ms: F blue, B/I green, W orange, wait red", fill=_BLACK)
+    for i, record in enumerate(per_rank):
+        y = top + i * row
+        draw.text((4, y + 4), f"r{i}", fill=_BLACK)
+        draw.rectangle([left, y, left + width, y + row - 4], outline=_GREY)
+        for span in record.spans:
+            x0 = left + round(width * span.start / longest)
+            x1 = max(x0 + 1, left + round(width * span.end / longest))
+            draw.rectangle([x0, y + 1, x1, y + row - 5], fill=_SPAN_COLOURS[span.kind])
     return np.asarray(image)
 
 

@@ -43,6 +43,7 @@ from torch.distributed.pipelining import (
 from lightning_par import _compat
 from lightning_par.parallel.pipeline import PipelineError, PipelineModel, StageSpec
 from lightning_par.parallel.pipeline_tied import TiedWeights
+from lightning_par.parallel.pipeline_trace import StepTrace
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +175,7 @@ class PipelineRunner:
         # The hidden state's shape between stages from its shape entering the trunk: context parallelism sends
         # this rank's sequence chunks only (set by `compose.parallelize`).
         self.wire_shape: Callable[[tuple[int, ...]], tuple[int, ...]] = lambda shape: shape
+        self.trace = StepTrace()  # this rank's actions and waits in the latest training step
 
     @property
     def last_stage_rank(self) -> int:
@@ -252,6 +254,8 @@ class PipelineRunner:
                     group=self.group,
                 )
             )
+        for stage in stages:
+            self.trace.watch(stage)
         info = SCHEDULES[self.schedule_name]
         loss_fn = (lambda out, _target: self._loss_fn(out)) if training else None
         try:
@@ -321,7 +325,8 @@ class PipelineRunner:
         sched = self._scheduled(mbs, step_fn, training=True)
         device = self.model.device
         m = len(mbs)
-        sched.step(target=torch.zeros(m, device=device), mb=torch.arange(m, device=device), return_outputs=False)
+        with self.trace:  # the actions and waits of this step: `trace.last` (ParallelismMonitor's bubble, timeline)
+            sched.step(target=torch.zeros(m, device=device), mb=torch.arange(m, device=device), return_outputs=False)
         if self.tied is not None:  # this step's gradients of the two copies, before anything else reads them
             self.tied.reduce_grads()
 
