@@ -49,7 +49,7 @@ LAYOUTS: dict[str, tuple[dict[str, Any], int]] = {
 
 def fit(layout: str, compiled: bool, args: argparse.Namespace) -> tuple[float, float]:
     """One fresh fit; (first step s, median of the steps after warm-up s) on this rank."""
-    torch._dynamo.reset()  # every compiled fit compiles from scratch
+    torch.compiler.reset()  # every compiled fit compiles from scratch
     L.seed_everything(0, verbose=False)
     kwargs, dp = LAYOUTS[layout]
     steps = args.warmup + args.steps
