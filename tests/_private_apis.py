@@ -82,6 +82,14 @@ def _dtensor_constructor() -> None:
         raise TypeError("DTensor.__new__ no longer reads (local_tensor, spec, *, requires_grad)")
 
 
+def _compiler_ctx() -> None:
+    # Trainer.fit hands the strategy the module from_compiled marked, before refusing it: both must still hold.
+    _sets("lightning.pytorch.utilities.compile", "_compiler_ctx")
+    fit = inspect.getsource(_attr("lightning.pytorch.trainer.trainer.Trainer.fit"))
+    if not re.search(r"_lightning_module = model\s+_verify_strategy_supports_compile", fit):
+        raise AttributeError("Trainer.fit no longer assigns strategy._lightning_module before checking compile")
+
+
 def _slots(path: str, *names: str) -> None:
     if any(n not in _attr(path).__slots__ for n in names):
         raise AttributeError(f"{path}.__slots__ is {_attr(path).__slots__}")
@@ -226,6 +234,9 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                "lightning_par.parallel.pipeline_timeline.one_f_one_b_order copies the order of (check the copy)",
                (), lambda: _attr(f"{_PS}.Schedule1F1B._step_microbatches")),
     # Lightning
+    PrivateAPI("lightning", "lightning.pytorch.LightningModule._compiler_ctx (set by utilities.compile.from_compiled)",
+               "lightning_par.strategies.ParallelStrategy turns trainer.fit(torch.compile(model)) into compile=True "
+               "with", ("compiled_context",), _compiler_ctx),
     PrivateAPI("lightning", f"{_CONNECTOR}._check_and_init_precision",
                "lightning_par.strategies._precision_choice wraps so our strategies choose their precision plugin",
                ("connector_precision_choice", "set_connector_precision_choice"),

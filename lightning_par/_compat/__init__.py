@@ -33,6 +33,9 @@ from lightning_par._compat.lightning import (
     combined_loader as combined_loader,
 )
 from lightning_par._compat.lightning import (
+    compiled_context as compiled_context,
+)
+from lightning_par._compat.lightning import (
     connector_flags as connector_flags,
 )
 from lightning_par._compat.lightning import (

@@ -155,6 +155,14 @@ def all_gather_ddp_if_available(tensor: Tensor, group: Optional[Any] = None, syn
     return _all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
 
 
+def compiled_context(module: Any) -> Optional[dict]:
+    """What `lightning.pytorch.utilities.compile.from_compiled` left on a module unwrapped from ``torch.compile``
+    (``None`` for a plain one)."""
+    # LightningModule._compiler_ctx, lightning 2.6.6: Trainer.fit assigns the unwrapped module to
+    # strategy._lightning_module, then refuses it unless the strategy is single-device, DDP or FSDP.
+    return getattr(module, "_compiler_ctx", None)
+
+
 def set_fabric_backward_sync(strategy: Any, control: Any) -> None:
     """Make ``control`` (an object with ``no_backward_sync(module, enabled)``) what ``fabric.no_backward_sync`` asks."""
     # lightning.fabric Strategy._backward_sync_control, lightning 2.6.6: Fabric calls its no_backward_sync.

@@ -15,6 +15,7 @@ from typing import Any, Optional
 from lightning.pytorch.utilities.compile import to_uncompiled
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_par import _compat
 from lightning_par.config import ParallelConfig, ParallelConfigError
 
 
@@ -26,7 +27,7 @@ def take_compiled(module: Any, config: ParallelConfig, refusal: Optional[str] = 
         config: the strategy's configuration, changed in place.
         refusal: why this strategy cannot compile its blocks (DeepSpeed); the compiled model is then refused.
     """
-    if getattr(module, "_compiler_ctx", None) is None:
+    if _compat.compiled_context(module) is None:
         return module
     if refusal is not None:
         raise ParallelConfigError(f"a torch.compile'd model cannot be trained here: {refusal}")

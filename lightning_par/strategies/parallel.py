@@ -149,7 +149,7 @@ class ParallelStrategy(ProcessGroupStrategy):
 
     @_lightning_module.setter
     def _lightning_module(self, module: Optional[pl.LightningModule]) -> None:
-        if getattr(module, "_compiler_ctx", None) is not None:  # (Lightning's __init__ assigns None before _config)
+        if _compat.compiled_context(module) is not None:  # (Lightning's __init__ assigns None before _config)
             module = take_compiled(module, self._config, self._compile_refusal)
         self.__dict__["_lp_lightning_module"] = module
 
