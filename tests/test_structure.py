@@ -40,7 +40,7 @@ def test_only_the_registry_imports_both_strategy_classes():
 
 
 def test_lower_layers_import_no_lightning():
-    for folder in ("config.py", "names.py", "mesh.py", "plans", "parallel", "nn"):
+    for folder in ("config.py", "names.py", "mesh.py", "plans", "plan", "parallel", "nn"):
         target = PACKAGE / folder
         for path in [target] if target.is_file() else sorted(target.rglob("*.py")):
             imported = _imports(path)
