@@ -10,7 +10,8 @@ Job keys: ``name``, ``strategy`` (a name, ``{"kwargs": {...}}`` for ``FabricPara
 ``model`` (``llama`` / ``mixtral``), ``steps``, ``accumulate`` (microbatches per step), ``clip`` (max norm),
 ``save`` (folder: save after the steps), ``load`` (folder: load before training), ``trainer_save`` (folder: train
 ``steps`` with the Trainer under ``strategy`` and save there), ``trainer_checkpoint`` (``load`` is the Trainer's:
-no ``step`` entry), ``first_step``, ``precision``, ``errors`` (record the refusals' messages).
+no ``step`` entry), ``first_step``, ``precision``, ``errors`` (record the refusals' messages), ``meta`` (build under
+``fabric.init_module()``).
 """
 
 from __future__ import annotations
@@ -117,12 +118,18 @@ def _fabric(job: dict[str, Any], world: int) -> dict[str, Any]:
     fabric = L.Fabric(accelerator="cpu", devices=world, strategy=_strategy(job), precision=precision)
     fabric.launch()
     torch.manual_seed(0)
-    model = LM(job["model"])
+    with fabric.init_module(empty_init=True) if job.get("meta") else contextlib.nullcontext():
+        model = LM(job["model"])  # on the meta device under init_module: each rank creates its share in setup
     opt = _optimizer(model)
     model, opt = fabric.setup(model, opt)
     strategy = fabric.strategy
     run = strategy.parallel_run
     out: dict[str, Any] = {"layout": strategy.parallel_layout, "flops_params": strategy.global_param_count}
+    if job.get("meta"):
+        local = [(p.to_local() if isinstance(p, DTensor) else p) for p in run.module.parameters()]
+        out["meta_left"] = sum(p.is_meta for p in local)
+        out["held_fraction"] = sum(p.numel() for p in local) / sum(p.numel() for p in run.module.parameters())
+        out["init_params"] = _full(run.module, run)
     if job.get("load"):
         state = {"model": model, "optimizer": opt, **({} if job.get("trainer_checkpoint") else {"step": 0})}
         out["remainder"] = sorted(fabric.load(job["load"], state))

@@ -47,6 +47,9 @@ def _jobs(tmp: Path) -> list[dict[str, Any]]:
         {"name": "zero2_ac", "strategy": "zero2", **ac},
         {"name": "tp_zero3_ac", "strategy": "tp_zero3", **ac},
         {"name": "zero3_bf16", "strategy": "zero3", **llama, "precision": "bf16-mixed"},
+        # Built on the meta device (fabric.init_module()): each rank creates its share; the same init on any layout.
+        {"name": "meta_zero3", "strategy": "zero3", **llama, "meta": True},
+        {"name": "meta_tp_zero3", "strategy": "tp_zero3", **llama, "meta": True},
         # Save after 2 steps under zero3, resume under tp x zero3 for the third.
         {"name": "save", "strategy": "zero3", **llama, "steps": 2, "save": str(tmp / "fabric_ckpt")},
         {"name": "resume", "strategy": "tp_zero3", **llama, "steps": 1, "first_step": 2,
@@ -108,6 +111,16 @@ def test_fabric_bf16_mixed_matches_one_process_autocast(got: dict[str, Any]) -> 
     ref, mine = got["ref_bf16"], got["zero3_bf16"]
     assert rel(mine["losses"], ref["losses"]) < 1e-3  # bf16 matmuls in other reduction orders
     params_close(mine["params"], ref["params"], rtol=1e-3, atol=2 * LR * len(ref["losses"]))
+
+
+def test_fabric_init_module_builds_each_rank_share_the_same_on_every_layout(got: dict[str, Any]) -> None:
+    a, b = got["meta_zero3"], got["meta_tp_zero3"]
+    assert a["meta_left"] == b["meta_left"] == 0
+    assert a["held_fraction"] <= 0.25 + 0.01  # dp 4: a quarter (+ FSDP2's padding)
+    assert b["held_fraction"] < 0.5  # tp 2 x dp 2: at most half (what tp keeps whole is sharded over dp 2)
+    params_close(a["init_params"], b["init_params"], rtol=0, atol=0)  # bitwise: seeded per unit, not per rank
+    assert rel(b["losses"], a["losses"]) < 1e-5
+    params_close(b["params"], a["params"], rtol=1e-5, atol=ATOL)
 
 
 def test_fabric_checkpoint_resumes_in_another_layout(got: dict[str, Any]) -> None:
