@@ -25,6 +25,8 @@ from lightning_par.plans.trunk import find_trunk
 from lightning_par.strategies import DeepSpeedParallelStrategy, ParallelStrategy
 from lightning_par.strategies._compiled import take_compiled
 
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # multi-rank spawns with compilation
+
 # Explicit degrees on 2 ranks; tp and pp leave one data-parallel rank, which reads the whole global batch.
 LAYOUTS: dict[str, dict[str, Any]] = {
     "zero2": {"strategy": {"zero_stage": 2, "compile": True}},

@@ -22,6 +22,7 @@ from parity import params_close, rel
 
 import lightning_par
 
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # one 4-rank spawn of ~20 Fabric runs
 LR = 3e-3
 ATOL = 0.01 * LR
 WORKER = Path(__file__).with_name("_fabric_worker.py")
