@@ -161,3 +161,8 @@ def test_fabric_refuses_pipelines_deepspeed_and_other_precisions() -> None:
     fabric = L.Fabric(accelerator="cpu", devices=2, strategy="tp_zero3", precision="bf16-mixed")
     assert isinstance(fabric.strategy, lightning_par.FabricParallelStrategy)
     assert fabric.strategy.precision.precision == "bf16-mixed"
+    # Lightning's naming: the Fabric class under the Trainer class's name, in lightning_par.fabric.
+    from lightning_par.fabric import ParallelStrategy
+
+    fabric = L.Fabric(accelerator="cpu", devices=4, strategy=ParallelStrategy(tp=2, zero_stage=3))
+    assert fabric.strategy.config.tp == 2 and fabric.strategy.config.zero_stage == 3
