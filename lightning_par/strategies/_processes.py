@@ -9,7 +9,7 @@ the model is parallelized.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Optional, Union
+from typing import Any, Optional, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -26,26 +26,15 @@ from lightning_par.config import ParallelConfig
 from lightning_par.mesh import ParallelMesh, build_mesh
 
 
-class ProcessGroupStrategy(_LightningParallelStrategy):
-    """Processes, layout, mesh and data-parallel reductions (the base of `ParallelStrategy`).
+class ProcessLayout:
+    """What the Trainer's and Fabric's strategies share: the layout, the processes, the mesh and the plain
+    collectives. Mixed in before Lightning's base class, whose abstract ``root_device`` it answers; the class that
+    mixes it in sets ``_config``, ``_timeout``, ``_process_group_backend`` and ``_mesh = None``."""
 
-    Args:
-        config: the requested layout, validated (`ParallelConfig`); resolved against the world size at
-            `setup_environment`.
-        timeout: collective timeout; a rank stuck in a collective past this fails instead of hanging.
-        process_group_backend: ``"gloo"`` / ``"nccl"``; default from the device.
-        **kwargs: Lightning's strategy arguments (accelerator, parallel_devices, cluster_environment, ...).
-    """
-
-    def __init__(
-        self, config: ParallelConfig, timeout: timedelta, process_group_backend: Optional[str], **kwargs: Any
-    ) -> None:
-        super().__init__(**kwargs)
-        self._config = config
-        self._timeout = timeout
-        self._process_group_backend = process_group_backend
-        self._mesh: Optional[ParallelMesh] = None
-        self.num_nodes = 1
+    _config: ParallelConfig
+    _timeout: timedelta
+    _process_group_backend: Optional[str]
+    _mesh: Optional[ParallelMesh]
 
     # ---- layout ----------------------------------------------------------------------------------------------
     @property
@@ -77,27 +66,75 @@ class ProcessGroupStrategy(_LightningParallelStrategy):
         return self.meshes.token_mesh.get_group()
 
     @property
-    def parallel_layout(self) -> dict[str, Any]:
+    def parallel_layout(self: Any) -> dict[str, Any]:
         """The resolved layout, for logs and the logger's config."""
         return {"world_size": self.world_size, "num_nodes": self.num_nodes, **self._config.layout()}
 
     # ---- processes -------------------------------------------------------------------------------------------
     @property
-    @override
-    def root_device(self) -> torch.device:
+    def root_device(self: Any) -> torch.device:
         assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
+        return cast(torch.device, self.parallel_devices[self.local_rank])
 
     @property
-    def num_processes(self) -> int:
+    def num_processes(self: Any) -> int:
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
     @property
-    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Split batches over data-parallel ranks only: tensor/pipeline ranks of one replica see the same batch.
         dp = self.meshes.dp
         return {"num_replicas": dp.size(), "rank": dp.get_local_rank()}
+
+    def set_world_ranks(self: Any) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+
+    def start_processes(self: Any) -> None:
+        """Join the process group, resolve the layout and build the mesh (in ``setup_environment``)."""
+        reset_seed()
+        self.set_world_ranks()
+        assert self.cluster_environment is not None
+        self._process_group_backend, self._config, self._mesh = join_processes(
+            self.cluster_environment, self.root_device, self._process_group_backend, self._timeout, self._config,
+            self.num_processes,
+        )  # fmt: skip
+
+    # ---- collectives -----------------------------------------------------------------------------------------
+    def barrier(self, name: Optional[str] = None) -> None:
+        if _compat.distributed_is_initialized():
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _compat.distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+
+class ProcessGroupStrategy(ProcessLayout, _LightningParallelStrategy):
+    """Processes, layout, mesh and data-parallel reductions (the base of `ParallelStrategy`).
+
+    Args:
+        config: the requested layout, validated (`ParallelConfig`); resolved against the world size at
+            `setup_environment`.
+        timeout: collective timeout; a rank stuck in a collective past this fails instead of hanging.
+        process_group_backend: ``"gloo"`` / ``"nccl"``; default from the device.
+        **kwargs: Lightning's strategy arguments (accelerator, parallel_devices, cluster_environment, ...).
+    """
+
+    def __init__(
+        self, config: ParallelConfig, timeout: timedelta, process_group_backend: Optional[str], **kwargs: Any
+    ) -> None:
+        super().__init__(**kwargs)
+        self._config = config
+        self._timeout = timeout
+        self._process_group_backend = process_group_backend
+        self._mesh = None
+        self.num_nodes = 1
 
     @property
     def is_distributed(self) -> bool:
@@ -113,37 +150,12 @@ class ProcessGroupStrategy(_LightningParallelStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        reset_seed()
-        self.set_world_ranks()
-        assert self.cluster_environment is not None
-        self._process_group_backend, self._config, self._mesh = join_processes(
-            self.cluster_environment, self.root_device, self._process_group_backend, self._timeout, self._config,
-            self.num_processes,
-        )  # fmt: skip
-
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+        self.start_processes()
 
     def _set_metric_groups(self, module: nn.Module) -> None:
         set_metric_groups(module, self.meshes.dp.get_group())
 
     # ---- collectives -----------------------------------------------------------------------------------------
-    @override
-    def barrier(self, name: Optional[str] = None) -> None:
-        if _compat.distributed_is_initialized():
-            dist.barrier()
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _compat.distributed_is_initialized():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src)
-        return box[0]
-
     @override
     def reduce(
         self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[str, Any]] = "mean"

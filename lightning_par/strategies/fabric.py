@@ -24,15 +24,13 @@ from lightning.fabric.accelerators import Accelerator, CUDAAccelerator
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import ParallelStrategy as _FabricParallel
-from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only
-from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_par import _compat
 from lightning_par.config import ParallelConfig
-from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel.compose import parallelize
 from lightning_par.parallel.materialize import has_meta
 from lightning_par.parallel.rebind import parameter_names, rebind_optimizer
@@ -40,7 +38,7 @@ from lightning_par.parallel.run import ParallelRun
 from lightning_par.plans.flops import active_param_count
 from lightning_par.precision.fabric import FabricPrecision
 from lightning_par.strategies import _fabric_state
-from lightning_par.strategies._processes import join_processes, set_metric_groups
+from lightning_par.strategies._processes import ProcessLayout, set_metric_groups
 
 PIPELINE_REFUSAL = (
     "pipelines need a step they own: a schedule runs each microbatch's forward and backward together, and a Fabric "
@@ -49,7 +47,7 @@ PIPELINE_REFUSAL = (
 )
 
 
-class FabricParallelStrategy(_FabricParallel):
+class FabricParallelStrategy(ProcessLayout, _FabricParallel):
     """Every non-pipeline layout of `lightning_par.ParallelStrategy`, for ``lightning.Fabric``.
 
     Args:
@@ -90,7 +88,7 @@ class FabricParallelStrategy(_FabricParallel):
         self._process_group_backend = process_group_backend
         self._tp_plan = dict(tp_plan) if tp_plan else None
         self._pretrained = str(pretrained) if pretrained is not None else None
-        self._mesh: Optional[ParallelMesh] = None
+        self._mesh = None
         self._run: Optional[ParallelRun] = None
         self._accumulation = _Accumulation()
         _compat.set_fabric_backward_sync(self, self._accumulation)
@@ -99,43 +97,9 @@ class FabricParallelStrategy(_FabricParallel):
 
     # ---- layout ----------------------------------------------------------------------------------------------
     @property
-    def config(self) -> ParallelConfig:
-        """The configuration; resolved against the world size once processes exist."""
-        return self._config
-
-    @property
-    def meshes(self) -> ParallelMesh:
-        """The job's meshes (root, ``dp``, the 2-D data-parallel mesh, ...)."""
-        if self._mesh is None:
-            raise RuntimeError("the device mesh exists only after the processes have started (fabric.launch())")
-        return self._mesh
-
-    @property
     def parallel_run(self) -> Optional[ParallelRun]:
         """What `parallelize` built for the set-up model; ``None`` before ``fabric.setup``."""
         return self._run
-
-    @property
-    def parallel_layout(self) -> dict[str, Any]:
-        """The resolved layout, for logs and the logger's config."""
-        return {"world_size": self.world_size, "num_nodes": self.num_nodes, **self._config.layout()}
-
-    # ---- processes -------------------------------------------------------------------------------------------
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        dp = self.meshes.dp  # tensor-parallel ranks of one replica read the same batch
-        return {"num_replicas": dp.size(), "rank": dp.get_local_rank()}
 
     @property
     def num_nodes(self) -> int:
@@ -172,20 +136,10 @@ class FabricParallelStrategy(_FabricParallel):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        reset_seed()
-        self._set_world_ranks()
-        assert self.cluster_environment is not None
-        self._process_group_backend, self._config, self._mesh = join_processes(
-            self.cluster_environment, self.root_device, self._process_group_backend, self._timeout, self._config,
-            self.num_processes,
-        )  # fmt: skip
+        self.start_processes()
 
     def _set_world_ranks(self) -> None:
-        # Fabric's connector calls this too, before the launcher starts the processes.
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+        self.set_world_ranks()  # Fabric's connector calls this name, before the launcher starts the processes
 
     # ---- model and optimizers --------------------------------------------------------------------------------
     @override
@@ -284,19 +238,6 @@ class FabricParallelStrategy(_FabricParallel):
 
     def _dp_group(self) -> Optional[dist.ProcessGroup]:
         return self._mesh.dp.get_group() if self._mesh is not None else None
-
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if dist.is_available() and dist.is_initialized():
-            dist.barrier()
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not (dist.is_available() and dist.is_initialized()):
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src)
-        return box[0]
 
     # ---- checkpoints: the Trainer's sharded folders ----------------------------------------------------------
     @override
