@@ -4,27 +4,23 @@ Launch:
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 benchmarks/bench_comm_bytes.py [--quick]
 
-Every collective is counted by wrapping the Python entry points it goes through: the ``torch.distributed``
-module attributes (what Lightning and FSDP2's ``_fsdp_collectives`` look up at call time), the same names in
-``distributed_c10d`` (what object collectives call internally) and the two names
-`lightning_par.parallel.zero_replicated` bound at import. Lightning's own ``ddp`` is not counted: its
-all-reduces are issued from C++ (the DDP reducer).
+Every collective is counted by `lightning_par.utils.comm_counter.CommCounter` (the wrapped ``torch.distributed``
+entry points, the two names `lightning_par.parallel.zero_replicated` bound at import, and DTensor's functional
+collectives). Lightning's own ``ddp`` is not counted: its all-reduces are issued from C++ (the DDP reducer).
 
 Convention, "bytes on the wire per rank" for ring algorithms over n ranks: an all-reduce of B bytes moves
 2B(n-1)/n, a reduce-scatter of a B-byte input B(n-1)/n, an all-gather producing B bytes B(n-1)/n, a broadcast of
-B bytes B(n-1)/n (averaged over ranks). The paper (Rajbhandari et al., arXiv 1910.02054, section 7) gives per step
-DDP 2Psi, ZeRO-1/2 2Psi, ZeRO-3 3Psi, each times (n-1)/n, with Psi the parameter bytes.
+B bytes B(n-1)/n (averaged over ranks); `lightning_par.plan.comm` predicts these counts. The paper (Rajbhandari et
+al., arXiv 1910.02054, section 7) gives per step DDP 2Psi, ZeRO-1/2 2Psi, ZeRO-3 3Psi, each times (n-1)/n, with Psi
+the parameter bytes.
 """
 
 from __future__ import annotations
 
 import argparse
-import inspect
 import logging
 import math
 import os
-from collections import defaultdict
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,84 +29,12 @@ torch.set_num_threads(1)
 
 import lightning as L  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.distributed.distributed_c10d as c10d  # noqa: E402
 
 import lightning_par  # noqa: E402
-import lightning_par.parallel.zero_replicated as zero_mod  # noqa: E402
 from lightning_par.data import ByteTextDataModule  # noqa: E402
 from lightning_par.models import GPT  # noqa: E402
 from lightning_par.utils import clean_exit  # noqa: E402
-
-SMALL = 1024  # bytes: collectives below this are scalars (loss logging, control), reported apart from the traffic
-
-
-def _nbytes(t: Any) -> int:
-    ts = t if isinstance(t, (list, tuple)) else [t]
-    return sum(x.numel() * x.element_size() for x in ts)
-
-
-# kind, which argument holds the payload B, and the ring-algorithm factor applied to B * (n-1)/n.
-_SPECS: dict[str, tuple[str, str, int]] = {
-    "all_reduce": ("all_reduce", "tensor", 2),
-    "reduce_scatter_tensor": ("reduce_scatter", "input", 1),
-    "reduce_scatter_single": ("reduce_scatter", "input", 1),
-    "reduce_scatter": ("reduce_scatter", "input_list", 1),
-    "all_gather_into_tensor": ("all_gather", "output_tensor", 1),
-    "all_gather_single": ("all_gather", "output_tensor", 1),
-    "all_gather": ("all_gather", "tensor_list", 1),
-    "broadcast": ("broadcast", "tensor", 1),
-    "barrier": ("barrier", "", 0),
-}
-
-
-class CommCounter:
-    """Sums wire bytes and calls per (phase, kind, small) while installed; nested calls count once (outermost)."""
-
-    def __init__(self) -> None:
-        self.phase = "setup"
-        self.bytes: dict[tuple[str, str, bool], float] = defaultdict(float)
-        self.calls: dict[tuple[str, str, bool], int] = defaultdict(int)
-        self._depth = 0
-        self._saved: list[tuple[Any, str, Any]] = []
-
-    def _wrap(self, name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
-        kind, arg, factor = _SPECS[name]
-        sig = inspect.signature(orig)
-
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            if self._depth == 0:
-                bound = sig.bind(*args, **kwargs)
-                n = dist.get_world_size(bound.arguments.get("group"))
-                payload = _nbytes(bound.arguments[arg]) if arg else 0
-                key = (self.phase, kind, payload < SMALL)
-                self.bytes[key] += factor * payload * (n - 1) / n
-                self.calls[key] += 1
-            self._depth += 1
-            try:
-                return orig(*args, **kwargs)
-            finally:
-                self._depth -= 1
-
-        return counted
-
-    def install(self) -> None:
-        for module in (dist, c10d):
-            for name in _SPECS:
-                if hasattr(module, name):
-                    self._patch(module, name, self._wrap(name, getattr(module, name)))
-        # zero.py bound these at import time; patching `dist` alone would miss every ZeRO-1/2 bucket.
-        for name in ("_reduce_scatter", "_all_gather"):
-            orig = getattr(zero_mod, name)
-            self._patch(zero_mod, name, self._wrap(orig.__name__, orig))
-
-    def _patch(self, module: Any, name: str, fn: Any) -> None:
-        self._saved.append((module, name, getattr(module, name)))
-        setattr(module, name, fn)
-
-    def uninstall(self) -> None:
-        for module, name, orig in reversed(self._saved):
-            setattr(module, name, orig)
-        self._saved.clear()
+from lightning_par.utils.comm_counter import CommCounter  # noqa: E402
 
 
 class PhaseTagger(L.Callback):

@@ -10,6 +10,8 @@ file (`lightning_par.checkpoint.consolidate`); with ``--format hf [--config CONF
 
 ``lightning-par plan --config RECIPE`` prints the tensor-parallel plan inferred for the recipe's model (with the
 strategy's ``tp_plan`` overrides applied, and checked against its ``tp`` when that is set), without training.
+With ``--gpu NAME`` it is the planner instead: every layout ranked by predicted step time (`lightning_par.cli_plan`);
+``lightning-par estimate`` predicts one layout's memory and step time.
 
 ``lightning-par recipes [FOLDER]`` lists the recipes (``./recipes``, else the ones beside this package's source), one
 line each: the name and what it trains.
@@ -20,42 +22,13 @@ and why the others cannot (`lightning_par.analysis.compatibility`).
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 from pathlib import Path
-from typing import Any, Optional
-
-import torch
-from lightning.pytorch.cli import LightningCLI
+from typing import Optional
 
 import lightning_par  # registers the strategy names
-
-
-def _default_wandb_mode() -> None:
-    # W&B runs offline unless the user has a key or chose a mode: the demo must work on a machine with no network.
-    if "WANDB_MODE" not in os.environ and not os.environ.get("WANDB_API_KEY"):
-        os.environ["WANDB_MODE"] = "offline"
-
-
-def build_cli(args: Optional[list[str]] = None, run: bool = True) -> LightningCLI:
-    """Parse ``args`` into a LightningCLI (and run the subcommand unless ``run=False``).
-
-    Args:
-        args: command-line arguments (default ``sys.argv[1:]``).
-        run: ``False`` only parses and instantiates model, data and trainer (tests use it to check recipes).
-    """
-    _default_wandb_mode()
-    kwargs: dict[str, Any] = {"save_config_kwargs": {"overwrite": True}}
-    return LightningCLI(args=args, run=run, **kwargs)
-
-
-def _built(model: Any) -> Any:
-    # A model built in configure_model() (Lightning's hook for models larger than one device) has no layers until
-    # the hook runs: run it on the meta device, as the strategies do, so that inspecting it allocates nothing.
-    with torch.device("meta"):
-        model.configure_model()
-    return model
+from lightning_par.cli_recipe import _built, build_cli
 
 
 def print_plan(args: list[str]) -> str:
@@ -81,27 +54,16 @@ def print_plan(args: list[str]) -> str:
     return text
 
 
-def _first_optimizer(configured: Any) -> Optional[torch.optim.Optimizer]:
-    # configure_optimizers may return an optimizer, a list or tuple of them (and schedulers), or a dict.
-    if isinstance(configured, torch.optim.Optimizer):
-        return configured
-    if isinstance(configured, dict):
-        return _first_optimizer(configured.get("optimizer"))
-    if isinstance(configured, (list, tuple)) and configured:
-        return _first_optimizer(configured[0])
-    return None
-
-
 def check_recipe(args: list[str]) -> str:
     """Build the recipe's model (no processes, no training) and return which strategies can train it, and why not.
 
     Args:
         args: LightningCLI arguments without a subcommand, e.g. ``["--config", "recipes/demo.yaml"]``.
     """
-    from lightning_par.analysis.compatibility import check_model, format_verdicts
+    from lightning_par.analysis.compatibility import check_model, first_optimizer, format_verdicts
 
     cli = build_cli(args, run=False)
-    optimizer = _first_optimizer(_built(cli.model).configure_optimizers())
+    optimizer = first_optimizer(_built(cli.model).configure_optimizers())
     return format_verdicts(check_model(cli.model, optimizer))
 
 
@@ -145,6 +107,14 @@ def main() -> None:
         from lightning_par.checkpoint.consolidate import main as consolidate_main
 
         consolidate_main(sys.argv[2:])
+        return
+    if len(sys.argv) > 1 and (sys.argv[1] == "estimate" or (sys.argv[1] == "plan" and "--gpu" in sys.argv)):
+        from lightning_par import cli_plan
+
+        try:
+            print(cli_plan.run_estimate(sys.argv[2:]) if sys.argv[1] == "estimate" else cli_plan.run_plan(sys.argv[2:]))
+        except ValueError as err:  # unknown GPU, a layout that does not divide, a config missing keys
+            sys.exit(f"lightning-par {sys.argv[1]}: {err}")
         return
     if len(sys.argv) > 1 and sys.argv[1] == "plan":
         print(print_plan(sys.argv[2:]))

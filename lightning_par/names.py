@@ -80,3 +80,5 @@ def _names() -> list[str]:
 
 
 STRATEGY_NAMES: tuple[str, ...] = tuple(_names())
+# The planner's name (`lightning_par.strategies.auto`): a layout chosen at start-up, not a fixed combination.
+AUTO_NAME = "auto_parallel"

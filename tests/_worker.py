@@ -346,6 +346,19 @@ def _local_bytes(tensors: Any) -> int:
     return total
 
 
+def _auto_choice(strategy: Any) -> dict[str, Any] | None:
+    from lightning_par.strategies.auto import AutoParallelStrategy, explain
+
+    if not isinstance(strategy, AutoParallelStrategy) or strategy.ranking is None:
+        return None
+    return {
+        "chosen": strategy.chosen,
+        "top": explain(strategy.ranking),
+        "n_feasible": len(strategy.ranking.feasible),
+        "ruled_out": [why for _, why in strategy.ranking.infeasible],
+    }
+
+
 class Recorder(L.Callback):
     """Per-step loss (as logged, i.e. reduced over data-parallel ranks), grad norm and memory."""
 
@@ -886,6 +899,8 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         # DeepSpeed backend, meta-built model: what materialising it cost each rank (parallel/deepspeed_init.py).
         "meta_init_all": _gathered_objects(_asdict(getattr(trainer.strategy, "meta_init", None))),
         "layout": getattr(trainer.strategy, "parallel_layout", None),
+        # auto_parallel: the layout the planner chose and its printed top three.
+        "auto": _auto_choice(trainer.strategy),
         "per_rank_batch": data.batch_size,
         "ds_batch": _ds_batch(trainer.strategy),
         "optim_at_start": optim_recorder.state,

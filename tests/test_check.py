@@ -67,10 +67,11 @@ def test_check_recipe_builds_the_recipe_model_and_prints_one_line_per_strategy()
 
 
 def _recipe_model_and_optimizer():
-    from lightning_par.cli import _first_optimizer, build_cli
+    from lightning_par.analysis.compatibility import first_optimizer
+    from lightning_par.cli import build_cli
 
     cli = build_cli(["--config", "recipes/moe.yaml"], run=False)
-    return cli.model, _first_optimizer(cli.model.configure_optimizers())
+    return cli.model, first_optimizer(cli.model.configure_optimizers())
 
 
 def test_moe_families_pass_moe_and_unrecognised_experts_are_named():

@@ -158,9 +158,11 @@ def c10d_functional_ops() -> Any:
 
 
 def op_name(func: Any) -> str:
-    """``namespace::name`` of an op overload seen by a dispatch mode, without the overload (``aten::mm``)."""
+    """``namespace::name`` of an op overload seen by a dispatch mode, without the overload (``aten::mm``); ``""``
+    for a callable that is not an op overload."""
     # OpOverload._schema, torch 2.13.0: the op's schema; its name has no overload suffix.
-    return func._schema.name
+    schema = getattr(func, "_schema", None)
+    return schema.name if schema is not None else ""
 
 
 # ---- torch: nn.Module, Tensor and storage internals --------------------------------------------------------------

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -205,6 +205,18 @@ def _dims(kwargs: dict) -> list[str]:
     elif "tp" in dims:
         dims += ["tp_optimizer"]
     return dims
+
+
+def first_optimizer(configured: Any) -> Optional[torch.optim.Optimizer]:
+    """The first optimizer of what ``configure_optimizers`` returns: an optimizer, a list or tuple of them (and
+    schedulers), or a dict."""
+    if isinstance(configured, torch.optim.Optimizer):
+        return configured
+    if isinstance(configured, dict):
+        return first_optimizer(configured.get("optimizer"))
+    if isinstance(configured, (list, tuple)) and configured:
+        return first_optimizer(configured[0])
+    return None
 
 
 def check_model(

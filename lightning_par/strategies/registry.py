@@ -13,11 +13,13 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_par.names import (
+    AUTO_NAME,
     DEEPSPEED_STRATEGY_NAMES,
     STRATEGY_NAMES,
     deepspeed_strategy_kwargs,
     strategy_kwargs,
 )
+from lightning_par.strategies.auto import AutoParallelStrategy
 from lightning_par.strategies.deepspeed import DeepSpeedParallelStrategy
 from lightning_par.strategies.fabric import FabricParallelStrategy
 from lightning_par.strategies.parallel import ParallelStrategy
@@ -57,6 +59,8 @@ def register_strategies(registry: Any = StrategyRegistry) -> None:
         for name in names:
             if name not in registry:
                 registry.register(name, cls, description=f"lightning_par {name}", preset=name)
+    if AUTO_NAME not in registry:
+        registry.register(AUTO_NAME, AutoParallelStrategy, description="lightning_par: the planner picks the layout")
 
 
 class _NamedFabricStrategy(FabricParallelStrategy):

@@ -1,0 +1,113 @@
+"""One layout's prediction: per-GPU memory (parameters, gradients, optimizer state, activations, temporary buffers)
+and step time, with throughput and MFU. The composition of `state`, `activations` and `steptime`.
+
+Temporary buffers are what lives only during a step besides activations: under ZeRO-3 the gathered parameters of
+the block being computed and of the one prefetched (FSDP2 keeps two in flight), the ZeRO 0-2 communication
+buckets (two of ``bucket_cap_mb`` in flight, the suite's default 25 MB), and the loss's fp32 logits with their
+gradient (the largest single tensor of a step at a large vocabulary).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any, Optional
+
+from lightning_par.plan.activations import activation_bytes
+from lightning_par.plan.compute import peak_flops
+from lightning_par.plan.devices import GIB, Device
+from lightning_par.plan.layout import Layout
+from lightning_par.plan.model import ModelDesc
+from lightning_par.plan.params import ParamSpec, specs_from_desc
+from lightning_par.plan.state import state_bytes
+from lightning_par.plan.steptime import StepTime, step_time
+
+_BUCKET_BYTES = 2 * 25 * 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """A layout's predicted per-GPU memory (bytes) and step time (seconds)."""
+
+    layout: Layout
+    parameters: float
+    gradients: float
+    optimizer: float
+    activations: float
+    temporary: float
+    time: StepTime
+    peak: float  # the device's peak FLOP/s at the layout's precision
+
+    @property
+    def total(self) -> float:
+        return self.parameters + self.gradients + self.optimizer + self.activations + self.temporary
+
+    @property
+    def mfu(self) -> float:
+        return self.time.mfu(self.peak)
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        return self.time.model_flops / self.time.total / 1e12
+
+    def as_dict(self) -> dict[str, Any]:
+        """The ``--json`` object of ``lightning-par estimate``."""
+        gib = {k: getattr(self, k) / GIB for k in ("parameters", "gradients", "optimizer", "activations", "temporary")}
+        gib["total"] = self.total / GIB
+        t = self.time
+        return {
+            "layout": self.layout.describe(), "strategy": self.layout.strategy_kwargs(),
+            "step_time_s": t.total, "tflops_per_gpu": self.tflops_per_gpu, "mfu": self.mfu, "memory_gib": gib,
+            "step_time_parts_s": {"compute": t.compute, "tp_comm": t.tp_comm, "pipeline_bubble": t.pipeline_bubble,
+                                  "pipeline_p2p": t.pipeline_p2p, "dp_comm_exposed": t.dp_comm_exposed,
+                                  "optimizer": t.optimizer},
+        }  # fmt: skip
+
+
+def temporary_bytes(desc: ModelDesc, layout: Layout, seq_len: int) -> float:
+    """The step's transient buffers besides activations (module docstring)."""
+    el = 4 if layout.precision == "32-true" else 2
+    tokens = layout.micro_batch_size * seq_len // layout.cp
+    logits = 2 * tokens * math.ceil(desc.vocab / layout.tp) * 4
+    if layout.zero_stage == 3 and layout.shard_group > 1:
+        gathered = 2 * desc.block_params / layout.tp * el
+    else:
+        gathered = _BUCKET_BYTES if layout.dp > 1 else 0
+    return logits + gathered
+
+
+def estimate(
+    desc: ModelDesc,
+    layout: Layout,
+    dev: Device,
+    global_batch: int,
+    seq_len: int,
+    profile: str = "torch",
+    specs: Optional[Sequence[ParamSpec]] = None,
+) -> Estimate:
+    """Predict ``layout``'s memory and step time for ``desc`` on ``dev`` GPUs (checked with `Layout.check` first).
+
+    Args:
+        profile: ``"torch"`` (this suite running Hugging Face-style modules) or ``"megatron"`` (Megatron-LM's fused
+            kernels and its 18-bytes-per-parameter mixed-precision state), for comparing with published runs.
+        specs: the model's parameters (default: synthesised from ``desc``); pass `specs_from_module`'s for a live
+            model so that state bytes follow its exact shapes.
+    """
+    layout.check(desc, layout.world, global_batch, seq_len, suite=profile != "megatron")
+    framework = "megatron" if profile == "megatron" else "lightning_par"
+    state = state_bytes(specs if specs is not None else specs_from_desc(desc), layout, framework=framework)
+    acts = activation_bytes(desc, layout, seq_len, profile=profile)
+    local = state.parameters / (2 if framework == "megatron" else _param_bytes(layout))
+    local *= layout.shard_group if layout.zero_stage == 3 else 1
+    t = step_time(desc, layout, dev, global_batch, seq_len, profile=profile, local_params=local)
+    return Estimate(
+        layout=layout, parameters=state.parameters, gradients=state.gradients, optimizer=state.optimizer,
+        activations=acts.total, temporary=temporary_bytes(desc, layout, seq_len), time=t,
+        peak=peak_flops(dev, layout.precision),
+    )  # fmt: skip
+
+
+def _param_bytes(layout: Layout) -> int:
+    # The suite keeps fp32 parameters under every flag but "bf16-true" (mixed precision casts copies for compute).
+    return 2 if layout.precision == "bf16-true" else 4

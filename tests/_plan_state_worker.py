@@ -1,0 +1,146 @@
+"""Train Hugging Face models under lightning_par strategies and measure, on every rank, what the planner predicts:
+parameter, gradient and optimizer-state bytes held, and the bytes of every collective of one optimizer step.
+
+``python -m torch.distributed.run --nproc-per-node N tests/_plan_state_worker.py SPEC.json``: SPEC has ``out`` (a
+.pt path written by global rank 0) and ``jobs``, each a dict with ``config`` (a Hugging Face config as a dict,
+``model_type`` included), ``strategy`` (`lightning_par.ParallelStrategy` keyword arguments), ``precision``,
+``optimizer`` (``"adamw"`` or ``"sgd"``), ``aux`` (train on the model's own loss, router load-balancing term
+included), ``batch`` (samples per data-parallel rank) and ``seq``. Every job trains two steps; the second is
+measured (the first carries one-off traffic: FSDP2's lazy set-up, the pipeline's shape probe). Results: per job,
+one dict per global rank. Bytes held are those of distinct tensor storages (padding of FSDP2 shards and ZeRO
+buckets included).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+torch.set_num_threads(1)
+
+import lightning as L  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import lightning_par  # noqa: E402
+from lightning_par.data import ByteTextDataModule  # noqa: E402
+from lightning_par.utils import clean_exit  # noqa: E402
+from lightning_par.utils.comm_counter import CommCounter  # noqa: E402
+
+MEASURED = 1  # batch index of the measured step
+
+
+def build(config: dict[str, Any]) -> torch.nn.Module:
+    """The Hugging Face causal LM of ``config`` (a dict with ``model_type``), initialised, not downloaded."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kwargs = {k: v for k, v in config.items() if k != "model_type"}
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(config["model_type"], **kwargs))
+
+
+class LM(L.LightningModule):
+    """A user's LightningModule around a Hugging Face model: no logging (its scalars would be traffic too)."""
+
+    def __init__(self, config: dict[str, Any], optimizer: str, aux: bool) -> None:
+        super().__init__()
+        self.model = build(config)
+        self.optimizer, self.aux = optimizer, aux
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        if self.aux:  # the model's own loss: cross-entropy plus its routers' load-balancing term
+            return self.model(input_ids=x, labels=x).loss
+        return F.cross_entropy(self.model(input_ids=x).logits.flatten(0, 1).float(), y.flatten())
+
+    def configure_optimizers(self) -> Any:
+        if self.optimizer == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def storage_bytes(tensors: Any) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a DTensor's local shard; views counted once)."""
+    seen: dict[tuple[int, int], int] = {}
+    for t in tensors:
+        if t is None:
+            continue
+        local = t.to_local() if isinstance(t, DTensor) else t
+        storage = local.untyped_storage()
+        seen[(storage.data_ptr(), storage.nbytes())] = storage.nbytes()
+    return sum(seen.values())
+
+
+class Measure(L.Callback):
+    """Tags the measured step for the counter and records what each rank holds around it."""
+
+    def __init__(self, counter: CommCounter) -> None:
+        self.counter = counter
+        self.got: dict[str, Any] = {"gradients": 0}
+
+    def _grads(self, module: Any, trainer: L.Trainer) -> int:
+        # The model's own gradients and the optimizer's (ZeRO 1-2 masters hold the reduced shards).
+        params = [*module.parameters(), *(p for o in trainer.optimizers for g in o.param_groups for p in g["params"])]
+        return storage_bytes(p.grad for p in params)
+
+    def on_train_batch_start(self, trainer: L.Trainer, module: Any, batch: Any, batch_idx: int) -> None:
+        self.counter.phase = "step" if batch_idx == MEASURED else f"step{batch_idx}"
+
+    def on_after_backward(self, trainer: L.Trainer, module: Any) -> None:
+        if trainer.global_step == MEASURED:
+            self.got["gradients"] = max(self.got["gradients"], self._grads(module, trainer))
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, module: Any, optimizer: Any) -> None:
+        if trainer.global_step == MEASURED:
+            self.got["gradients"] = max(self.got["gradients"], self._grads(module, trainer))
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.counter.phase = "after"
+        if batch_idx != MEASURED:
+            return
+        self.got["parameters"] = storage_bytes(module.parameters())
+        states = trainer.optimizers[0].state.values()
+        self.got["optimizer"] = storage_bytes(v for s in states for v in s.values() if isinstance(v, torch.Tensor))
+
+
+def run_job(job: dict[str, Any]) -> dict[str, Any]:
+    L.seed_everything(0, verbose=False)
+    model = LM(job["config"], job["optimizer"], job["aux"])
+    counter = CommCounter(small=0)
+    measure = Measure(counter)
+    world = int(os.environ["WORLD_SIZE"])  # set by torchrun; the process group starts inside fit
+    counter.install()
+    try:
+        trainer = L.Trainer(
+            accelerator="cpu", devices=world, strategy=lightning_par.ParallelStrategy(**job["strategy"]),
+            precision=job["precision"], max_steps=MEASURED + 1, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+            callbacks=[measure],
+        )  # fmt: skip
+        data = ByteTextDataModule(seq_len=job["seq"], batch_size=job["batch"], num_samples=64 * world)
+        trainer.fit(model, datamodule=data)
+    finally:
+        counter.uninstall()
+    return {**measure.got, "comm": counter.per_kind("step")}
+
+
+def main() -> None:
+    warnings.filterwarnings("ignore")
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    mine = [run_job(job) for job in spec["jobs"]]
+    ranks: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, mine)
+    if dist.get_rank() == 0:
+        torch.save([[ranks[r][j] for r in range(len(ranks))] for j in range(len(spec["jobs"]))], spec["out"])
+    clean_exit()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,220 @@
+"""The planner's per-rank state and communication (`lightning_par.plan.params`, `state`, `comm`).
+
+Unit tier: the two sources of parameter lists agree on the Hugging Face classes, the conventions (precision, ZeRO
+padding, optimizer state, pipeline stages, Megatron's 18 bytes per parameter) and the errors. Distributed tier: one
+spawn of 4 CPU ranks trains every strategy family and checks, rank by rank, that the predicted parameter, gradient
+and optimizer-state bytes and the bytes of every collective of a step equal what the strategies hold and send.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_par.plan.comm import comm_bytes, comm_terms
+from lightning_par.plan.layout import SCHEDULES, Layout, LayoutError
+from lightning_par.plan.model import from_hf_config
+from lightning_par.plan.params import ParamSpec, specs_from_desc, specs_from_module
+from lightning_par.plan.state import held, local_stages, stage_ranges, state_bytes
+
+WORKER = Path(__file__).with_name("_plan_state_worker.py")
+
+# Tiny configs with dims 4 ranks do not divide (vocab 250: ZeRO and FSDP2 padding shows), GQA (2 key/value heads).
+LLAMA = dict(model_type="llama", vocab_size=250, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+             attn_implementation="eager")  # fmt: skip
+MIXTRAL = dict(LLAMA, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+               router_aux_loss_coef=0.1)  # fmt: skip
+GPT2 = dict(model_type="gpt2", vocab_size=250, n_positions=66, n_embd=32, n_layer=4, n_head=4, resid_pdrop=0.0,
+            embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager")  # fmt: skip
+QWEN3 = dict(LLAMA, model_type="qwen3", head_dim=8, tie_word_embeddings=True)
+
+
+def _meta(config: dict[str, Any]) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(config["model_type"], **{k: v for k, v in config.items() if k != "model_type"})
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(cfg)
+
+
+def _desc_specs(config: dict[str, Any]) -> list[ParamSpec]:
+    return specs_from_desc(from_hf_config(config))
+
+
+# ---- unit tier -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("config", [LLAMA, MIXTRAL, GPT2, QWEN3], ids=["llama", "mixtral", "gpt2_tied", "qwen3_tied"])
+def test_specs_from_desc_equal_specs_from_the_hugging_face_module(config: dict[str, Any]) -> None:
+    from_module = specs_from_module(_meta(config))  # the suite's introspection, on the meta device
+    from_desc = _desc_specs(config)
+    assert {s.name: s for s in from_desc} == {s.name: s for s in from_module}
+    assert sum(s.numel for s in from_desc) == from_hf_config(config).total_params
+
+
+def _toy(rows: int = 10, outer: bool = True) -> list[ParamSpec]:
+    """Two blocks of one [rows, 4] weight each, and an embedding [rows, 4] before the trunk."""
+    specs = [ParamSpec(f"b.{i}.w", (rows, 4), block=i) for i in range(2)]
+    return specs + ([ParamSpec("emb", (rows, 4), end="first", lookup=True)] if outer else [])
+
+
+def test_zero_padding_rows_per_rank_and_optimizer_state() -> None:
+    specs = _toy(rows=10)  # 3 tensors of 40 elements; 4 ranks: ceil(10/4) = 3 rows each, rank 3 holds 1 row
+    for rank, rows in enumerate((3, 3, 3, 1)):
+        z1 = state_bytes(specs, Layout(dp_shard=4, zero_stage=1, precision="32-true"), rank=rank)
+        assert z1.parameters == 3 * 40 * 4 and z1.gradients == 3 * 40 * 4  # full weights, full gradients
+        assert z1.optimizer == 3 * (rows * 4 * 4 * 2 + 4)  # Adam's two moments of its rows, one fp32 step each
+        z2 = state_bytes(specs, Layout(dp_shard=4, zero_stage=2, precision="32-true"), rank=rank)
+        assert z2.gradients == 3 * 12 * 4  # the padded bucket shard, 3 rows on every rank
+        z3 = state_bytes(specs, Layout(dp_shard=4, zero_stage=3, precision="bf16-true"), rank=rank, optimizer="sgd")
+        assert (z3.parameters, z3.gradients) == (3 * 12 * 2, 3 * 12 * 2)  # FSDP2's padded shards, bf16
+        assert z3.optimizer == 3 * rows * 4 * 2  # one momentum buffer of the real rows
+    assert state_bytes(specs, Layout(dp_shard=4, zero_stage=1, precision="32-true")).optimizer == 3 * (96 + 4)
+    mixed = state_bytes(specs, Layout(dp_shard=2, zero_stage=0, precision="bf16-mixed"))
+    assert mixed == state_bytes(specs, Layout(dp_shard=2, zero_stage=0, precision="32-true"))  # no second copy
+
+
+def test_megatron_counts_18_bytes_per_parameter_and_shards_12_with_the_distributed_optimizer() -> None:
+    desc = from_hf_config(dict(LLAMA, hidden_size=64, intermediate_size=96, vocab_size=256, num_hidden_layers=4))
+    specs, n = specs_from_desc(desc), desc.total_params
+    plain = state_bytes(specs, Layout(dp_shard=8, precision="bf16-mixed"), framework="megatron")
+    assert (plain.parameters, plain.gradients, plain.optimizer) == (2 * n, 4 * n, 12 * n) and plain.total == 18 * n
+    dist_opt = state_bytes(specs, Layout(dp_shard=8, zero_stage=1, precision="bf16-mixed"), framework="megatron")
+    assert dist_opt.optimizer == 12 * math.ceil(n / 8) and dist_opt.parameters == 2 * n
+    fp32 = state_bytes(specs, Layout(dp_shard=2, precision="32-true"), framework="megatron")
+    assert fp32.total == 16 * n
+    # tp x pp: the ranks of one data-parallel replica together hold each parameter once (the ends split by the
+    # vocabulary), except the norms, whole on both tp ranks.
+    layout = Layout(tp=2, pp=2, dp_shard=2, precision="bf16-mixed")
+    per_replica = sum(state_bytes(specs, layout, rank=r, framework="megatron").parameters for r in (0, 1, 4, 5))
+    assert per_replica == 2 * (n + sum(s.numel for s in specs if len(s.shape) == 1))
+
+
+def test_pipeline_stages_follow_the_suite() -> None:
+    from lightning_par.parallel.pipeline_schedule import SCHEDULES as SUITE
+    from lightning_par.parallel.pipeline_schedule import local_stages as suite_stages
+
+    for schedule in SCHEDULES:
+        for pp in (2, 4):
+            layout = Layout(pp=pp, pp_schedule=schedule, vpp=SUITE[schedule].virtual)
+            assert [local_stages(layout, r) for r in range(pp)] == [suite_stages(schedule, pp, r) for r in range(pp)]
+    specs = _desc_specs(dict(LLAMA, num_hidden_layers=4))
+    ranges = stage_ranges(specs, Layout(pp=2))
+    assert ranges[0][0] == 0 and ranges[-1][1] == 4
+    first = {t.spec.name for t in held(specs, Layout(pp=2), pp_rank=0)}
+    last = {t.spec.name for t in held(specs, Layout(pp=2), pp_rank=1)}
+    assert "model.embed_tokens.weight" in first - last and {"model.norm.weight", "lm_head.weight"} <= last - first
+    tied = _desc_specs(dict(GPT2))
+    assert all("transformer.wte.weight" in {t.spec.name for t in held(tied, Layout(pp=2), r)} for r in (0, 1))
+
+
+def test_experts_divide_over_ep_and_stay_out_of_zero() -> None:
+    specs = _desc_specs(MIXTRAL)
+    layout = Layout(dp_shard=4, ep=2, zero_stage=3, precision="32-true")
+    experts = [t for t in held(specs, layout) if t.spec.expert_axis is not None]
+    assert experts and all(t.shape[0] == 2 and not t.in_zero for t in experts)  # 4 experts over ep=2
+    assert all(t.in_zero for t in held(specs, Layout(dp_shard=4, zero_stage=3)))  # ep=1: ZeRO shards them too
+
+
+def test_zero_traffic_is_the_papers_when_nothing_pads() -> None:
+    specs = _toy(rows=8, outer=False)  # only blocks: FSDP2 re-gathers all of it for backward
+    psi, n = 2 * 8 * 4 * 4, 4
+    for stage, factor in ((0, 2), (1, 2), (2, 2), (3, 3)):
+        got = comm_bytes(specs, Layout(dp_shard=n, zero_stage=stage, precision="32-true"), 4, 8, 4)
+        assert sum(got.values()) == pytest.approx(factor * psi * (n - 1) / n)
+    tp = comm_terms(specs, Layout(tp=2, precision="32-true"), 2, 8, hidden=4)
+    assert tp == []  # no row-parallel projection, nothing tp reduces
+
+
+def test_errors_name_the_fix() -> None:
+    specs = _toy()
+    with pytest.raises(ValueError, match="optimizer='lion' is not modelled; choose one of"):
+        state_bytes(specs, Layout(), optimizer="lion")
+    with pytest.raises(ValueError, match="framework='deepspeed' is unknown"):
+        state_bytes(specs, Layout(), framework="deepspeed")
+    with pytest.raises(ValueError, match="bf16-true has no Megatron counterpart"):
+        state_bytes(specs, Layout(precision="bf16-true"), framework="megatron")
+    with pytest.raises(ValueError, match=r"no zero_stage=3: 0 .* or 1"):
+        state_bytes(specs, Layout(dp_shard=2, zero_stage=3), framework="megatron")
+    with pytest.raises(LayoutError, match="tp=3 does not divide dim 0"):
+        state_bytes([ParamSpec("w", (10, 4), tp_dim=0, block=0)], Layout(tp=3))
+    with pytest.raises(ValueError, match=r"0-dim scalar.*shape \(1,\)"):
+        state_bytes([ParamSpec("s", (), block=0)], Layout(dp_shard=2, zero_stage=1))
+    with pytest.raises(ValueError, match="give exactly one of block="):
+        ParamSpec("w", (4,), block=0, end="first")
+    with pytest.raises(LayoutError, match="set vpp=2"):
+        state_bytes(_toy(), Layout(pp=2, vpp=3, pp_schedule="interleaved_1f1b"))
+    with pytest.raises(LayoutError, match="context parallelism"):
+        comm_bytes(specs, Layout(cp=2), 2, 8, 4)
+
+
+# ---- distributed tier: against the strategies, measured ------------------------------------------------------------
+BATCH, SEQ = 2, 16  # samples per data-parallel rank, tokens per sample
+_ONE = dict(micro_batch_size=BATCH)  # no accumulation: the rank's batch in one micro-batch
+# name -> (config, layout, optimizer, the model's own loss with its routers' aux term)
+FAMILIES: dict[str, tuple[dict[str, Any], Layout, str, bool]] = {
+    "zero1": (LLAMA, Layout(dp_shard=4, zero_stage=1, precision="32-true", **_ONE), "adamw", False),
+    "zero2": (LLAMA, Layout(dp_shard=4, zero_stage=2, precision="bf16-true", **_ONE), "adamw", False),
+    "zero3": (LLAMA, Layout(dp_shard=4, zero_stage=3, precision="bf16-mixed", **_ONE), "sgd", False),
+    # GPT-2's Conv1D projections and fused [q | k | v], over two replicas (DDP's all-reduce across dp_replicate).
+    "tp_gpt2": (GPT2, Layout(tp=2, dp_replicate=2, dp_shard=1, zero_stage=0, precision="32-true", **_ONE), "adamw",
+                False),
+    "tp_zero1_sp": (LLAMA, Layout(tp=2, dp_shard=2, zero_stage=1, sequence_parallel=True, precision="bf16-mixed",
+                                  **_ONE), "adamw", False),
+    "tp_zero3_sp": (LLAMA, Layout(tp=2, dp_shard=2, zero_stage=3, sequence_parallel=True, precision="bf16-mixed",
+                                  **_ONE), "adamw", False),
+    "pipe_zero1": (dict(LLAMA, num_hidden_layers=4), Layout(pp=2, dp_shard=2, zero_stage=1, microbatches=2,
+                                                            precision="32-true"), "adamw", False),
+    "pipe_zero3_tied_gpt2": (GPT2, Layout(pp=2, dp_shard=2, zero_stage=3, microbatches=2, precision="bf16-mixed"),
+                             "adamw", False),
+    "moe_zero1": (MIXTRAL, Layout(dp_shard=4, ep=2, zero_stage=1, precision="32-true", **_ONE), "adamw", True),
+    "moe_zero3": (MIXTRAL, Layout(dp_shard=4, ep=4, zero_stage=3, precision="bf16-mixed", **_ONE), "adamw", False),
+}  # fmt: skip
+
+
+def _spawn(tmp: Path, nproc: int = 4) -> list[list[dict[str, Any]]]:
+    from launch import worker_env
+
+    jobs = [
+        dict(config=c, strategy=layout.strategy_kwargs(), precision=layout.precision, optimizer=opt, aux=aux,
+             batch=BATCH, seq=SEQ)
+        for c, layout, opt, aux in FAMILIES.values()
+    ]  # fmt: skip
+    out = tmp / "measured.pt"
+    spec = tmp / "spec.json"
+    spec.write_text(json.dumps({"out": str(out), "jobs": jobs}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(WORKER),
+           str(spec)]  # fmt: skip
+    proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=240, cwd=tmp)
+    assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-6000:]
+    return torch.load(out, weights_only=False)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_predicted_state_and_traffic_equal_the_strategies_on_4_ranks(tmp_path: Path) -> None:
+    measured = _spawn(tmp_path)
+    failures = []
+    for (name, (config, layout, opt, aux)), ranks in zip(FAMILIES.items(), measured):
+        hidden = config.get("hidden_size") or config["n_embd"]
+        sources = {"module": specs_from_module(_meta(config)), "desc": _desc_specs(config)}
+        for source, specs in sources.items():
+            for rank, got in enumerate(ranks):
+                want = state_bytes(specs, layout, rank=rank, optimizer=opt)
+                have = (got["parameters"], got["gradients"], got["optimizer"])
+                if (want.parameters, want.gradients, want.optimizer) != have:
+                    failures.append(f"{name} ({source}) rank {rank}: predicted {want}, measured {have}")
+                traffic = comm_bytes(specs, layout, BATCH * layout.dp, SEQ, hidden, rank=rank, router_aux=aux)
+                counted = {k: v for k, v in got["comm"].items() if k not in ("all_to_all", "object")}
+                if traffic.keys() != counted.keys() or any(abs(traffic[k] - counted[k]) > 1e-6 for k in counted):
+                    failures.append(f"{name} ({source}) rank {rank}: predicted {traffic}, counted {counted}")
+        # The expert all-to-alls depend on the routing; the pipeline's object broadcasts are control data.
+        assert all(set(r["comm"]) <= {"all_reduce", "reduce_scatter", "all_gather", "all_to_all", "object"}
+                   for r in ranks), (name, ranks[0]["comm"])  # fmt: skip
+    assert not failures, "\n".join(failures)
