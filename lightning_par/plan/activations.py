@@ -15,19 +15,23 @@ profiles say which tensors those are:
   blocks, as measured op by op on CPU with `lightning_par.utils.LiveStorageBytes` (``tests/test_plan_activations.py``):
   HF runs attention through ``scaled_dot_product_attention`` (``attn_implementation="sdpa"``, HF's and the suite's
   default); its CPU flash kernel keeps output and log-sum-exp, no s x s matrix, and takes the key/value heads
-  without repeating them. ``attention="eager"`` (or dropout > 0, which sends sdpa to its math path) keeps the
-  s x s probabilities, the repeated K / V and copies laid out for the batched matmuls. RMSNorm runs in fp32; autocast
-  (``bf16-mixed``) casts every linear's input and weight separately and keeps the copies; CPU dropout keeps a mask
-  of the activation's dtype (CUDA's fused dropout keeps 1 byte).
+  without repeating them. ``attention="eager"``, and dropout > 0 (which sends sdpa to its math path, in fp32 on CPU
+  whatever the inputs), keep the s x s probabilities, the repeated K / V and copies laid out for the batched
+  matmuls. RMSNorm runs in fp32; autocast (``bf16-mixed``) casts every linear's input and weight separately and
+  keeps the copies; CPU dropout keeps a mask of the activation's dtype (CUDA's fused dropout keeps 1 byte); the
+  experts run as HF's grouped GEMM. Under tensor parallelism the suite splits the blocks' linears (not the head),
+  and under sequence parallelism each region keeps its all-gathered input whole (Megatron-LM gathers it again in
+  the backward instead).
 
 Recomputation (``Layout.recompute``): ``"full"`` keeps each block's input; ``"selective"`` is the paper's under
 ``"megatron"`` and the suite's op-level policy (``activation_checkpointing="selective_op"``: every output of a
 matmul or attention kernel is kept, whether or not autograd needs it; the rest is recomputed) under ``"torch"``.
 
-A pipeline rank holds several micro-batches at once (`inflight_microbatches`, derived from torch's schedule tables
-for the suite's schedules). ``total`` is what a rank holds when the last of them has run its forward; ``peak`` adds
-one micro-batch's backward working set: the loss gradients, or a recomputed block with the gradients of its last
-matmul, whichever is larger.
+A pipeline rank holds several micro-batches at once (`lightning_par.plan.inflight`, derived from torch's schedule
+tables). ``total`` is what a rank holds when the last of them has run its forward; ``peak`` adds the largest working
+set of one micro-batch: the loss's two fp32 gradients of the logits, a recomputed block with the gradients alive at
+its last matmul's backward, or (autocast with recomputation) the weight copies of every checkpointed block, which
+live until the forward's autocast region ends.
 """
 
 from __future__ import annotations
@@ -53,7 +57,8 @@ class Saved:
         selective: kept under ``recompute="selective"`` (the profile's policy).
         input: the block's input tensor itself (kept by full recomputation too).
         tail: kept only by ops after the block's last matmul (freed before that matmul's backward starts).
-        last: the block's last matmul output (op-level checkpointing's replay stops before reaching it).
+        last: the block's last matmul output (op-level checkpointing's replay stops before it unless a tail
+            tensor must be recomputed).
     """
 
     name: str

@@ -1,16 +1,16 @@
 """One layout's prediction: per-GPU memory (parameters, gradients, optimizer state, activations, temporary buffers)
 and step time, with throughput and MFU. The composition of `state`, `activations` and `steptime`.
 
-Temporary buffers are what lives only during a step besides activations: under ZeRO-3 the gathered parameters of
-the block being computed and of the one prefetched (FSDP2 keeps two in flight), the ZeRO 0-2 communication
-buckets (two of ``bucket_cap_mb`` in flight, the suite's default 25 MB), and the loss's fp32 logits with their
-gradient (the largest single tensor of a step at a large vocabulary).
+Activations are the peak of `lightning_par.plan.activations` (what a rank holds once its in-flight micro-batches
+have run their forward, plus one micro-batch's backward working set: the loss's gradients or a recomputed block).
+Temporary buffers are what lives only during a step besides them: under ZeRO-3 the gathered parameters of the
+block being computed and of the one prefetched (FSDP2 keeps two in flight), and the ZeRO 0-2 communication buckets
+(two of ``bucket_cap_mb`` in flight, the suite's default 25 MB).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -68,13 +68,9 @@ class Estimate:
 def temporary_bytes(desc: ModelDesc, layout: Layout, seq_len: int) -> float:
     """The step's transient buffers besides activations (module docstring)."""
     el = 4 if layout.precision == "32-true" else 2
-    tokens = layout.micro_batch_size * seq_len // layout.cp
-    logits = 2 * tokens * math.ceil(desc.vocab / layout.tp) * 4
     if layout.zero_stage == 3 and layout.shard_group > 1:
-        gathered = 2 * desc.block_params / layout.tp * el
-    else:
-        gathered = _BUCKET_BYTES if layout.dp > 1 else 0
-    return logits + gathered
+        return 2 * desc.block_params / layout.tp * el
+    return _BUCKET_BYTES if layout.dp > 1 else 0
 
 
 def estimate(
@@ -103,7 +99,7 @@ def estimate(
     t = step_time(desc, layout, dev, global_batch, seq_len, profile=profile, local_params=local)
     return Estimate(
         layout=layout, parameters=state.parameters, gradients=state.gradients, optimizer=state.optimizer,
-        activations=acts.total, temporary=temporary_bytes(desc, layout, seq_len), time=t,
+        activations=acts.peak, temporary=temporary_bytes(desc, layout, seq_len), time=t,
         peak=peak_flops(dev, layout.precision),
     )  # fmt: skip
 
