@@ -60,8 +60,17 @@ class LitGPTLlama(_CausalLM):
         super().__init__()
         import litgpt
 
-        config = litgpt.Config.from_name("Llama-3.2-1B", n_layer=4, n_embd=32, n_head=4, n_query_groups=2,
-                                         intermediate_size=64, padded_vocab_size=256, block_size=64, head_size=8)
+        config = litgpt.Config.from_name(
+            "Llama-3.2-1B",
+            n_layer=4,
+            n_embd=32,
+            n_head=4,
+            n_query_groups=2,
+            intermediate_size=64,
+            padded_vocab_size=256,
+            block_size=64,
+            head_size=8,
+        )
         self.model = litgpt.GPT(config)
 
     def forward(self, idx: Tensor) -> Tensor:

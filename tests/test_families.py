@@ -51,7 +51,6 @@ JOBS_4: dict[str, dict[str, Any]] = {
 ALL = {**JOBS_2, **JOBS_4}
 
 
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dict, dict]]:
     tmp = tmp_path_factory.mktemp("families")

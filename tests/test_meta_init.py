@@ -213,4 +213,3 @@ def test_reset_parameters_and_torch_layers_initialise_each_unit_the_same_way() -
     assert not torch.equal(a["proj.weight"], b["proj.weight"])
     assert not torch.equal(a["proj.weight"], other_seed["proj.weight"])
     assert a["proj.weight"].abs().max() <= 0.5  # torch's own Linear init: U(-1/sqrt(4), 1/sqrt(4))
-

@@ -52,6 +52,8 @@ def _extra(recipe: str, tmp_path: Path) -> list[str]:
         return []
     folder = str(_hf_folder(tmp_path / "hf_model"))
     return [f"--model.init_args.config={folder}", f"--trainer.strategy.init_args.pretrained={folder}"]
+
+
 CP = {"cp_zero3": (2, "ulysses")}  # recipe -> (cp, cp_mode); every other recipe has cp 1
 
 

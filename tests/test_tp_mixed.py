@@ -39,8 +39,6 @@ JOBS_4: dict[str, dict[str, Any]] = {
 ALL = {**JOBS_2, **JOBS_4}
 
 
-
-
 def _model(key: str) -> Any:
     import _worker
 

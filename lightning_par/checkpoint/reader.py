@@ -47,25 +47,29 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
 
 
 # ---- no arbitrary unpickling ----------------------------------------------------------------------------------
-_METADATA_GLOBALS = {
-    ("torch.distributed.checkpoint.metadata", name)
-    for name in (
-        "Metadata",
-        "StorageMeta",
-        "MetadataIndex",
-        "ChunkStorageMetadata",
-        "TensorStorageMetadata",
-        "BytesStorageMetadata",
-        "TensorProperties",
-    )
-} | set(_compat.DCP_INDEX_PRIVATE_GLOBALS) | {
-    ("torch", "Size"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "PureWindowsPath"),
-    ("collections", "OrderedDict"),
-}
+_METADATA_GLOBALS = (
+    {
+        ("torch.distributed.checkpoint.metadata", name)
+        for name in (
+            "Metadata",
+            "StorageMeta",
+            "MetadataIndex",
+            "ChunkStorageMetadata",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "TensorProperties",
+        )
+    }
+    | set(_compat.DCP_INDEX_PRIVATE_GLOBALS)
+    | {
+        ("torch", "Size"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("pathlib", "PurePosixPath"),
+        ("pathlib", "PureWindowsPath"),
+        ("collections", "OrderedDict"),
+    }
+)
 
 
 class _Disallowed(pickle.UnpicklingError):
