@@ -69,6 +69,17 @@ def test_estimate_follows_the_layout(config: str) -> None:
     assert full["memory_gib"]["activations"] < none["memory_gib"]["activations"] / 2
     assert full["step_time_s"] > none["step_time_s"]  # recomputation costs a forward
     assert run("--dp", "8", "--micro-batch-size", "4")["memory_gib"]["activations"] > none["memory_gib"]["activations"]
+    # Offload (no CLI option; the Python API): the sharded state leaves the GPU for host memory and crosses PCIe.
+    from lightning_par.plan import device
+    from lightning_par.plan.estimate import estimate
+
+    desc = from_hf_config(LLAMA)
+    kept, moved = (estimate(desc, Layout(dp_shard=8, zero_stage=3, offload=o), device("A100"), 32, 2048).as_dict()
+                   for o in (False, True))  # fmt: skip
+    state = ("parameters", "gradients", "optimizer")
+    assert all(moved["memory_gib"][k] == 0 for k in state) and moved["memory_gib"]["host"] > 0
+    assert moved["memory_gib"]["host"] == pytest.approx(sum(kept["memory_gib"][k] for k in state))
+    assert moved["step_time_s"] > kept["step_time_s"]
 
 
 def test_plan_ranks_feasible_layouts_and_says_why_others_fail(tmp_path: Path, capsys: Any, monkeypatch: Any) -> None:

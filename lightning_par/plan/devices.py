@@ -8,7 +8,8 @@ datasheet: SXM5 989.4 TFLOP/s bf16, 66.9 fp32, 80 GB HBM3 at 3.35 TB/s, NVLink 9
 (2024): H100 SXM's compute, 141 GB HBM3e at 4.8 TB/s; NVIDIA B200 in the DGX B200 datasheet (2024): 2.25 PFLOP/s
 dense bf16 per GPU (half the 4.5 sparse), 80 TFLOP/s fp32, 180 GB HBM3e at 7.7 TB/s usable (DGX B200's
 1,440 GB / 8 and 64 TB/s / 8), NVLink 5 at 1.8 TB/s. Streaming multiprocessors: 108 (A100), 132 (H100 / H200 SXM),
-148 (B200) from the same documents. Inter-node: one 400 Gb/s NIC per GPU (50 GB/s), as in DGX
+148 (B200) from the same documents. Host links: PCIe Gen4 x16 (A100, 32 GB/s per direction) and Gen5 x16 (H100,
+H200, B200: 64 GB/s). Inter-node: one 400 Gb/s NIC per GPU (50 GB/s), as in DGX
 A100 (200 Gb/s: 25 GB/s), DGX H100/H200 and DGX B200. Bandwidths here are per GPU and per direction.
 """
 
@@ -36,6 +37,9 @@ class Device:
         memory_efficiency: the fraction of ``hbm_bytes_per_s`` a streaming element-wise kernel reaches (assumed).
         link_efficiency: the fraction of a link's bandwidth a large NCCL collective reaches (assumed).
         collective_latency_s: fixed cost of one collective or point-to-point transfer (assumed).
+        pcie_bytes_per_s: host <-> GPU bandwidth, one direction (offloaded state crosses it every step).
+        host_memory_bytes_per_s: this GPU's share of the host's memory bandwidth (an offloaded optimizer steps
+            there); assumed 50 GB/s, a two-socket server's ~400 GB/s over 8 GPUs.
         comm_overlap: the share of an overlappable collective's time that can hide behind compute (1: NCCL runs
             on its own SMs and copy engines; a CPU job whose ranks fill every core has nothing to hide it with: 0).
 
@@ -59,15 +63,17 @@ class Device:
     link_efficiency: float = 0.80
     collective_latency_s: float = 10e-6
     comm_overlap: float = 1.0
+    pcie_bytes_per_s: float = 64e9
+    host_memory_bytes_per_s: float = 50e9
 
 
 DEVICES: dict[str, Device] = {
     d.name: d
     for d in (
         Device("A100-SXM4-40GB", {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
-               40e9 / GIB, 1.555e12, 300e9, 25e9),
+               40e9 / GIB, 1.555e12, 300e9, 25e9, pcie_bytes_per_s=32e9),
         Device("A100-SXM4-80GB", {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
-               80e9 / GIB, 2.039e12, 300e9, 25e9),
+               80e9 / GIB, 2.039e12, 300e9, 25e9, pcie_bytes_per_s=32e9),
         Device("H100-SXM5-80GB", {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12},
                80e9 / GIB, 3.35e12, 450e9, 50e9, sms=132),
         Device("H200-SXM-141GB", {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12},

@@ -38,6 +38,7 @@ class Estimate:
     temporary: float
     time: StepTime
     peak: float  # the device's peak FLOP/s at the layout's precision
+    host: float = 0.0  # bytes kept in host memory (``offload``: the sharded parameters, gradients and state)
 
     @property
     def total(self) -> float:
@@ -55,6 +56,7 @@ class Estimate:
         """The ``--json`` object of ``lightning-par estimate``."""
         gib = {k: getattr(self, k) / GIB for k in ("parameters", "gradients", "optimizer", "activations", "temporary")}
         gib["total"] = self.total / GIB
+        gib["host"] = self.host / GIB
         t = self.time
         return {
             "layout": self.layout.describe(), "strategy": self.layout.strategy_kwargs(),
@@ -97,10 +99,11 @@ def estimate(
     local = state.parameters / (2 if framework == "megatron" else _param_bytes(layout))
     local *= layout.shard_group if layout.zero_stage == 3 else 1
     t = step_time(desc, layout, dev, global_batch, seq_len, profile=profile, local_params=local)
+    on_gpu = (0, 0, 0) if layout.offload else (state.parameters, state.gradients, state.optimizer)
     return Estimate(
-        layout=layout, parameters=state.parameters, gradients=state.gradients, optimizer=state.optimizer,
-        activations=acts.peak, temporary=temporary_bytes(desc, layout, seq_len), time=t,
-        peak=peak_flops(dev, layout.precision),
+        layout=layout, parameters=on_gpu[0], gradients=on_gpu[1], optimizer=on_gpu[2], activations=acts.peak,
+        temporary=temporary_bytes(desc, layout, seq_len), time=t, peak=peak_flops(dev, layout.precision),
+        host=state.total if layout.offload else 0,
     )  # fmt: skip
 
 

@@ -27,7 +27,10 @@ backward, ZeRO-3's FSDP2 prefetches and reduces per block) up to the device's `D
 exposed where it does not (ZeRO 0 and 1 reduce at the step); whatever exceeds the compute it overlaps is exposed.
 The engines also copy: ZeRO 0-2 pack the gradients into buckets and unpack what comes back (four passes over the
 local parameter bytes), FSDP2 copies each gathered block out twice (forward and backward) and each gradient in
-once (six). The optimizer step streams its state once at memory bandwidth.
+once (six). The optimizer step streams its state once at memory bandwidth. Under ``offload`` the sharded
+parameters cross PCIe to the GPU twice (forward and backward gathers), the gradient shards once back, and the
+optimizer streams its state in host memory; none of it is overlapped (a conservative bound: FSDP2 prefetches the
+next block's copy).
 """
 
 from __future__ import annotations
@@ -188,7 +191,13 @@ def step_time(
             copies = _ENGINE_PASSES[layout.zero_stage] * share * el_grad
             dp_comm += copies / (dev.hbm_bytes_per_s * dev.memory_efficiency)
     shard = layout.shard_group if layout.zero_stage else 1
-    optimizer = share / shard * _OPTIMIZER_BYTES[profile] / (dev.hbm_bytes_per_s * dev.memory_efficiency)
+    if layout.offload:
+        crossing = share / shard * (2 * 2 + el_grad)  # bf16-or-fp32 gathers assumed 2 bytes, fp32 gradients
+        optimizer = (
+            crossing / dev.pcie_bytes_per_s + share / shard * _OPTIMIZER_BYTES[profile] / dev.host_memory_bytes_per_s
+        )
+    else:
+        optimizer = share / shard * _OPTIMIZER_BYTES[profile] / (dev.hbm_bytes_per_s * dev.memory_efficiency)
     total = m * t_max + bubble + dp_comm + optimizer
     tokens = global_batch * seq_len
     attn = 12 * desc.layers * desc.heads * desc.head_dim * seq_len * tokens  # forward + backward, full s x s
