@@ -6,7 +6,9 @@ waves of one tile per streaming multiprocessor, and the last, partly filled wave
 tiles fill 5.3 waves runs at 5.3 / 6 of the large-GEMM rate; small or thin GEMMs (a decode-sized batch, a narrow
 tensor-parallel slice) lose more, and a GEMM that reads more bytes than it computes is bound by memory bandwidth
 instead. Tiles of 256 x 128 and 128 x 128 outputs are tried and the faster kept, as a GEMM library's heuristic
-would (the smaller tile is taken to run at 0.9 of the larger's rate: it reuses each operand half as often).
+would (the smaller tile is taken to run at 0.9 of the larger's rate: it reuses each operand half as often), and so
+is a skinny-shape kernel (split-K or GEMV) that wastes no padded rows but runs at half the large-GEMM rate: without
+it a matrix-vector product would be priced as a full 128-row tile of work.
 
 Element-wise work (norms, activations, softmax, dropout, residual adds) is priced by the bytes it reads and
 writes at the device's streaming bandwidth. Two profiles say which kernels exist: ``"megatron"`` (Megatron-LM as
@@ -27,6 +29,7 @@ from lightning_par.plan.model import ModelDesc
 
 PROFILES = ("megatron", "torch")
 _TILES = ((256, 128, 1.0), (128, 128, 0.9))  # (rows, cols, rate relative to the large tile)
+_SKINNY_RATE = 0.5  # a split-K / GEMV kernel's rate relative to the large tile (assumed)
 _DTYPE_BYTES = {"32-true": 4, "bf16-mixed": 2, "16-mixed": 2, "bf16-true": 2}
 _PEAK_KEY = {"32-true": "tf32", "bf16-mixed": "bf16", "16-mixed": "fp16", "bf16-true": "bf16"}
 
@@ -57,7 +60,7 @@ def gemm_time(g: Gemm, dev: Device, precision: str) -> float:
     rate = peak_flops(dev, precision) * dev.gemm_efficiency
     if dev.sms == 0:  # a measured host rate: no tiles, no waves
         return g.flops / rate
-    best = math.inf
+    best = g.flops / (rate * _SKINNY_RATE)
     for rows, cols, rel in _TILES:
         tiles = math.ceil(g.m / rows) * math.ceil(g.n / cols) * g.count
         filled = g.m * g.n * g.count / (math.ceil(tiles / dev.sms) * dev.sms * rows * cols)

@@ -1,0 +1,85 @@
+"""The step-time model's parts (lightning_par.plan.compute, steptime, search): each formula against its closed form,
+so a change that breaks one fails here before it moves the published-table check. No process group."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from lightning_par.plan import ModelDesc, device
+from lightning_par.plan.compute import Gemm, gemm_time, peak_flops
+from lightning_par.plan.layout import Layout
+from lightning_par.plan.search import candidates
+from lightning_par.plan.steptime import collective_time, step_time
+
+A100 = device("A100")
+GPT = ModelDesc(layers=32, hidden=4096, heads=32, kv_heads=32, head_dim=128, ffn=16384, vocab=51200, gated_mlp=False,
+                tied_embeddings=True, layernorm=True, bias=True, learned_positions=2048)  # fmt: skip
+
+
+def test_gemm_waves_and_memory_bound() -> None:
+    rate = peak_flops(A100, "bf16-mixed") * A100.gemm_efficiency
+    # 108 tiles of 256 x 128 fill exactly one wave on 108 SMs: the large-GEMM rate.
+    full = Gemm("full", 256 * 12, 128 * 9, 4096)
+    assert gemm_time(full, A100, "bf16-mixed") == pytest.approx(full.flops / rate)
+    # One more tile row: a second wave, mostly empty; the 128 x 128 tiling is taken if it wastes less.
+    more = dataclasses.replace(full, m=full.m + 1)
+    assert gemm_time(more, A100, "bf16-mixed") > 1.15 * more.flops / rate
+    # A matrix-vector product moves far more bytes than it computes: priced at memory bandwidth.
+    gemv = Gemm("gemv", 1, 8192, 8192)
+    moved = (8192 + 8192 * 8192 + 8192) * 2
+    assert gemm_time(gemv, A100, "bf16-mixed") == pytest.approx(moved / (A100.hbm_bytes_per_s * 0.8))
+
+
+def test_ring_collectives() -> None:
+    bw, n, nbytes = 100e9, 8, 1e9
+    lat = A100.collective_latency_s
+    assert collective_time("all_reduce", nbytes, n, bw, A100) == pytest.approx(2 * 7 / 8 * nbytes / bw + lat)
+    assert collective_time("all_gather", nbytes, n, bw, A100) == pytest.approx(7 / 8 * nbytes / bw + lat)
+    assert collective_time("all_reduce", nbytes, 1, bw, A100) == 0
+
+
+@pytest.mark.parametrize(("schedule", "vpp", "factor"), [("1f1b", 1, 1.0), ("interleaved_1f1b", 2, 1.0),
+                                                         ("interleaved_zb", 2, 1 / 3)])  # fmt: skip
+def test_bubble_is_the_schedules_closed_form(schedule: str, vpp: int, factor: float) -> None:
+    # Free links and no head: every stage costs the same, so the bubble is (p - 1) / v stage times (ZB-H1: a third).
+    free = dataclasses.replace(A100, intra_node_bytes_per_s=1e30, inter_node_bytes_per_s=1e30,
+                               collective_latency_s=0.0)  # fmt: skip
+    desc = dataclasses.replace(GPT, vocab=1)
+    layout = Layout(pp=4, vpp=vpp, pp_schedule=schedule, microbatches=8, precision="bf16-mixed")
+    t = step_time(desc, layout, free, global_batch=8, seq_len=2048, profile="megatron")
+    per_micro = t.compute / 8
+    assert t.pipeline_bubble == pytest.approx(3 / vpp * factor * per_micro, rel=0.02)
+
+
+def test_more_tensor_parallel_traffic_crossing_nodes_costs_more() -> None:
+    inside = step_time(GPT, Layout(tp=8, dp_shard=2), A100, 16, 2048)
+    across = step_time(GPT, Layout(tp=8, dp_shard=2), dataclasses.replace(A100, gpus_per_node=4), 16, 2048)
+    assert across.tp_comm > 5 * inside.tp_comm  # NVLink 300 GB/s vs a 25 GB/s NIC
+    full = step_time(GPT, Layout(tp=8, dp_shard=2, recompute="full"), A100, 16, 2048)
+    assert full.tp_comm == pytest.approx(inside.tp_comm * 6 / 4, rel=0.01)  # the forward's 2 collectives again
+
+
+def test_zero_overlap_and_mfu() -> None:
+    # ZeRO-1 reduces at the step; ZeRO-2 during the backward, hidden behind it on a GPU (not on a full CPU).
+    z1 = step_time(GPT, Layout(dp_shard=8, zero_stage=1), A100, 64, 2048)
+    z2 = step_time(GPT, Layout(dp_shard=8, zero_stage=2), A100, 64, 2048)
+    assert z1.dp_comm_exposed > z2.dp_comm_exposed
+    busy = dataclasses.replace(A100, comm_overlap=0.0)
+    assert step_time(GPT, Layout(dp_shard=8, zero_stage=2), busy, 64, 2048).dp_comm_exposed > z2.dp_comm_exposed
+    # MFU's FLOPs: 6 x (non-embedding parameters + the head) x tokens + 12 l h s tokens, over the world.
+    tokens = 64 * 2048
+    n = GPT.total_params - GPT.embedding_params + GPT.vocab * GPT.hidden
+    assert z1.model_flops == pytest.approx((6 * n * tokens + 12 * 32 * 4096 * 2048 * tokens) / 8)
+    assert 0 < z1.mfu(peak_flops(A100, "bf16-mixed")) < A100.gemm_efficiency
+
+
+def test_candidates_per_rank_batch_scale_the_global_batch() -> None:
+    pool = list(candidates(GPT, world=8, gpus_per_node=8, per_rank_batch=4, precision="32-true"))
+    assert pool and all(batch == 4 * layout.dp for layout, batch in pool)
+    assert all(layout.micro_batch_size == 4 for layout, _ in pool if layout.pp == 1)
+    assert {layout.tp for layout, _ in pool} == {1, 2, 4, 8}
+    assert not any(layout.sequence_parallel and layout.pp > 1 for layout, _ in pool)
+    with pytest.raises(ValueError, match="exactly one of"):
+        next(candidates(GPT, 8, 8))
