@@ -55,6 +55,19 @@ def test_parameter_counts_equal_the_hugging_face_model(name: str, tmp_path: Path
     assert desc.active_params - embeddings == active_param_count(model)
 
 
+@pytest.mark.parametrize("name", ["gpt2_untied_inner", "llama_tied", "qwen3_tiny", "mixtral_8x7b"])
+def test_a_live_module_is_described_as_its_config(name: str, tmp_path: Path) -> None:
+    # The planner's view of the user's own module (the strategies' introspection, on the meta device) equals its
+    # config's, dropout and activation included; a saved config.json omits defaults, which the reader restores.
+    from lightning_par.plan.introspect import desc_from_module
+
+    config = _configs()[name]
+    (tmp_path / "config.json").write_text(config.to_json_string(use_diff=True))
+    assert desc_from_module(_built(config)) == from_hf_config(tmp_path) == from_hf_config(config.to_dict())
+    expected = ("gelu_tanh", 0.1) if name.startswith("gpt2") else ("silu", 0.0)
+    assert (from_hf_config(tmp_path).activation, from_hf_config(tmp_path).dropout) == expected
+
+
 def test_published_sizes() -> None:
     counts = {name: from_hf_config(c.to_dict()).total_params for name, c in _configs().items()}
     assert counts["gpt2"] == 124_439_808  # GPT-2 small (Radford et al. 2019 report "117M" for an older count)

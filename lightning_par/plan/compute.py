@@ -77,8 +77,9 @@ def block_gemms(desc: ModelDesc, layout: Layout, seq_len: int, profile: str) -> 
     tokens = b * s
     heads, kv = desc.heads // t, max(1, desc.kv_heads // t)
     kv_len = seq_len  # context parallel: local queries against every key
-    # The attention core: full s x s under "megatron" (2022 kernels); a causal flash kernel skips the masked half.
-    core_rows = s if profile == "megatron" else max(1, s // 2)
+    # The attention core: full s x s under "megatron" (2022 kernels) and PyTorch's unfused path (taken with
+    # dropout); a causal flash kernel skips the masked half.
+    core_rows = s if profile == "megatron" or desc.dropout > 0 else max(1, s // 2)
     gemms = [
         Gemm("qkv", tokens, (heads + 2 * kv) * d, desc.hidden),
         Gemm("scores", core_rows, kv_len, d, b * heads),
@@ -120,9 +121,12 @@ def block_elementwise_bytes(desc: ModelDesc, layout: Layout, seq_len: int, profi
     - ``"megatron"``: two LayerNorms (read + write: 2 x 2 bsh), two fused bias-dropout-adds (read 2, write 1,
       mask 1/2 per element: 2 x 3.5 bsh), fused bias-GeLU (read and write the ``ffn`` activation), the fused
       scale-mask-softmax (read and write the scores) and attention dropout (read, write, 1-byte mask).
-    - ``"torch"``: eager RMSNorm (5 passes: square, mean, rsqrt-scale, weight: about 5 bsh), residual adds (3 bsh
-      each), rotary on q and k (read + write), SiLU and the gate product (5 ffn passes) or GeLU (2), and the fused
-      attention kernel's reads of q, k, v and write of its output (its s x s tile never reaches memory).
+    - ``"torch"``: eager PyTorch, kernel by kernel (reads + writes of each): RMSNorm in fp32 (square, mean, scale,
+      weight: 7 passes) or the native LayerNorm (2); residual adds (3 each); dropout where the model has it (mask,
+      then multiply: 4 per site, and over the s x s probabilities); rotary on q and k (two multiplies, the
+      half-rotation and an add: 12); the activation (SiLU and the gate product: 5 passes of the MLP width; exact
+      GeLU: 2; GPT-2's tanh GeLU, eight kernels: 18); attention as SDPA's fused kernel (q, k, v read, the output
+      written) or, with dropout, its unfused path (scale, mask, softmax and dropout over the scores: 12 passes).
     """
     el = _DTYPE_BYTES[layout.precision]
     t = layout.tp
@@ -133,16 +137,17 @@ def block_elementwise_bytes(desc: ModelDesc, layout: Layout, seq_len: int, profi
     heads = desc.heads / t
     q = tokens * heads * desc.head_dim * el
     kv = tokens * max(1.0, desc.kv_heads / t) * desc.head_dim * el
+    scores = layout.micro_batch_size * heads * (seq_len // layout.cp) * seq_len * el
     if profile == "megatron":
-        scores = layout.micro_batch_size * heads * (seq_len // layout.cp) * seq_len * el
         norms = 2 * 2 * resid
         dropout_add = 2 * 3.5 * resid
         act = 2 * ffn + (ffn if desc.gated_mlp else 0)
         core = 2 * scores + 2.5 * scores
         return norms + dropout_add + act + core
-    norm_passes = 2 * 5 * resid
+    norm_passes = 2 * (2 if desc.layernorm else 7) * resid
     adds = 2 * 3 * resid
-    rotary = 0.0 if desc.learned_positions else 2 * (q + kv)
-    act = (5 if desc.gated_mlp else 2) * ffn
-    attention = q + 2 * kv + q
-    return norm_passes + adds + rotary + act + attention
+    dropout = 2 * 4 * resid if desc.dropout > 0 else 0.0
+    rotary = 0.0 if desc.learned_positions else 12 * (q + kv)
+    act = {"silu": 5, "gelu": 2, "gelu_tanh": 18}[desc.activation] * ffn
+    attention = 12 * scores if desc.dropout > 0 else q + 2 * kv + q
+    return norm_passes + adds + dropout + rotary + act + attention

@@ -40,6 +40,8 @@ class Device:
         pcie_bytes_per_s: host <-> GPU bandwidth, one direction (offloaded state crosses it every step).
         host_memory_bytes_per_s: this GPU's share of the host's memory bandwidth (an offloaded optimizer steps
             there); assumed 50 GB/s, a two-socket server's ~400 GB/s over 8 GPUs.
+        reduce_scatter_all_reduces: the backend runs a reduce-scatter as a whole all-reduce (gloo does: pytorch
+            PR 118911), so it costs an all-reduce's bytes.
         comm_overlap: the share of an overlappable collective's time that can hide behind compute (1: NCCL runs
             on its own SMs and copy engines; a CPU job whose ranks fill every core has nothing to hide it with: 0).
 
@@ -63,6 +65,7 @@ class Device:
     link_efficiency: float = 0.80
     collective_latency_s: float = 10e-6
     comm_overlap: float = 1.0
+    reduce_scatter_all_reduces: bool = False
     pcie_bytes_per_s: float = 64e9
     host_memory_bytes_per_s: float = 50e9
 

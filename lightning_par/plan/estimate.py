@@ -95,7 +95,9 @@ def estimate(
     layout.check(desc, layout.world, global_batch, seq_len, suite=profile != "megatron")
     framework = "megatron" if profile == "megatron" else "lightning_par"
     state = state_bytes(specs if specs is not None else specs_from_desc(desc), layout, framework=framework)
-    acts = activation_bytes(desc, layout, seq_len, profile=profile)
+    acts = activation_bytes(
+        desc, layout, seq_len, profile=profile, dropout=desc.dropout if profile == "torch" else None
+    )
     local = state.parameters / (2 if framework == "megatron" else _param_bytes(layout))
     local *= layout.shard_group if layout.zero_stage == 3 else 1
     t = step_time(desc, layout, dev, global_batch, seq_len, profile=profile, local_params=local)

@@ -53,8 +53,31 @@ def desc_from_module(model: nn.Module) -> ModelDesc:
         layers=plan.n_blocks, hidden=plan.hidden_size, heads=heads.n_heads, kv_heads=heads.n_kv_heads,
         head_dim=heads.head_dim, ffn=ffn or 4 * plan.hidden_size, vocab=plan.vocab_size or 1, gated_mlp=gated,
         experts=moe[0].n_experts if moe else 0, top_k=(moe[0].top_k or 1) if moe else 0, tied_embeddings=tied,
-        layernorm=bool(norms), bias=has_bias, learned_positions=positions,
+        layernorm=bool(norms), bias=has_bias, learned_positions=positions, dropout=_dropout(model),
+        activation=_activation(model, gated), qk_norm="head_norm" in plan.styles.values(),
     )  # fmt: skip
+
+
+def _dropout(model: nn.Module) -> float:
+    # Dropout modules (GPT-2's attn_dropout / resid_dropout) or a float the attention passes to SDPA (Llama's).
+    probs = [m.p for m in model.modules() if isinstance(m, nn.Dropout)]
+    probs += [float(v) for m in model.modules() for k, v in vars(m).items()
+              if k in ("attention_dropout", "attn_dropout") and isinstance(v, float)]  # fmt: skip
+    return max(probs, default=0.0)
+
+
+def _activation(model: nn.Module, gated: bool) -> str:
+    # Activation modules by what they compute: a tanh-approximated GeLU (HF's NewGELU / gelu_pytorch_tanh,
+    # nn.GELU(approximate="tanh")), the exact GeLU, SiLU; else what the MLP's shape implies.
+    for m in model.modules():
+        name = type(m).__name__.lower()
+        if "newgelu" in name or "tanh" in name or getattr(m, "approximate", "none") == "tanh":
+            return "gelu_tanh"
+        if isinstance(m, nn.SiLU) or "silu" in name:
+            return "silu"
+        if isinstance(m, nn.GELU) or "gelu" in name:
+            return "gelu"
+    return "silu" if gated else "gelu"
 
 
 def _weight(model: nn.Module, name: str | None) -> nn.Parameter | None:

@@ -21,6 +21,11 @@ _LLAMA_STYLE = ("llama", "mistral", "qwen3")
 _MIXTRAL_STYLE = ("mixtral",)
 _GPT2_STYLE = ("gpt2",)
 KNOWN_TYPES = _GPT2_STYLE + _LLAMA_STYLE + _MIXTRAL_STYLE
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+# Hugging Face activation names -> the planner's; a saved config.json omits values equal to the class default, so the
+# defaults below are the classes' own (GPT2Config: gelu_new, 0.1 dropouts; LlamaConfig: silu, no dropout).
+_HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_new": "gelu_tanh",
+                   "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh"}  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +45,10 @@ class ModelDesc:
         bias: linear layers carry biases (GPT-2).
         learned_positions: rows of a learned position embedding (0 under rotary).
         qk_norm: a per-head RMSNorm on queries and keys (Qwen3).
+        dropout: the residual and attention dropout probability (GPT-2's ``resid_pdrop`` / ``attn_pdrop``, Llama's
+            ``attention_dropout``): it keeps masks and sends PyTorch's attention to its unfused path.
+        activation: the MLP's activation, ``"silu"``, ``"gelu"`` (one fused kernel) or ``"gelu_tanh"`` (GPT-2's
+            ``gelu_new``, eight element-wise kernels in eager PyTorch).
     """
 
     layers: int
@@ -57,6 +66,8 @@ class ModelDesc:
     bias: bool = False
     learned_positions: int = 0
     qk_norm: bool = False
+    dropout: float = 0.0
+    activation: str = "silu"
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "vocab"):
@@ -64,6 +75,8 @@ class ModelDesc:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.heads % self.kv_heads:
             raise ValueError(f"kv_heads={self.kv_heads} must divide heads={self.heads} (grouped-query attention)")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation={self.activation!r} is not one of {ACTIVATIONS}")
         if self.experts and not 1 <= self.top_k <= self.experts:
             raise ValueError(f"top_k={self.top_k} must be in [1, experts={self.experts}]")
 
@@ -157,7 +170,8 @@ def _from_dict(config: Mapping[str, Any], where: str) -> ModelDesc:
             layers=layers, hidden=hidden, heads=heads, kv_heads=heads, head_dim=hidden // heads,
             ffn=config.get("n_inner") or 4 * hidden, vocab=vocab, gated_mlp=False,
             tied_embeddings=config.get("tie_word_embeddings", True), layernorm=True, bias=True,
-            learned_positions=positions,
+            learned_positions=positions, activation=_activation(config.get("activation_function", "gelu_new"), where),
+            dropout=max(config.get("resid_pdrop", 0.1), config.get("attn_pdrop", 0.1)),
         )  # fmt: skip
     layers, hidden, heads, ffn, vocab = need(
         "num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size"
@@ -169,4 +183,11 @@ def _from_dict(config: Mapping[str, Any], where: str) -> ModelDesc:
         layers=layers, hidden=hidden, heads=heads, kv_heads=config.get("num_key_value_heads") or heads,
         head_dim=config.get("head_dim") or hidden // heads, ffn=ffn, vocab=vocab, experts=experts, top_k=top_k,
         tied_embeddings=bool(config.get("tie_word_embeddings", False)), qk_norm=kind == "qwen3",
+        activation=_activation(config.get("hidden_act", "silu"), where), dropout=config.get("attention_dropout", 0.0),
     )  # fmt: skip
+
+
+def _activation(name: str, where: str) -> str:
+    if name not in _HF_ACTIVATIONS:
+        raise ValueError(f"{where}: activation {name!r} is not modelled; known: {', '.join(_HF_ACTIVATIONS)}")
+    return _HF_ACTIVATIONS[name]

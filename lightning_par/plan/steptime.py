@@ -76,12 +76,18 @@ def _link(dev: Device, span: int) -> float:
     return bw * dev.link_efficiency
 
 
+def _param_bytes(precision: str) -> int:
+    # The suite keeps fp32 parameters under every flag but "bf16-true" (mixed precision casts copies for compute).
+    return 2 if precision == "bf16-true" else 4
+
+
 def collective_time(kind: str, nbytes: float, n: int, bandwidth: float, dev: Device) -> float:
     """Ring-algorithm seconds for a collective of ``nbytes`` (the full tensor) over ``n`` ranks: an all-reduce
     moves ``2 (n-1)/n`` of it per rank, a reduce-scatter, all-gather or all-to-all ``(n-1)/n``."""
     if n <= 1:
         return 0.0
-    factor = 2.0 if kind == "all_reduce" else 1.0
+    emulated = kind == "reduce_scatter" and dev.reduce_scatter_all_reduces
+    factor = 2.0 if kind == "all_reduce" or emulated else 1.0
     return factor * (n - 1) / n * nbytes / bandwidth + dev.collective_latency_s
 
 
@@ -109,7 +115,8 @@ def _block_time(desc: ModelDesc, layout: Layout, seq_len: int, dev: Device, prof
     if layout.tp > 1:
         bw = _link(dev, layout.tp)
         if layout.sequence_parallel:  # reduce-scatter + all-gather: an all-reduce's bytes, one more latency
-            per = 2 * collective_time("all_gather", resid, layout.tp, bw, dev)
+            per = collective_time("reduce_scatter", resid, layout.tp, bw, dev)
+            per += collective_time("all_gather", resid, layout.tp, bw, dev)
         else:
             per = collective_time("all_reduce", resid, layout.tp, bw, dev)
         count = 4 + (2 if layout.recompute == "full" else 0)
@@ -180,10 +187,18 @@ def step_time(
     dp_comm = 0.0
     if layout.dp > 1:
         bw = _link(dev, layout.dp * layout.cp * layout.tp)
-        grads = collective_time("all_reduce", share * el_grad, layout.dp, bw, dev)
-        dp_comm = grads + (
-            collective_time("all_gather", share * 2, layout.dp, bw, dev) if layout.zero_stage == 3 else 0
-        )
+        n, grads = layout.dp, share * el_grad
+        if layout.zero_stage == 0:
+            dp_comm = collective_time("all_reduce", grads, n, bw, dev)
+        elif layout.zero_stage in (1, 2):  # the updated shards gathered back: fp32 here, half under Megatron
+            params = share * (2 if profile == "megatron" else _param_bytes(layout.precision))
+            dp_comm = collective_time("reduce_scatter", grads, n, bw, dev) + collective_time(
+                "all_gather", params, n, bw, dev
+            )
+        else:  # FSDP2 gathers each block twice in the compute dtype
+            compute_bytes = 4 if layout.precision == "32-true" else 2
+            dp_comm = collective_time("reduce_scatter", grads, n, bw, dev)
+            dp_comm += 2 * collective_time("all_gather", share * compute_bytes, n, bw, dev)
         # The backward's share of the compute hides what the engine overlaps (ZeRO 2 and 3).
         hidden = compute_total * 2 / 3 * dev.comm_overlap if layout.zero_stage >= 2 else 0.0
         dp_comm = max(0.0, dp_comm - hidden)

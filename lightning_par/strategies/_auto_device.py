@@ -53,7 +53,7 @@ def measure_cpu(world: int, ranks_per_node: int) -> Device:
     return Device(
         "cpu (measured)", dict.fromkeys(("fp32", "tf32", "bf16", "fp16"), gemm), memory / GIB, stream, link, link,
         gpus_per_node=ranks_per_node, sms=0, gemm_efficiency=1.0, memory_efficiency=1.0, link_efficiency=1.0,
-        collective_latency_s=latency, comm_overlap=spare,
+        collective_latency_s=latency, comm_overlap=spare, reduce_scatter_all_reduces=dist.get_backend() == "gloo",
     )  # fmt: skip
 
 
