@@ -111,14 +111,18 @@ def bench(kind: str, args: argparse.Namespace) -> list[str]:
     measured_best = min(per_sample, key=per_sample.__getitem__)
     lines = [f"\n{kind}: hidden {args.hidden}, {args.layers} layers, seq {args.seq}, per-rank batch {args.batch}; "
              f"auto_parallel chose {auto.chosen.describe() if auto.chosen else None}",
-             "| layout | predicted ms/step | predicted us/sample | measured ms/step | measured us/sample |",
-             "|---|---|---|---|---|"]  # fmt: skip
+             "| layout | predicted ms/step | predicted us/sample | measured ms/step | measured us/sample | "
+             "rounds' range (ms/step) |", "|---|---|---|---|---|---|"]  # fmt: skip
     for lay in sorted(pool, key=per_sample.__getitem__):
         step = predicted[lay].time.total
         lines.append(f"| {lay.describe()} | {step * 1e3:.1f} | {step / (args.batch * lay.dp) * 1e6:.0f} "
-                     f"| {statistics.median(times[lay]) * 1e3:.1f} | {per_sample[lay] * 1e6:.0f} |")  # fmt: skip
-    lines.append(f"measured fastest: {measured_best.describe()}; auto_parallel's pick "
-                 f"{'IS' if auto.chosen == measured_best else 'is NOT'} it")  # fmt: skip
+                     f"| {statistics.median(times[lay]) * 1e3:.1f} | {per_sample[lay] * 1e6:.0f} "
+                     f"| {min(times[lay]) * 1e3:.0f}-{max(times[lay]) * 1e3:.0f} |")  # fmt: skip
+    chosen = next((lay for lay in pool if auto.chosen is not None and _same(lay, auto.chosen)), None)
+    gap = per_sample[chosen] / per_sample[measured_best] - 1 if chosen is not None else float("nan")
+    verdict = "IS" if chosen == measured_best else "is NOT"
+    lines.append(f"measured fastest: {measured_best.describe()}; auto_parallel's pick {verdict} it "
+                 f"(pick measured {gap:+.1%} per sample)")  # fmt: skip
     return lines
 
 

@@ -23,13 +23,21 @@ _CUDA_NAMES = (("H200", "H200-SXM-141GB"), ("H100", "H100-SXM5-80GB"), ("B200", 
                ("A100-SXM4-40GB", "A100-SXM4-40GB"), ("A100", "A100-SXM4-80GB"))  # fmt: skip
 
 
-def _median_time(fn: Callable[[], object], reps: int = 5) -> float:
+def _median_time(fn: Callable[[], object], reps: int = 5, min_s: float = 0.05, calls: int = 0) -> float:
+    """Median seconds per call of ``fn`` over ``reps`` samples, each looping ``fn`` for at least ``min_s``: ranks
+    that share cores are time-sliced, and a sample shorter than a few scheduler slices would catch one rank
+    running alone (twice its real share). A collective passes a fixed ``calls`` instead, the same on every rank."""
     fn()  # warm-up: first-call allocation and thread start-up
+    if not calls:
+        start = time.perf_counter()
+        fn()
+        calls = max(1, int(min_s / max(time.perf_counter() - start, 1e-6)))
     times = []
     for _ in range(reps):
         start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls)
     return statistics.median(times)
 
 
@@ -41,9 +49,9 @@ def measure_cpu(world: int, ranks_per_node: int) -> Device:
     src, dst = torch.empty(4 * 2**20), torch.empty(4 * 2**20)  # 16 MB each: past the caches
     stream = 2 * src.numel() * 4 / _median_time(lambda: dst.copy_(src))
     small, large = torch.zeros(1), torch.zeros(2**20)  # 4 MB
-    latency = _median_time(lambda: dist.all_reduce(small))
+    latency = _median_time(lambda: dist.all_reduce(small), calls=20)
     ring = 2 * (world - 1) / world * large.numel() * 4
-    link = ring / max(1e-9, _median_time(lambda: dist.all_reduce(large)) - latency) if world > 1 else 1e12
+    link = ring / max(1e-9, _median_time(lambda: dist.all_reduce(large), calls=3) - latency) if world > 1 else 1e12
     mine = torch.tensor([gemm, stream, link, latency], dtype=torch.float64)
     dist.broadcast(mine, src=0)  # every rank plans with rank 0's figures, so every rank picks the same layout
     gemm, stream, link, latency = mine.tolist()
