@@ -225,6 +225,12 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                "benchmarks/bench_pipeline_bubble.py replays (lightning_par.parallel.pipeline_timeline) for theory",
                ("pipeline_order",),
                lambda: [_sets(f"{_PS}.PipelineSchedule{kind}", "pipeline_order") for kind in ("Single", "Multi")]),
+    PrivateAPI("torch", f"{_PS}.PipelineScheduleMulti subclasses' _calculate_single_rank_operations",
+               "lightning_par.plan.steptime replays (for the bubble of a layout it prices) through",
+               ("schedule_rank_actions",),
+               lambda: [_attr(f"{_PS}.{c}._calculate_single_rank_operations") for c in
+                        ("ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleInterleavedZeroBubble",
+                         "ScheduleZBVZeroBubble", "ScheduleDualPipeV")]),  # fmt: skip
     PrivateAPI("torch", f"{_PS}._Action",
                "lightning_par.parallel.pipeline_timeline reads (stage_index, computation_type, microbatch_index, "
                "sub_actions) of",

@@ -83,3 +83,16 @@ def test_candidates_per_rank_batch_scale_the_global_batch() -> None:
     assert not any(layout.sequence_parallel and layout.pp > 1 for layout, _ in pool)
     with pytest.raises(ValueError, match="exactly one of"):
         next(candidates(GPT, 8, 8))
+
+
+def test_idle_stage_times_come_from_the_schedules_own_tables() -> None:
+    from lightning_par.plan.steptime import idle_stage_times
+
+    assert idle_stage_times("1f1b", 8, 64) == 7 == idle_stage_times("gpipe", 8, 16)
+    # torch's interleaved table replayed: (p - 1) / v, for the suite's v = 2 and Megatron's v = 3 alike.
+    assert idle_stage_times("interleaved_1f1b", 4, 8, 2) == pytest.approx(3 / 2)
+    assert idle_stage_times("interleaved_1f1b", 8, 64, 3) == pytest.approx(7 / 3)
+    # The zero-bubble tables leave a third (ZB-H1's bound with equal F, I and W); DualPipeV its own two thirds.
+    assert idle_stage_times("interleaved_zb", 4, 8, 2) == pytest.approx(1 / 2)
+    assert idle_stage_times("zbv", 4, 8) == pytest.approx(1 / 2)
+    assert idle_stage_times("dualpipev", 4, 8) == pytest.approx(1.0)

@@ -312,6 +312,26 @@ def pipeline_order(schedule: Any) -> dict[int, list[Any]]:
     return schedule.pipeline_order
 
 
+def schedule_rank_actions(schedule: str, local_stages: int, pp: int, microbatches: int, rank: int) -> list[Any]:
+    """The action list torch's multi-stage schedule ``schedule`` (``"interleaved_1f1b"``, ``"looped_bfs"``,
+    ``"interleaved_zb"``, ``"zbv"``, ``"dualpipev"``) builds for pipeline rank ``rank``: no stages, no process group
+    (the planner replays it for the bubble, `lightning_par.plan.steptime`)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining import schedules as s
+
+    cls: Any = {"interleaved_1f1b": s.ScheduleInterleaved1F1B, "looped_bfs": s.ScheduleLoopedBFS,
+           "interleaved_zb": s.ScheduleInterleavedZeroBubble, "zbv": s.ScheduleZBVZeroBubble,
+           "dualpipev": s.ScheduleDualPipeV}[schedule]  # fmt: skip
+    rounds = max(1, microbatches // pp)
+    # PipelineScheduleMulti subclasses' _calculate_single_rank_operations(self, rank), torch 2.13.0: a pure function
+    # of these attributes, which each class's __init__ sets from its stages (unused here beyond their count).
+    state = SimpleNamespace(n_local_stages=local_stages, pp_group_size=pp, _n_microbatches=microbatches,
+                            num_stages=local_stages * pp, _stages=[None] * local_stages, number_of_rounds=rounds,
+                            microbatches_per_round=microbatches // rounds)  # fmt: skip
+    return list(cls._calculate_single_rank_operations(state, rank))
+
+
 # ---- DeepSpeed ---------------------------------------------------------------------------------------------------
 # Attributes of DeepSpeed's ZeRO 1/2, ZeRO-3 and bf16 optimizer wrappers that hold the flat fp32 partitions the inner
 # optimizer steps on, deepspeed 0.19.8 (public names, undocumented).

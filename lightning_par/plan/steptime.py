@@ -15,11 +15,12 @@ Per micro-batch and block on one GPU (`lightning_par.plan.compute` prices each p
   keys and values all-gathered in the forward and their gradients reduce-scattered in the backward.
 
 A pipeline rank runs its blocks (and the embedding or the head) per micro-batch; the step is
-``m x T_max + bubble``, the slowest stage paced by its micro-batches plus the schedule's fill and drain:
-``(p - 1) / v`` mean stage times for GPipe, 1F1B and interleaved schedules (Narayanan et al., arXiv 2104.04473)
-and a third of that for the zero-bubble family (ZB-H1's bound, Qi et al., arXiv 2401.10241, with equal input- and
-weight-gradient times). Point-to-point sends between stages go over the inter-node link when a tensor-parallel
-group fills a node, are sent once per virtual stage and direction, and wait in line with compute.
+``m x T_max + bubble``, the slowest stage paced by its micro-batches plus the schedule's fill and drain, in mean
+stage times from the schedule's own action table replayed (`idle_stage_times`): ``p - 1`` for GPipe and 1F1B,
+``(p - 1) / v`` for interleaved 1F1B (Narayanan et al., arXiv 2104.04473), what torch's zero-bubble tables leave
+(Qi et al., arXiv 2401.10241) with equal input- and weight-gradient times. Point-to-point sends between stages go
+over the inter-node link when a tensor-parallel group fills a node, are sent once per virtual stage and direction,
+and wait in line with compute.
 
 Data-parallel gradient traffic (all-reduce, or reduce-scatter + all-gather under ZeRO, plus ZeRO-3's parameter
 all-gathers) overlaps the backward where the engine overlaps it (ZeRO-2 reduces bucket by bucket during the
@@ -36,11 +37,14 @@ next block's copy).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
+from lightning_par import _compat
+from lightning_par.analysis.pipeline_timeline import replay
 from lightning_par.plan import compute
 from lightning_par.plan.devices import Device
-from lightning_par.plan.layout import Layout
+from lightning_par.plan.layout import SCHEDULES, Layout
 from lightning_par.plan.model import ModelDesc
 
 _ZERO_BUBBLE = ("interleaved_zb", "zbv", "dualpipev")
@@ -68,6 +72,27 @@ class StepTime:
     def mfu(self, peak: float) -> float:
         """Model FLOPs utilisation against ``peak`` FLOP/s."""
         return self.model_flops / (self.total * peak)
+
+
+@functools.lru_cache(maxsize=512)
+def idle_stage_times(schedule: str, pp: int, microbatches: int, vpp: int = 1) -> float:
+    """A pipeline rank's idle time per step, in stage times (one micro-batch's forward and backward over all of a
+    rank's chunks), when every stage costs the same.
+
+    The multi-stage schedules' own action tables (torch's, built without stages or a process group) are replayed
+    with forward = input-gradient = weight-gradient cost (`lightning_par.analysis.pipeline_timeline.replay`):
+    ``makespan / (3 v) - m``. GPipe and 1F1B idle ``p - 1`` stage times, which their replay equals
+    (tests/test_plan_activations.py replays them). A table torch cannot build for these numbers falls back to the
+    closed forms: ``(p - 1) / v``, a third of it for the zero-bubble schedules (ZB-H1's bound).
+    """
+    if schedule in ("gpipe", "1f1b"):
+        return float(pp - 1)
+    local = max(vpp, SCHEDULES[schedule])
+    try:
+        order = {r: _compat.schedule_rank_actions(schedule, local, pp, microbatches, r) for r in range(pp)}
+        return replay(order, 1.0, 1.0, 1.0).makespan / (3 * local) - microbatches
+    except (ValueError, RuntimeError, AssertionError, ZeroDivisionError, KeyError, IndexError):
+        return (pp - 1) / local * (1 / 3 if schedule in _ZERO_BUBBLE else 1)
 
 
 def _link(dev: Device, span: int) -> float:
@@ -173,7 +198,7 @@ def step_time(
         span = layout.tp * layout.cp * layout.dp + 1  # neighbouring stages sit a whole stage's ranks apart
         p2p = 2 * layout.vpp * (act / _link(dev, span) + dev.collective_latency_s) * (chunks > 1)
     t_max = max(stage) + p2p
-    bubble_chunks = (layout.pp - 1) / layout.vpp * (1 / 3 if layout.pp_schedule in _ZERO_BUBBLE else 1)
+    bubble_chunks = idle_stage_times(layout.pp_schedule, layout.pp, m, layout.vpp) if layout.pp > 1 else 0.0
     bubble = bubble_chunks * (sum(stage) / len(stage) + p2p)
     compute_total = m * max(stage)
     tp_total = m * per_rank_blocks[-1] * comm
