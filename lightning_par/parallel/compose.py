@@ -158,7 +158,7 @@ def parallelize(
                        reshard_after_forward=cut is None)  # fmt: skip
     # A meta-built model now gets storage for what this rank holds, and its values (initialised, or read from the
     # pretrained checkpoint): after FSDP2 sharded it, so that each rank allocates its shards only; before the ZeRO
-    # 0-2 engine copies the values into its fp32 masters.
+    # 0-2 engine takes its masters as views of this rank's rows.
     distribute = experts.distribute if experts is not None and experts.params else None
     views = functools.partial(model_state, module, distribute)
     notes: list[str] = []

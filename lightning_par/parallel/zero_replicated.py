@@ -25,7 +25,7 @@ from lightning_par.parallel.grad_norm import mark_sharded
 from lightning_par.parallel.optimizers import check_per_parameter, is_elementwise
 from lightning_par.parallel.param_tree import parameter_tree
 
-# Module attributes, not calls of _compat's: benchmarks/bench_comm_bytes.py patches these two to count bytes.
+# Module attributes, not calls of _compat's: lightning_par.utils.comm_counter patches these two to count bytes.
 _reduce_scatter = _compat.reduce_scatter_single
 _all_gather = _compat.all_gather_single
 
