@@ -230,7 +230,7 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                ("schedule_rank_actions",),
                lambda: [_attr(f"{_PS}.{c}._calculate_single_rank_operations") for c in
                         ("ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleInterleavedZeroBubble",
-                         "ScheduleZBVZeroBubble", "ScheduleDualPipeV")]),  # fmt: skip
+                         "ScheduleZBVZeroBubble", "ScheduleDualPipeV")]),
     PrivateAPI("torch", f"{_PS}._Action",
                "lightning_par.parallel.pipeline_timeline reads (stage_index, computation_type, microbatch_index, "
                "sub_actions) of",
