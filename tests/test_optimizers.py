@@ -116,6 +116,10 @@ def test_whole_parameters_partition_the_gradients_over_the_ranks(runs):
     total = runs["gpt_adafactor/zero2"]["total_param_bytes"]
     assert [m["model_grads_after_backward"] for m in mem] == [0, 0]
     assert sum(m["grads"] for m in mem) == total and all(0 < m["grads"] < total for m in mem)
+    # ZeRO-1 under accumulation: full gradients live through the first micro-batch's backward (the most held after
+    # a backward), and the second, which ends the accumulation, reduce-scatters and frees them as it goes.
+    zero1 = runs["gpt_adafactor/zero1"]
+    assert [m["model_grads_after_backward"] for m in zero1["mem_all"]] == [zero1["total_param_bytes"]] * 2
     # Muon's whole-parameter ZeRO-1 at 2 ranks sums the same two gradients as ZeRO-0's all-reduce: bit for bit.
     for name, value in runs["muon_lm/zero0"]["params"].items():
         assert torch.equal(runs["muon_lm/zero1"]["params"][name], value), name

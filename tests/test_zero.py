@@ -142,8 +142,9 @@ def test_checkpoint_is_sharded_and_keyed_by_parameter_names(run):
 def test_memory_follows_the_zero_formulas(run):
     """Per-rank bytes on 2 ranks. Psi = parameter bytes; Adam keeps 2 states per parameter (fp32).
 
-    ZeRO-1 keeps full gradients through backward, then reduce-scatters them at the step and frees them: the
-    optimizer steps on gradient shards in stages 1-3, so "grads" (at the step) is sharded from stage 1 on.
+    ZeRO-1 keeps full gradients through the backward passes of an accumulation; the backward that ends it
+    reduce-scatters each bucket as its gradients are final and frees them: the optimizer steps on gradient shards in
+    stages 1-3, so "grads" (at the step) is sharded from stage 1 on.
     """
     name, results, _ = run
     got = results[0]
@@ -162,12 +163,13 @@ def test_memory_follows_the_zero_formulas(run):
             assert max(per_rank) < 0.6 * full
         else:
             assert per_rank == [full] * n, (kind, per_rank, full)
-    # Gradient memory during backward: ZeRO-0/1 hold full gradients through backward (and accumulation); ZeRO-2
-    # reduce-scatters bucket by bucket and frees them (at most 2 packed buckets in flight); ZeRO-3's are shards.
+    # Gradient memory after the step's backward: ZeRO-0 holds full gradients (all-reduced in place); ZeRO-1 and 2
+    # reduce-scatter bucket by bucket during it and free them (at most 2 packed buckets in flight); ZeRO-3's are
+    # shards.
     during = [m["model_grads_after_backward"] for m in mem]
-    if stage <= 1:
+    if stage == 0:
         assert during == [psi] * n
-    elif stage == 2:
+    elif stage in (1, 2):
         assert during == [0] * n
     else:
         assert sum(during) == psi and max(during) <= shard_max

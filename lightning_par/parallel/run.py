@@ -6,6 +6,7 @@ rule of its own. What a technique needs at run time is a hook here:
 | hook | who acts |
 |---|---|
 | `wrap_optimizer` | ZeRO 1-2 points the optimizer at this rank's shards; ZeRO-3 refuses one that cannot step DTensors |
+| `before_backward` | ZeRO 0-2 learns whether the backward ends an accumulation (then it reduces during it) |
 | `after_backward` | ZeRO 0-2 reduces gradients (when: the engine's rule); experts reduce expert gradients |
 | `optimizer_owner`, `distribute_model` | ZeRO 1-2 and experts describe their shards as DTensors (checkpoints) |
 | `merge_param_groups`, `other_stage_keys` | checkpoint entries of a pipeline (and whole-parameter ZeRO) span ranks |
@@ -75,6 +76,12 @@ class ParallelRun:
             )
         line = self.zero.shard_optimizer(optimizer)
         return [line] if line else []
+
+    def before_backward(self, accumulating: bool) -> None:
+        """Tell the ZeRO 0-2 engine whether the coming backward ends an accumulation (it then reduces each bucket
+        as soon as its gradients are final, overlapping the rest of the backward)."""
+        if self.zero is not None:
+            self.zero.before_backward(accumulating)
 
     def after_backward(self, accumulating: bool) -> None:
         """Reduce gradients after a backward pass, before clipping and ``on_before_optimizer_step`` see them.

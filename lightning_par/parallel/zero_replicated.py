@@ -96,7 +96,8 @@ class _Bucket:
             size += chunk_rows * row_numel
         self.shard_numel = size
         self.mine = params  # every parameter has a (possibly empty) row shard here
-        self.ready = 0
+        self.ready = 0  # parameters whose gradient this backward has finished (hooks)
+        self.launched = False  # its reduction of this step has started
 
     def pack(self, tensors: Iterable[Optional[torch.Tensor]], world: int, dtype: torch.dtype) -> torch.Tensor:
         """Lay out full tensors rank-major: [rank 0's shards | rank 1's shards | ...]."""
@@ -191,7 +192,11 @@ class ReplicatedZero:
                     self._full_of[self.names[p]] = p
         self._pending: list[tuple[Any, _Bucket, torch.Tensor]] = []
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
-        if stage == 2 and reduce_during_backward:
+        # Whether the running backward ends an accumulation (the step follows): stages 0 and 1 then reduce each
+        # bucket as soon as its gradients are final, overlapping the rest of that backward. None: not told (a loop
+        # that does not call `before_backward`), so they reduce after it, as before.
+        self._final: Optional[bool] = None
+        if reduce_during_backward and (stage == 2 or self.dp > 1):
             self._bucket_of: dict[nn.Parameter, Any] = {p: b for b in self.buckets for p in b.params}
             for p in self.names:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
@@ -323,6 +328,11 @@ class ReplicatedZero:
         )
 
     # ---- gradients -------------------------------------------------------------------------------------------
+    def before_backward(self, accumulating: bool) -> None:
+        """Say whether the coming backward pass is followed by more before the optimizer step (stages 0 and 1
+        reduce during the one that is not)."""
+        self._final = not accumulating
+
     def after_backward(self, accumulating: bool) -> None:
         """Reduce what a backward pass leaves to reduce.
 
@@ -333,29 +343,35 @@ class ReplicatedZero:
         """
         if not accumulating or (self.stage == 2 and not self._hooks):
             self.reduce_gradients()
+        self._final = None
 
     def reduce_gradients(self) -> None:
-        """Finish the gradient reduction of one optimizer step (after the last backward of accumulation)."""
-        if self.stage == 2:
-            for bucket in self.buckets:
-                # Unused parameters never fired their hook: flush with zeros for them. Without hooks
-                # (reduce_during_backward=False) every bucket is reduced here.
-                if bucket.ready or not self._hooks:
-                    self._launch(bucket)
-            self._drain(0)
-            return
+        """Finish the gradient reduction of one optimizer step (after the last backward of accumulation): start
+        what the backward did not (every bucket without hooks; buckets with an unused parameter, whose hook never
+        fired, with zeros for it), then wait for all."""
         for bucket in self.buckets:
+            if self.stage == 2 and self._hooks and not bucket.ready:
+                continue  # launched by its hooks (or every parameter unused: no gradient, as in one process)
+            if self.stage < 2 and self._hooks and self._final and bucket.launched:
+                continue  # launched during the backward
             if self.stage == 0:
-                self._all_reduce(bucket)
+                self._launch_all_reduce(bucket) if self.dp > 1 else self._all_reduce(bucket)
             else:
                 self._launch(bucket)
         self._drain(0)
+        for bucket in self.buckets:
+            bucket.launched, bucket.ready = False, 0
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
+        if self.stage < 2 and not self._final:
+            return  # full gradients keep accumulating until the backward that ends the accumulation
         bucket = self._bucket_of[p]  # type: ignore[index]
         bucket.ready += 1
         if bucket.ready == len(bucket.params):
-            self._launch(bucket)
+            if self.stage == 0:
+                self._launch_all_reduce(bucket)
+            else:
+                self._launch(bucket)
             self._drain(_MAX_INFLIGHT)
 
     def _all_reduce(self, bucket: _Bucket) -> None:
@@ -377,9 +393,19 @@ class ReplicatedZero:
             _set_grad(p, flat[offset : offset + d.numel()].view_as(d))
             offset += d.numel()
 
+    def _launch_all_reduce(self, bucket: _Bucket) -> None:
+        """Stage 0: pack the bucket's gradients into one flat tensor and start its all-reduce without waiting."""
+        bucket.ready, bucket.launched = 0, True
+        grads = [_grad(p) for p in bucket.params]
+        if all(g is None for g in grads):
+            return
+        flat = torch.cat([(torch.zeros_like(d) if g is None else g).reshape(-1) for g, d in zip(grads, bucket.data)])
+        work = dist.all_reduce(flat, group=self.shard_group, async_op=True)
+        self._pending.append((work, bucket, flat))
+
     def _launch(self, bucket: _Bucket) -> None:
         """Pack the bucket's gradients, free them, and start the reduce-scatter without waiting for it."""
-        bucket.ready = 0
+        bucket.ready, bucket.launched = 0, True
         dtype = bucket.params[0].dtype
         packed = bucket.pack([_grad(p) for p in bucket.params], self.world, dtype)
         for p in bucket.params:
@@ -396,6 +422,12 @@ class ReplicatedZero:
             if self.mesh.size(0) > 1:
                 dist.all_reduce(out, group=self.replicate_group)
             out.div_(self.dp)
+            if self.stage == 0:  # the all-reduced full gradients go back to the parameters
+                offset = 0
+                for p, d in zip(bucket.params, bucket.data):
+                    _set_grad(p, out[offset : offset + d.numel()].view_as(d))
+                    offset += d.numel()
+                continue
             for p, shard in zip(bucket.mine, bucket.shard_views(out)):
                 master = self.masters[p]
                 if master.grad is None:

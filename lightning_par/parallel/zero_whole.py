@@ -66,6 +66,7 @@ class WholeBucket:
         self.shard_numel = max(used)
         self.mine = [p for p, owner in zip(params, self.owners) if owner == rank]
         self.ready = 0
+        self.launched = False
 
     def pack(self, tensors: Iterable[Optional[torch.Tensor]], world: int, dtype: torch.dtype) -> torch.Tensor:
         """Lay out whole tensors in their owners' segments: [rank 0's | rank 1's | ...], zero padded."""

@@ -199,6 +199,8 @@ class FabricParallelStrategy(ProcessLayout, _FabricParallel):
     # ---- steps -----------------------------------------------------------------------------------------------
     @override
     def backward(self, tensor: Tensor, module: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
+        if self._run is not None:  # ZeRO 0-1 reduce during the backward that ends an accumulation
+            self._run.before_backward(self._accumulation.accumulating)
         super().backward(tensor, module, *args, **kwargs)
         if self._run is not None:  # reduce what the layout reduces after backward (ZeRO 0-2 buckets, experts)
             self._run.after_backward(self._accumulation.accumulating)

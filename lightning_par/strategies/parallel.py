@@ -273,6 +273,8 @@ class ParallelStrategy(ProcessGroupStrategy):
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         if self._pipeline is None:
+            if self._run is not None:  # ZeRO 0-1 reduce during the backward that ends an accumulation
+                self._run.before_backward(self._accumulating)
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         return self._pipeline.backward(self, closure_loss)
 
