@@ -5,9 +5,11 @@ all-gathered for its forward and again for its backward, and gradients are reduc
 bytes per step).
 
 Stages 0-2 keep full parameters on every rank and share one bucketed engine (`zero_replicated.ReplicatedZero`):
-- stage 0 (DDP): full gradients are all-reduced at the step; the optimizer is untouched.
-- stage 1: full gradients are kept through backward (and accumulation); at the step each bucket is
-  reduce-scattered, the rank updates only its shard of every parameter, and the shards are all-gathered back.
+- stage 0 (DDP): full gradients are all-reduced, bucket by bucket during the backward that precedes the step; the
+  optimizer is untouched.
+- stage 1: full gradients are kept through the backward passes of an accumulation; during the one that precedes
+  the step each bucket is reduce-scattered as soon as its gradients are final, the rank updates only its shard of
+  every parameter, and the shards are all-gathered back.
 - stage 2: as stage 1, but each bucket is reduce-scattered as soon as its gradients are ready during backward and
   the full gradients are freed, so a rank only ever accumulates its gradient shard.
 Stages 1 and 2 move 2 x Psi x (n-1)/n bytes per step, as DDP does.
