@@ -23,9 +23,9 @@ over the inter-node link when a tensor-parallel group fills a node, are sent onc
 and wait in line with compute.
 
 Data-parallel gradient traffic (all-reduce, or reduce-scatter + all-gather under ZeRO, plus ZeRO-3's parameter
-all-gathers) overlaps the backward where the engine overlaps it (ZeRO-2 reduces bucket by bucket during the
-backward, ZeRO-3's FSDP2 prefetches and reduces per block) up to the device's `Device.comm_overlap`, and is
-exposed where it does not (ZeRO 0 and 1 reduce at the step); whatever exceeds the compute it overlaps is exposed.
+all-gathers) overlaps the backward it runs in, up to the device's `Device.comm_overlap`: ZeRO-2 and FSDP2 reduce in
+every micro-batch's backward, ZeRO 0 and 1 in the one that ends the accumulation; ZeRO 1/2's all-gather after the
+step is exposed, and so is whatever exceeds the compute it overlaps.
 The engines also copy: ZeRO 0-2 pack the gradients into buckets and unpack what comes back (four passes over the
 local parameter bytes), FSDP2 copies each gathered block out twice (forward and backward) and each gradient in
 once (six). The optimizer step streams its state once at memory bandwidth. Under ``offload`` the sharded
@@ -212,21 +212,25 @@ def step_time(
     dp_comm = 0.0
     if layout.dp > 1:
         bw = _link(dev, layout.dp * layout.cp * layout.tp)
-        n, grads = layout.dp, share * el_grad
-        if layout.zero_stage == 0:
-            dp_comm = collective_time("all_reduce", grads, n, bw, dev)
-        elif layout.zero_stage in (1, 2):  # the updated shards gathered back: fp32 here, half under Megatron
+        n, grads, zs = layout.dp, share * el_grad, layout.zero_stage
+        once = 0.0  # after the step, never overlapped: ZeRO 1/2's all-gather of the updated shards
+        if zs == 0:
+            per = collective_time("all_reduce", grads, n, bw, dev)
+        elif zs in (1, 2):  # the updated shards gathered back: fp32 here, half under Megatron
+            per = collective_time("reduce_scatter", grads, n, bw, dev)
             params = share * (2 if profile == "megatron" else _param_bytes(layout.precision))
-            dp_comm = collective_time("reduce_scatter", grads, n, bw, dev) + collective_time(
-                "all_gather", params, n, bw, dev
-            )
+            once = collective_time("all_gather", params, n, bw, dev)
         else:  # FSDP2 gathers each block twice in the compute dtype
             compute_bytes = 4 if layout.precision == "32-true" else 2
-            dp_comm = collective_time("reduce_scatter", grads, n, bw, dev)
-            dp_comm += 2 * collective_time("all_gather", share * compute_bytes, n, bw, dev)
-        # The backward's share of the compute hides what the engine overlaps (ZeRO 2 and 3).
-        hidden = compute_total * 2 / 3 * dev.comm_overlap if layout.zero_stage >= 2 else 0.0
-        dp_comm = max(0.0, dp_comm - hidden)
+            per = collective_time("reduce_scatter", grads, n, bw, dev)
+            per += 2 * collective_time("all_gather", share * compute_bytes, n, bw, dev)
+        # ZeRO 2 and 3 reduce in every micro-batch's backward, ZeRO 0 and 1 in the one that ends the accumulation;
+        # each hides behind the backward it runs in (the backward's two thirds of that compute). Megatron-LM's
+        # published runs did not overlap the data-parallel all-reduce.
+        rounds = m if zs >= 2 else 1
+        backward = compute_total * 2 / 3 * (1.0 if zs >= 2 else 1.0 / m)
+        hidden = backward * dev.comm_overlap if profile == "torch" or zs >= 2 else 0.0
+        dp_comm = max(0.0, rounds * per - hidden) + once
         if profile == "torch":
             copies = _ENGINE_PASSES[layout.zero_stage] * share * el_grad
             dp_comm += copies / (dev.hbm_bytes_per_s * dev.memory_efficiency)
