@@ -5,7 +5,7 @@ parameters. Each is a DTensor layout on the module's own code, so the model is n
   projection): every rank normalises its own heads, which is already exact; but the norm's weight is shared by all
   heads, so its gradient on one rank covers only that rank's heads. The weight becomes a ``Replicate`` DTensor and
   the input a DTensor sharded along a non-normalised dim: autograd then yields a ``Partial`` gradient, which is
-  summed over tp before anything reads it (`zero_replicated._settle` under ZeRO 0-2, FSDP2's reduction under
+  summed over tp before anything reads it (`zero_buckets.settle_grad` under ZeRO 0-2, FSDP2's reduction under
   ZeRO-3), exactly as for torch's ``SequenceParallel`` norms.
 - ``colwise_norm`` (OLMoE's, OLMo2's ``q_norm`` over the whole ``n_heads * head_dim`` output): each rank holds a
   slice of the width, so the weight is sharded like the projection's output (``Shard(0)``) and the input is

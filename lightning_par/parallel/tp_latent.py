@@ -9,7 +9,7 @@ the latent for its own heads, so the latent's gradient on a rank is that rank's 
 as replicated DTensors whose gradients come back ``Partial``, exactly like the column-split projections' input:
 
 - a latent projection or norm gets ``Replicate`` DTensor parameters (their ``Partial`` gradients are summed over tp
-  like `SequenceParallel` norms': `zero_replicated._settle` under ZeRO 0-2, FSDP2's reduction under ZeRO-3); its
+  like `SequenceParallel` norms': `zero_buckets.settle_grad` under ZeRO 0-2, FSDP2's reduction under ZeRO-3); its
   input is the region's replicated DTensor (or the latent, see below), its output is handed on as the local tensor
   whose gradient is declared ``Partial``;
 - the projections reading a latent (and the latent norms) see their plain input as a replicated DTensor through

@@ -9,7 +9,6 @@ the same buckets and collectives.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from typing import Any, Optional
 
@@ -24,6 +23,7 @@ from lightning_par.parallel import zero_whole
 from lightning_par.parallel.grad_norm import mark_sharded
 from lightning_par.parallel.optimizers import check_per_parameter, is_elementwise
 from lightning_par.parallel.param_tree import parameter_tree
+from lightning_par.parallel.zero_buckets import Bucket, local_data, local_grad, set_grad, settle_grad, tp_groups
 
 # Module attributes, not calls of _compat's: lightning_par.utils.comm_counter patches these two to count bytes.
 _reduce_scatter = _compat.reduce_scatter_single
@@ -33,92 +33,6 @@ _all_gather = _compat.all_gather_single
 _FIRST_BUCKET_MB = 1.0
 # Stage-2 reductions in flight during backward; each holds a packed bucket, so this bounds the extra memory.
 _MAX_INFLIGHT = 2
-
-
-def _data(p: torch.Tensor) -> torch.Tensor:
-    """The storage this rank holds: a tensor-parallel DTensor's local shard, or the plain tensor itself."""
-    return p.detach().to_local() if isinstance(p, DTensor) else p.data  # type: ignore[attr-defined]
-
-
-def _settle(p: torch.Tensor) -> None:
-    """Reduce a tensor-parallel gradient whose placement differs from its parameter's, in place.
-
-    A replicated parameter used on sequence shards (a norm under sequence parallelism) gets a Partial gradient:
-    each tp rank holds the sum over its own tokens. It is reduced over tp before anything else reads it.
-    """
-    g = p.grad
-    if isinstance(g, DTensor) and g.placements != p.placements:  # type: ignore[attr-defined]
-        p.grad = g.redistribute(g.device_mesh, p.placements)  # type: ignore[attr-defined]
-
-
-def _grad(p: torch.Tensor) -> Optional[torch.Tensor]:
-    _settle(p)
-    g = p.grad
-    return g.to_local() if isinstance(g, DTensor) else g
-
-
-def _tp_groups(p: torch.Tensor) -> tuple[dist.ProcessGroup, ...]:
-    """The tensor-parallel group a DTensor parameter is split over (for the global gradient norm), if any."""
-    if isinstance(p, DTensor) and any(not isinstance(pl, Replicate) for pl in p.placements):
-        return (p.device_mesh.get_group(),)
-    return ()
-
-
-def _set_grad(p: torch.Tensor, local: torch.Tensor) -> None:
-    if isinstance(p, DTensor):
-        p.grad = DTensor.from_local(
-            local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False
-        )
-    else:
-        p.grad = local
-
-
-class _Bucket:
-    """Parameters reduced with one collective; rank j's shards of all of them are contiguous in the buffer."""
-
-    def __init__(self, params: list[nn.Parameter], world: int, rank: int) -> None:
-        self.params = params
-        self.offsets: list[int] = []
-        self.chunks: list[int] = []  # padded shard numel per parameter
-        self.local: list[tuple[int, ...]] = []  # this rank's shard shape per parameter
-        self.starts: list[int] = []  # this rank's first row per parameter
-        size = 0
-        self.data = [_data(p) for p in params]  # under tensor parallelism: the tp-local shards
-        for p in self.data:
-            rows = p.shape[0]
-            chunk_rows = math.ceil(rows / world)
-            row_numel = p.numel() // rows if rows else 0
-            local_rows = max(0, min(rows - rank * chunk_rows, chunk_rows))
-            self.offsets.append(size)
-            self.chunks.append(chunk_rows * row_numel)
-            self.local.append((local_rows, *p.shape[1:]))
-            self.starts.append(min(rank * chunk_rows, rows))
-            size += chunk_rows * row_numel
-        self.shard_numel = size
-        self.mine = params  # every parameter has a (possibly empty) row shard here
-        self.ready = 0  # parameters whose gradient this backward has finished (hooks)
-        self.launched = False  # its reduction of this step has started
-
-    def pack(self, tensors: Iterable[Optional[torch.Tensor]], world: int, dtype: torch.dtype) -> torch.Tensor:
-        """Lay out full tensors rank-major: [rank 0's shards | rank 1's shards | ...]."""
-        buf = torch.zeros(world, self.shard_numel, dtype=dtype, device=self.data[0].device)
-        for t, off, chunk in zip(tensors, self.offsets, self.chunks):
-            if t is None or chunk == 0:
-                continue  # an unused parameter contributes a zero gradient
-            flat = t.reshape(-1)
-            if flat.numel() != world * chunk:
-                flat = torch.nn.functional.pad(flat, (0, world * chunk - flat.numel()))
-            buf[:, off : off + chunk].copy_(flat.view(world, chunk))
-        return buf
-
-    def shard_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Views of this rank's shards inside a buffer of ``shard_numel`` elements."""
-        return [flat[off : off + math.prod(shape)].view(shape) for off, shape in zip(self.offsets, self.local)]
-
-    def unpack(self, recv: torch.Tensor) -> None:
-        """Copy the all-gathered ``(world, shard_numel)`` shards back into the full parameters."""
-        for d, off, chunk in zip(self.data, self.offsets, self.chunks):
-            d.view(-1).copy_(recv[:, off : off + chunk].reshape(-1)[: d.numel()])
 
 
 class ReplicatedZero:
@@ -177,7 +91,7 @@ class ReplicatedZero:
                     "shape (1,) instead"
                 )
             self.names[p] = name
-        self.buckets: list[Any] = self._make_buckets(list(self.names), bucket_cap_mb)  # _Bucket or WholeBucket
+        self.buckets: list[Any] = self._make_buckets(list(self.names), bucket_cap_mb)  # Bucket or WholeBucket
         self.whole = False  # whole-parameter layout (`zero_whole`), chosen by the first optimizer that needs it
         self._wrapped = 0  # optimizers pointed at the masters
         self.masters: dict[nn.Parameter, nn.Parameter] = {}
@@ -186,11 +100,11 @@ class ReplicatedZero:
             for bucket in self.buckets:
                 for p, shape, start in zip(bucket.params, bucket.local, bucket.starts):
                     # A view: the optimizer's in-place update writes straight into the full weights.
-                    master = nn.Parameter(_data(p).narrow(0, start, shape[0]))
-                    mark_sharded(master, (self.shard_group, *_tp_groups(p)))
+                    master = nn.Parameter(local_data(p).narrow(0, start, shape[0]))
+                    mark_sharded(master, (self.shard_group, *tp_groups(p)))
                     self.masters[p] = master
                     self._full_of[self.names[p]] = p
-        self._pending: list[tuple[Any, _Bucket, torch.Tensor]] = []
+        self._pending: list[tuple[Any, Bucket, torch.Tensor]] = []
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         # Whether the running backward ends an accumulation (the step follows): stages 0 and 1 then reduce each
         # bucket as soon as its gradients are final, overlapping the rest of that backward. None: not told (a loop
@@ -201,21 +115,21 @@ class ReplicatedZero:
             for p in self.names:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
 
-    def _make_buckets(self, params: list[nn.Parameter], cap_mb: float) -> list[_Bucket]:
+    def _make_buckets(self, params: list[nn.Parameter], cap_mb: float) -> list[Bucket]:
         # Reverse order: gradients become ready roughly back to front, so stage-2 buckets fill early.
-        buckets: list[_Bucket] = []
+        buckets: list[Bucket] = []
         current: list[nn.Parameter] = []
         nbytes = 0
         for p in reversed(params):
             cap = min(cap_mb, _FIRST_BUCKET_MB) if not buckets else cap_mb
-            local = _data(p)
+            local = local_data(p)
             if current and (nbytes + local.numel() * local.element_size() > cap * 2**20 or p.dtype != current[0].dtype):
-                buckets.append(_Bucket(current, self.world, self.rank))
+                buckets.append(Bucket(current, self.world, self.rank))
                 current, nbytes = [], 0
             current.append(p)
             nbytes += local.numel() * local.element_size()
         if current:
-            buckets.append(_Bucket(current, self.world, self.rank))
+            buckets.append(Bucket(current, self.world, self.rank))
         return buckets
 
     # ---- optimizer -------------------------------------------------------------------------------------------
@@ -257,7 +171,7 @@ class ReplicatedZero:
                 f"{name} is not element-wise and needs whole parameters, but an earlier optimizer already steps row "
                 f"slices; return {name} first from configure_optimizers"
             )
-        zero_whole.check_not_tp_sharded(name, self.stage, [self.names[p] for p in self.names if _tp_groups(p)])
+        zero_whole.check_not_tp_sharded(name, self.stage, [self.names[p] for p in self.names if tp_groups(p)])
         self.buckets = zero_whole.whole_buckets(self.buckets, self.world, self.rank)
         self.masters = zero_whole.whole_masters(self.buckets, self.masters, self.shard_group)
         self._full_of = {self.names[p]: p for p in self.masters}
@@ -374,13 +288,13 @@ class ReplicatedZero:
                 self._launch(bucket)
             self._drain(_MAX_INFLIGHT)
 
-    def _all_reduce(self, bucket: _Bucket) -> None:
+    def _all_reduce(self, bucket: Bucket) -> None:
         if self.dp == 1:
             # Nothing to average (tensor parallelism alone): only settle Partial tensor-parallel gradients.
             for p in bucket.params:
-                _settle(p)
+                settle_grad(p)
             return
-        grads = [_grad(p) for p in bucket.params]
+        grads = [local_grad(p) for p in bucket.params]
         if all(g is None for g in grads):
             return
         flat = torch.cat([(torch.zeros_like(d) if g is None else g).reshape(-1) for g, d in zip(grads, bucket.data)])
@@ -390,24 +304,24 @@ class ReplicatedZero:
         flat.div_(self.dp)
         offset = 0
         for p, d in zip(bucket.params, bucket.data):
-            _set_grad(p, flat[offset : offset + d.numel()].view_as(d))
+            set_grad(p, flat[offset : offset + d.numel()].view_as(d))
             offset += d.numel()
 
-    def _launch_all_reduce(self, bucket: _Bucket) -> None:
+    def _launch_all_reduce(self, bucket: Bucket) -> None:
         """Stage 0: pack the bucket's gradients into one flat tensor and start its all-reduce without waiting."""
         bucket.ready, bucket.launched = 0, True
-        grads = [_grad(p) for p in bucket.params]
+        grads = [local_grad(p) for p in bucket.params]
         if all(g is None for g in grads):
             return
         flat = torch.cat([(torch.zeros_like(d) if g is None else g).reshape(-1) for g, d in zip(grads, bucket.data)])
         work = dist.all_reduce(flat, group=self.shard_group, async_op=True)
         self._pending.append((work, bucket, flat))
 
-    def _launch(self, bucket: _Bucket) -> None:
+    def _launch(self, bucket: Bucket) -> None:
         """Pack the bucket's gradients, free them, and start the reduce-scatter without waiting for it."""
         bucket.ready, bucket.launched = 0, True
         dtype = bucket.params[0].dtype
-        packed = bucket.pack([_grad(p) for p in bucket.params], self.world, dtype)
+        packed = bucket.pack([local_grad(p) for p in bucket.params], self.world, dtype)
         for p in bucket.params:
             p.grad = None  # the full gradient is not needed again: this is where ZeRO saves gradient memory
         out = torch.empty(bucket.shard_numel, dtype=dtype, device=packed.device)
@@ -425,7 +339,7 @@ class ReplicatedZero:
             if self.stage == 0:  # the all-reduced full gradients go back to the parameters
                 offset = 0
                 for p, d in zip(bucket.params, bucket.data):
-                    _set_grad(p, out[offset : offset + d.numel()].view_as(d))
+                    set_grad(p, out[offset : offset + d.numel()].view_as(d))
                     offset += d.numel()
                 continue
             for p, shard in zip(bucket.mine, bucket.shard_views(out)):

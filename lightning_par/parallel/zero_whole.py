@@ -49,7 +49,7 @@ def assign_owners(numels: Sequence[int], world: int, load: list[int]) -> list[in
 class WholeBucket:
     """Parameters reduced with one collective; rank j's segment holds the whole parameters rank j owns.
 
-    The interface of `zero_replicated._Bucket`: ``mine`` are the parameters whose (whole) shard this rank steps, in
+    The interface of `zero_buckets.Bucket`: ``mine`` are the parameters whose (whole) shard this rank steps, in
     the order ``shard_views`` returns their views.
     """
 

@@ -1,0 +1,101 @@
+"""The ZeRO 0-2 engine's bucket layout (`lightning_par.parallel.zero_replicated`): parameters packed rank-major,
+rank j's row shards of every parameter contiguous (the layout FSDP2 uses), so one reduce-scatter per bucket hands
+each rank its shard; and the local views of tensor-parallel (DTensor) parameters and gradients the engine works on.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
+
+
+def local_data(p: torch.Tensor) -> torch.Tensor:
+    """The storage this rank holds: a tensor-parallel DTensor's local shard, or the plain tensor itself."""
+    return p.detach().to_local() if isinstance(p, DTensor) else p.data  # type: ignore[attr-defined]
+
+
+def settle_grad(p: torch.Tensor) -> None:
+    """Reduce a tensor-parallel gradient whose placement differs from its parameter's, in place.
+
+    A replicated parameter used on sequence shards (a norm under sequence parallelism) gets a Partial gradient:
+    each tp rank holds the sum over its own tokens. It is reduced over tp before anything else reads it.
+    """
+    g = p.grad
+    if isinstance(g, DTensor) and g.placements != p.placements:  # type: ignore[attr-defined]
+        p.grad = g.redistribute(g.device_mesh, p.placements)  # type: ignore[attr-defined]
+
+
+def local_grad(p: torch.Tensor) -> Optional[torch.Tensor]:
+    settle_grad(p)
+    g = p.grad
+    return g.to_local() if isinstance(g, DTensor) else g
+
+
+def tp_groups(p: torch.Tensor) -> tuple[dist.ProcessGroup, ...]:
+    """The tensor-parallel group a DTensor parameter is split over (for the global gradient norm), if any."""
+    if isinstance(p, DTensor) and any(not isinstance(pl, Replicate) for pl in p.placements):
+        return (p.device_mesh.get_group(),)
+    return ()
+
+
+def set_grad(p: torch.Tensor, local: torch.Tensor) -> None:
+    if isinstance(p, DTensor):
+        p.grad = DTensor.from_local(
+            local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False
+        )
+    else:
+        p.grad = local
+
+
+class Bucket:
+    """Parameters reduced with one collective; rank j's shards of all of them are contiguous in the buffer."""
+
+    def __init__(self, params: list[nn.Parameter], world: int, rank: int) -> None:
+        self.params = params
+        self.offsets: list[int] = []
+        self.chunks: list[int] = []  # padded shard numel per parameter
+        self.local: list[tuple[int, ...]] = []  # this rank's shard shape per parameter
+        self.starts: list[int] = []  # this rank's first row per parameter
+        size = 0
+        self.data = [local_data(p) for p in params]  # under tensor parallelism: the tp-local shards
+        for p in self.data:
+            rows = p.shape[0]
+            chunk_rows = math.ceil(rows / world)
+            row_numel = p.numel() // rows if rows else 0
+            local_rows = max(0, min(rows - rank * chunk_rows, chunk_rows))
+            self.offsets.append(size)
+            self.chunks.append(chunk_rows * row_numel)
+            self.local.append((local_rows, *p.shape[1:]))
+            self.starts.append(min(rank * chunk_rows, rows))
+            size += chunk_rows * row_numel
+        self.shard_numel = size
+        self.mine = params  # every parameter has a (possibly empty) row shard here
+        self.ready = 0  # parameters whose gradient this backward has finished (hooks)
+        self.launched = False  # its reduction of this step has started
+
+    def pack(self, tensors: Iterable[Optional[torch.Tensor]], world: int, dtype: torch.dtype) -> torch.Tensor:
+        """Lay out full tensors rank-major: [rank 0's shards | rank 1's shards | ...]."""
+        buf = torch.zeros(world, self.shard_numel, dtype=dtype, device=self.data[0].device)
+        for t, off, chunk in zip(tensors, self.offsets, self.chunks):
+            if t is None or chunk == 0:
+                continue  # an unused parameter contributes a zero gradient
+            flat = t.reshape(-1)
+            if flat.numel() != world * chunk:
+                flat = torch.nn.functional.pad(flat, (0, world * chunk - flat.numel()))
+            buf[:, off : off + chunk].copy_(flat.view(world, chunk))
+        return buf
+
+    def shard_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Views of this rank's shards inside a buffer of ``shard_numel`` elements."""
+        return [flat[off : off + math.prod(shape)].view(shape) for off, shape in zip(self.offsets, self.local)]
+
+    def unpack(self, recv: torch.Tensor) -> None:
+        """Copy the all-gathered ``(world, shard_numel)`` shards back into the full parameters."""
+        for d, off, chunk in zip(self.data, self.offsets, self.chunks):
+            d.view(-1).copy_(recv[:, off : off + chunk].reshape(-1)[: d.numel()])
