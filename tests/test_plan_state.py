@@ -67,8 +67,11 @@ def _toy(rows: int = 10, outer: bool = True) -> list[ParamSpec]:
 def test_zero_padding_rows_per_rank_and_optimizer_state() -> None:
     specs = _toy(rows=10)  # 3 tensors of 40 elements; 4 ranks: ceil(10/4) = 3 rows each, rank 3 holds 1 row
     for rank, rows in enumerate((3, 3, 3, 1)):
-        z1 = state_bytes(specs, Layout(dp_shard=4, zero_stage=1, precision="32-true"), rank=rank)
+        z1 = state_bytes(specs, Layout(dp_shard=4, zero_stage=1, precision="32-true"), rank=rank, accumulation=2)
         assert z1.parameters == 3 * 40 * 4 and z1.gradients == 3 * 40 * 4  # full weights, full gradients
+        # Without accumulation the step's backward reduce-scatters and frees them: the padded shard, as ZeRO-2.
+        once = state_bytes(specs, Layout(dp_shard=4, zero_stage=1, precision="32-true"), rank=rank)
+        assert once.gradients == 3 * 12 * 4
         assert z1.optimizer == 3 * (rows * 4 * 4 * 2 + 4)  # Adam's two moments of its rows, one fp32 step each
         z2 = state_bytes(specs, Layout(dp_shard=4, zero_stage=2, precision="32-true"), rank=rank)
         assert z2.gradients == 3 * 12 * 4  # the padded bucket shard, 3 rows on every rank

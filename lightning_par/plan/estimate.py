@@ -94,7 +94,9 @@ def estimate(
     """
     layout.check(desc, layout.world, global_batch, seq_len, suite=profile != "megatron")
     framework = "megatron" if profile == "megatron" else "lightning_par"
-    state = state_bytes(specs if specs is not None else specs_from_desc(desc), layout, framework=framework)
+    accumulation = layout.m(global_batch) if layout.pp == 1 else 1
+    state = state_bytes(specs if specs is not None else specs_from_desc(desc), layout, framework=framework,
+                        accumulation=accumulation)  # fmt: skip
     acts = activation_bytes(
         desc, layout, seq_len, profile=profile, dropout=desc.dropout if profile == "torch" else None
     )

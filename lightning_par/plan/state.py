@@ -14,9 +14,11 @@ the strategies' own tensors, rank by rank, for zero1-3, tp, tp_zero1/3, pipe_zer
 - ZeRO 0-2 (`lightning_par.parallel.zero_replicated`): every rank keeps the full (tp-local) parameters; the
   optimizer steps "masters" that are views of this rank's rows of each parameter, ``ceil(d0/n)`` rows per rank
   over the ``n = dp_shard x cp`` shard group, the last ranks short: the optimizer state is rank-dependent.
-  Gradients: stage 0 and 1 hold full gradients when backward ends (stage 1 reduce-scatters them at the step);
-  stage 2 holds a shard per bucket padded to ``ceil(d0/n)`` rows of every parameter (the reduce-scatter output),
-  except under a pipeline, where it reduces after the step's last backward and so holds full gradients first.
+  Gradients: stage 0 holds full gradients (all-reduced in place). Stage 1 holds full gradients through the
+  backward passes of an accumulation (``accumulation > 1``) and reduce-scatters them during the backward that ends
+  it, as stage 2 does in every backward: then a shard per bucket padded to ``ceil(d0/n)`` rows of every parameter
+  (the reduce-scatter output). Under a pipeline both reduce after the step's last backward and so hold full
+  gradients first.
 - ZeRO 3 (FSDP2 ``fully_shard``): parameters and gradients are ``ceil(d0/n)``-row shards padded on every rank;
   the optimizer state covers the rank's real rows only.
 - Optimizer state (torch's): Adam / AdamW keep two moments shaped like each master plus a 4-byte fp32 ``step``
@@ -205,6 +207,7 @@ def state_bytes(
     rank: Optional[int] = None,
     optimizer: str = "adamw",
     framework: str = "lightning_par",
+    accumulation: int = 1,
 ) -> StateBytes:
     """Parameter, gradient and optimizer-state bytes of one rank (see the module docstring for the conventions).
 
@@ -214,6 +217,8 @@ def state_bytes(
         rank: a global rank; ``None``: the rank holding the most in total.
         optimizer: one of `OPTIMIZERS` (``"sgd"``: with momentum).
         framework: ``"lightning_par"`` (this suite's allocations) or ``"megatron"`` (published Megatron-LM runs).
+        accumulation: backward passes per optimizer step without a pipeline (gradient accumulation): ZeRO-1 holds
+            full gradients through all but the last.
 
     Raises:
         ValueError: an unknown optimizer or framework, a 0-dim parameter under ZeRO, or a layout the framework does
@@ -228,15 +233,23 @@ def state_bytes(
     n = layout.dp_shard * layout.cp
     if rank is not None:
         pp_rank, shard = coords(layout, rank)
-        return _rank_bytes(specs, layout, pp_rank, shard, n, optimizer, framework)
+        return _rank_bytes(specs, layout, pp_rank, shard, n, optimizer, framework, accumulation)
     return max(
-        (_rank_bytes(specs, layout, p, s, n, optimizer, framework) for p in range(layout.pp) for s in range(n)),
+        (_rank_bytes(specs, layout, p, s, n, optimizer, framework, accumulation)
+         for p in range(layout.pp) for s in range(n)),
         key=lambda b: b.total,
-    )
+    )  # fmt: skip
 
 
 def _rank_bytes(
-    specs: Sequence[ParamSpec], layout: Layout, pp_rank: int, shard: int, n: int, optimizer: str, framework: str
+    specs: Sequence[ParamSpec],
+    layout: Layout,
+    pp_rank: int,
+    shard: int,
+    n: int,
+    optimizer: str,
+    framework: str,
+    accumulation: int = 1,
 ) -> StateBytes:
     tensors = held(specs, layout, pp_rank, framework)
     if framework == "megatron":
@@ -251,7 +264,8 @@ def _rank_bytes(
         params += (t.padded(n) if t.in_zero and zero == 3 else t.numel) * size
         if not t.spec.trainable:
             continue
-        full_grads = zero <= 1 or (zero == 2 and layout.pp > 1) or not t.in_zero
+        full_grads = zero == 0 or (zero == 1 and accumulation > 1) or (zero in (1, 2) and layout.pp > 1)
+        full_grads = full_grads or not t.in_zero
         grads += (t.numel if full_grads else t.padded(n)) * size
         opt += (t.rows_of(n, shard) if sharded else t.numel) * size * moments
         opt += _STEP_BYTES if optimizer in ("adam", "adamw") else 0
