@@ -1,12 +1,32 @@
-"""What the multi-rank benchmarks share: the step-time line of alternated rounds, and printing on rank 0."""
+"""What the multi-rank benchmarks share: the step timer, the step-time line of alternated rounds, and printing on
+rank 0."""
 
 from __future__ import annotations
 
 import statistics
+import time
+from typing import Any
 
+import lightning as L
 import torch.distributed as dist
 
 from lightning_par.utils import clean_exit
+
+
+class StepTimer(L.Callback):
+    """Wall time of each optimizer step (one batch, no accumulation), warm-up steps skipped."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup = warmup
+        self.times: list[float] = []
+        self._t0 = 0.0
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self._t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx >= self.warmup:
+            self.times.append(time.perf_counter() - self._t0)
 
 
 def ratio_line(label: str, times: list[float], baseline: list[float], baseline_label: str) -> str:

@@ -18,7 +18,6 @@ import argparse
 import logging
 import os
 import statistics
-import time
 from typing import Any
 
 import torch
@@ -28,6 +27,7 @@ torch.set_num_threads(1)
 import lightning as L  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from _rounds import StepTimer  # noqa: E402
 
 import lightning_par  # noqa: E402
 from lightning_par.data import ByteTextDataModule  # noqa: E402
@@ -57,18 +57,6 @@ class HFCausalLM(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-
-class StepTimer(L.Callback):
-    def __init__(self, warmup: int) -> None:
-        self.warmup, self.times, self._t0 = warmup, [], 0.0
-
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        self._t0 = time.perf_counter()
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if batch_idx >= self.warmup:
-            self.times.append(time.perf_counter() - self._t0)
 
 
 def fit(strategy: Any, args: argparse.Namespace, kind: str, steps: int, timer: L.Callback | None = None) -> Any:

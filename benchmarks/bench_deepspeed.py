@@ -39,6 +39,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import lightning as L  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from _rounds import StepTimer  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy  # noqa: E402
 
 import lightning_par  # noqa: E402, F401  (registers the names)
@@ -96,20 +97,6 @@ class CPUAdamGPT(GPT):
         config["optimizer"] = opt
         config["lr_scheduler"]["scheduler"] = torch.optim.lr_scheduler.LambdaLR(opt, lambdas[0])
         return config
-
-
-class StepTimer(L.Callback):
-    """Wall time of each optimizer step, warm-up steps skipped."""
-
-    def __init__(self, warmup: int) -> None:
-        self.warmup, self.times, self._t0 = warmup, [], 0.0
-
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        self._t0 = time.perf_counter()
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if batch_idx >= self.warmup:
-            self.times.append(time.perf_counter() - self._t0)
 
 
 def _rss_kib(field: str) -> int:

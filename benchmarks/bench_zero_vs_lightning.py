@@ -32,6 +32,7 @@ torch.set_num_threads(1)  # before any op: one core per rank
 
 import lightning as L  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from _rounds import StepTimer  # noqa: E402
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
@@ -51,22 +52,6 @@ class FSDP2GPT(GPT):
         for block in cast(nn.ModuleList, self.transformer["h"]):
             fully_shard(block, mesh=mesh)
         fully_shard(self, mesh=mesh)  # the root owns embeddings, ln_f and lm_head
-
-
-class StepTimer(L.Callback):
-    """Wall time of each optimizer step (one batch, no accumulation), warm-up steps skipped."""
-
-    def __init__(self, warmup: int) -> None:
-        self.warmup = warmup
-        self.times: list[float] = []
-        self._t0 = 0.0
-
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        self._t0 = time.perf_counter()
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if batch_idx >= self.warmup:
-            self.times.append(time.perf_counter() - self._t0)
 
 
 def _configs(model_kwargs: dict[str, Any], world: int) -> dict[str, Callable[[], tuple[Any, L.LightningModule]]]:
