@@ -148,6 +148,16 @@ def test_bad_input_names_the_fix(config: str, capsys: Any, monkeypatch: Any, ext
     assert message in str(err.value)
 
 
+def test_a_sequence_past_the_position_table_is_refused(tmp_path: Path) -> None:
+    gpt2 = tmp_path / "gpt2.json"
+    gpt2.write_text(json.dumps({"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 256,
+                                "n_positions": 128}))  # fmt: skip
+    base = ["--model-config", str(gpt2), "--gpu", "H100", "--global-batch-size", "8", "--json"]
+    assert json.loads(cli_plan.run_estimate([*base, "--seq-len", "128"]))["step_time_s"] > 0
+    with pytest.raises(ValueError, match="longer than the model's 128 learned positions"):
+        cli_plan.run_estimate([*base, "--seq-len", "129"])
+
+
 def test_config_missing_keys_names_them(tmp_path: Path, capsys: Any, monkeypatch: Any) -> None:
     bad = tmp_path / "config.json"
     bad.write_text(json.dumps({k: v for k, v in LLAMA.items() if k != "intermediate_size"}))

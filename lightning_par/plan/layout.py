@@ -128,6 +128,11 @@ class Layout:
                 f"tp={self.tp} must divide the {model.heads} query heads and the {model.kv_heads} key/value heads; "
                 "pick tp among the divisors of the key/value head count"
             )
+        if model.learned_positions and seq_len > model.learned_positions:
+            raise LayoutError(
+                f"seq_len={seq_len} is longer than the model's {model.learned_positions} learned positions; lower "
+                "the sequence length (or give the model a longer position table)"
+            )
         if model.experts and model.experts % self.ep:
             raise LayoutError(f"ep={self.ep} must divide the {model.experts} experts")
         chunks = self.pp * self.vpp
