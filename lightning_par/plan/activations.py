@@ -40,7 +40,7 @@ import dataclasses
 from typing import Any, Optional
 
 from lightning_par.plan.inflight import inflight_microbatches, rank_blocks
-from lightning_par.plan.layout import Layout
+from lightning_par.plan.layout import Layout, compute_bytes, stored_bytes
 from lightning_par.plan.model import ModelDesc
 
 PROFILES = ("megatron", "torch")
@@ -119,7 +119,7 @@ def _prec(layout: Layout, profile: str) -> tuple[int, int, bool]:
     if profile == "megatron":
         return 2, 2, False
     mixed = layout.precision in ("bf16-mixed", "16-mixed")
-    return (4 if layout.precision == "32-true" else 2), (2 if layout.precision == "bf16-true" else 4), mixed
+    return compute_bytes(layout.precision), stored_bytes(layout.precision), mixed
 
 
 def block_tensors(

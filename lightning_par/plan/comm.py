@@ -34,12 +34,11 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Optional
 
-from lightning_par.plan.layout import Layout, LayoutError
+from lightning_par.plan.layout import Layout, LayoutError, compute_bytes
 from lightning_par.plan.params import ParamSpec
 from lightning_par.plan.state import Held, coords, held, local_stages, param_bytes, stage_ranges
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather")
-_COMPUTE_BYTES = {"32-true": 4, "bf16-mixed": 2, "16-mixed": 2, "bf16-true": 2}
 
 
 def _ring(kind: str, payload: float, n: int) -> float:
@@ -151,7 +150,7 @@ def _data_parallel(every: Sequence[Held], layout: Layout, n: int, r: int, m: int
             ("dp", "all_reduce", times * _ring("all_reduce", padded / n, r)),
             ("dp", "all_gather", _ring("all_gather", padded, n)),
         ]
-    low = _COMPUTE_BYTES[prec]
+    low = compute_bytes(prec)
 
     def gather(t: Held) -> int:  # mixed precision gathers the compute dtype (FSDP2's MixedPrecisionPolicy)
         return t.padded(n) * n * (param_bytes(t.spec, prec) if prec in ("32-true", "bf16-true") else low)
@@ -176,7 +175,7 @@ def _router(tensors: Sequence[Held], layout: Layout, tokens: int, m: int, aux: b
     if n == 1 or not routers:
         return []
     per_mb = tokens // m
-    low = _COMPUTE_BYTES[layout.precision]  # the router is a Linear: autocast gives its logits the compute dtype
+    low = compute_bytes(layout.precision)  # the router is a Linear: autocast gives its logits the compute dtype
     terms = []
     for t in routers:
         experts = t.spec.shape[0]
@@ -215,7 +214,7 @@ def _tensor_parallel(
     if tp == 1:
         return []
     prec = layout.precision
-    low = _COMPUTE_BYTES[prec]
+    low = compute_bytes(prec)
     # The residual stream (a region's input, its gradient) has the dtype of the weights computed with: the stored
     # ones (fp32 under autocast, bf16 under bf16-true), or under ZeRO-3 mixed precision FSDP2's low-precision copies
     # (the embedding's output, and so the whole stream, is then in the compute dtype).

@@ -24,13 +24,12 @@ import dataclasses
 import math
 
 from lightning_par.plan.devices import Device
-from lightning_par.plan.layout import Layout
+from lightning_par.plan.layout import Layout, compute_bytes
 from lightning_par.plan.model import ModelDesc
 
 PROFILES = ("megatron", "torch")
 _TILES = ((256, 128, 1.0), (128, 128, 0.9))  # (rows, cols, rate relative to the large tile)
 _SKINNY_RATE = 0.5  # a split-K / GEMV kernel's rate relative to the large tile (assumed)
-_DTYPE_BYTES = {"32-true": 4, "bf16-mixed": 2, "16-mixed": 2, "bf16-true": 2}
 _PEAK_KEY = {"32-true": "tf32", "bf16-mixed": "bf16", "16-mixed": "fp16", "bf16-true": "bf16"}
 
 
@@ -65,7 +64,7 @@ def gemm_time(g: Gemm, dev: Device, precision: str) -> float:
         tiles = math.ceil(g.m / rows) * math.ceil(g.n / cols) * g.count
         filled = g.m * g.n * g.count / (math.ceil(tiles / dev.sms) * dev.sms * rows * cols)
         best = min(best, g.flops / (rate * rel * filled))
-    moved = (g.m * g.k + g.k * g.n + g.m * g.n) * g.count * _DTYPE_BYTES[precision]
+    moved = (g.m * g.k + g.k * g.n + g.m * g.n) * g.count * compute_bytes(precision)
     return max(best, moved / (dev.hbm_bytes_per_s * dev.memory_efficiency))
 
 
@@ -128,7 +127,7 @@ def block_elementwise_bytes(desc: ModelDesc, layout: Layout, seq_len: int, profi
       GeLU: 2; GPT-2's tanh GeLU, eight kernels: 18); attention as SDPA's fused kernel (q, k, v read, the output
       written) or, with dropout, its unfused path (scale, mask, softmax and dropout over the scores: 12 passes).
     """
-    el = _DTYPE_BYTES[layout.precision]
+    el = compute_bytes(layout.precision)
     t = layout.tp
     tokens = layout.micro_batch_size * seq_len // layout.cp
     resid = tokens * desc.hidden * el / (t if layout.sequence_parallel else 1)

@@ -17,7 +17,7 @@ from typing import Any, Optional
 from lightning_par.plan.activations import activation_bytes
 from lightning_par.plan.compute import peak_flops
 from lightning_par.plan.devices import GIB, Device
-from lightning_par.plan.layout import Layout
+from lightning_par.plan.layout import Layout, compute_bytes, stored_bytes
 from lightning_par.plan.model import ModelDesc
 from lightning_par.plan.params import ParamSpec, specs_from_desc
 from lightning_par.plan.state import state_bytes
@@ -69,7 +69,7 @@ class Estimate:
 
 def temporary_bytes(desc: ModelDesc, layout: Layout, seq_len: int) -> float:
     """The step's transient buffers besides activations (module docstring)."""
-    el = 4 if layout.precision == "32-true" else 2
+    el = compute_bytes(layout.precision)
     if layout.zero_stage == 3 and layout.shard_group > 1:
         return 2 * desc.block_params / layout.tp * el
     return _BUCKET_BYTES if layout.dp > 1 else 0
@@ -100,7 +100,7 @@ def estimate(
     acts = activation_bytes(
         desc, layout, seq_len, profile=profile, dropout=desc.dropout if profile == "torch" else None
     )
-    local = state.parameters / (2 if framework == "megatron" else _param_bytes(layout))
+    local = state.parameters / (2 if framework == "megatron" else stored_bytes(layout.precision))
     local *= layout.shard_group if layout.zero_stage == 3 else 1
     t = step_time(desc, layout, dev, global_batch, seq_len, profile=profile, local_params=local)
     on_gpu = (0, 0, 0) if layout.offload else (state.parameters, state.gradients, state.optimizer)
@@ -109,8 +109,3 @@ def estimate(
         temporary=temporary_bytes(desc, layout, seq_len), time=t, peak=peak_flops(dev, layout.precision),
         host=state.total if layout.offload else 0,
     )  # fmt: skip
-
-
-def _param_bytes(layout: Layout) -> int:
-    # The suite keeps fp32 parameters under every flag but "bf16-true" (mixed precision casts copies for compute).
-    return 2 if layout.precision == "bf16-true" else 4

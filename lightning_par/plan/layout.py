@@ -22,6 +22,19 @@ PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
 # Pipeline schedules and the virtual stages per rank each runs in this suite (parallel/pipeline_schedule.py).
 SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "looped_bfs": 2, "interleaved_zb": 2, "zbv": 2,
              "dualpipev": 2}  # fmt: skip
+
+
+def compute_bytes(precision: str) -> int:
+    """Bytes per element of activations and matmul operands under a Lightning precision flag."""
+    return 4 if precision == "32-true" else 2
+
+
+def stored_bytes(precision: str) -> int:
+    """Bytes per element of a stored parameter, its gradient and moments in this suite: fp32 under every flag but
+    ``"bf16-true"`` (mixed precision casts low-precision copies for compute, it keeps no second master)."""
+    return 2 if precision == "bf16-true" else 4
+
+
 _TO_SUITE_AC = {"none": None, "selective": "selective_op", "full": "full"}
 
 

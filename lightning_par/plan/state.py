@@ -40,7 +40,7 @@ import math
 from collections.abc import Sequence
 from typing import Optional
 
-from lightning_par.plan.layout import SCHEDULES, Layout, LayoutError
+from lightning_par.plan.layout import SCHEDULES, Layout, LayoutError, stored_bytes
 from lightning_par.plan.params import ParamSpec
 from lightning_par.plans.partition import even_split, partition
 
@@ -102,9 +102,7 @@ class Held:
 
 def param_bytes(spec: ParamSpec, precision: str) -> int:
     """Bytes per element of a stored parameter (and its gradient and moments) in this suite."""
-    if spec.dtype_bytes is not None:
-        return spec.dtype_bytes
-    return 2 if precision == "bf16-true" else 4
+    return spec.dtype_bytes if spec.dtype_bytes is not None else stored_bytes(precision)
 
 
 def virtual_stages(layout: Layout, framework: str = "lightning_par") -> int:

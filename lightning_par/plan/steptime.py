@@ -44,7 +44,7 @@ from lightning_par import _compat
 from lightning_par.analysis.pipeline_timeline import replay
 from lightning_par.plan import compute
 from lightning_par.plan.devices import Device
-from lightning_par.plan.layout import SCHEDULES, Layout
+from lightning_par.plan.layout import SCHEDULES, Layout, compute_bytes, stored_bytes
 from lightning_par.plan.model import ModelDesc
 
 _ZERO_BUBBLE = ("interleaved_zb", "zbv", "dualpipev")
@@ -101,11 +101,6 @@ def _link(dev: Device, span: int) -> float:
     return bw * dev.link_efficiency
 
 
-def _param_bytes(precision: str) -> int:
-    # The suite keeps fp32 parameters under every flag but "bf16-true" (mixed precision casts copies for compute).
-    return 2 if precision == "bf16-true" else 4
-
-
 def collective_time(kind: str, nbytes: float, n: int, bandwidth: float, dev: Device) -> float:
     """Ring-algorithm seconds for a collective of ``nbytes`` (the full tensor) over ``n`` ranks: an all-reduce
     moves ``2 (n-1)/n`` of it per rank, a reduce-scatter, all-gather or all-to-all ``(n-1)/n``."""
@@ -133,7 +128,7 @@ def _block_time(desc: ModelDesc, layout: Layout, seq_len: int, dev: Device, prof
     else:
         redo = 0.0
     comp = 3 * fwd_gemm + 3 * elem + redo
-    el = 4 if layout.precision == "32-true" else 2
+    el = compute_bytes(layout.precision)
     tokens = layout.micro_batch_size * seq_len // layout.cp
     resid = tokens * desc.hidden * el
     comm = 0.0
@@ -193,7 +188,7 @@ def step_time(
     stage[-1] += head
     p2p = 0.0
     if layout.pp > 1:
-        el = 4 if layout.precision == "32-true" else 2
+        el = compute_bytes(layout.precision)
         act = layout.micro_batch_size * seq_len // layout.cp * desc.hidden * el / layout.tp  # scatter-gather send
         span = layout.tp * layout.cp * layout.dp + 1  # neighbouring stages sit a whole stage's ranks apart
         p2p = 2 * layout.vpp * (act / _link(dev, span) + dev.collective_latency_s) * (chunks > 1)
@@ -218,12 +213,11 @@ def step_time(
             per = collective_time("all_reduce", grads, n, bw, dev)
         elif zs in (1, 2):  # the updated shards gathered back: fp32 here, half under Megatron
             per = collective_time("reduce_scatter", grads, n, bw, dev)
-            params = share * (2 if profile == "megatron" else _param_bytes(layout.precision))
+            params = share * (2 if profile == "megatron" else stored_bytes(layout.precision))
             once = collective_time("all_gather", params, n, bw, dev)
         else:  # FSDP2 gathers each block twice in the compute dtype
-            compute_bytes = 4 if layout.precision == "32-true" else 2
             per = collective_time("reduce_scatter", grads, n, bw, dev)
-            per += 2 * collective_time("all_gather", share * compute_bytes, n, bw, dev)
+            per += 2 * collective_time("all_gather", share * compute_bytes(layout.precision), n, bw, dev)
         # ZeRO 2 and 3 reduce in every micro-batch's backward, ZeRO 0 and 1 in the one that ends the accumulation;
         # each hides behind the backward it runs in (the backward's two thirds of that compute). Megatron-LM's
         # published runs did not overlap the data-parallel all-reduce.
