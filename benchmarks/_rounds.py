@@ -16,6 +16,8 @@ from lightning_par.utils import clean_exit
 class StepTimer(L.Callback):
     """Wall time of each optimizer step (one batch, no accumulation), warm-up steps skipped."""
 
+    lightning_par_reads_weights = False  # ZeRO-1/2's all-gather after the step may run on through these hooks
+
     def __init__(self, warmup: int) -> None:
         self.warmup = warmup
         self.times: list[float] = []

@@ -56,6 +56,25 @@ def _attr(path: str) -> Any:
     raise ImportError(f"no module in {path}")
 
 
+def _step_post_hooks() -> None:
+    """The post-hooks are an ordered dict by handle id, and the global ones a dict: both as the accessors use them."""
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    first = opt.register_step_post_hook(lambda *_: None)
+    second = opt.register_step_post_hook(lambda *_: None)
+    _compat.run_step_post_hook_first(opt, second)
+    assert list(opt._optimizer_step_post_hooks) == [second.id, first.id]
+    assert _compat.step_post_hooks(opt) == 2 + len(_attr("torch.optim.optimizer._global_optimizer_post_hooks"))
+
+
+def _chunk_cat_layout() -> None:
+    """Rank-major with ceil(rows / world) rows per chunk and zero padding, as `zero_buckets.Bucket` lays out."""
+    a, b = torch.arange(15.0).view(5, 3), torch.arange(4.0)
+    out = torch.empty(2, 11)
+    _compat.chunk_cat([a, b], 2, out)
+    want = torch.tensor([[*range(9), 0, 1], [*range(9, 15), 0, 0, 0, 2, 3]], dtype=torch.float32)
+    assert torch.equal(out, want), out
+
+
 def _params(path: str, *names: str) -> Any:
     """The callable at ``path``; fails unless it takes parameters ``names``."""
     fn = _attr(path)
@@ -193,6 +212,15 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                "lightning_par.utils.memory.LiveStorageBytes and benchmarks/bench_tensor_parallel.py see every op with",
                ("TorchDispatchMode",),
                lambda: _attr("torch.utils._python_dispatch.TorchDispatchMode.__torch_dispatch__")),
+    # torch: optimizer hooks
+    PrivateAPI("torch", "torch.optim.{Optimizer._optimizer_step_post_hooks, optimizer._global_optimizer_post_hooks}",
+               "lightning_par.parallel.zero_replicated orders and counts the post-hooks of a ZeRO-1/2 step with",
+               ("step_post_hooks", "run_step_post_hook_first"), lambda: _step_post_hooks()),
+    # torch: fused copies
+    PrivateAPI("torch", "torch._foreach_copy_", "lightning_par.parallel.zero_buckets unpacks gathered parameters with",
+               ("foreach_copy",), lambda: _compat.foreach_copy([torch.zeros(2)], [torch.ones(2)])),
+    PrivateAPI("torch", "torch._chunk_cat", "lightning_par.parallel.zero_buckets packs gradients rank-major with",
+               ("chunk_cat",), lambda: _chunk_cat_layout()),
     # torch: distributed checkpoint
     PrivateAPI("torch", f"{_D}.checkpoint.state_dict._init_optim_state",
                "lightning_par.checkpoint.dcp creates optimizer state before loading into it with",

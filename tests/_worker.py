@@ -231,7 +231,51 @@ class DictTrunkLM(_TinyLM):
         return self.head(self.norm(h))
 
 
+class ProbeGPT(GPT):
+    """A GPT whose code reads weights where ZeRO-1/2's deferred all-gather may still be running
+    (tests/test_zero_prefetch.py): ``training_step`` reads the last block's weight before the forward, and a step
+    post-hook of its optimizer sums every weight after each step."""
+
+    def __init__(self, read_early: bool = False, post_hook: bool = False, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.read_early, self.post_hook = read_early, post_hook
+        self.early: list[float] = []
+        self.after_step: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        if self.read_early:
+            self.early.append(float(self.transformer.h[-1].mlp.c_fc.weight.double().sum()))
+        return super().training_step(batch, batch_idx)
+
+    def configure_optimizers(self) -> Any:
+        conf = super().configure_optimizers()  # {"optimizer": ..., "lr_scheduler": ...}
+        if self.post_hook:
+            conf["optimizer"].register_step_post_hook(lambda *_: self.after_step.append(_weight_sum(self)))
+        return conf
+
+
+def _weight_sum(module: torch.nn.Module) -> float:
+    return float(sum(p.detach().double().sum() for p in module.parameters()))
+
+
+class EMA(L.Callback):
+    """An exponential moving average of the weights, updated between the optimizer step and the next forward."""
+
+    def __init__(self) -> None:
+        self.avg: dict[str, torch.Tensor] = {}
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        for n, p in pl_module.named_parameters():
+            w = p.detach().float().cpu()
+            self.avg[n] = w.clone() if n not in self.avg else 0.5 * self.avg[n] + 0.5 * w
+
+
+_PROBE = {"vocab_size": 258, "block_size": 34, "n_layer": 3, "n_head": 4, "n_embd": 36, "lr": 3e-3}
 MODELS = {
+    # Uneven shards, a tied head: the deferred all-gather (tests/test_zero_prefetch.py).
+    "gpt_quiet": lambda: ProbeGPT(**_PROBE, tie_weights=True),
+    "gpt_read_early": lambda: ProbeGPT(read_early=True, **_PROBE, tie_weights=True),
+    "gpt_post_hook": lambda: ProbeGPT(post_hook=True, **_PROBE, tie_weights=True),
     "gpt": lambda: GPT(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=32, lr=3e-3),
     "llama": lambda: Llama(vocab_size=256, max_seq_len=32, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
                            ffn_hidden=64, lr=3e-3),
@@ -396,6 +440,19 @@ class Recorder(L.Callback):
         self.mem["optim"] = _local_bytes(
             v for opt in trainer.optimizers for s in opt.state.values() for k, v in s.items() if k != "step"
         )
+
+
+class _QuietRecorder(Recorder):
+    """A Recorder in no hook (``quiet`` jobs): it is not in the trainer's callbacks, only in the result's code."""
+
+
+def _prefetch_stats(strategy: Any) -> dict[str, Any] | None:
+    """ZeRO-1/2's deferred all-gather: how often it was deferred and where it was waited for, and the units."""
+    zero = getattr(getattr(strategy, "parallel_run", None), "zero", None)
+    prefetch = getattr(zero, "prefetch", None)
+    if prefetch is None:
+        return None
+    return {**prefetch.stats, "enabled": prefetch.enabled, "units": len(prefetch.units)}
 
 
 class RankSeed(L.Callback):
@@ -801,6 +858,11 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     ckpt_recorder = CheckpointRecorder(bool(job.get("record_step_params")))
     routing = RoutingRecorder()
     extra: list[L.Callback] = [ckpt_recorder, *([optim_recorder] if job.get("record_optim") else [])]
+    ema = EMA() if job.get("ema") else None
+    if job.get("quiet"):  # no callback of ours in the batch hooks: losses come from the logger
+        recorder, memory_logger, extra = _QuietRecorder(), MemoryLogger(), []
+    if ema is not None:
+        extra.append(ema)
     monitor = ParallelismMonitor(pictures_every_n_steps=1) if job.get("expert_load") else None
     if monitor is not None:
         extra.append(monitor)
@@ -839,7 +901,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         enable_checkpointing=bool(job.get("ckpt_dir")),
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[recorder, *_checkpoint_callbacks(job), *extra],
+        callbacks=[*([] if job.get("quiet") else [recorder]), *_checkpoint_callbacks(job), *extra],
         num_sanity_val_steps=job.get("num_sanity_val_steps", 0),
         limit_val_batches=job.get("limit_val_batches", 2),
         limit_test_batches=2,
@@ -887,7 +949,11 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         "mem_all": mem_all,
         "total_param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         "param_shapes": {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in model.named_parameters()},
-        "losses": recorder.losses,
+        "losses": recorder.losses or [m["train_loss"] for m in (memory_logger.metrics if memory_logger else [])
+                                      if "train_loss" in m],
+        "ema": ema.avg if ema is not None else None,
+        "probe": {"early": model.early, "after_step": model.after_step} if isinstance(model, ProbeGPT) else None,
+        "prefetch": _prefetch_stats(trainer.strategy),
         "compiled_blocks": sum(bool(getattr(m, "_lp_compiled", False)) for m in model.modules()),
         "batch_heads": recorder.batch_heads,
         "local_losses": recorder.local_losses,

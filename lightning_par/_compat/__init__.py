@@ -243,6 +243,33 @@ else:
     TorchDispatchMode = _resolve("torch.utils._python_dispatch", "TorchDispatchMode")
 
 
+# ---- torch: optimizer hooks -----------------------------------------------------------------------------------
+def step_post_hooks(optimizer: torch.optim.Optimizer) -> int:
+    """How many hooks run after ``optimizer.step()``: its own and the global ones."""
+    # Optimizer._optimizer_step_post_hooks and torch.optim.optimizer._global_optimizer_post_hooks, torch 2.13.0.
+    from torch.optim.optimizer import _global_optimizer_post_hooks
+
+    return len(optimizer._optimizer_step_post_hooks) + len(_global_optimizer_post_hooks)  # type: ignore[attr-defined]
+
+
+def run_step_post_hook_first(optimizer: torch.optim.Optimizer, handle: Any) -> None:
+    """Make the post-hook behind ``handle`` the first of ``optimizer``'s (an ordered dict keyed by handle id)."""
+    optimizer._optimizer_step_post_hooks.move_to_end(handle.id, last=False)  # type: ignore[attr-defined]
+
+
+# ---- torch: fused copies --------------------------------------------------------------------------------------
+def foreach_copy(dst: Sequence[Tensor], src: Sequence[Tensor]) -> None:
+    """``dst[i].copy_(src[i])`` for every i, in one call (torch._foreach_copy_, torch 2.13.0; what FSDP2 uses)."""
+    torch._foreach_copy_(list(dst), list(src))
+
+
+def chunk_cat(tensors: Sequence[Tensor], world: int, out: Tensor) -> None:
+    """Cut each tensor into ``world`` chunks along dim 0 (ceil rows each, zero-padded) and write chunk j of every
+    tensor, in order, to row j of ``out`` (``world`` x the padded sizes' sum): the rank-major layout in one op
+    (torch._chunk_cat, torch 2.13.0; FSDP2 packs its reduce-scatter input with it)."""
+    torch._chunk_cat(list(tensors), 0, world, out=out)
+
+
 # ---- torch: distributed checkpoint -------------------------------------------------------------------------------
 def init_optim_state(optimizer: torch.optim.Optimizer) -> None:
     """Create ``optimizer``'s state with one zero-gradient, zero-learning-rate step (DCP loads into it)."""

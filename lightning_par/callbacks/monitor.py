@@ -190,6 +190,9 @@ class ParallelismMonitor(Callback):
         last_pictures: The latest pictures (RGB arrays) by key, on global rank 0.
     """
 
+    # Reads parameter sizes, never values: ZeRO-1/2's all-gather after the step need not finish before its hooks.
+    lightning_par_reads_weights = False
+
     def __init__(
         self,
         log_every_n_steps: int | None = None,

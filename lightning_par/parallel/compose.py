@@ -179,9 +179,12 @@ def parallelize(
     if config.zero_stage != 3:
         state_mesh = mesh.dp_tp if config.tp > 1 else None
         # A schedule runs several backward passes per step, and its zero-bubble weight passes compute gradients
-        # outside autograd's accumulation hooks: stage 2 then reduces after each step's backward.
+        # outside autograd's accumulation hooks: stage 2 then reduces after each step's backward. The blocks are the
+        # units of the deferred all-gather after the step; not compiled ones: its first step's stale-read check is a
+        # TorchFunctionMode over the forward, which dynamo would trace (the whole model is then one unit).
         zero = ReplicatedZero(module, mesh.dp_2d, config.zero_stage, config.bucket_cap_mb, state_mesh=state_mesh,
-                              exclude=exclude, reduce_during_backward=cut is None)  # fmt: skip
+                              exclude=exclude, reduce_during_backward=cut is None,
+                              blocks=parts[0].block_modules if cut is None and not config.compile else ())  # fmt: skip
 
     # 7. The pipeline's own hooks last, outside every wrapping above (the recomputed region, FSDP2's pre-hooks); a
     #    tied weight's second copy is marked once ZeRO built its masters (and FSDP2 its sharded parameters).

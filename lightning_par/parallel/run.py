@@ -6,6 +6,7 @@ rule of its own. What a technique needs at run time is a hook here:
 | hook | who acts |
 |---|---|
 | `wrap_optimizer` | ZeRO 1-2 points the optimizer at this rank's shards; ZeRO-3 refuses one that cannot step DTensors |
+| `defer_param_gather`, `before_forward`, `wait_params` | ZeRO 1-2 gathers parameters during the next forward |
 | `before_backward` | ZeRO 0-2 learns whether the backward ends an accumulation (then it reduces during it) |
 | `after_backward` | ZeRO 0-2 reduces gradients (when: the engine's rule); experts reduce expert gradients |
 | `optimizer_owner`, `distribute_model` | ZeRO 1-2 and experts describe their shards as DTensors (checkpoints) |
@@ -18,6 +19,7 @@ No Lightning here.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import Any, Optional, cast
@@ -76,6 +78,26 @@ class ParallelRun:
             )
         line = self.zero.shard_optimizer(optimizer)
         return [line] if line else []
+
+    def defer_param_gather(self, on: bool) -> bool:
+        """Let ZeRO 1-2 start the parameter all-gather after each optimizer step and return at once, each trunk
+        block waiting for its weights when its forward starts (`lightning_par.parallel.zero_prefetch`).
+
+        The caller then owes the contract: `before_forward` at every training step's start, and `wait_params`
+        before anything else reads the weights. Returns whether the deferral is on (ZeRO 1-2 over dp_shard > 1,
+        one optimizer stepping row slices, no pipeline: a schedule calls the stages itself).
+        """
+        return self.zero is not None and self.pipeline is None and self.zero.defer_gather(on)
+
+    def before_forward(self) -> Any:
+        """At a training step's start: the weights outside the trunk blocks are complete on return. Returns the
+        context manager to run the step's forward in."""
+        return self.zero.before_forward() if self.zero is not None else contextlib.nullcontext()
+
+    def wait_params(self) -> None:
+        """Complete a deferred parameter all-gather (before anything outside the forward reads the weights)."""
+        if self.zero is not None:
+            self.zero.wait_params()
 
     def before_backward(self, accumulating: bool) -> None:
         """Tell the ZeRO 0-2 engine whether the coming backward ends an accumulation (it then reduces each bucket

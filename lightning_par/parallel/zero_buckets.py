@@ -6,13 +6,15 @@ each rank its shard; and the local views of tensor-parallel (DTensor) parameters
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from typing import Optional
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
+
+from lightning_par import _compat
 
 
 def local_data(p: torch.Tensor) -> torch.Tensor:
@@ -81,7 +83,13 @@ class Bucket:
 
     def pack(self, tensors: Iterable[Optional[torch.Tensor]], world: int, dtype: torch.dtype) -> torch.Tensor:
         """Lay out full tensors rank-major: [rank 0's shards | rank 1's shards | ...]."""
-        buf = torch.zeros(world, self.shard_numel, dtype=dtype, device=self.data[0].device)
+        tensors = list(tensors)
+        device = self.data[0].device
+        if all(t is not None and t.dtype == dtype for t in tensors):
+            buf = torch.empty(world, self.shard_numel, dtype=dtype, device=device)
+            _compat.chunk_cat(tensors, world, buf)  # type: ignore[arg-type]  # one op, padding included
+            return buf
+        buf = torch.zeros(world, self.shard_numel, dtype=dtype, device=device)
         for t, off, chunk in zip(tensors, self.offsets, self.chunks):
             if t is None or chunk == 0:
                 continue  # an unused parameter contributes a zero gradient
@@ -97,5 +105,30 @@ class Bucket:
 
     def unpack(self, recv: torch.Tensor) -> None:
         """Copy the all-gathered ``(world, shard_numel)`` shards back into the full parameters."""
+        world = recv.shape[0]
+        dst, src = [], []
         for d, off, chunk in zip(self.data, self.offsets, self.chunks):
-            d.view(-1).copy_(recv[:, off : off + chunk].reshape(-1)[: d.numel()])
+            if d.numel() == world * chunk:  # unpadded: a (world, chunk) view of the parameter, fused below
+                dst.append(d.view(world, chunk))
+                src.append(recv[:, off : off + chunk])
+            else:
+                d.view(-1).copy_(recv[:, off : off + chunk].reshape(-1)[: d.numel()])
+        if dst:
+            _compat.foreach_copy(dst, src)
+
+
+@torch.no_grad()
+def gather_buckets(buckets: Sequence[Any], masters: dict[nn.Parameter, nn.Parameter], world: int,
+                   group: dist.ProcessGroup, gather: Callable[..., Any]) -> None:  # fmt: skip
+    """All-gather every bucket's shards from this rank's masters (all started, then all waited for) and copy them
+    back into the full parameters. ``gather``: the flat all-gather (``all_gather_single``)."""
+    inflight = []
+    for bucket in buckets:  # a `Bucket`, or `zero_whole`'s WholeBucket (``mine``: the parameters this rank owns)
+        dtype = bucket.params[0].dtype
+        send = torch.zeros(bucket.shard_numel, dtype=dtype, device=bucket.data[0].device)
+        _compat.foreach_copy(bucket.shard_views(send), [masters[p] for p in bucket.mine])
+        recv = torch.empty(world, bucket.shard_numel, dtype=dtype, device=send.device)
+        inflight.append((gather(recv.view(-1), send, group=group, async_op=True), bucket, recv))
+    for work, bucket, recv in inflight:
+        work.wait()
+        bucket.unpack(recv)

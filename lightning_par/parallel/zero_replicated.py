@@ -9,7 +9,8 @@ the same buckets and collectives.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from contextlib import nullcontext
 from typing import Any, Optional
 
 import torch
@@ -23,7 +24,16 @@ from lightning_par.parallel import zero_whole
 from lightning_par.parallel.grad_norm import mark_sharded
 from lightning_par.parallel.optimizers import check_per_parameter, is_elementwise
 from lightning_par.parallel.param_tree import parameter_tree
-from lightning_par.parallel.zero_buckets import Bucket, local_data, local_grad, set_grad, settle_grad, tp_groups
+from lightning_par.parallel.zero_buckets import (
+    Bucket,
+    gather_buckets,
+    local_data,
+    local_grad,
+    set_grad,
+    settle_grad,
+    tp_groups,
+)  # fmt: skip
+from lightning_par.parallel.zero_prefetch import ParamPrefetch
 
 # Module attributes, not calls of _compat's: lightning_par.utils.comm_counter patches these two to count bytes.
 _reduce_scatter = _compat.reduce_scatter_single
@@ -53,6 +63,8 @@ class ReplicatedZero:
             ready (autograd's accumulation hooks). ``False`` reduces after every backward instead: under a pipeline
             schedule, which runs several backward passes per step and whose zero-bubble weight passes compute
             gradients outside those hooks (docs/pipeline.md).
+        blocks: the trunk blocks in execution order: the units in which stages 1-2 can overlap the parameter
+            all-gather after the step with the next forward (`defer_gather`, `lightning_par.parallel.zero_prefetch`).
     """
 
     def __init__(
@@ -64,6 +76,7 @@ class ReplicatedZero:
         state_mesh: Optional[DeviceMesh] = None,
         exclude: Iterable[nn.Parameter] = (),
         reduce_during_backward: bool = True,
+        blocks: Sequence[nn.Module] = (),
     ) -> None:
         if stage not in (0, 1, 2):
             raise ValueError(f"ReplicatedZero handles stages 0-2, got {stage}; stage 3 is `apply_fsdp`")
@@ -105,6 +118,9 @@ class ReplicatedZero:
                     self.masters[p] = master
                     self._full_of[self.names[p]] = p
         self._pending: list[tuple[Any, Bucket, torch.Tensor]] = []
+        self._blocks = list(blocks)
+        self.prefetch: Optional[ParamPrefetch] = None  # built by `defer_gather(True)`
+        self._armed = False  # a training step started: its optimizer step may defer the gather
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         # Whether the running backward ends an accumulation (the step follows): stages 0 and 1 then reduce each
         # bucket as soon as its gradients are final, overlapping the rest of that backward. None: not told (a loop
@@ -157,9 +173,44 @@ class ReplicatedZero:
             # Whole-parameter layout: the parameters other ranks own leave this rank's optimizer.
             kept = [p for p in group["params"] if p in self.masters or p not in self.names]
             group["params"] = [self.masters.get(p, p) for p in kept]
-        optimizer.register_step_post_hook(lambda *_: self.gather_params())
+        # First of the optimizer's post-hooks: the others (the user's) must see the gathered weights.
+        _compat.run_step_post_hook_first(optimizer, optimizer.register_step_post_hook(self._after_step))
         self._wrapped += 1
         return line
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        # Deferred only for the step of a training step (not one made elsewhere, as when a checkpoint load creates
+        # optimizer state and then writes the weights), and only when no other post-hook (the user's, a global one)
+        # runs right after this one and may read the weights.
+        armed, self._armed = self._armed, False
+        self.gather_params(defer=armed and _compat.step_post_hooks(optimizer) == 1)
+
+    def defer_gather(self, on: bool) -> bool:
+        """Let `gather_params` start the all-gather after the step and return, each block waiting for its weights
+        in a forward pre-hook (`zero_prefetch`); the caller then promises to call `wait_params` (or
+        `before_forward`) before any other read of the weights. Returns whether it is on: only stages 1-2 over more
+        than one rank, with one optimizer stepping row slices."""
+        on = on and self.stage >= 1 and self.world > 1 and not self.whole and self._wrapped <= 1
+        if on and self.prefetch is None:
+            self.prefetch = ParamPrefetch(list(self.names), self.masters, self._blocks, self.shard_group, self.world,
+                                          self.rank)  # fmt: skip
+        if self.prefetch is not None:
+            self.prefetch.wait_all()
+            self.prefetch.enabled = on
+        return on
+
+    def wait_params(self) -> None:
+        """Complete a deferred parameter all-gather: afterwards every rank holds the full updated weights."""
+        if self.prefetch is not None:
+            self.prefetch.wait_all()
+
+    def before_forward(self) -> Any:
+        """At the start of a training step: wait for the weights outside the trunk blocks (the blocks wait in
+        their pre-hooks). Returns the context to run the step in."""
+        if self.prefetch is None:
+            return nullcontext()
+        self._armed = True
+        return self.prefetch.wait_first()
 
     def _use_whole_params(self, optimizer: torch.optim.Optimizer) -> Optional[str]:
         """Switch to whole parameters owned by one rank each (`zero_whole`), before any optimizer uses the rows."""
@@ -176,6 +227,9 @@ class ReplicatedZero:
         self.masters = zero_whole.whole_masters(self.buckets, self.masters, self.shard_group)
         self._full_of = {self.names[p]: p for p in self.masters}
         self._masters_root, self._state_specs = None, {}
+        if self.prefetch is not None:  # whole parameters are gathered by their owners' broadcasts, at once
+            self.prefetch.wait_all()
+            self.prefetch = None
         if self._hooks:
             self._bucket_of = {p: b for b in self.buckets for p in b.params}
         self.whole = True
@@ -245,6 +299,7 @@ class ReplicatedZero:
     def before_backward(self, accumulating: bool) -> None:
         """Say whether the coming backward pass is followed by more before the optimizer step (stages 0 and 1
         reduce during the one that is not)."""
+        self.wait_params()  # a unit no forward waited for (its parameters unused) completes before gradients exist
         self._final = not accumulating
 
     def after_backward(self, accumulating: bool) -> None:
@@ -294,10 +349,9 @@ class ReplicatedZero:
             for p in bucket.params:
                 settle_grad(p)
             return
-        grads = [local_grad(p) for p in bucket.params]
-        if all(g is None for g in grads):
+        flat = _flat_grads(bucket)
+        if flat is None:
             return
-        flat = torch.cat([(torch.zeros_like(d) if g is None else g).reshape(-1) for g, d in zip(grads, bucket.data)])
         dist.all_reduce(flat, group=self.shard_group)
         if self.mesh.size(0) > 1:
             dist.all_reduce(flat, group=self.replicate_group)
@@ -310,10 +364,9 @@ class ReplicatedZero:
     def _launch_all_reduce(self, bucket: Bucket) -> None:
         """Stage 0: pack the bucket's gradients into one flat tensor and start its all-reduce without waiting."""
         bucket.ready, bucket.launched = 0, True
-        grads = [local_grad(p) for p in bucket.params]
-        if all(g is None for g in grads):
+        flat = _flat_grads(bucket)
+        if flat is None:
             return
-        flat = torch.cat([(torch.zeros_like(d) if g is None else g).reshape(-1) for g, d in zip(grads, bucket.data)])
         work = dist.all_reduce(flat, group=self.shard_group, async_op=True)
         self._pending.append((work, bucket, flat))
 
@@ -351,16 +404,23 @@ class ReplicatedZero:
 
     # ---- parameters ------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def gather_params(self) -> None:
-        """All-gather the updated shards so every rank holds the full parameters again."""
-        inflight = []
-        for bucket in self.buckets:
-            dtype = bucket.params[0].dtype
-            send = torch.zeros(bucket.shard_numel, dtype=dtype, device=bucket.data[0].device)
-            for view, p in zip(bucket.shard_views(send), bucket.mine):
-                view.copy_(self.masters[p])
-            recv = torch.empty(self.world, bucket.shard_numel, dtype=dtype, device=send.device)
-            inflight.append((_all_gather(recv.view(-1), send, group=self.shard_group, async_op=True), bucket, recv))
-        for work, bucket, recv in inflight:
-            work.wait()
-            bucket.unpack(recv)
+    def gather_params(self, defer: bool = False) -> None:
+        """All-gather the updated shards so every rank holds the full parameters again.
+
+        Args:
+            defer: when `defer_gather` is on, start the gather and return; the next forward waits for it.
+        """
+        if self.prefetch is not None and self.prefetch.enabled:
+            if defer:
+                self.prefetch.launch(_all_gather)
+                return
+            self.prefetch.wait_all()
+        gather_buckets(self.buckets, self.masters, self.world, self.shard_group, _all_gather)
+
+
+def _flat_grads(bucket: Bucket) -> Optional[torch.Tensor]:
+    """Stage 0: the bucket's gradients in one flat tensor (zeros for an unused parameter), or ``None`` if all unused."""
+    grads = [local_grad(p) for p in bucket.params]
+    if all(g is None for g in grads):
+        return None
+    return torch.cat([(torch.zeros_like(d) if g is None else g).reshape(-1) for g, d in zip(grads, bucket.data)])

@@ -36,6 +36,7 @@ from lightning_par.plans.moe import MoELayer
 from lightning_par.precision.parallel import ParallelPrecision
 from lightning_par.strategies._checkpointing import ShardedCheckpoints, Where, optimizer_entries
 from lightning_par.strategies._compiled import take_compiled
+from lightning_par.strategies._param_window import ParamsReady
 from lightning_par.strategies._pipeline import PipelineSteps
 from lightning_par.strategies._processes import ProcessGroupStrategy
 
@@ -220,6 +221,7 @@ class ParallelStrategy(ProcessGroupStrategy):
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            ParamsReady.install(trainer, module, self._run)  # ZeRO 1-2: the all-gather overlaps the next forward
         self.setup_precision_plugin()
 
     @override
@@ -265,7 +267,8 @@ class ParallelStrategy(ProcessGroupStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is None:
-            return super().training_step(*args, **kwargs)
+            with self._run.before_forward() if self._run is not None else nullcontext():
+                return super().training_step(*args, **kwargs)
         assert self.lightning_module is not None
         with self.precision_plugin.train_step_context():
             return self._pipeline.training_step(self.lightning_module, self.precision_plugin, *args, **kwargs)
@@ -328,6 +331,7 @@ class ParallelStrategy(ProcessGroupStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.lightning_module is not None
+        self.wait_for_params()
         return model_state(self.lightning_module, self._run.distribute_model() if self._run else None)
 
     @override
@@ -341,6 +345,7 @@ class ParallelStrategy(ProcessGroupStrategy):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} saves sharded folders itself; drop storage_options")
         assert self.lightning_module is not None
+        self.wait_for_params()
         self._checkpoints.save(checkpoint, Path(filepath), self._where(), self.lightning_module,
                                self._optimizer_entries())  # fmt: skip
 
@@ -365,6 +370,12 @@ class ParallelStrategy(ProcessGroupStrategy):
     def checkpoint_in_flight(self) -> Optional[Path]:
         """The checkpoint being written in the background (``async_save=True``) on this rank, or ``None``."""
         return self._checkpoints.in_flight
+
+    def wait_for_params(self) -> None:
+        """Complete the parameter all-gather that ZeRO 1-2 run after each optimizer step, overlapped with the next
+        forward: call it before reading weights outside Lightning's hooks and the forward (docs/strategies.md)."""
+        if self._run is not None:
+            self._run.wait_params()
 
     def wait_for_staging(self) -> None:
         """Wait until the checkpoint being saved in the background has copied the parameters and optimizer state.
