@@ -20,23 +20,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from lightning_par import _compat
-from lightning_par.parallel import zero_whole
+from lightning_par.parallel import collectives, zero_buckets, zero_whole
 from lightning_par.parallel.grad_norm import mark_sharded
 from lightning_par.parallel.optimizers import check_per_parameter, is_elementwise
 from lightning_par.parallel.param_tree import parameter_tree
-from lightning_par.parallel.zero_buckets import (
-    Bucket,
-    gather_buckets,
-    local_data,
-    local_grad,
-    set_grad,
-    settle_grad,
-    tp_groups,
-)  # fmt: skip
+from lightning_par.parallel.zero_buckets import Bucket, local_data, local_grad, set_grad, settle_grad, tp_groups
 from lightning_par.parallel.zero_prefetch import ParamPrefetch
 
 # Module attributes, not calls of _compat's: lightning_par.utils.comm_counter patches these two to count bytes.
-_reduce_scatter = _compat.reduce_scatter_single
+_reduce_scatter = collectives.reduce_scatter_single  # torch's, or an all-to-all on gloo
 _all_gather = _compat.all_gather_single
 
 # DDP's choice: a small first bucket so the first reduction starts early in backward and overlaps the rest.
@@ -415,7 +407,7 @@ class ReplicatedZero:
                 self.prefetch.launch(_all_gather)
                 return
             self.prefetch.wait_all()
-        gather_buckets(self.buckets, self.masters, self.world, self.shard_group, _all_gather)
+        zero_buckets.gather_buckets(self.buckets, self.masters, self.world, self.shard_group, _all_gather)
 
 
 def _flat_grads(bucket: Bucket) -> Optional[torch.Tensor]:
