@@ -10,7 +10,7 @@ microbatch with the model cut down to what the stage owns:
   to the schedule; only the last stage runs on to the head and the loss, as the user wrote them;
 - modules that run before the trunk (embeddings) are owned by the first stage, those that run after it (final
   norm, head) by the last (`pipeline_owners.find_ownership` probes the forward to tell); elsewhere a meta-device
-  copy stands in (`pipeline_owners.shadow`): before the trunk it returns zeros of the right shape (the value is
+  copy stands in (`pipeline_shadow.shadow`): before the trunk it returns zeros of the right shape (the value is
   discarded by the swap), so side inputs computed before the trunk (rotary tables, masks) are recomputed locally
   instead of sent;
 - a parameter used on both sides (a tied embedding and head) lives on both end stages
@@ -32,7 +32,8 @@ import torch
 from torch import Tensor, nn
 
 from lightning_par import _compat
-from lightning_par.parallel.pipeline_owners import Ownership, PipelineError, find_ownership, shadow
+from lightning_par.parallel.pipeline_owners import Ownership, PipelineError, find_ownership
+from lightning_par.parallel.pipeline_shadow import shadow
 from lightning_par.parallel.pipeline_sides import SideCarrier
 from lightning_par.plans.trunk import Trunk
 

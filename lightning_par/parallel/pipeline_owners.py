@@ -1,5 +1,4 @@
-"""Which pipeline stage owns each module outside the trunk (decided by what runs before and after the trunk), and
-what stands in for it on the stages that do not own it.
+"""Which pipeline stage owns each module outside the trunk (decided by what runs before and after the trunk).
 
 Registration order is no guide (litgpt's ``GPT`` registers ``lm_head`` before ``transformer``, which holds the
 embedding, the blocks and the final norm), so `find_ownership` runs the model's forward once on a tiny input and
@@ -11,10 +10,8 @@ stay in checkpoints). A parameter held by a unit of each side is *tied*: `lightn
 keeps a copy on each end stage and sums their gradients. Where the probe cannot run (a forward that wants more than
 token ids, with no ``example_input_array``), registration order decides, as it always did.
 
-On a stage that does not own a unit, `shadow` puts a meta-device copy of the unit's whole subtree in its place:
-the user's code still reads its attributes, configs, dtypes and shapes (Hugging Face ``ViTModel.forward`` reads
-``self.embeddings.patch_embeddings.projection.weight.dtype``), but its tensors have no storage and are not
-registered, so optimizers, checkpoints and ZeRO never see them.
+On a stage that does not own a unit, `pipeline_shadow.shadow` puts a meta-device copy of the unit's whole subtree
+in its place.
 
 The probe does not depend on the parameters' values, only on the order of calls; it runs without gradients, in
 eval mode (no dropout) and with the RNG state restored.
@@ -22,9 +19,7 @@ eval mode (no dropout) and with the RNG state restored.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import itertools
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -362,59 +357,3 @@ def _tied(module: nn.Module, pre: Units, post: Units) -> list[tuple[str, ...]]:
         if id(p) in pre_ids and id(p) in post_ids:
             names.setdefault(id(p), []).append(name)
     return [tuple(n) for n in names.values()]
-
-
-def meta_copy(original: nn.Module) -> nn.Module:
-    """A copy of ``original``'s subtree (forward hooks included) whose tensors are on the meta device and held as
-    plain attributes: readable, but out of ``parameters()``, ``state_dict()`` and ``.to()``."""
-    memo: dict[int, Any] = {}
-    for t in itertools.chain(original.parameters(), original.buffers()):
-        meta = torch.empty_like(t, device="meta")
-        memo[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
-    copied = copy.deepcopy(original, memo)
-    for m in copied.modules():
-        # Out of the registries (parameters(), state_dict(), .to()), still attributes: plain instance attributes.
-        tensors = [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]
-        for tname, t in tensors:
-            delattr(m, tname)
-            object.__setattr__(m, tname, t)
-    return copied
-
-
-def shadow(
-    original: nn.Module, name: str, *, before: bool, device: torch.device, why: str, in_trunk: Callable[[], bool]
-) -> nn.Module:
-    """A stand-in for the unit ``original`` on a stage that does not own it: a meta-device copy of its subtree.
-
-    Its parameters and buffers stay readable as attributes (meta tensors, no storage) but are unregistered, so the
-    rank's model holds none of them. Called, a unit of the first stage (``before``) runs on the meta device and
-    returns zeros of the output's shape and dtype on ``device`` (the stage's first block replaces the hidden state
-    with the received activation, so only the shapes of what the user's code computes from it matter); a unit of
-    the last stage raises: it cannot run where its weights are not.
-
-    Args:
-        original: the unit.
-        name: its qualified name (for errors).
-        before: it belongs to the first stage (else to the last).
-        device: this rank's device.
-        why: how its stage was chosen (for errors): `Ownership.why`.
-        in_trunk: whether the trunk has started in the current run of the user's code.
-    """
-    copied = meta_copy(original)
-    forward = copied.forward
-
-    def run(*args: Any, **kwargs: Any) -> Any:
-        if not before or in_trunk():
-            now = "after" if in_trunk() else "before"
-            raise PipelineError(
-                f"{name} belongs to the {'first' if before else 'last'} pipeline stage ({why}) but ran {now} the "
-                "trunk here, on a stage that does not hold its weights; give the "
-                "LightningModule an example_input_array of a real input, so that the probe sees the real call order"
-            )
-        meta_args, meta_kwargs = _compat.tree_map_only(Tensor, lambda t: t.to("meta"), (args, kwargs))
-        out = forward(*meta_args, **meta_kwargs)
-        return _compat.tree_map_only(Tensor, lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device), out)
-
-    object.__setattr__(copied, "forward", run)
-    object.__setattr__(copied, "_lp_shadow_of", name)
-    return copied
