@@ -1,7 +1,7 @@
 """Expert parallelism: all-to-all bytes per MoE layer per step, expert parameter bytes per rank, and step time of
 ``moe`` (ep = 2) against plain data parallelism (``zero0`` on the same MoE-GPT: every rank holds every expert).
 
-Launch:
+Launch (2 ranks on 2 CPU cores; ~40 s at 1-min load < 2, ~30 s with --quick):
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 benchmarks/bench_moe.py [--quick]
 
@@ -14,7 +14,15 @@ combine in forward and their transposes in backward, each moving the same rows. 
 - the exact prediction from the routing the layer recorded (kept assignments whose expert lives on another rank,
   times the row bytes): measured/predicted must be 1.
 
-Step time: median ms per optimizer step after warm-up, runs interleaved over rounds, reported as a ratio.
+Host syncs: on the measured step, the points in each MoE layer's forward where a CUDA run would wait for the device
+(``.tolist()``, ``.item()``, ops whose output size depends on the values: ``nonzero``, ``bincount``,
+``repeat_interleave`` without ``output_size``; `_Syncs`, as tests/test_moe_syncs.py counts them), per layer, for
+``moe`` and for ``zero0``. The backward adds none.
+
+Step time: median ms per optimizer step after warm-up, runs interleaved over rounds (ABBA), reported as a ratio:
+``moe`` (ep = 2, E/2 experts per rank) against ``zero0`` (every rank holds all E experts) at equal FLOPs (same
+model, same global batch: each rank computes k assignments per token of its batch either way); the difference is
+the exchange (four row all-to-alls and one count all-to-all per layer) and its host sync.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ import lightning as L  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import lightning_par  # noqa: E402
+from lightning_par import _compat  # noqa: E402
 from lightning_par.data import ByteTextDataModule  # noqa: E402
 from lightning_par.models import MoEGPT  # noqa: E402
 from lightning_par.utils import clean_exit  # noqa: E402
@@ -73,6 +82,37 @@ class _Counter:
         dist.all_to_all_single = self._orig
 
 
+class _Syncs(_compat.TorchDispatchMode):  # type: ignore[misc]
+    """Counts the host syncs of a CUDA run (module docstring) while entered; ``tolist`` is patched while counting."""
+
+    ALWAYS = ("_local_scalar_dense", "nonzero", "bincount", "masked_select", "_unique2", "unique_consecutive")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+        self._tolist = torch.Tensor.tolist
+
+    def __enter__(self) -> _Syncs:
+        def counted(t: torch.Tensor) -> Any:
+            self.count += 1
+            return self._tolist(t)
+
+        torch.Tensor.tolist = counted  # type: ignore[method-assign]
+        return super().__enter__()  # type: ignore[no-any-return]
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.Tensor.tolist = self._tolist  # type: ignore[method-assign]
+        super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        sized = name == "repeat_interleave" and kwargs.get("output_size") is None
+        masked = name == "index" and any(i is not None and i.dtype == torch.bool for i in args[1])
+        self.count += name in self.ALWAYS or sized or masked
+        return func(*args, **kwargs)
+
+
 class _Probe(L.Callback):
     """Step times, and on the measured step the counted bytes and the routing-predicted bytes."""
 
@@ -80,16 +120,39 @@ class _Probe(L.Callback):
         self.counter, self.measure_step = counter, measure_step
         self.times: list[float] = []
         self.bytes: dict[str, Any] = {}
+        self.syncs: list[int] = []  # per MoE layer, on the measured step
+        self._handles: list[Any] = []
         self._t = 0.0
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if self.counter is not None:
             self.counter.on = batch_idx == self.measure_step
             self.counter.calls.clear()
+        if batch_idx == self.measure_step:
+            self._count_syncs(pl_module._moe_layers())
         self._t = time.perf_counter()
+
+    def _count_syncs(self, layers: list[Any]) -> None:
+        """Count each layer's syncs in its forward of this step (hooks enter and leave a fresh `_Syncs`)."""
+        self.syncs = [0] * len(layers)
+        self._handles = []
+        for i, layer in enumerate(layers):
+            mode = _Syncs()
+
+            def enter(m: Any, a: Any, mode: _Syncs = mode) -> None:
+                mode.__enter__()
+
+            def leave(m: Any, a: Any, out: Any, i: int = i, mode: _Syncs = mode) -> None:
+                mode.__exit__(None, None, None)
+                self.syncs[i] = mode.count
+
+            self._handles += [layer.register_forward_pre_hook(enter), layer.register_forward_hook(leave)]
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.times.append(time.perf_counter() - self._t)
+        if batch_idx == self.measure_step:
+            for h in self._handles:
+                h.remove()
         if self.counter is None or batch_idx != self.measure_step:
             return
         self.counter.on = False
@@ -150,7 +213,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    steps, rounds, warm = (4, 1, 1) if args.quick else (12, 3, 2)
+    steps, rounds, warm = (4, 2, 1) if args.quick else (12, 6, 2)
     out: list[str] = []
     with _Counter() as counter:
         for cf in (None, 1.0):
@@ -174,9 +237,14 @@ def main() -> None:
         f"expert param bytes per rank: moe {expert_ep / 2**20:.3f} MiB, full {expert_full / 2**20:.3f} MiB, "
         f"ratio {expert_ep / expert_full:.4f} (E/ep / E = {1 / dist.get_world_size():.4f})"
     )
+    syncs = {
+        name: _run(strategy, 2, None, None).syncs for name, strategy in (("moe", "moe"), ("zero0", {"zero_stage": 0}))
+    }
+    out.append(f"host syncs per MoE layer forward (dropless): moe {syncs['moe']}, zero0 {syncs['zero0']}")
     medians: dict[str, list[float]] = {"moe": [], "zero0": []}
-    for _ in range(rounds):
-        for name, strategy in (("moe", "moe"), ("zero0", {"zero_stage": 0})):
+    pairs = [("moe", "moe"), ("zero0", {"zero_stage": 0})]
+    for r in range(rounds):
+        for name, strategy in pairs if r % 2 == 0 else pairs[::-1]:  # ABBA: drift hits both alike
             times = _run(strategy, steps, None, None).times[warm:]
             medians[name].append(statistics.median(times) * 1e3)
     ratios = [m / z for m, z in zip(medians["moe"], medians["zero0"])]

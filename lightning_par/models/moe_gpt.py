@@ -114,12 +114,13 @@ class MoEGPT(GPT):
         return loss
 
     def _log_routing(self) -> None:
-        # Counts are already summed over every data-parallel rank by the layer, so no sync is needed.
+        # Counts are already summed over every data-parallel rank by the layer, so no sync is needed; logged as
+        # tensors, not floats, so that no step waits to copy them to the host (the logger reads them when it writes).
         dropped = []
         for i, moe in enumerate(self._moe_layers()):
             counts = moe.stats["tokens_per_expert"]
-            for e, c in enumerate(counts.tolist()):
-                self.log(f"moe/layer{i}/tokens_expert{e}", c)
+            for e in range(len(counts)):
+                self.log(f"moe/layer{i}/tokens_expert{e}", counts[e])
             dropped.append(moe.stats["dropped_fraction"])
         self.log("moe/dropped_fraction", torch.stack(dropped).mean())
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -77,12 +77,13 @@ class Experts(nn.Module):
                 bound = 1.0 / math.sqrt(w.shape[1])
                 nn.init.uniform_(w, -bound, bound)
 
-    def forward(self, x: Tensor, counts: Tensor) -> Tensor:
+    def forward(self, x: Tensor, counts: Union[Tensor, list[int]]) -> Tensor:
         """Run expert ``e`` on its rows of ``x``.
 
         Args:
             x: ``[M, d]`` rows grouped by expert: the first ``counts[0]`` rows go to expert 0, and so on.
-            counts: ``[n_experts]`` rows per expert.
+            counts: ``[n_experts]`` rows per expert: a tensor (read to the host here: one device sync), or a list
+                when the caller already holds them on the host (expert parallelism's dispatch).
 
         Returns:
             ``[M, d]`` outputs in the same order.
@@ -94,7 +95,7 @@ class Experts(nn.Module):
         w3 = self.w3.to(x.dtype) if self.w3 is not None else None
         outs = []
         # A loop of dense matmuls: E is small, and an empty expert costs nothing. (A grouped GEMM would fuse it.)
-        for e, rows in enumerate(x.split(counts.tolist())):
+        for e, rows in enumerate(x.split(counts if isinstance(counts, list) else counts.tolist())):
             h = act(rows @ w1[e])
             if w3 is not None:
                 h = h * (rows @ w3[e])
@@ -224,7 +225,7 @@ class MoE(nn.Module):
     def _sample_means(self, rows: Tensor) -> Tensor:
         """Column means of ``rows`` over this rank's tokens, or over the sample group's (autograd included);
         zeros with a gradient path when there are no tokens."""
-        total = torch.cat([rows.sum(0), rows.new_tensor([rows.shape[0]])])
+        total = torch.cat([rows.sum(0), rows.new_full((1,), rows.shape[0])])  # new_full: no host->device copy
         if self.sample_group is not None and dist.get_world_size(self.sample_group) > 1:
             total = _SumOver.apply(total, self.sample_group)
         return total[:-1] / total[-1].detach().clamp(min=1)
@@ -260,38 +261,53 @@ class MoE(nn.Module):
         priority = probs.gather(1, chosen)
         gates = priority / priority.sum(-1, keepdim=True) if self.normalize_gates else priority
 
-        # Batch-wide statistics: token counts (and N) summed over the token group, before capacity.
-        counts = torch.bincount(chosen.reshape(-1), minlength=self.n_experts).to(probs.dtype)
-        totals = self._all_reduce(torch.cat([counts, counts.new_tensor([n])]))
-        counts_global, n_global = totals[:-1], int(totals[-1].item())
-        frac = counts_global / max(n_global * self.top_k, 1)
+        # Batch-wide statistics: token counts (and N) summed over the token group, before capacity. N stays on the
+        # device: only capacity needs it on the host (one sync per layer; dropless routing has none here).
+        counts = expert_counts(chosen.reshape(-1), self.n_experts).to(probs.dtype)
+        totals = self._all_reduce(torch.cat([counts, counts.new_full((1,), n)]))
+        counts_global, assignments = totals[:-1], (totals[-1:] * self.top_k).clamp(min=1)
+        frac = counts_global / assignments
         means = self._sample_means(torch.cat([probs, logits.logsumexp(-1, keepdim=True).pow(2)], 1))
         self.aux_loss = self.n_experts * (frac * means[:-1]).sum()
         self.z_loss = means[-1]
 
         if self.capacity_factor is None:
             keep = torch.ones_like(chosen, dtype=torch.bool)
+            kept = totals[-1:] * self.top_k  # every assignment: the batch-wide count needs no all-reduce of its own
         else:
-            keep = self._keep_mask(priority.detach(), chosen, n_global)
-        kept = self._all_reduce(keep.sum().to(probs.dtype).reshape(1))
+            keep = self._keep_mask(priority.detach(), chosen, int(totals[-1].item()))
+            kept = self._all_reduce(keep.sum().to(probs.dtype).reshape(1))
         self.stats = {
             "tokens_per_expert": counts_global.detach(),
-            "dropped_fraction": (1.0 - kept / max(n_global * self.top_k, 1)).squeeze(0).detach(),
+            "dropped_fraction": (1.0 - kept / assignments).squeeze(0).detach(),
             "expert_index": chosen.detach(),  # [N, k] this rank's tokens' experts
             "kept": keep,  # [N, k] which of those assignments were within capacity
         }
 
         # Dispatch: the kept assignments grouped by expert (stable, so each expert sees tokens in batch order).
-        flat = keep.reshape(-1).nonzero().squeeze(1)
-        expert_of = chosen.reshape(-1)[flat]
+        # Dropless keeps every assignment: no nonzero (a device sync: its output size depends on the data).
+        flat = keep.reshape(-1).nonzero().squeeze(1) if self.capacity_factor is not None else None
+        expert_of = chosen.reshape(-1) if flat is None else chosen.reshape(-1)[flat]
         order = expert_of.argsort(stable=True)
-        assign = flat[order]
+        assign = order if flat is None else flat[order]
         token = assign // self.top_k
-        out = self.experts(x[token], torch.bincount(expert_of, minlength=self.n_experts))
+        out = self.experts(x[token], expert_counts(expert_of, self.n_experts))
         # Combine on the tokens' own rank: gates multiply here, so the router's gradient never crosses ranks.
         weighted = out * gates.reshape(-1)[assign].unsqueeze(1).to(out.dtype)
         y = torch.zeros_like(x).index_add_(0, token, weighted.to(x.dtype))
         return y.reshape(shape)
+
+
+def expert_counts(index: Tensor, n: int) -> Tensor:
+    """``torch.bincount(index, minlength=n)`` for indices below ``n``, without bincount's device sync on CUDA (it
+    reads the largest index to size its output).
+
+    Args:
+        index: integer expert indices, any shape (flattened).
+        n: the number of experts.
+    """
+    index = index.reshape(-1).to(torch.int64)
+    return torch.zeros(n, dtype=torch.int64, device=index.device).scatter_add_(0, index, torch.ones_like(index))
 
 
 def moe_loss(model: nn.Module) -> Tensor:

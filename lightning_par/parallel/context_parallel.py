@@ -117,6 +117,21 @@ class ContextParallel:
         full = _Gather.apply(x, dim, self.group, max(lay.sizes), self.rank, self.cp, reduce)
         return full.index_select(dim, lay.order)
 
+    def gather_kv(self, k: Tensor, v: Tensor, lay: Layout) -> tuple[Tensor, Tensor]:
+        """Keys and values of the whole sequence (dim -2), in order: one all-gather for both (and one all-reduce of
+        their gradients) when their shapes agree, as they do unless value heads are narrower (latent attention).
+        A collective costs ~0.3 ms of latency on 2 CPU ranks over gloo, far more than stacking two local chunks.
+
+        Args:
+            k, v: this rank's keys and values, ``[..., local positions, head dim]``.
+            lay: the layout of the forward that produced them.
+        """
+        dim = k.dim() - 2
+        if k.shape != v.shape or k.dtype != v.dtype:
+            return self.gather(k, dim, True, lay), self.gather(v, dim, True, lay)
+        both = self.gather(torch.stack([k, v]), dim + 1, True, lay)
+        return both[0], both[1]
+
     def _layout(self) -> Layout:
         if self.current is None:
             raise RuntimeError("context parallel attention ran outside the trunk's forward")
@@ -235,7 +250,7 @@ def _attention(
         mask = None
 
     def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        full_k, full_v = cpar.gather(k, k.dim() - 2, True, lay), cpar.gather(v, v.dim() - 2, True, lay)
+        full_k, full_v = cpar.gather_kv(k, v, lay)
         return F.scaled_dot_product_attention(
             q, full_k, full_v, attn_mask=mask, dropout_p=dropout_p, is_causal=False, scale=scale, enable_gqa=enable_gqa
         )

@@ -31,18 +31,25 @@ import torch.distributed as dist
 from torch import Tensor
 
 
-def _pieces(counts: Tensor, size: int) -> list[Tensor]:
+def share(counts: Any, rank: int, size: int) -> Any:
+    """Rows of each expert that tp rank ``rank`` of ``size`` takes (an int, or a tensor of them, elementwise)."""
+    return counts * (rank + 1) // size - counts * rank // size
+
+
+def _pieces(counts: Tensor, size: int, host: list[int]) -> list[Tensor]:
     """Row indices of each tp rank's share: ``1/size`` of every expert's rows (``counts[e]`` rows per expert,
     expert-major), so every rank sends each expert about the same number of rows (a contiguous cut of the whole
-    list would send the first experts' rows from tp rank 0 only, and load their ep rank alone)."""
+    list would send the first experts' rows from tp rank 0 only, and load their ep rank alone). ``host``: the same
+    counts on the host, which size every piece, so no step here waits for the device."""
     starts = counts.cumsum(0) - counts
     out = []
     for r in range(size):
         lo, hi = counts * r // size, counts * (r + 1) // size
-        first = torch.repeat_interleave(starts + lo, hi - lo)
+        n = sum(share(c, r, size) for c in host)
+        first = torch.repeat_interleave(starts + lo, hi - lo, output_size=n)
         # within each expert's run, 0, 1, 2, ...: position minus the run's first position
-        runs = torch.repeat_interleave((hi - lo).cumsum(0) - (hi - lo), hi - lo)
-        out.append(first + torch.arange(len(first), device=counts.device) - runs)
+        runs = torch.repeat_interleave((hi - lo).cumsum(0) - (hi - lo), hi - lo, output_size=n)
+        out.append(first + torch.arange(n, device=counts.device) - runs)
     return out
 
 
@@ -122,13 +129,19 @@ class TokenSplit:
         self.group = group
         self._splits: list[tuple[list[Tensor], int]] = []  # a stack, as the dispatch's routes: recomputation re-enters
 
-    def split(self, x: Tensor, counts: Tensor) -> tuple[Tensor, Tensor]:
-        """This tp rank's rows of ``x`` (``counts[e]`` rows per expert, expert-major) and their counts per expert."""
-        size, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        pieces = _pieces(counts, size)  # from the counts alone: the same on every tp rank
+    def split(self, x: Tensor, counts: Tensor, host: list[int]) -> tuple[Tensor, list[int]]:
+        """This tp rank's rows of ``x`` (``counts[e]`` rows per expert, expert-major; ``host``: the same counts on
+        the host) and their counts per expert."""
+        # From the counts alone: the same on every tp rank.
+        pieces = _pieces(counts, dist.get_world_size(self.group), host)
         self._splits.append((pieces, x.shape[0]))
         out: Tensor = _SplitRows.apply(x, pieces, self.group)
-        return out, counts * (rank + 1) // size - counts * rank // size
+        return out, self.share(host)
+
+    def share(self, counts: list[int]) -> list[int]:
+        """This tp rank's rows of each expert, for ``counts`` rows per expert (`split`'s rule)."""
+        size, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        return [share(c, rank, size) for c in counts]
 
     def gather(self, out: Tensor) -> Tensor:
         """Every tp rank's outputs, in the order of the rows given to `split`."""

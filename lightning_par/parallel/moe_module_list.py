@@ -74,11 +74,12 @@ class _ModuleListExperts:
         )
 
     def exchange(self, like: Tensor) -> None:
-        counts = torch.tensor([sum(t.shape[0] for t in xs) for xs in self.inputs], device=like.device)
+        # Known on the host: an asynchronous copy (torch.tensor(..., device=cuda) would wait for the device).
+        counts = torch.tensor([sum(t.shape[0] for t in xs) for xs in self.inputs]).to(like.device, non_blocking=True)
         flat = [t for xs in self.inputs for t in xs]
         x = torch.cat(flat) if flat else like.new_zeros((0, like.shape[-1]))
         rows, local_counts = self.dispatch.dispatch(None, (x, counts))  # type: ignore[arg-type]
-        outs = [self._run(i, r) for i, r in enumerate(rows.split(local_counts.tolist()))]
+        outs = [self._run(i, r) for i, r in enumerate(rows.split(local_counts))]
         back = self.dispatch.combine(None, None, torch.cat(outs))  # type: ignore[arg-type]
         pieces = iter(back.split([t.shape[0] for t in flat]))
         self.outputs = [[next(pieces) for _ in xs] for xs in self.inputs]

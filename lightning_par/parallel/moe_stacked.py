@@ -22,7 +22,8 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from lightning_par.parallel.expert_dispatch import ExpertDispatch
+from lightning_par.nn.moe import expert_counts
+from lightning_par.parallel.expert_dispatch import ExpertDispatch, expert_index
 
 
 def _check_call(name: str, hidden: Any, index: Any, weights: Any) -> None:
@@ -57,9 +58,9 @@ def shard_stacked_experts(experts: nn.Module, dispatch: ExpertDispatch, n_expert
     own_forward: Callable[..., Tensor] = experts.forward  # the class's (or the model's chosen implementation's)
     state = {"local": False}
 
-    def run_local(module: nn.Module, rows: Tensor, counts: Tensor) -> Tensor:
+    def run_local(module: nn.Module, rows: Tensor, counts: list[int]) -> Tensor:
         # Each received row goes to one local expert with weight 1: the model's forward returns expert(row).
-        index = torch.repeat_interleave(torch.arange(len(counts), device=rows.device), counts).unsqueeze(1)
+        index = expert_index(counts, rows.device).unsqueeze(1)
         ones = torch.ones(index.shape, dtype=rows.dtype, device=rows.device)
         params = dict(module.named_parameters(recurse=False))
         state["local"] = True
@@ -84,7 +85,7 @@ def shard_stacked_experts(experts: nn.Module, dispatch: ExpertDispatch, n_expert
         flat = top_k_index.reshape(-1)
         order = flat.argsort(stable=True)
         token = order // k
-        counts = torch.bincount(flat, minlength=n_experts)
+        counts = expert_counts(flat, n_experts)
         rows, local_counts = dispatch.dispatch(self, (hidden[token], counts))
         out = dispatch.combine(self, None, run_local(self, rows, local_counts))
         weighted = out * top_k_weights.reshape(-1)[order].unsqueeze(1).to(out.dtype)

@@ -38,7 +38,7 @@ from lightning_par.parallel.run import ParallelRun
 from lightning_par.plans.flops import active_param_count
 from lightning_par.precision.fabric import FabricPrecision
 from lightning_par.strategies import _fabric_state
-from lightning_par.strategies._processes import ProcessLayout, set_metric_groups
+from lightning_par.strategies._processes import ProcessLayout, all_reduce_logged, set_metric_groups
 
 PIPELINE_REFUSAL = (
     "pipelines need a step they own: a schedule runs each microbatch's forward and backward together, and a Fabric "
@@ -230,7 +230,7 @@ class FabricParallelStrategy(ProcessLayout, _FabricParallel):
         ``group``."""
         if not isinstance(tensor, Tensor):
             return tensor
-        return _compat.sync_ddp_if_available(tensor, group if group is not None else self._dp_group(), reduce_op)
+        return all_reduce_logged(tensor, group if group is not None else self._dp_group(), reduce_op)
 
     @override
     def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
