@@ -1003,6 +1003,8 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         units = [m for m in trainer.strategy.model.modules() if isinstance(m, FSDPModule)]
         groups = [m._get_fsdp_state()._fsdp_param_group for m in units]  # type: ignore[operator]
         result["fsdp_units"] = len(units)
+        # Which param groups step with torch's multi-tensor kernels (ZeRO-3 and tp switch DTensor-only groups).
+        result["optimizer_foreach"] = [g.get("foreach") for g in trainer.optimizers[0].param_groups]
         result["offload_policies"] = sorted({type(g.offload_policy).__name__ for g in groups if g is not None})
     if getattr(getattr(trainer.strategy, "config", None), "pp", 1) > 1:
         # Each rank holds its stages' parameters only: merge every rank's (data-parallel replicas agree).

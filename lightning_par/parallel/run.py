@@ -30,7 +30,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_par.parallel.expert_parallel import ExpertParallel
-from lightning_par.parallel.optimizers import check_dtensor_step
+from lightning_par.parallel.optimizers import check_dtensor_step, prefer_foreach_on_dtensors
 from lightning_par.parallel.pipeline_schedule import PipelineRunner
 from lightning_par.parallel.zero_replicated import ReplicatedZero
 
@@ -71,11 +71,13 @@ class ParallelRun:
         """
         if self.zero is None:  # ZeRO-3: FSDP2's DTensor parameters
             check_dtensor_step(optimizer, "zero_stage=3 (FSDP2)")
+            prefer_foreach_on_dtensors(optimizer)
             return []
         if self.zero.stage == 0 and any(isinstance(p, DTensor) for g in optimizer.param_groups for p in g["params"]):
             check_dtensor_step(  # stage 0 steps the tensor-parallel DTensors themselves
                 optimizer, "tensor parallelism", "Use tp=1, or an element-wise optimizer such as AdamW"
             )
+            prefer_foreach_on_dtensors(optimizer)
         line = self.zero.shard_optimizer(optimizer)
         return [line] if line else []
 

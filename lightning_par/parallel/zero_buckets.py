@@ -12,7 +12,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from lightning_par import _compat
 
@@ -31,6 +31,33 @@ def settle_grad(p: torch.Tensor) -> None:
     g = p.grad
     if isinstance(g, DTensor) and g.placements != p.placements:  # type: ignore[attr-defined]
         p.grad = g.redistribute(g.device_mesh, p.placements)  # type: ignore[attr-defined]
+
+
+def settle_grads(params: Sequence[torch.Tensor]) -> None:
+    """`settle_grad` for many parameters, with one flat all-reduce per tensor-parallel group and dtype for the
+    gradients that are sums over that group (Partial) of a replicated parameter.
+
+    Why: a sequence-parallel model has such a gradient for every norm weight and bias (9 in a 2-block GPT), and one
+    collective each costs ~0.4 ms of latency per step on gloo (docs/benchmarks.md, per-step overhead). Any other
+    placement change goes through `settle_grad` alone.
+    """
+    batches: dict[tuple[Any, torch.dtype], list[torch.Tensor]] = {}
+    for p in params:
+        g = p.grad
+        if not isinstance(g, DTensor) or g.placements == p.placements:  # type: ignore[attr-defined]
+            continue
+        if g.device_mesh.ndim == 1 and g.placements == (Partial("sum"),) and p.placements == (Replicate(),):  # type: ignore[attr-defined]
+            batches.setdefault((g.device_mesh, g.dtype), []).append(p)
+        else:
+            settle_grad(p)
+    for (mesh, _), ps in batches.items():
+        parts = [p.grad.to_local() for p in ps]  # type: ignore[union-attr]
+        flat = torch.cat([t.reshape(-1) for t in parts])
+        dist.all_reduce(flat, group=mesh.get_group())
+        offset = 0
+        for p, t in zip(ps, parts):
+            set_grad(p, flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
 
 
 def local_grad(p: torch.Tensor) -> Optional[torch.Tensor]:

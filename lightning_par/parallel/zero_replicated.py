@@ -24,7 +24,7 @@ from lightning_par.parallel import collectives, zero_buckets, zero_whole
 from lightning_par.parallel.grad_norm import mark_sharded
 from lightning_par.parallel.optimizers import check_per_parameter, is_elementwise
 from lightning_par.parallel.param_tree import parameter_tree
-from lightning_par.parallel.zero_buckets import Bucket, local_data, local_grad, set_grad, settle_grad, tp_groups
+from lightning_par.parallel.zero_buckets import Bucket, local_data, local_grad, set_grad, settle_grads, tp_groups
 from lightning_par.parallel.zero_prefetch import ParamPrefetch
 
 # Module attributes, not calls of _compat's: lightning_par.utils.comm_counter patches these two to count bytes.
@@ -338,8 +338,7 @@ class ReplicatedZero:
     def _all_reduce(self, bucket: Bucket) -> None:
         if self.dp == 1:
             # Nothing to average (tensor parallelism alone): only settle Partial tensor-parallel gradients.
-            for p in bucket.params:
-                settle_grad(p)
+            settle_grads(bucket.params)
             return
         flat = _flat_grads(bucket)
         if flat is None:
@@ -366,6 +365,7 @@ class ReplicatedZero:
         """Pack the bucket's gradients, free them, and start the reduce-scatter without waiting for it."""
         bucket.ready, bucket.launched = 0, True
         dtype = bucket.params[0].dtype
+        settle_grads(bucket.params)
         packed = bucket.pack([local_grad(p) for p in bucket.params], self.world, dtype)
         for p in bucket.params:
             p.grad = None  # the full gradient is not needed again: this is where ZeRO saves gradient memory
@@ -412,6 +412,7 @@ class ReplicatedZero:
 
 def _flat_grads(bucket: Bucket) -> Optional[torch.Tensor]:
     """Stage 0: the bucket's gradients in one flat tensor (zeros for an unused parameter), or ``None`` if all unused."""
+    settle_grads(bucket.params)
     grads = [local_grad(p) for p in bucket.params]
     if all(g is None for g in grads):
         return None
