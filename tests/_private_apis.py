@@ -75,6 +75,21 @@ def _chunk_cat_layout() -> None:
     assert torch.equal(out, want), out
 
 
+def _hidden_worker_info() -> None:
+    """`get_worker_info` returns the module global the accessor replaces."""
+    from torch.utils.data import get_worker_info
+    from torch.utils.data._utils import worker
+
+    saved, worker._worker_info = worker._worker_info, "probe"
+    try:
+        assert get_worker_info() == "probe"
+        with _compat.hidden_worker_info():
+            assert get_worker_info() is None
+        assert get_worker_info() == "probe"
+    finally:
+        worker._worker_info = saved
+
+
 def _params(path: str, *names: str) -> Any:
     """The callable at ``path``; fails unless it takes parameters ``names``."""
     fn = _attr(path)
@@ -221,6 +236,10 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                ("foreach_copy",), lambda: _compat.foreach_copy([torch.zeros(2)], [torch.ones(2)])),
     PrivateAPI("torch", "torch._chunk_cat", "lightning_par.parallel.zero_buckets packs gradients rank-major with",
                ("chunk_cat",), lambda: _chunk_cat_layout()),
+    # torch: DataLoader workers
+    PrivateAPI("torch", "torch.utils.data._utils.worker._worker_info",
+               "lightning_par.data.streaming reads a source as one process inside a loader worker with",
+               ("hidden_worker_info",), lambda: _hidden_worker_info()),
     # torch: distributed checkpoint
     PrivateAPI("torch", f"{_D}.checkpoint.state_dict._init_optim_state",
                "lightning_par.checkpoint.dcp creates optimizer state before loading into it with",

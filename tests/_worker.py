@@ -843,8 +843,15 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     global_batch = job.get("global_batch", 8)
     samples = global_batch * accumulate * job.get("epoch_steps", steps)
     seq_len = job.get("seq_len", 32)
-    data = ByteTextDataModule(seq_len=seq_len, batch_size=global_batch // dp, num_samples=samples, seed=0)
-    if world == 1 and job.get("strategy", "auto") == "auto":
+    data: L.LightningDataModule = ByteTextDataModule(
+        seq_len=seq_len, batch_size=global_batch // dp, num_samples=samples, seed=0
+    )
+    if job.get("stream"):  # an iterable training dataset (tests/_streams.py): stream, stream_samples, workers
+        from _streams import StreamData
+
+        data = StreamData(job["stream"], seq_len, global_batch // dp, job.get("stream_samples", samples),
+                          job.get("workers", 0), job.get("stream_dir", "."))  # fmt: skip
+    elif world == 1 and job.get("strategy", "auto") == "auto":
         # (A lightning_par strategy in one process gets the distributed sampler itself, as below.)
         # Lightning always shuffles a distributed training loader (DistributedSampler(shuffle=True, seed=0)); at
         # step k the ranks together read perm[k*B:(k+1)*B] of that permutation, so the one-process reference

@@ -22,6 +22,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel
 
+# torch's DataLoader worker state (_compat/data.py), re-exported as below.
+from lightning_par._compat.data import hidden_worker_info as hidden_worker_info
+
 # Lightning's and torchmetrics' accessors (_compat/lightning.py), re-exported: callers write `_compat.<accessor>`.
 from lightning_par._compat.lightning import (
     all_gather_ddp_if_available as all_gather_ddp_if_available,

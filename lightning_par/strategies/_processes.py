@@ -23,6 +23,7 @@ from typing_extensions import override
 
 from lightning_par import _compat
 from lightning_par.config import ParallelConfig
+from lightning_par.data.streaming import split_over_data_parallel
 from lightning_par.mesh import ParallelMesh, build_mesh
 
 
@@ -69,6 +70,17 @@ class ProcessLayout:
     def parallel_layout(self: Any) -> dict[str, Any]:
         """The resolved layout, for logs and the logger's config."""
         return {"world_size": self.world_size, "num_nodes": self.num_nodes, **self._config.layout()}
+
+    # ---- data ------------------------------------------------------------------------------------------------
+    def process_dataloader(self: Any, dataloader: Any) -> Any:
+        """Split a loader over an iterable dataset over the data-parallel ranks only (tensor, context and pipeline
+        ranks of one replica read the same samples): `lightning_par.data.streaming`."""
+        module = getattr(self, "lightning_module", None)
+        trainer = _compat.attached_trainer(module) if module is not None else None
+        dp = self.meshes.dp
+        epoch = (lambda: trainer.current_epoch) if trainer is not None else None
+        split_over_data_parallel(dataloader, dp.get_local_rank(), dp.size(), epoch)
+        return super().process_dataloader(dataloader)  # type: ignore[misc]
 
     # ---- processes -------------------------------------------------------------------------------------------
     @property

@@ -25,6 +25,7 @@ from lightning_par.checkpoint.resume_state import (
     rng_state,
     set_rng_state,
 )
+from lightning_par.data.streaming import DataParallelStream
 
 # Lightning warns on a mid-epoch resume unless the loader implements its `_Stateful` protocol; a loader whose
 # position `ResumableSampler` restored is resumable, so that one message is silenced once a position was restored.
@@ -40,12 +41,19 @@ class ResumeState:
         self._rank_state: Optional[dict[str, Any]] = None  # loaded; restored at on_train_start
 
     def install(self, dataloader: object, epoch_fn: Callable[[], int]) -> None:
-        """Make a training loader resumable (`install`) and give it the loaded position, if any."""
-        sampler = install(dataloader, epoch_fn)
+        """Make a training loader resumable (`install`; a `DataParallelStream` is already) and give it the loaded
+        position, if any."""
+        dataset = getattr(dataloader, "dataset", None)
+        resumable = dataset if isinstance(dataset, DataParallelStream) else install(dataloader, epoch_fn)
         index, self._installed = self._installed, self._installed + 1
         state = self._positions[index] if index < len(self._positions) else None
-        if sampler is not None and state is not None:
-            sampler.resume_from(state)
+        if resumable is not None and state is not None:
+            if isinstance(resumable, ResumableSampler) and state.get("stream"):
+                raise CheckpointError(
+                    "the checkpoint's training data position is an iterable dataset's and this run's training "
+                    "loader reads a map-style dataset; resume with the dataset the checkpoint was trained on"
+                )
+            resumable.resume_from(state)
             warnings.filterwarnings("ignore", message=_NOT_RESUMABLE)
 
     def checkpoint_state(self, trainer: Any, world_size: int) -> dict[str, Any]:
@@ -63,6 +71,12 @@ class ResumeState:
             for dl in loaders:
                 batches = getattr(dl, "batch_sampler", None)
                 sampler = getattr(batches, "sampler", None)
+                dataset = getattr(dl, "dataset", None)
+                if isinstance(dataset, DataParallelStream):
+                    # No length: the pass is over when the loop's fetcher saw the stream end.
+                    last = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+                    positions.append(dataset.position(progress.ready, complete or last))
+                    continue
                 positions.append(
                     sampler.position(progress.ready, batches.batch_size, complete)  # type: ignore[union-attr]
                     if isinstance(sampler, ResumableSampler)

@@ -315,8 +315,9 @@ class ParallelStrategy(ProcessGroupStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
+        dataloader = super().process_dataloader(dataloader)  # ProcessLayout splits an iterable dataset first
         self._checkpoints.on_train_loader(self._where().trainer, dataloader)
-        return super().process_dataloader(dataloader)
+        return dataloader
 
     @override
     def on_train_start(self) -> None:

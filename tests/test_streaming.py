@@ -1,0 +1,99 @@
+"""Iterable (streaming) training datasets under the strategies, against one process reading the same stream.
+
+The stream: the corpus's first windows in order, as a plain torch `IterableDataset` and as Hugging Face `datasets`
+in streaming mode over a JSON-lines file the worker writes (no network). One process with the global batch
+(Lightning's own loop, no strategy of ours) is the reference: with the data-parallel ranks each taking a share of
+every global batch, step k must train on the same samples. Losses are compared to 1e-5 relative (fp32, as
+tests/test_zero.py: only the summation order differs); rank 0's batches must be the reference's rows 0, 2, 4, ...
+(the `DistributedSampler`'s stride).
+
+Spawns: one 2-rank torchrun (zero1; zero2 with 2 loader workers over `datasets`; zero3; DeepSpeed ZeRO-1; tp, cp
+and pipe, whose two ranks are one replica; a resume on the same layout; a stream shorter than one global batch)
+and one process (the references, and the 2-rank checkpoint resumed on one rank).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from launch import run_jobs
+from parity import rel
+
+STEPS = 4
+BASE: dict[str, Any] = {"model": "gpt", "steps": STEPS, "global_batch": 8, "stream": "torch"}
+# 2 ranks: name -> job. dp is the data-parallel size (the per-rank batch is global_batch // dp).
+TWO: dict[str, dict[str, Any]] = {
+    "zero1": {"strategy": "zero1"},
+    "zero2_hf_workers": {"strategy": "zero2", "stream": "hf", "workers": 2},
+    "zero3": {"strategy": "zero3"},
+    "deepspeed_zero1": {"strategy": "deepspeed_zero1"},
+    "tp": {"strategy": {"tp": 2}, "dp": 1},
+    "cp": {"strategy": "cp", "dp": 1},
+    "pipe": {"strategy": {"pp": 2, "microbatches": 2}, "dp": 1},
+    "too_short": {"strategy": "zero1", "stream_samples": 6, "expect_error": True},
+}
+ONE: dict[str, dict[str, Any]] = {
+    "ref": {},
+    "ref_hf": {"stream": "hf", "workers": 2},
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("streaming")
+    data = str(tmp / "data")
+    ckpts = str(tmp / "ckpts")
+    two = {name: {**BASE, "stream_dir": data, **job} for name, job in TWO.items()}
+    two["zero1"].update(ckpt_dir=ckpts, ckpt_every_n_steps=1)
+    two["zero1_resumed"] = {**two["zero1"], "ckpt_dir": None, "resume": f"{ckpts}/step=2.ckpt"}
+    results = dict(zip(two, run_jobs(tmp / "two", list(two.values()), nproc=2, timeout=400)))
+    one = {name: {**BASE, "stream_dir": data, **job} for name, job in ONE.items()}
+    # The 2-rank ZeRO-1 checkpoint after step 2, on one rank: the stream continues at sample 16 of the same order.
+    one["resumed_on_one"] = {**BASE, "strategy": {"zero_stage": 0}, "resume": f"{ckpts}/step=2.ckpt"}
+    results.update(zip(one, run_jobs(tmp / "one", list(one.values()), nproc=1, timeout=300)))
+    return results
+
+
+@pytest.mark.parametrize("name", ["zero1", "zero2_hf_workers", "zero3", "deepspeed_zero1", "tp", "cp", "pipe"])
+def test_every_step_trains_on_the_global_batch_of_one_process(runs, name):
+    got = runs[name]
+    ref = runs["ref_hf" if "hf" in name else "ref"]
+    assert len(got["losses"]) == len(ref["losses"]) == STEPS
+    assert rel(got["losses"], ref["losses"]) < 1e-5
+    if "zero" in name:  # rank 0 holds every other sample of each global batch
+        assert got["batch_heads"] == [heads[0::2] for heads in ref["batch_heads"]]
+    else:  # tensor and pipeline ranks of one replica read the same samples: the whole global batch
+        assert got["batch_heads"] == ref["batch_heads"]
+
+
+def test_the_two_sources_give_the_same_samples(runs):
+    assert runs["ref_hf"]["batch_heads"] == runs["ref"]["batch_heads"]
+    assert rel(runs["ref_hf"]["losses"], runs["ref"]["losses"]) < 1e-6
+
+
+def test_a_resume_continues_at_the_next_unseen_sample(runs):
+    full = runs["zero1"]
+    same = runs["zero1_resumed"]
+    assert same["start_step"] == 2 and same["batch_heads"] == full["batch_heads"][2:]
+    assert rel(same["losses"], full["losses"][2:]) < 1e-5
+    # On one rank (reshard 2 -> 1): the same global batches, so the loss curve continues.
+    other = runs["resumed_on_one"]
+    assert other["start_step"] == 2 and other["batch_heads"] == runs["ref"]["batch_heads"][2:]
+    assert rel(other["losses"], full["losses"][2:]) < 1e-5
+
+
+def test_a_stream_shorter_than_one_global_batch_is_refused_naming_the_fix(runs):
+    got = runs["too_short"]
+    assert got["losses"] == []
+    assert "6 samples" in got["error"] and "global batch of 8" in got["error"]
+
+
+def test_checkpoint_holds_the_stream_position(runs, tmp_path_factory):
+    from lightning_par.checkpoint.reader import read_meta
+    from lightning_par.checkpoint.resume_state import KEY
+
+    folders = sorted(Path(p) for p in tmp_path_factory.getbasetemp().glob("streaming*/ckpts/step=2.ckpt"))
+    (position,) = read_meta(folders[-1])[KEY]["data"]
+    assert position == {"stream": True, "epoch": 0, "samples": 16, "complete": False, "global_batch": 8}
