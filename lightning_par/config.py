@@ -79,6 +79,11 @@ class ParallelConfig:
         compile: `torch.compile` each trunk block (after activation checkpointing and tensor parallelism, before
             FSDP2; `lightning_par.parallel.compile`): the code outside the trunk and ``training_step`` stay eager,
             parameter names do not change. Costs compile time at the first step (and after a shape change).
+        sync_every: local SGD / DiLoCo (`lightning_par.parallel.local_sgd`): the ``dp_replicate`` replicas train
+            apart (gradients reduced inside each, over ``dp_shard``) and synchronise every ``sync_every`` optimizer
+            steps with an outer SGD step; ``None`` (default): gradients are reduced over every data-parallel rank
+            at every step.
+        outer_lr, outer_momentum: the outer SGD's learning rate and (Nesterov) momentum; DiLoCo's 0.7 and 0.9.
         auto_dims: for registered names: the dimensions (``"pp"``, ``"tp"``, ``"cp"``, ``"dp"``, ``"ep"``) whose
             degrees `resolve` splits from the world size (`split_world`; ``"ep"``: every data-parallel rank).
             ``None``: the explicit degrees are used as given.
@@ -105,6 +110,9 @@ class ParallelConfig:
     pp_costs: Optional[tuple[float, ...]] = None
     compile: bool = False
     auto_dims: Optional[tuple[str, ...]] = None
+    sync_every: Optional[int] = None
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
 
     def __post_init__(self) -> None:
         for axis in AXES:
@@ -192,7 +200,36 @@ class ParallelConfig:
             unknown = [d for d in self.auto_dims if d not in AUTO_DIMS]
             if unknown:
                 raise ParallelConfigError(f"auto_dims={self.auto_dims!r}: {unknown} unknown; choose from {AUTO_DIMS}")
+        self._check_local_sgd()
         self.check_supported()
+
+    def _check_local_sgd(self) -> None:
+        if self.sync_every is None:
+            return
+        if not isinstance(self.sync_every, int) or isinstance(self.sync_every, bool) or self.sync_every < 1:
+            raise ParallelConfigError(f"sync_every={self.sync_every!r} must be an int >= 1 (steps between syncs)")
+        if not self.outer_lr > 0 or not 0 <= self.outer_momentum < 1:
+            raise ParallelConfigError(
+                f"outer_lr={self.outer_lr} must be > 0 and outer_momentum={self.outer_momentum} in [0, 1); DiLoCo "
+                "uses 0.7 and 0.9"
+            )
+        for axis, why in (("pp", "a pipeline's stages would each need the outer loop of its own parameters"),
+                          ("ep", "experts are sharded over the data-parallel ranks, not replicated")):  # fmt: skip
+            if self.uses(axis):
+                raise ParallelConfigError(
+                    f"sync_every={self.sync_every} with {self._degree(axis)}: local SGD is not supported there "
+                    f"({why}); drop sync_every, or train without {axis}"
+                )
+        if self.zero_stage > 2:
+            raise ParallelConfigError(
+                f"sync_every={self.sync_every} with zero_stage=3: local SGD runs on the ZeRO 0-2 engine; use "
+                "zero_stage=1 or 2 inside each replica (dp_shard), or drop sync_every"
+            )
+        if self.dp_replicate == 1:
+            raise ParallelConfigError(
+                f"sync_every={self.sync_every} synchronises the dp_replicate replicas, but dp_replicate=1; set "
+                "dp_replicate to the number of replicas (e.g. one per node, ZeRO inside it over dp_shard)"
+            )
 
     def uses(self, axis: str) -> bool:
         """Whether the layout has more than one rank along ``axis``, or leaves it to the world size (a name)."""

@@ -82,3 +82,16 @@ def _names() -> list[str]:
 STRATEGY_NAMES: tuple[str, ...] = tuple(_names())
 # The planner's name (`lightning_par.strategies.auto`): a layout chosen at start-up, not a fixed combination.
 AUTO_NAME = "auto_parallel"
+
+
+def check_native_backend(backend: str) -> None:
+    """Refuse a ``backend`` other than ``"native"`` for `lightning_par.ParallelStrategy`, naming where it went."""
+    if backend == "deepspeed":
+        raise ValueError(
+            "ParallelStrategy(backend='deepspeed') is DeepSpeedParallelStrategy now: use "
+            "lightning_par.DeepSpeedParallelStrategy(...) with the same arguments, strategy='deepspeed_zero2' "
+            "(and the other deepspeed_* names), or lightning_par.strategies.registry.make_strategy(backend="
+            "'deepspeed', ...)"
+        )
+    if backend != "native":
+        raise ValueError(f"backend={backend!r} is unknown; choose 'native' or 'deepspeed'")

@@ -831,6 +831,10 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     # sigkill_in_save {"nth", "rank"}; slow_write_s; slow_staging_s; record_step_params; limit_val_batches;
     # ckpt_epoch_end_dir (also an epoch-end checkpoint per epoch there); rank_seed (per-rank RNG seeds).
     # Under torchrun WORLD_SIZE is set; when Lightning starts the processes itself the job states it.
+    if job.get("simulate"):  # local SGD in one process (tests/_local_sgd_sim.py)
+        from _local_sgd_sim import simulate
+
+        return simulate(job, MODELS[job.get("model", "gpt")])
     world = job.get("world") or int(os.environ.get("WORLD_SIZE", "1"))
     L.seed_everything(job.get("seed", 0), verbose=False)
     model_cls = MODELS[job.get("model", "gpt")]
@@ -1010,6 +1014,9 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         units = [m for m in trainer.strategy.model.modules() if isinstance(m, FSDPModule)]
         groups = [m._get_fsdp_state()._fsdp_param_group for m in units]  # type: ignore[operator]
         result["fsdp_units"] = len(units)
+        zero = getattr(trainer.strategy.parallel_run, "zero", None)
+        outer = getattr(zero, "outer", None)
+        result["outer_syncs"] = outer.syncs if outer is not None else None  # local SGD's synchronisations
         # Which param groups step with torch's multi-tensor kernels (ZeRO-3 and tp switch DTensor-only groups).
         result["optimizer_foreach"] = [g.get("foreach") for g in trainer.optimizers[0].param_groups]
         result["offload_policies"] = sorted({type(g.offload_policy).__name__ for g in groups if g is not None})

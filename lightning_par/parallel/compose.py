@@ -23,6 +23,7 @@ from lightning_par.parallel.activation_checkpointing import apply_activation_che
 from lightning_par.parallel.compile import apply_compile
 from lightning_par.parallel.context_parallel import apply_context_parallel
 from lightning_par.parallel.expert_parallel import apply_expert_parallel
+from lightning_par.parallel.local_sgd import LocalSGD
 from lightning_par.parallel.materialize import base_seed, capture_init, has_meta, materialize
 from lightning_par.parallel.parts import ModelPart
 from lightning_par.parallel.pipeline_split import PipelineSplit, split_pipeline
@@ -184,7 +185,9 @@ def parallelize(
         # TorchFunctionMode over the forward, which dynamo would trace (the whole model is then one unit).
         zero = ReplicatedZero(module, mesh.dp_2d, config.zero_stage, config.bucket_cap_mb, state_mesh=state_mesh,
                               exclude=exclude, reduce_during_backward=cut is None,
-                              blocks=parts[0].block_modules if cut is None and not config.compile else ())  # fmt: skip
+                              blocks=parts[0].block_modules if cut is None and not config.compile else (),
+                              local_sgd=LocalSGD(config.sync_every, config.outer_lr, config.outer_momentum)
+                              if config.sync_every else None)  # fmt: skip
 
     # 7. The pipeline's own hooks last, outside every wrapping above (the recomputed region, FSDP2's pre-hooks); a
     #    tied weight's second copy is marked once ZeRO built its masters (and FSDP2 its sharded parameters).

@@ -12,7 +12,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 from lightning_par import _compat
 
@@ -159,3 +159,22 @@ def gather_buckets(buckets: Sequence[Any], masters: dict[nn.Parameter, nn.Parame
     for work, bucket, recv in inflight:
         work.wait()
         bucket.unpack(recv)
+
+
+def state_dtensor(full: torch.Tensor, value: torch.Tensor, mesh: Any, state_mesh: Optional[Any]) -> DTensor:
+    """A master's optimizer-state tensor as the ``Shard(0)`` DTensor of the full parameter ``full`` on the 2-D
+    data-parallel ``mesh`` (under tensor parallelism: on the 3-D ``state_mesh``), for DCP."""
+    if isinstance(full, DTensor):
+        if state_mesh is None:
+            raise ValueError("tensor-parallel parameters need state_mesh to describe their optimizer state")
+        tp_placement = full.placements[0]
+        # Rows of the tp-local shard: for a row-split (Shard(0)) parameter that is a strided shard of the full
+        # one, as FSDP2 describes 2-D sharding; a fused parameter's layout is canonicalized when saved.
+        rows: Placement = Shard(0)
+        if type(tp_placement) is Shard and tp_placement.dim == 0:
+            rows = _compat.StridedShard(0, split_factor=full.device_mesh.size())
+        return DTensor.from_local(value, state_mesh, (Replicate(), rows, tp_placement), shape=full.shape,
+                                  stride=full.stride(), run_check=False)  # fmt: skip
+    return DTensor.from_local(
+        value, mesh, (Replicate(), Shard(0)), shape=full.shape, stride=full.stride(), run_check=False
+    )

@@ -17,11 +17,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from lightning_par import _compat
 from lightning_par.parallel import collectives, zero_buckets, zero_whole
 from lightning_par.parallel.grad_norm import mark_sharded
+from lightning_par.parallel.local_sgd import LocalSGD, OuterSync
 from lightning_par.parallel.optimizers import check_per_parameter, is_elementwise
 from lightning_par.parallel.param_tree import parameter_tree
 from lightning_par.parallel.zero_buckets import Bucket, local_data, local_grad, set_grad, settle_grads, tp_groups
@@ -57,6 +57,8 @@ class ReplicatedZero:
             gradients outside those hooks (docs/pipeline.md).
         blocks: the trunk blocks in execution order: the units in which stages 1-2 can overlap the parameter
             all-gather after the step with the next forward (`defer_gather`, `lightning_par.parallel.zero_prefetch`).
+        local_sgd: synchronise the ``dp_replicate`` replicas every ``local_sgd.every`` steps (DiLoCo,
+            `lightning_par.parallel.local_sgd`) instead of reducing gradients over them every step.
     """
 
     def __init__(
@@ -69,6 +71,7 @@ class ReplicatedZero:
         exclude: Iterable[nn.Parameter] = (),
         reduce_during_backward: bool = True,
         blocks: Sequence[nn.Module] = (),
+        local_sgd: Optional[LocalSGD] = None,
     ) -> None:
         if stage not in (0, 1, 2):
             raise ValueError(f"ReplicatedZero handles stages 0-2, got {stage}; stage 3 is `apply_fsdp`")
@@ -78,7 +81,11 @@ class ReplicatedZero:
         self.replicate_group = mesh.get_group(0)
         self.world = mesh.size(1)
         self.rank = mesh.get_local_rank(1)
-        self.dp = mesh.size()
+        # Gradients are averaged over dp_shard, and over dp_replicate too unless the replicas train apart (local SGD).
+        self.local_sgd = local_sgd
+        self.reduce_replicas = mesh.size(0) > 1 and local_sgd is None
+        self.dp = mesh.size() if local_sgd is None else self.world
+        self.outer: Optional[OuterSync] = None  # built once the optimizer's layout is known (`shard_optimizer`)
         self.state_mesh = state_mesh
         self._state_specs: dict[tuple[str, torch.dtype], Any] = {}  # distribute_state's DTensor specs
         self._masters_root: Optional[nn.Module] = None
@@ -149,6 +156,10 @@ class ReplicatedZero:
         Returns a start-up line for the latter. Raises ValueError for a step that couples parameters (LBFGS), or one
         not element-wise over tensor-parallel shards.
         """
+        if self.local_sgd is not None:  # stage 0: a post-hook of its own; stages 1-2: `_after_step`, before the gather
+            parts = lambda: list(self.masters.values()) if self.stage else [local_data(p) for p in self.names]  # noqa: E731
+            self.outer = OuterSync.attach(optimizer, parts, self.replicate_group, self.local_sgd, self.stage == 0,
+                                          self.outer)  # fmt: skip
         if self.stage == 0:
             return None
         check_per_parameter(optimizer, self.stage)
@@ -175,6 +186,8 @@ class ReplicatedZero:
         # optimizer state and then writes the weights), and only when no other post-hook (the user's, a global one)
         # runs right after this one and may read the weights.
         armed, self._armed = self._armed, False
+        if self.outer is not None:
+            self.outer.after_inner_step()
         self.gather_params(defer=armed and _compat.step_post_hooks(optimizer) == 1)
 
     def defer_gather(self, on: bool) -> bool:
@@ -261,31 +274,9 @@ class ReplicatedZero:
         spec = self._state_specs.get(spec_key)
         if spec is not None:
             return _compat.dtensor_from_spec(value, spec)
-        wrapped = self._wrap_state(full, value)
+        wrapped = zero_buckets.state_dtensor(full, value, self.mesh, self.state_mesh)
         self._state_specs[spec_key] = _compat.dtensor_spec(wrapped)
         return wrapped
-
-    def _wrap_state(self, full: torch.Tensor, value: torch.Tensor) -> DTensor:
-        if isinstance(full, DTensor):
-            if self.state_mesh is None:
-                raise ValueError("tensor-parallel parameters need state_mesh to describe their optimizer state")
-            tp_placement = full.placements[0]
-            # Rows of the tp-local shard: for a row-split (Shard(0)) parameter that is a strided shard of the full
-            # one, as FSDP2 describes 2-D sharding; a fused parameter's layout is canonicalized when saved.
-            rows: Placement = Shard(0)
-            if type(tp_placement) is Shard and tp_placement.dim == 0:
-                rows = _compat.StridedShard(0, split_factor=full.device_mesh.size())
-            return DTensor.from_local(
-                value,
-                self.state_mesh,
-                (Replicate(), rows, tp_placement),
-                shape=full.shape,
-                stride=full.stride(),
-                run_check=False,
-            )
-        return DTensor.from_local(
-            value, self.mesh, (Replicate(), Shard(0)), shape=full.shape, stride=full.stride(), run_check=False
-        )
 
     # ---- gradients -------------------------------------------------------------------------------------------
     def before_backward(self, accumulating: bool) -> None:
@@ -344,7 +335,7 @@ class ReplicatedZero:
         if flat is None:
             return
         dist.all_reduce(flat, group=self.shard_group)
-        if self.mesh.size(0) > 1:
+        if self.reduce_replicas:
             dist.all_reduce(flat, group=self.replicate_group)
         flat.div_(self.dp)
         offset = 0
@@ -378,7 +369,7 @@ class ReplicatedZero:
         while len(self._pending) > keep:
             work, bucket, out = self._pending.pop(0)
             work.wait()
-            if self.mesh.size(0) > 1:
+            if self.reduce_replicas:
                 dist.all_reduce(out, group=self.replicate_group)
             out.div_(self.dp)
             if self.stage == 0:  # the all-reduced full gradients go back to the parameters

@@ -78,6 +78,8 @@ class ShardedCheckpoints:
     def on_train_start(self, trainer: Any, device: torch.device) -> None:
         """Saves are asynchronous from here on; the loaded RNG states are restored."""
         self.saving_async = self.saver is not None
+        if trainer is not None and (trainer.checkpoint_callbacks or trainer.ckpt_path):
+            refuse_local_sgd(trainer, "a ModelCheckpoint callback" if trainer.checkpoint_callbacks else "ckpt_path")
         # Last of the on_train_start hooks, after Lightning set up the training loader: nothing draws random numbers
         # between here and the first resumed step, as in the uninterrupted run between the save and that step.
         self.resume.restore_rng(trainer, device)
@@ -92,6 +94,7 @@ class ShardedCheckpoints:
         self, checkpoint: dict[str, Any], filepath: Path, where: Where, module: nn.Module, entries: list[OptimizerEntry]
     ) -> None:
         """Write Lightning's ``checkpoint`` dict (its tensors already name-keyed and sharded) as a folder."""
+        refuse_local_sgd(where.trainer, "save_checkpoint")
         tensors = {"state_dict": checkpoint.pop("state_dict")}
         for i, state in enumerate(checkpoint.pop("optimizer_states", [])):
             tensors[f"optimizer_{i}"] = state
@@ -191,3 +194,16 @@ class ShardedCheckpoints:
         self.saving_async = False
         if self.saver is not None:
             self.saver.release()
+
+
+def refuse_local_sgd(trainer: Any, what: str) -> None:
+    """Refuse checkpoints under local SGD (``sync_every``) before they could resume a silently different run."""
+    config = getattr(getattr(trainer, "strategy", None), "config", None)
+    if getattr(config, "sync_every", None) is None:
+        return
+    raise ValueError(
+        f"{what} with sync_every (local SGD): checkpoints of it are not supported yet. Between synchronisations "
+        "each replica holds its own parameters and optimizer state, and the outer optimizer's momentum is not "
+        "saved, so a resume would train differently. Train with Trainer(enable_checkpointing=False) and no "
+        "ckpt_path or save_checkpoint, or drop sync_every"
+    )

@@ -154,6 +154,11 @@ class DeepSpeedParallelStrategy(ParallelStrategy):
         if backend != "deepspeed":
             raise ValueError(f"DeepSpeedParallelStrategy is backend='deepspeed', not {backend!r}; use ParallelStrategy")
         super().__init__(*args, **kwargs)
+        if self._config.sync_every is not None:
+            raise ValueError(
+                "sync_every (local SGD) runs on the native ZeRO 0-2 engine, not DeepSpeed's; use "
+                "lightning_par.ParallelStrategy(zero_stage=1 or 2, dp_replicate=..., sync_every=...)"
+            )
         self._torch_linear = torch.nn.functional.linear  # before any zero.Init of this run replaces it (`teardown`)
         # A dimension DeepSpeed cannot combine with is refused here with its reason, also once it runs natively.
         check_deepspeed_layout(self.config)

@@ -79,6 +79,9 @@ class FabricParallelStrategy(ProcessLayout, _FabricParallel):
         config = ParallelConfig(**layout)
         if config.pp > 1 or "pp" in (config.auto_dims or ()):
             raise ValueError(f"FabricParallelStrategy: {PIPELINE_REFUSAL}")
+        if config.sync_every is not None:
+            raise ValueError("FabricParallelStrategy: sync_every (local SGD) runs under the Trainer's strategies only "
+                             "so far; use Trainer(strategy=ParallelStrategy(..., sync_every=...))")  # fmt: skip
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s} must be > 0 seconds (600 is the default)")
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,

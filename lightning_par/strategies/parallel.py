@@ -28,6 +28,7 @@ from typing_extensions import override
 from lightning_par import _compat
 from lightning_par.checkpoint.dcp import OptimizerEntry, model_state
 from lightning_par.config import AUTO, ACMode, ParallelConfig
+from lightning_par.names import check_native_backend
 from lightning_par.parallel.compose import parallelize
 from lightning_par.parallel.materialize import has_meta
 from lightning_par.parallel.run import ParallelRun
@@ -47,7 +48,7 @@ class ParallelStrategy(ProcessGroupStrategy):
     Args:
         pp, dp_replicate, dp_shard, ep, tp, etp, cp, cp_mode, cp_uneven, zero_stage, offload,
             activation_checkpointing, ac_every, sequence_parallel, pp_schedule, microbatches, bucket_cap_mb, pp_split,
-            pp_costs, compile, auto_dims: see
+            pp_costs, compile, auto_dims, sync_every, outer_lr, outer_momentum: see
             `lightning_par.config.ParallelConfig` (listed one by one because LightningCLI recipes set them by
             name from this signature).
         timeout_s: collective timeout in seconds; a rank stuck in a collective past this fails instead of
@@ -95,6 +96,9 @@ class ParallelStrategy(ProcessGroupStrategy):
         pp_costs: Optional[tuple[float, ...]] = None,
         compile: bool = False,
         auto_dims: Optional[tuple[str, ...]] = None,
+        sync_every: Optional[int] = None,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
         timeout_s: float = 600.0,
         process_group_backend: Optional[str] = None,
         async_save: bool = False,
@@ -107,15 +111,7 @@ class ParallelStrategy(ProcessGroupStrategy):
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
     ) -> None:
-        if backend == "deepspeed":
-            raise ValueError(
-                "ParallelStrategy(backend='deepspeed') is DeepSpeedParallelStrategy now: use "
-                "lightning_par.DeepSpeedParallelStrategy(...) with the same arguments, strategy='deepspeed_zero2' "
-                "(and the other deepspeed_* names), or lightning_par.strategies.registry.make_strategy(backend="
-                "'deepspeed', ...)"
-            )
-        if backend != "native":
-            raise ValueError(f"backend={backend!r} is unknown; choose 'native' or 'deepspeed'")
+        check_native_backend(backend)
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s} must be > 0 seconds (600 is the default)")
         # Validated now (static checks, unsupported combinations), before any process exists; the world-size checks
@@ -126,6 +122,7 @@ class ParallelStrategy(ProcessGroupStrategy):
             offload=offload, activation_checkpointing=activation_checkpointing, ac_every=ac_every,
             sequence_parallel=sequence_parallel, pp_schedule=pp_schedule, microbatches=microbatches,
             bucket_cap_mb=bucket_cap_mb, pp_split=pp_split, pp_costs=pp_costs, compile=compile, auto_dims=auto_dims,
+            sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum,
         )  # fmt: skip
         super().__init__(
             config, timedelta(seconds=timeout_s), process_group_backend, accelerator=accelerator,
