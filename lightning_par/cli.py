@@ -16,6 +16,8 @@ With ``--gpu NAME`` it is the planner instead: every layout ranked by predicted 
 ``lightning-par recipes [FOLDER]`` lists the recipes (``./recipes``, else the ones beside this package's source), one
 line each: the name and what it trains.
 
+``lightning-par sweep --config RECIPE --space SPACE.yaml`` runs Optuna trials of a recipe (`lightning_par.tuning`).
+
 ``lightning-par check --config RECIPE`` reports, without training, which strategy names can train the recipe's model
 and why the others cannot (`lightning_par.analysis.compatibility`).
 """
@@ -101,6 +103,28 @@ def list_recipes(folder: Optional[Path] = None) -> str:
                       *rows])  # fmt: skip
 
 
+def sweep_main(argv: list[str]) -> None:
+    """``lightning-par sweep --config RECIPE --space SPACE.yaml [--out DIR] [--study-name N] [--storage URL]``."""
+    import argparse
+
+    from lightning_par.tuning.space import SpaceError, load_space
+    from lightning_par.tuning.sweep import run_sweep, summary
+
+    parser = argparse.ArgumentParser(prog="lightning-par sweep", description="Optuna trials of a recipe")
+    parser.add_argument("--config", required=True, type=Path, help="the recipe (as for lightning-par fit)")
+    parser.add_argument("--space", required=True, type=Path, help="the search space YAML")
+    parser.add_argument("--out", type=Path, default=Path("sweeps"), help="trial logs, metrics and results.json")
+    parser.add_argument("--study-name", default=None, help="the study and W&B group name")
+    parser.add_argument("--storage", default=None, help="Optuna storage URL, e.g. sqlite:///sweep.db (resumable)")
+    args = parser.parse_args(argv)
+    try:
+        space = load_space(args.space)
+        study = run_sweep(args.config, space, args.out, args.study_name, args.storage)
+    except SpaceError as err:
+        sys.exit(f"lightning-par sweep: {err}")
+    print(summary(study, space.metric))
+
+
 def main() -> None:
     """Entry point of the ``lightning-par`` console script."""
     if len(sys.argv) > 1 and sys.argv[1] == "consolidate":  # not a LightningCLI subcommand: no trainer, no model
@@ -124,6 +148,9 @@ def main() -> None:
         return
     if len(sys.argv) > 1 and sys.argv[1] == "check":
         print(check_recipe(sys.argv[2:]))
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "sweep":
+        sweep_main(sys.argv[2:])
         return
     build_cli()
 

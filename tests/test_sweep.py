@@ -1,0 +1,135 @@
+"""`lightning-par sweep`: Optuna trials of a recipe end to end on CPU, pruning, W&B groups, and bad spaces.
+
+One sweep of 3 trials of a 2-rank ZeRO-2 recipe (6 steps, validation at steps 3 and 6; ~1 minute here): two enqueued
+learning rates that train, then lr = 50, whose validation loss at step 3 is far above the median of the first two,
+so Optuna's median pruner stops it there. The trials' W&B runs (offline) are read back with wandb's own reader.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from launch import worker_env
+
+from lightning_par.tuning.space import SpaceError, load_space
+
+RECIPE = {
+    "seed_everything": 0,
+    "trainer": {
+        "accelerator": "cpu", "devices": 2, "strategy": "zero2", "max_steps": 6, "val_check_interval": 3,
+        "limit_val_batches": 2, "enable_checkpointing": False, "enable_progress_bar": False,
+        "enable_model_summary": False, "num_sanity_val_steps": 0,
+        "logger": {"class_path": "lightning.pytorch.loggers.WandbLogger",
+                   "init_args": {"project": "sweep-test", "offline": True}},
+    },
+    "model": {"class_path": "lightning_par.models.GPT",
+              "init_args": {"vocab_size": 256, "block_size": 32, "n_layer": 1, "n_head": 2, "n_embd": 32, "lr": 0.003}},
+    "data": {"class_path": "lightning_par.data.ByteTextDataModule",
+             "init_args": {"seq_len": 32, "batch_size": 4, "num_samples": 64}},
+}  # fmt: skip
+SPACE = {
+    "metric": "val_loss",
+    "trials": 3,
+    "parameters": {"model.init_args.lr": {"low": 1.0e-4, "high": 100.0, "log": True}},
+    "enqueue": [{"model.init_args.lr": 0.003}, {"model.init_args.lr": 0.002}, {"model.init_args.lr": 50.0}],
+}
+
+
+def _sweep(tmp: Path, space: dict, *extra: str) -> subprocess.CompletedProcess:
+    recipe = dict(RECIPE, trainer={**RECIPE["trainer"], "logger": {**RECIPE["trainer"]["logger"]}})
+    recipe["trainer"]["logger"]["init_args"] = {**RECIPE["trainer"]["logger"]["init_args"], "save_dir": str(tmp)}
+    (tmp / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    (tmp / "space.yaml").write_text(yaml.safe_dump(space))
+    cmd = [str(Path(sys.executable).with_name("lightning-par")), "sweep", "--config", "recipe.yaml", "--space",
+           "space.yaml", "--out", "out", *extra]  # fmt: skip
+    env = {**worker_env(), "WANDB_MODE": "offline"}
+    return subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
+    tmp = tmp_path_factory.mktemp("sweep")
+    return tmp, _sweep(tmp, SPACE, "--study-name", "lr-study")
+
+
+def test_a_sweep_runs_trials_and_prunes_the_diverging_one(sweep):
+    tmp, done = sweep
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads((tmp / "out" / "results.json").read_text())
+    assert results["study"] == "lr-study" and results["metric"] == "val_loss"
+    states = [t["state"] for t in results["trials"]]
+    assert states == ["COMPLETE", "COMPLETE", "PRUNED"]
+    assert [t["params"]["model.init_args.lr"] for t in results["trials"]] == [0.003, 0.002, 50.0]
+    # Complete trials reported both validations; the pruned one was stopped after its first.
+    assert [t["steps"] for t in results["trials"]] == [[3, 6], [3, 6], [3]]
+    complete = [t["value"] for t in results["trials"][:2]]
+    assert all(4.0 < v < 6.0 for v in complete)  # a byte-level LM near its start: ln(256) = 5.5
+    assert "best: trial" in done.stdout and "| 2 | pruned |" in done.stdout
+
+
+def test_the_trials_are_one_wandb_group(sweep):
+    tmp, done = sweep
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs = sorted((tmp / "wandb").glob("offline-run-*"))
+    assert len(runs) == 3
+    seen = []
+    for run in runs:
+        reader = [str(Path(sys.executable).with_name("wandb")), "leet", "inspect", "--json", str(run)]
+        read = subprocess.run(reader, capture_output=True, text=True, timeout=120, env=dict(os.environ))
+        assert read.returncode == 0, read.stderr[-2000:]
+        record = next(json.loads(line)["run"] for line in read.stdout.splitlines() if '"type":"run"' in line)
+        seen.append((record["run_group"], record["display_name"]))
+        history = [
+            json.loads(line)["history"]["item"] for line in read.stdout.splitlines() if '"type":"history"' in line
+        ]
+        assert any("val_loss" in row for row in history)
+    assert sorted(seen) == [("lr-study", f"lr-study-{i}") for i in range(3)]
+
+
+def test_an_argument_the_recipe_lacks_fails_before_any_trial(tmp_path):
+    space = {"parameters": {"model.init_args.learning_rate": {"low": 1.0e-4, "high": 1.0e-2}}, "trials": 2}
+    done = _sweep(tmp_path, space)
+    assert done.returncode != 0
+    assert "has no argument model.init_args.learning_rate" in done.stderr
+    assert "--print_config" in done.stderr
+    assert not (tmp_path / "out" / "trial-0.log").exists()
+
+
+@pytest.mark.parametrize(
+    ("space", "message"),
+    [
+        ({"trials": 2}, "needs a 'parameters' mapping"),
+        ({"parameters": {"a": {"low": 1, "high": 1}}}, "a range needs numbers low < high"),
+        ({"parameters": {"a": {"low": 0.0, "high": 1.0, "log": True}}}, "a log range needs low > 0"),
+        ({"parameters": {"a": {"choices": []}}}, "'choices' must be a non-empty list"),
+        ({"parameters": {"a": {"choices": [1]}}, "sampler": "cmaes"}, "sampler must be one of"),
+        ({"parameters": {"a": {"choices": [1]}}, "enqueue": [{"b": 1}]}, "enqueue names ['b']"),
+        ({"parameters": {"a": {"choices": [1]}}, "metrics": "x"}, "unknown entries ['metrics']"),
+    ],
+)
+def test_bad_spaces_are_refused_naming_the_fix(tmp_path, space, message):
+    path = tmp_path / "space.yaml"
+    path.write_text(yaml.safe_dump(space))
+    with pytest.raises(SpaceError, match=message.replace("[", r"\[").replace("]", r"\]").replace("'", "'")):
+        load_space(path)
+
+
+def test_overrides_are_command_line_arguments():
+    space = load_space_from({"parameters": {"trainer.strategy": {"choices": ["zero1"]}}})
+    assert space.overrides({"trainer.strategy": "zero1", "model.init_args.lr": 0.003, "x.y": [1, 2]}) == [
+        "--trainer.strategy=zero1", "--model.init_args.lr=0.003", "--x.y=[1, 2]"]  # fmt: skip
+
+
+def load_space_from(raw: dict):
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "space.yaml"
+        path.write_text(yaml.safe_dump(raw))
+        return load_space(path)
