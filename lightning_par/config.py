@@ -79,6 +79,10 @@ class ParallelConfig:
         compile: `torch.compile` each trunk block (after activation checkpointing and tensor parallelism, before
             FSDP2; `lightning_par.parallel.compile`): the code outside the trunk and ``training_step`` stay eager,
             parameter names do not change. Costs compile time at the first step (and after a shape change).
+        global_batch: samples per optimizer step over all data-parallel ranks; the strategy sets the Trainer's
+            gradient accumulation to ``global_batch / (per-rank batch x data-parallel size)`` when the training
+            loader is set up, so a restart on fewer or more ranks (elastic) trains on the same global batch; a size
+            that does not divide is refused, naming the fix. ``None``: the Trainer's ``accumulate_grad_batches``.
         sync_every: local SGD / DiLoCo (`lightning_par.parallel.local_sgd`): the ``dp_replicate`` replicas train
             apart (gradients reduced inside each, over ``dp_shard``) and synchronise every ``sync_every`` optimizer
             steps with an outer SGD step; ``None`` (default): gradients are reduced over every data-parallel rank
@@ -110,6 +114,7 @@ class ParallelConfig:
     pp_costs: Optional[tuple[float, ...]] = None
     compile: bool = False
     auto_dims: Optional[tuple[str, ...]] = None
+    global_batch: Optional[int] = None
     sync_every: Optional[int] = None
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
@@ -200,6 +205,8 @@ class ParallelConfig:
             unknown = [d for d in self.auto_dims if d not in AUTO_DIMS]
             if unknown:
                 raise ParallelConfigError(f"auto_dims={self.auto_dims!r}: {unknown} unknown; choose from {AUTO_DIMS}")
+        if self.global_batch is not None and (not isinstance(self.global_batch, int) or self.global_batch < 1):
+            raise ParallelConfigError(f"global_batch={self.global_batch!r} must be an int >= 1 (samples per step)")
         self._check_local_sgd()
         self.check_supported()
 

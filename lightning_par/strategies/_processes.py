@@ -80,6 +80,8 @@ class ProcessLayout:
         dp = self.meshes.dp
         epoch = (lambda: trainer.current_epoch) if trainer is not None else None
         split_over_data_parallel(dataloader, dp.get_local_rank(), dp.size(), epoch)
+        if self._config.global_batch is not None and trainer is not None and trainer.training:
+            trainer.accumulate_grad_batches = accumulation_for(self._config.global_batch, dataloader, dp.size())
         return super().process_dataloader(dataloader)  # type: ignore[misc]
 
     # ---- processes -------------------------------------------------------------------------------------------
@@ -251,3 +253,24 @@ def set_metric_groups(module: nn.Module, group: dist.ProcessGroup) -> None:
     for m in module.modules():
         if isinstance(m, Metric):
             m.process_group = group
+
+
+def accumulation_for(global_batch: int, dataloader: Any, dp: int) -> int:
+    """Micro-batches per optimizer step that make ``global_batch`` samples over ``dp`` ranks with this loader.
+
+    Raises:
+        ValueError: the loader has no batch size, or the global batch is not a multiple of per-rank batch x dp.
+    """
+    per_rank = getattr(dataloader, "batch_size", None)
+    if not per_rank:
+        raise ValueError(
+            f"global_batch={global_batch} needs a training DataLoader with a batch_size (this one batches itself); "
+            "set the loader's batch_size, or drop global_batch and set Trainer(accumulate_grad_batches=...)"
+        )
+    if global_batch % (per_rank * dp):
+        raise ValueError(
+            f"global_batch={global_batch} is not a multiple of the per-rank batch {per_rank} x {dp} data-parallel "
+            f"ranks = {per_rank * dp}; set the loader's batch_size so that batch_size x {dp} divides {global_batch}, "
+            "or change global_batch"
+        )
+    return global_batch // (per_rank * dp)

@@ -127,9 +127,12 @@ class ResumeState:
     def restore_rng(self, trainer: Any, device: torch.device) -> None:
         """Restore the loaded RNG states (once; at ``on_train_start``, just before the first resumed step)."""
         state, self._rank_state = self._rank_state, None
-        self._positions, self._installed = [], 0
+        positions, self._positions, self._installed = self._positions, [], 0
         if state is None:
             return
+        loaders = _train_loaders(trainer)
+        if loaders and positions and positions[0] is not None and not positions[0]["complete"]:
+            _rescale_progress(trainer, positions[0]["samples"], _samples_per_batch(loaders[0]))
         set_rng_state(state["rng"], device)
         for dl, saved in zip(_train_loaders(trainer), state.get("loader_generators", [])):
             generator = getattr(dl, "generator", None)
@@ -145,3 +148,43 @@ def _train_loaders(trainer: Any) -> list[object]:
 def _generator(dataloader: object) -> Optional[torch.Tensor]:
     generator = getattr(dataloader, "generator", None)
     return generator.get_state() if isinstance(generator, torch.Generator) else None
+
+
+def _samples_per_batch(dataloader: object) -> Optional[int]:
+    """Samples one batch of a training loader takes over all data-parallel ranks (``None``: not ours to say)."""
+    dataset = getattr(dataloader, "dataset", None)
+    if isinstance(dataset, DataParallelStream):
+        return dataset.global_batch
+    batches = getattr(dataloader, "batch_sampler", None)
+    sampler = getattr(batches, "sampler", None)
+    if isinstance(sampler, ResumableSampler):
+        return int(batches.batch_size) * sampler.inner.num_replicas  # type: ignore[union-attr]
+    return None
+
+
+def _rescale_progress(trainer: Any, samples: int, per_batch: Optional[int]) -> None:
+    """After a mid-epoch resume where one batch takes another number of samples than before (another data-parallel
+    size or per-rank batch, the accumulation raised or lowered to keep the global batch: an elastic restart), count
+    Lightning's restored batch progress in the new batches: the epoch's position is the samples already consumed.
+
+    Raises:
+        CheckpointError: those samples are not a whole number of the new batches.
+    """
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    if per_batch is None or progress.current.ready * per_batch == samples:
+        return  # the same batches as the run that saved
+    if samples % per_batch:
+        raise CheckpointError(
+            f"the checkpoint was saved {samples} samples into the epoch, which is not a whole number of this run's "
+            f"batches of {per_batch} samples (per-rank batch x data-parallel ranks); resume with a per-rank batch "
+            f"and data-parallel size whose product divides {samples}, or from a checkpoint saved at an epoch's end"
+        )
+    ready = samples // per_batch
+    current, total = progress.current, progress.total
+    names = ("ready", "started", "processed", "completed")
+    # Keep each counter's distance to `ready` (a save in on_train_batch_end has completed = ready - 1).
+    old = {name: getattr(current, name) for name in names}
+    for name in names:
+        new = ready - (old["ready"] - old[name])
+        setattr(total, name, getattr(total, name) - old[name] + new)
+        setattr(current, name, new)

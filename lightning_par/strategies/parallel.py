@@ -48,7 +48,7 @@ class ParallelStrategy(ProcessGroupStrategy):
     Args:
         pp, dp_replicate, dp_shard, ep, tp, etp, cp, cp_mode, cp_uneven, zero_stage, offload,
             activation_checkpointing, ac_every, sequence_parallel, pp_schedule, microbatches, bucket_cap_mb, pp_split,
-            pp_costs, compile, auto_dims, sync_every, outer_lr, outer_momentum: see
+            pp_costs, compile, auto_dims, global_batch, sync_every, outer_lr, outer_momentum: see
             `lightning_par.config.ParallelConfig` (listed one by one because LightningCLI recipes set them by
             name from this signature).
         timeout_s: collective timeout in seconds; a rank stuck in a collective past this fails instead of
@@ -96,6 +96,7 @@ class ParallelStrategy(ProcessGroupStrategy):
         pp_costs: Optional[tuple[float, ...]] = None,
         compile: bool = False,
         auto_dims: Optional[tuple[str, ...]] = None,
+        global_batch: Optional[int] = None,
         sync_every: Optional[int] = None,
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
@@ -122,7 +123,7 @@ class ParallelStrategy(ProcessGroupStrategy):
             offload=offload, activation_checkpointing=activation_checkpointing, ac_every=ac_every,
             sequence_parallel=sequence_parallel, pp_schedule=pp_schedule, microbatches=microbatches,
             bucket_cap_mb=bucket_cap_mb, pp_split=pp_split, pp_costs=pp_costs, compile=compile, auto_dims=auto_dims,
-            sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum,
+            global_batch=global_batch, sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum,
         )  # fmt: skip
         super().__init__(
             config, timedelta(seconds=timeout_s), process_group_backend, accelerator=accelerator,
