@@ -238,7 +238,7 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                ("chunk_cat",), lambda: _chunk_cat_layout()),
     # torch: DataLoader workers
     PrivateAPI("torch", "torch.utils.data._utils.worker._worker_info",
-               "lightning_par.data.streaming reads a source as one process inside a loader worker with",
+               "lightning_par.parallel.streaming reads a source as one process inside a loader worker with",
                ("hidden_worker_info",), lambda: _hidden_worker_info()),
     # torch: distributed checkpoint
     PrivateAPI("torch", f"{_D}.checkpoint.state_dict._init_optim_state",

@@ -23,8 +23,8 @@ from typing_extensions import override
 
 from lightning_par import _compat
 from lightning_par.config import ParallelConfig
-from lightning_par.data.streaming import split_over_data_parallel
 from lightning_par.mesh import ParallelMesh, build_mesh
+from lightning_par.parallel.streaming import split_over_data_parallel
 
 
 class ProcessLayout:
@@ -74,7 +74,7 @@ class ProcessLayout:
     # ---- data ------------------------------------------------------------------------------------------------
     def process_dataloader(self: Any, dataloader: Any) -> Any:
         """Split a loader over an iterable dataset over the data-parallel ranks only (tensor, context and pipeline
-        ranks of one replica read the same samples): `lightning_par.data.streaming`."""
+        ranks of one replica read the same samples): `lightning_par.parallel.streaming`."""
         module = getattr(self, "lightning_module", None)
         trainer = _compat.attached_trainer(module) if module is not None else None
         dp = self.meshes.dp

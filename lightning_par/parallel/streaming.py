@@ -33,6 +33,8 @@ from typing import Any, Optional
 
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from lightning_par import _compat
+
 
 class DataParallelStream(IterableDataset):
     """This data-parallel rank's share of an iterable dataset (module docstring: order, position, cost).
@@ -144,10 +146,6 @@ def _whole(source: Any) -> Iterator[Any]:
     """The source's samples as one process reads them: it does not see the loader worker it runs in (a source that
     splits itself over workers, as `datasets` does, would otherwise hand each worker a part and this module would
     split that part again)."""
-    # Imported here: lightning_par.data is what a plain-Lightning user of lightning_par.models imports, and it
-    # imports nothing else of the package at module level (tests/test_checkpoint.py checks it).
-    from lightning_par import _compat
-
     iterator = None
     while True:
         with _compat.hidden_worker_info():
