@@ -27,6 +27,8 @@ import pytest
 from launch import worker_env
 from parity import rel
 
+pytestmark = pytest.mark.slow  # multi-process, ~1-2 minutes: the slow tier (README)
+
 SCRIPT = Path(__file__).with_name("_elastic_train.py")
 STEPS = 8
 
@@ -49,6 +51,27 @@ def _agent(out: Path, port: int, log: Path) -> subprocess.Popen:
            "--monitor-interval", "1", str(SCRIPT), str(out), str(STEPS), "1.5"]  # fmt: skip
     env = {**worker_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     return subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _kill_node(pid: int) -> None:
+    """SIGKILL a process and all its descendants (torchrun starts its workers in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    tree, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo += children.get(p, [])
+    for p in tree:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def _wait(pred: Any, timeout: float, what: str, logs: list[Path]) -> None:
@@ -78,7 +101,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     agents.append(_agent(out, port, logs[1]))
     try:
         _wait(lambda: any(r["step"] >= 2 and r["world"] == 4 for r in _steps(out)), 240, "step 2 on 4 ranks", logs)
-        os.killpg(agents[1].pid, signal.SIGKILL)  # a node is lost
+        _kill_node(agents[1].pid)  # a node is lost: its agent and its workers
         agents[1].wait(timeout=30)
         _wait(lambda: any(r["world"] == 2 for r in _steps(out)), 240, "a step on 2 ranks", logs)
         agents.append(_agent(out, port, logs[2]))  # the node is back
@@ -87,7 +110,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     finally:
         for agent in agents:
             if agent.poll() is None:
-                os.killpg(agent.pid, signal.SIGKILL)
+                _kill_node(agent.pid)
     return {"ref": _steps(ref), "elastic": _steps(out)}
 
 

@@ -19,6 +19,8 @@ from launch import worker_env
 
 from lightning_par.tuning.space import SpaceError, load_space
 
+pytestmark = pytest.mark.slow  # trial processes, ~1-2 minutes: the slow tier (README)
+
 RECIPE = {
     "seed_everything": 0,
     "trainer": {
