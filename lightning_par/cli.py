@@ -119,6 +119,13 @@ def sweep_main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     try:
         space = load_space(args.space)
+        if space.algorithm == "pbt":
+            from lightning_par.tuning.pbt import run_pbt
+
+            results = run_pbt(args.config, space, args.out, args.study_name)
+            for member in results["members"]:
+                print(f"member {member['id']}: " + ", ".join(f"{h['score']:.4g}" for h in member["history"]))
+            return
         study = run_sweep(args.config, space, args.out, args.study_name, args.storage)
     except SpaceError as err:
         sys.exit(f"lightning-par sweep: {err}")

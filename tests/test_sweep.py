@@ -94,6 +94,38 @@ def test_the_trials_are_one_wandb_group(sweep):
     assert sorted(seen) == [("lr-study", f"lr-study-{i}") for i in range(3)]
 
 
+PBT = {
+    "metric": "val_loss", "algorithm": "pbt", "population": 3, "generations": 2, "steps_per_generation": 3,
+    "quantile": 0.34, "seed": 0,
+    "parameters": {"model.init_args.lr": {"low": 1.0e-4, "high": 1.0e-1, "log": True},
+                   "trainer.strategy": {"choices": ["zero1", "zero3"]}},
+}  # fmt: skip
+
+
+def test_population_based_training_exploits_and_explores_from_checkpoints(tmp_path):
+    # 3 members x 2 generations of 3 steps (validation at each generation's end). After generation 0 the worst
+    # member continues the best one's checkpoint (resharded if their strategies differ) with its lr perturbed.
+    done = _sweep(tmp_path, PBT, "--study-name", "pbt-study")
+    assert done.returncode == 0, done.stderr[-3000:]
+    members = json.loads((tmp_path / "out" / "results.json").read_text())["members"]
+    first = {m["id"]: m["history"][0] for m in members}
+    second = {m["id"]: m["history"][1] for m in members}
+    best = min(first, key=lambda i: first[i]["score"])
+    worst = max(first, key=lambda i: first[i]["score"])
+    assert all(h["start_step"] == 3 for h in second.values())  # every member resumed a checkpoint after 3 steps
+    for i, h in second.items():
+        if i == worst:
+            assert h["exploited"] == best and h["resumed"] == first[best]["saved"]
+            factor = h["values"]["model.init_args.lr"] / first[best]["values"]["model.init_args.lr"]
+            assert min(abs(factor - 0.8), abs(factor - 1.2)) < 1e-9
+        else:
+            assert h["exploited"] is None and h["resumed"] == first[i]["saved"]
+            assert h["values"] == first[i]["values"]
+        # The run started with its own lr, not the one the restored optimizer state held.
+        assert h["lr_at_start"] == pytest.approx(h["values"]["model.init_args.lr"])
+    assert len(list((tmp_path / "wandb").glob("offline-run-*"))) == 6
+
+
 def test_an_argument_the_recipe_lacks_fails_before_any_trial(tmp_path):
     space = {"parameters": {"model.init_args.learning_rate": {"low": 1.0e-4, "high": 1.0e-2}}, "trials": 2}
     done = _sweep(tmp_path, space)
@@ -113,6 +145,8 @@ def test_an_argument_the_recipe_lacks_fails_before_any_trial(tmp_path):
         ({"parameters": {"a": {"choices": [1]}}, "sampler": "cmaes"}, "sampler must be one of"),
         ({"parameters": {"a": {"choices": [1]}}, "enqueue": [{"b": 1}]}, "enqueue names ['b']"),
         ({"parameters": {"a": {"choices": [1]}}, "metrics": "x"}, "unknown entries ['metrics']"),
+        ({"parameters": {"a": {"choices": [1]}}, "algorithm": "pbt"}, "pbt needs steps_per_generation >= 1"),
+        ({"parameters": {"a": {"choices": [1]}}, "algorithm": "hyperband"}, "use optuna \\(default\\) or pbt"),
     ],
 )
 def test_bad_spaces_are_refused_naming_the_fix(tmp_path, space, message):

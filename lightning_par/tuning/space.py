@@ -14,6 +14,10 @@ parameters:               # LightningCLI keys of the recipe, as on its command l
 enqueue:                  # optional: trials to run first, with these values (the rest still sampled)
   - {model.init_args.lr: 0.003}
 ```
+
+Population-based training instead (`lightning_par.tuning.pbt`): ``algorithm: pbt``, ``population``,
+``generations``, ``steps_per_generation``, ``quantile`` (the share exploited each generation, default 0.25) and
+``perturb`` (factors for numeric values, default [0.8, 1.2]).
 """
 
 from __future__ import annotations
@@ -73,6 +77,12 @@ class Space:
     pruner: str = "median"
     seed: int = 0
     enqueue: tuple[dict[str, Any], ...] = ()
+    algorithm: str = "optuna"
+    population: int = 4
+    generations: int = 3
+    steps_per_generation: int = 0
+    quantile: float = 0.25
+    perturb: tuple[float, ...] = (0.8, 1.2)
 
     def overrides(self, values: dict[str, Any]) -> list[str]:
         """LightningCLI arguments setting ``values`` (``--key=value``; YAML for lists and mappings)."""
@@ -100,14 +110,23 @@ def load_space(path: Path) -> Space:
     if unknown:
         raise SpaceError(f"search space {path}: unknown entries {unknown}; the entries are {sorted(known)}")
     params = tuple(_param(path, key, spec) for key, spec in raw["parameters"].items())
-    settings = {k: v for k, v in raw.items() if k not in ("parameters", "enqueue")}
-    space = Space(params=params, enqueue=tuple(raw.get("enqueue") or ()), **settings)
+    settings = {k: v for k, v in raw.items() if k not in ("parameters", "enqueue", "perturb")}
+    space = Space(params=params, enqueue=tuple(raw.get("enqueue") or ()),
+                  perturb=tuple(raw.get("perturb") or (0.8, 1.2)), **settings)  # fmt: skip
     if space.direction not in ("minimize", "maximize"):
         raise SpaceError(f"search space {path}: direction={space.direction!r}; use minimize or maximize")
     if space.sampler not in SAMPLERS or space.pruner not in PRUNERS:
         raise SpaceError(f"search space {path}: sampler must be one of {SAMPLERS} and pruner one of {PRUNERS}")
     if not isinstance(space.trials, int) or space.trials < 1:
         raise SpaceError(f"search space {path}: trials={space.trials!r} must be an int >= 1")
+    if space.algorithm not in ("optuna", "pbt"):
+        raise SpaceError(f"search space {path}: algorithm={space.algorithm!r}; use optuna (default) or pbt")
+    if space.algorithm == "pbt" and (space.steps_per_generation < 1 or space.population < 2 or
+                                     space.generations < 1 or not 0 < space.quantile <= 0.5):  # fmt: skip
+        raise SpaceError(
+            f"search space {path}: pbt needs steps_per_generation >= 1 (optimizer steps between exploit/explore), "
+            "population >= 2, generations >= 1 and 0 < quantile <= 0.5"
+        )
     names = {p.key for p in params}
     for queued in space.enqueue:
         extra = sorted(set(queued) - names) if isinstance(queued, dict) else ["(not a mapping)"]

@@ -100,7 +100,7 @@ def _read_new(path: Path, seen: int) -> list[dict[str, Any]]:
         return []
     lines = path.read_text().splitlines()
     complete = lines if path.read_text().endswith("\n") else lines[:-1]  # a line being written waits a poll
-    return [json.loads(line) for line in complete[seen:]]
+    return [row for row in map(json.loads, complete) if "value" in row][seen:]
 
 
 def _stop(proc: subprocess.Popen) -> None:

@@ -22,6 +22,12 @@ class MetricsFile(L.Callback):
     def __init__(self, path: Path, metric: str) -> None:
         self.path, self.metric = Path(path), metric
 
+    def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        if trainer.is_global_zero:  # what the run starts from: its step and its first group's lr
+            row = {"start_step": trainer.global_step, "lr": trainer.optimizers[0].param_groups[0]["lr"]}
+            with self.path.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+
     def on_validation_end(self, trainer: L.Trainer, pl_module: Any) -> None:
         value = trainer.callback_metrics.get(self.metric)
         if trainer.sanity_checking or not trainer.is_global_zero or value is None:
@@ -30,14 +36,47 @@ class MetricsFile(L.Callback):
             f.write(json.dumps({"step": trainer.global_step, "value": float(value)}) + "\n")
 
 
+class NewHyperparameters(L.Callback):
+    """After a resume, the optimizer's hyper-parameters (lr, weight decay, betas, ...) are this run's: its state
+    (moments, step) comes from the checkpoint, but its param groups' settings from the model's own
+    ``configure_optimizers`` with this run's arguments; a scheduler keeps its position (the factor it applies now)
+    on the new base lr.
+    Population-based training explores this way: a trial continues another's checkpoint with perturbed values."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        from lightning.pytorch.core.optimizer import _configure_optimizers
+
+        fresh, _, _ = _configure_optimizers(pl_module.configure_optimizers())
+        for restored, new in zip(trainer.optimizers, fresh):
+            for group, new_group in zip(restored.param_groups, new.param_groups):
+                # Where the restored schedule stands, as a factor of its base lr (1 without a scheduler).
+                factor = group["lr"] / group["initial_lr"] if group.get("initial_lr") else 1.0
+                group.update({k: v for k, v in new_group.items() if k != "params"})
+                group["initial_lr"] = new_group["lr"]
+                group["lr"] = new_group["lr"] * factor
+        for config in trainer.lr_scheduler_configs:
+            scheduler: Any = config.scheduler
+            scheduler.base_lrs = [group["initial_lr"] for group in scheduler.optimizer.param_groups]
+
+
 def main(argv: Optional[list[str]] = None) -> None:
-    """Run one trial (module docstring)."""
+    """Run one trial (module docstring). ``--resume CKPT`` (before the LightningCLI arguments) continues a checkpoint
+    with this trial's hyper-parameters (`NewHyperparameters`); ``--save CKPT`` saves one at the end."""
     from lightning_par.cli_recipe import build_cli
 
     path, metric, *args = sys.argv[1:] if argv is None else argv
+    resume = save = None
+    while args and args[0] in ("--resume", "--save"):
+        flag, value, *args = args
+        resume, save = (value, save) if flag == "--resume" else (resume, value)
     cli = build_cli(args, run=False)
-    cli.trainer.callbacks.append(MetricsFile(Path(path), metric))  # type: ignore[attr-defined]
-    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    callbacks = cli.trainer.callbacks  # type: ignore[attr-defined]
+    if resume is not None:
+        callbacks.append(NewHyperparameters())  # before MetricsFile, which records the lr the run starts with
+    callbacks.append(MetricsFile(Path(path), metric))
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=resume)
+    if save is not None:
+        cli.trainer.save_checkpoint(save)
 
 
 if __name__ == "__main__":
