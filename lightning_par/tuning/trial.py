@@ -44,11 +44,11 @@ class NewHyperparameters(L.Callback):
     Population-based training explores this way: a trial continues another's checkpoint with perturbed values."""
 
     def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
-        from lightning.pytorch.core.optimizer import _configure_optimizers
+        from lightning_par.analysis.compatibility import first_optimizer
 
-        fresh, _, _ = _configure_optimizers(pl_module.configure_optimizers())
-        for restored, new in zip(trainer.optimizers, fresh):
-            for group, new_group in zip(restored.param_groups, new.param_groups):
+        new = first_optimizer(pl_module.configure_optimizers())  # the first optimizer's settings (the one PBT tunes)
+        for restored in trainer.optimizers[:1] if new is not None else []:
+            for group, new_group in zip(restored.param_groups, new.param_groups):  # type: ignore[union-attr]
                 # Where the restored schedule stands, as a factor of its base lr (1 without a scheduler).
                 factor = group["lr"] / group["initial_lr"] if group.get("initial_lr") else 1.0
                 group.update({k: v for k, v in new_group.items() if k != "params"})
