@@ -68,3 +68,13 @@ def test_a_global_batch_that_does_not_divide_is_refused_naming_the_fix(runs):
     got = runs["bad"]
     assert got["losses"] == []
     assert "global_batch=6 is not a multiple of the per-rank batch 2 x 2 data-parallel ranks" in got["error"]
+
+
+def test_backends_that_fix_accumulation_elsewhere_refuse_global_batch():
+    import lightning_par
+    from lightning_par.fabric import ParallelStrategy as FabricStrategy
+
+    with pytest.raises(ValueError, match="DeepSpeed: its engine fixes the gradient accumulation"):
+        lightning_par.DeepSpeedParallelStrategy(zero_stage=2, global_batch=8)
+    with pytest.raises(ValueError, match="accumulate in your loop"):
+        FabricStrategy(zero_stage=2, global_batch=8)

@@ -79,6 +79,9 @@ class FabricParallelStrategy(ProcessLayout, _FabricParallel):
         config = ParallelConfig(**layout)
         if config.pp > 1 or "pp" in (config.auto_dims or ()):
             raise ValueError(f"FabricParallelStrategy: {PIPELINE_REFUSAL}")
+        if config.global_batch is not None:
+            raise ValueError("FabricParallelStrategy: global_batch sets the Trainer's gradient accumulation, which a "
+                             "Fabric loop does itself; accumulate in your loop (fabric.no_backward_sync)")  # fmt: skip
         if config.sync_every is not None:
             raise ValueError("FabricParallelStrategy: sync_every (local SGD) runs under the Trainer's strategies only "
                              "so far; use Trainer(strategy=ParallelStrategy(..., sync_every=...))")  # fmt: skip
