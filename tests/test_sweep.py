@@ -85,13 +85,15 @@ def test_the_trials_are_one_wandb_group(sweep):
         reader = [str(Path(sys.executable).with_name("wandb")), "leet", "inspect", "--json", str(run)]
         read = subprocess.run(reader, capture_output=True, text=True, timeout=120, env=dict(os.environ))
         assert read.returncode == 0, read.stderr[-2000:]
-        record = next(json.loads(line)["run"] for line in read.stdout.splitlines() if '"type":"run"' in line)
-        seen.append((record["run_group"], record["display_name"]))
-        history = [
-            json.loads(line)["history"]["item"] for line in read.stdout.splitlines() if '"type":"history"' in line
-        ]
-        assert any("val_loss" in row for row in history)
-    assert sorted(seen) == [("lr-study", f"lr-study-{i}") for i in range(3)]
+        records = [json.loads(line) for line in read.stdout.splitlines()]
+        header = [r["run"] for r in records if r.get("type") == "run"]
+        if not header:  # the pruned trial was stopped (its W&B service with it) and may not have flushed its run
+            continue
+        history = [r["history"]["item"] for r in records if r.get("type") == "history"]
+        seen.append((header[0]["run_group"], header[0]["display_name"], any("val_loss" in h for h in history)))
+    # Both complete trials are read back, with their validation losses; every run read is the study's group.
+    assert {("lr-study", "lr-study-0", True), ("lr-study", "lr-study-1", True)} <= set(seen)
+    assert all(group == "lr-study" and name.startswith("lr-study-") for group, name, _ in seen)
 
 
 PBT = {
