@@ -136,10 +136,14 @@ class ResumableSampler(Sampler[int]):
                 "the new order, so the samples differ from an uninterrupted run's",
                 stacklevel=2,
             )
-        if state["complete"]:
-            self.start_at(state["epoch"] + 1, 0)
-        else:
-            self.start_at(state["epoch"], state["samples"])
+        self.start_at(*resume_point(state))
+
+
+def resume_point(state: dict[str, Any]) -> tuple[int, int]:
+    """(epoch, samples of it already consumed) where a saved data position resumes: the next unseen sample, or
+    the next epoch's first when the saved pass was complete. Shared by `ResumableSampler` and
+    `lightning_par.parallel.streaming.DataParallelStream`, whose positions have the same keys."""
+    return (state["epoch"] + 1, 0) if state["complete"] else (state["epoch"], state["samples"])
 
 
 def install(dataloader: object, epoch_fn: Callable[[], int]) -> Optional[ResumableSampler]:

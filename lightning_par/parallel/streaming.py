@@ -34,6 +34,7 @@ from typing import Any, Optional
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from lightning_par import _compat
+from lightning_par.checkpoint.resume_state import resume_point
 
 
 class DataParallelStream(IterableDataset):
@@ -136,10 +137,7 @@ class DataParallelStream(IterableDataset):
                 "samples differently from the uninterrupted run",
                 stacklevel=2,
             )
-        if state["complete"]:
-            self.start_at(state["epoch"] + 1, 0)
-        else:
-            self.start_at(state["epoch"], state["samples"])
+        self.start_at(*resume_point(state))
 
 
 def _whole(source: Any) -> Iterator[Any]:
