@@ -8,8 +8,9 @@ tests/test_zero.py: only the summation order differs); rank 0's batches must be 
 (the `DistributedSampler`'s stride).
 
 Spawns: one 2-rank torchrun (zero1; zero2 with 2 loader workers over `datasets`; zero3; DeepSpeed ZeRO-1; tp, cp
-and pipe, whose two ranks are one replica; a resume on the same layout; a stream shorter than one global batch)
-and one process (the references, and the 2-rank checkpoint resumed on one rank).
+and pipe, whose two ranks are one replica; a Hugging Face Llama built from a config under tp x ZeRO-1; a resume on
+the same layout; a stream shorter than one global batch) and one process (the references, and the 2-rank
+checkpoint resumed on one rank).
 """
 
 from __future__ import annotations
@@ -32,11 +33,13 @@ TWO: dict[str, dict[str, Any]] = {
     "tp": {"strategy": {"tp": 2}, "dp": 1},
     "cp": {"strategy": "cp", "dp": 1},
     "pipe": {"strategy": {"pp": 2, "microbatches": 2}, "dp": 1},
+    "hf_llama_tp_zero1": {"model": "hf_llama", "strategy": {"tp": 2, "zero_stage": 1}, "dp": 1},
     "too_short": {"strategy": "zero1", "stream_samples": 6, "expect_error": True},
 }
 ONE: dict[str, dict[str, Any]] = {
     "ref": {},
     "ref_hf": {"stream": "hf", "workers": 2},
+    "ref_hf_llama": {"model": "hf_llama"},
 }
 
 
@@ -56,13 +59,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     return results
 
 
-@pytest.mark.parametrize("name", ["zero1", "zero2_hf_workers", "zero3", "deepspeed_zero1", "tp", "cp", "pipe"])
+@pytest.mark.parametrize("name", ["zero1", "zero2_hf_workers", "zero3", "deepspeed_zero1", "tp", "cp", "pipe",
+                                  "hf_llama_tp_zero1"])  # fmt: skip
 def test_every_step_trains_on_the_global_batch_of_one_process(runs, name):
     got = runs[name]
-    ref = runs["ref_hf" if "hf" in name else "ref"]
+    ref = runs["ref_hf_llama" if "llama" in name else "ref_hf" if "hf" in name else "ref"]
     assert len(got["losses"]) == len(ref["losses"]) == STEPS
     assert rel(got["losses"], ref["losses"]) < 1e-5
-    if "zero" in name:  # rank 0 holds every other sample of each global batch
+    if "zero" in name and got["layout"]["dp_shard"] > 1:  # rank 0 holds every other sample of each global batch
         assert got["batch_heads"] == [heads[0::2] for heads in ref["batch_heads"]]
     else:  # tensor and pipeline ranks of one replica read the same samples: the whole global batch
         assert got["batch_heads"] == ref["batch_heads"]
