@@ -27,7 +27,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
 
 from lightning_par.data import encode, load_text
-from lightning_par.parallel.streaming import split_over_data_parallel
+from lightning_par.parallel.stream_split import split_over_data_parallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from _streams import _pairs, hf_stream, windows

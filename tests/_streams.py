@@ -1,10 +1,14 @@
 """Streaming training data for tests/_worker.py jobs (``stream``): the bundled corpus's windows, in order, as a plain
-torch `IterableDataset` or as Hugging Face `datasets` in streaming mode over a JSON-lines file written here."""
+torch `IterableDataset`, as Hugging Face `datasets` in streaming mode over a JSON-lines file written here, or as a
+`litdata.StreamingDataset` over chunks written here (read shard by shard, through a per-rank local cache)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Iterator
+import os
+import shutil
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,8 +55,88 @@ def hf_stream(folder: Path, seq_len: int, count: int) -> Any:
     return load_dataset("json", data_files=str(path), split="train", streaming=True)
 
 
+class OrderedStream(CorpusStream):
+    """The windows in a given order: the reference of a sharded stream's global batches (`sharded_order`)."""
+
+    def __init__(self, seq_len: int, count: int, order: Sequence[int]) -> None:
+        super().__init__(seq_len, count)
+        self.order = list(order)
+
+    def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
+        data = windows(self.seq_len, self.count)
+        for i in self.order:
+            yield data[i][:-1], data[i][1:]
+
+
+def sharded_order(count: int, dp: int, workers: int, batch: int) -> list[int]:
+    """The samples of the global batches of a sharded stream of ``count`` samples read by ``dp`` ranks x ``workers``
+    loader workers (docs/data.md): range ``r x W + w`` of the equal cut is worker ``w`` of rank ``r``'s; step ``k``
+    of each rank takes the next batch of worker ``k mod W``; the global batch is rank 0's batch, then rank 1's, ..."""
+    slots = dp * max(workers, 1)
+    quota = count // slots // batch * batch
+    order = []
+    for k in range(slots * quota // batch // dp):
+        for rank in range(dp):
+            w = k % max(workers, 1)
+            first = (rank * max(workers, 1) + w) * quota + (k // max(workers, 1)) * batch
+            order.extend(range(first, first + batch))
+    return order
+
+
+CHUNK = 4  # samples per litdata chunk
+
+
+def litdata_stream(folder: Path, seq_len: int, count: int) -> Any:
+    """The windows as a `litdata.StreamingDataset` over chunks of `CHUNK` samples written here, read through a
+    ``local:`` URL, so each rank copies the chunks it reads into its own cache folder ``cache_rank<R>``."""
+    import litdata
+    from litdata.streaming.resolver import Dir
+    from litdata.streaming.writer import BinaryWriter
+
+    chunks = folder / f"litdata_{seq_len}_{count}"
+    if not chunks.exists():  # every rank writes the same chunks; a rename makes the folder appear whole
+        tmp = folder / f"litdata.{os.getpid()}.tmp"
+        tmp.mkdir(parents=True)
+        # One writer per rank, each alone: litdata's writer would otherwise see the process group, name its chunks
+        # by rank and wait in merge() for the other ranks' index in the same folder.
+        with _env(WORLD_SIZE="1", GLOBAL_RANK="0"):
+            writer = BinaryWriter(str(tmp), chunk_size=CHUNK)
+            for i, window in enumerate(windows(seq_len, count)):
+                writer[i] = {"tokens": window}
+            writer.done()
+            writer.merge()
+        with contextlib.suppress(OSError):  # another rank was first
+            tmp.rename(chunks)
+        shutil.rmtree(tmp, ignore_errors=True)
+    cache = folder / f"cache_rank{os.environ.get('RANK', '0')}"
+    # litdata asks PyPI for a newer version when a dataset is built; a proxy that refuses keeps the test offline.
+    with _env(HTTPS_PROXY="http://127.0.0.1:9"):
+        return litdata.StreamingDataset(Dir(path=str(cache), url=f"local:{chunks}"))
+
+
+@contextlib.contextmanager
+def _env(**values: str) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _litdata_pairs(rows: list[dict[str, Any]]) -> tuple[Tensor, Tensor]:
+    tokens = torch.stack([r["tokens"] for r in rows])
+    return tokens[:, :-1], tokens[:, 1:]
+
+
 class StreamData(L.LightningDataModule):
-    """A training loader over a stream: ``kind`` "torch" (`CorpusStream`) or "hf" (`hf_stream`)."""
+    """A training loader over a stream: ``kind`` "torch" (`CorpusStream`), "hf" (`hf_stream`), "litdata"
+    (`litdata_stream`) or "sharded_ref:<dp>:<workers>:<per-rank batch>" (the global batches of a sharded stream read
+    by that layout, in one process: `sharded_order`)."""
 
     def __init__(self, kind: str, seq_len: int, batch_size: int, count: int, workers: int, folder: str) -> None:
         super().__init__()
@@ -60,6 +144,13 @@ class StreamData(L.LightningDataModule):
         self.workers, self.folder = workers, Path(folder)
 
     def train_dataloader(self) -> DataLoader:
+        if self.kind == "litdata":
+            source = litdata_stream(self.folder, self.seq_len, self.count)
+            return DataLoader(source, batch_size=self.batch_size, num_workers=self.workers, collate_fn=_litdata_pairs)
+        if self.kind.startswith("sharded_ref"):  # "sharded_ref:<dp>:<workers>:<per-rank batch>", one process
+            dp, workers, batch = (int(v) for v in self.kind.split(":")[1:])
+            order = sharded_order(self.count, dp, workers, batch)
+            return DataLoader(OrderedStream(self.seq_len, self.count, order), batch_size=self.batch_size)
         if self.kind == "hf":
             source = hf_stream(self.folder, self.seq_len, self.count)
             return DataLoader(source, batch_size=self.batch_size, num_workers=self.workers, collate_fn=_pairs)

@@ -35,11 +35,15 @@ TWO: dict[str, dict[str, Any]] = {
     "pipe": {"strategy": {"pp": 2, "microbatches": 2}, "dp": 1},
     "hf_llama_tp_zero1": {"model": "hf_llama", "strategy": {"tp": 2, "zero_stage": 1}, "dp": 1},
     "too_short": {"strategy": "zero1", "stream_samples": 6, "expect_error": True},
+    # litdata, read shard by shard (each rank its chunks, through its own cache): 2 ranks x 2 loader workers
+    "zero2_litdata": {"strategy": "zero2", "stream": "litdata", "workers": 2},
+    "tp_litdata": {"strategy": {"tp": 2}, "dp": 1, "stream": "litdata"},
 }
 ONE: dict[str, dict[str, Any]] = {
     "ref": {},
     "ref_hf": {"stream": "hf", "workers": 2},
     "ref_hf_llama": {"model": "hf_llama"},
+    "ref_litdata": {"stream": "sharded_ref:2:2:4"},  # zero2_litdata's global batches: rank 0's 4, then rank 1's
 }
 
 
@@ -51,6 +55,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     two = {name: {**BASE, "stream_dir": data, **job} for name, job in TWO.items()}
     two["zero1"].update(ckpt_dir=ckpts, ckpt_every_n_steps=1)
     two["zero1_resumed"] = {**two["zero1"], "ckpt_dir": None, "resume": f"{ckpts}/step=2.ckpt"}
+    for name in ("zero2_litdata", "tp_litdata"):  # each its own chunks and caches
+        two[name]["stream_dir"] = str(tmp / name)
+    two["zero2_litdata"].update(ckpt_dir=str(tmp / "ckpts_litdata"), ckpt_every_n_steps=1)
+    two["zero2_litdata_resumed"] = {**two["zero2_litdata"], "ckpt_dir": None,
+                                    "resume": str(tmp / "ckpts_litdata" / "step=2.ckpt")}  # fmt: skip
     results = dict(zip(two, run_jobs(tmp / "two", list(two.values()), nproc=2, timeout=400)))
     one = {name: {**BASE, "stream_dir": data, **job} for name, job in ONE.items()}
     # The 2-rank ZeRO-1 checkpoint after step 2, on one rank: the stream continues at sample 16 of the same order.
@@ -70,6 +79,25 @@ def test_every_step_trains_on_the_global_batch_of_one_process(runs, name):
         assert got["batch_heads"] == [heads[0::2] for heads in ref["batch_heads"]]
     else:  # tensor and pipeline ranks of one replica read the same samples: the whole global batch
         assert got["batch_heads"] == ref["batch_heads"]
+
+
+def test_litdata_ranks_read_their_own_chunks_and_train_on_the_global_batch_of_one_process(runs, tmp_path_factory):
+    ref = runs["ref_litdata"]
+    for name in ("zero2_litdata", "zero2_litdata_resumed"):
+        got = runs[name]
+        start = got.get("start_step", 0)
+        assert len(got["losses"]) == STEPS - start and rel(got["losses"], ref["losses"][start:]) < 1e-5
+        assert got["batch_heads"] == [heads[:4] for heads in ref["batch_heads"][start:]]  # rank 0's 4 come first
+    assert runs["zero2_litdata_resumed"]["start_step"] == 2
+    # 32 samples in chunks of 4: rank 0's ranges are samples 0-15 (chunks 0-3), rank 1's 16-31 (chunks 4-7). Each
+    # rank's local cache holds only the chunks it read.
+    folder = sorted(tmp_path_factory.getbasetemp().glob("streaming*/zero2_litdata"))[-1]
+    cached = {r: sorted(int(p.stem.split("-")[-1]) for p in (folder / f"cache_rank{r}").rglob("chunk-*.bin"))
+              for r in (0, 1)}  # fmt: skip
+    assert cached == {0: [0, 1, 2, 3], 1: [4, 5, 6, 7]}
+    # tensor-parallel ranks of one replica read the same samples: the whole global batch, in order
+    assert runs["tp_litdata"]["batch_heads"] == runs["ref"]["batch_heads"]
+    assert rel(runs["tp_litdata"]["losses"], runs["ref"]["losses"]) < 1e-5
 
 
 def test_the_two_sources_give_the_same_samples(runs):
@@ -101,3 +129,26 @@ def test_checkpoint_holds_the_stream_position(runs, tmp_path_factory):
     folders = sorted(Path(p) for p in tmp_path_factory.getbasetemp().glob("streaming*/ckpts/step=2.ckpt"))
     (position,) = read_meta(folders[-1])[KEY]["data"]
     assert position == {"stream": True, "epoch": 0, "samples": 16, "complete": False, "global_batch": 8}
+
+
+def test_a_resumed_whole_stream_with_loader_workers_saves_its_new_position_and_restarts_next_epoch():
+    """With loader workers the main process's stream never iterates (the workers' copies do): its position must
+    come from the trainer's batches, and the loaded start must apply to the resumed epoch's pass only."""
+    from _streams import CorpusStream
+    from torch.utils.data import DataLoader
+
+    from lightning_par.parallel.stream_split import split_over_data_parallel
+
+    epoch = [0]
+    loader = DataLoader(CorpusStream(8, 40), batch_size=2, num_workers=2)
+    stream = split_over_data_parallel(loader, 0, 2, lambda: epoch[0])
+    assert stream is not None
+    stream.resume_from({"stream": True, "epoch": 0, "samples": 16, "complete": False, "global_batch": 4})
+    first = [b[0][:, 0].tolist() for b in loader]  # samples 16, 18, ... of the 40 (rank 0 of 2)
+    assert len(first) == (40 - 16) // 4
+    assert stream.position(4 + 2, complete=False)["samples"] == 24  # 4 batches before the resume, 2 after
+    epoch[0] = 1
+    second = [b[0][:, 0].tolist() for b in loader]
+    assert len(second) == 40 // 4  # the next epoch reads the stream from its start
+    assert stream.position(3, complete=False) == {"stream": True, "epoch": 1, "samples": 12, "complete": False,
+                                                  "global_batch": 4}  # fmt: skip

@@ -2,9 +2,10 @@
 
 A map-style dataset is split by the `DistributedSampler` Lightning inserts; an `IterableDataset` has no sampler, so
 under a plain Lightning strategy every rank would train on every sample. The strategies wrap the dataset of each
-loader over an iterable dataset in `DataParallelStream` (`split_over_data_parallel`), which takes one share of it
-per data-parallel rank. Tensor, context and pipeline ranks of one replica have the same data-parallel rank, so they
-read the same samples.
+loader over an iterable dataset in `DataParallelStream` (`split_over_data_parallel`), which takes one share of it per
+data-parallel rank (`lightning_par.parallel.stream_split`; a source with shards of known length is read shard by
+shard instead: `lightning_par.parallel.stream_shards`). Tensor, context and pipeline ranks of one replica have the
+same data-parallel rank, so they read the same samples.
 
 **The order.** One pass (epoch) reads the source from its start, in the order it yields. Its samples form global
 batches of ``G = dp x b`` consecutive samples (``b``: the loader's batch size); rank ``r`` takes the samples
@@ -19,10 +20,10 @@ together. A resume skips that many samples of the source and goes on, on any dat
 global batch, every later step sees the same samples as the uninterrupted run.
 
 **What it costs.** Every rank (and every worker) reads the whole stream and keeps its share: right for any source,
-including generators, `datasets` in streaming mode and `litdata.StreamingDataset` read as a single process; the
-reading and decoding of the samples other ranks keep is spent on every rank. A resume reads the skipped samples
-again. If the source yields ``set_epoch``, it is called with each pass's epoch (`datasets` reshuffles with it).
-"""
+including generators and `datasets` in streaming mode; the reading and decoding of the samples other ranks keep is
+spent on every rank (a source with shards of known length avoids it: `lightning_par.parallel.stream_shards`). A
+resume reads the skipped samples again. If the source yields ``set_epoch``, it is called with each pass's epoch
+(`datasets` reshuffles with it)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, Optional
 
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset, get_worker_info
 
 from lightning_par import _compat
 from lightning_par.checkpoint.resume_state import resume_point
@@ -80,15 +81,28 @@ class DataParallelStream(IterableDataset):
         """Make the next pass the one of ``epoch``, without its first ``samples`` samples (of all ranks)."""
         self._start = (epoch, samples)
 
-    def __iter__(self) -> Iterator[Any]:
-        if self._start is not None:
-            (epoch, skip), self._start = self._start, None
-        else:
-            epoch, skip = self._next_epoch(), 0
+    def _begin_pass(self) -> tuple[int, Optional[Any]]:
+        """(epoch, the resumed start or ``None``) of a pass that starts now, with the source told its epoch.
+
+        With loader workers this runs in each worker's copy (forked or pickled when the loader's iterator starts),
+        not in the main process, whose copy keeps the loaded start, so it applies only to the pass
+        of its epoch (a later epoch starts at its beginning), and `position` counts from the trainer's batches."""
+        epoch, start = self._next_epoch(), self._start
+        if self._epoch_fn is None and start is not None:  # no trainer to say the epoch: the loaded one, once
+            epoch, self._start = start[0], None
+        elif start is not None and start[0] != epoch:
+            start = None
+        if get_worker_info() is None:  # the main process reads it: the loaded start is used up
+            self._start = None
         self.epoch = epoch
         set_epoch = getattr(self.source, "set_epoch", None)
         if callable(set_epoch):
             set_epoch(epoch)
+        return epoch, start
+
+    def __iter__(self) -> Iterator[Any]:
+        _, start = self._begin_pass()
+        skip = start[1] if start is not None else 0
         worker = get_worker_info()
         workers, worker_id = (worker.num_workers, worker.id) if worker is not None else (1, 0)
         stream = itertools.islice(_whole(self.source), skip, None)
@@ -115,10 +129,7 @@ class DataParallelStream(IterableDataset):
             batches: batches of this pass consumed by the training loop (those of the run before a resume included).
             complete: the pass is over (the next one starts a new epoch).
         """
-        if self._start is not None:  # resumed, and the pass has not started: still the loaded position
-            epoch, samples, complete = self._start[0], self._start[1], False
-        else:
-            epoch, samples = (self.epoch if self.epoch >= 0 else self._next_epoch()), batches * self.global_batch
+        epoch, samples = self._epoch_of_position(), batches * self.global_batch
         return {"stream": True, "epoch": epoch, "samples": samples, "complete": complete,
                 "global_batch": self.global_batch}  # fmt: skip
 
@@ -139,6 +150,14 @@ class DataParallelStream(IterableDataset):
             )
         self.start_at(*resume_point(state))
 
+    def _epoch_of_position(self) -> int:
+        # The trainer's epoch: with loader workers, this (main process) copy never iterates, so its `epoch` is stale.
+        if self._epoch_fn is not None:
+            return self._epoch_fn()
+        if self.epoch < 0 and self._start is not None:  # resumed, and the pass has not started
+            return self._start[0]
+        return max(self.epoch, 0)
+
 
 def _whole(source: Any) -> Iterator[Any]:
     """The source's samples as one process reads them: it does not see the loader worker it runs in (a source that
@@ -154,33 +173,3 @@ def _whole(source: Any) -> Iterator[Any]:
             except StopIteration:
                 return
         yield item
-
-
-def split_over_data_parallel(
-    dataloader: object, rank: int, size: int, epoch_fn: Optional[Callable[[], int]] = None
-) -> Optional[DataParallelStream]:
-    """Give a loader over an iterable dataset this data-parallel rank's share of it, in place.
-
-    Returns:
-        the `DataParallelStream` now read by the loader (also when it was installed before), or ``None`` for a loader
-        that is not a `DataLoader` over an `IterableDataset`.
-
-    Raises:
-        ValueError: the loader already started an iterator (persistent workers hold the old dataset).
-    """
-    if not isinstance(dataloader, DataLoader) or not isinstance(dataloader.dataset, IterableDataset):
-        return None
-    if isinstance(dataloader.dataset, DataParallelStream):
-        return dataloader.dataset
-    if getattr(dataloader, "_iterator", None) is not None:
-        raise ValueError(
-            "a DataLoader over an iterable dataset was iterated before the strategy could split it over the "
-            "data-parallel ranks (its persistent workers hold the whole dataset); create the loader in the "
-            "LightningModule's or DataModule's *_dataloader hook, or set persistent_workers=False"
-        )
-    stream = DataParallelStream(dataloader.dataset, rank, size, dataloader.batch_size or 1, epoch_fn)
-    # DataLoader refuses a new `dataset` after __init__ because its sampler was built from the old one; an iterable
-    # dataset's sampler (`_InfiniteConstantSampler`) does not depend on it, so the swap is sound. Rebuilding the loader
-    # instead would lose a DataLoader subclass and any attribute set on it.
-    object.__setattr__(dataloader, "dataset", stream)
-    return stream

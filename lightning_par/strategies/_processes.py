@@ -24,7 +24,7 @@ from typing_extensions import override
 from lightning_par import _compat
 from lightning_par.config import ParallelConfig
 from lightning_par.mesh import ParallelMesh, build_mesh
-from lightning_par.parallel.streaming import split_over_data_parallel
+from lightning_par.parallel.stream_split import split_over_data_parallel
 
 
 class ProcessLayout:

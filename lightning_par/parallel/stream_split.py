@@ -1,0 +1,49 @@
+"""Installing the data-parallel split of an iterable dataset in a user's `DataLoader` (the strategies call it from
+``process_dataloader``): the whole-stream split (`lightning_par.parallel.streaming`) or, for a source with shards of
+known length, the shard-by-shard one (`lightning_par.parallel.stream_shards`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Optional
+
+from torch.utils.data import DataLoader, IterableDataset
+
+from lightning_par.parallel.stream_shards import ShardedStream, shards_of
+from lightning_par.parallel.streaming import DataParallelStream
+
+
+def split_over_data_parallel(
+    dataloader: object, rank: int, size: int, epoch_fn: Optional[Callable[[], int]] = None
+) -> Optional[DataParallelStream]:
+    """Give a loader over an iterable dataset this data-parallel rank's share of it, in place.
+
+    Returns:
+        the `DataParallelStream` now read by the loader (also when it was installed before), or ``None`` for a loader
+        that is not a `DataLoader` over an `IterableDataset`.
+
+    Raises:
+        ValueError: the loader already started an iterator (persistent workers hold the old dataset).
+    """
+    if not isinstance(dataloader, DataLoader) or not isinstance(dataloader.dataset, IterableDataset):
+        return None
+    if isinstance(dataloader.dataset, DataParallelStream):
+        return dataloader.dataset
+    if getattr(dataloader, "_iterator", None) is not None:
+        raise ValueError(
+            "a DataLoader over an iterable dataset was iterated before the strategy could split it over the "
+            "data-parallel ranks (its persistent workers hold the whole dataset); create the loader in the "
+            "LightningModule's or DataModule's *_dataloader hook, or set persistent_workers=False"
+        )
+    source, batch = dataloader.dataset, dataloader.batch_size or 1
+    shards = shards_of(source)
+    stream = (
+        DataParallelStream(source, rank, size, batch, epoch_fn)
+        if shards is None
+        else ShardedStream(source, shards, rank, size, batch, epoch_fn, dataloader.num_workers)
+    )
+    # DataLoader refuses a new `dataset` after __init__ because its sampler was built from the old one; an iterable
+    # dataset's sampler (`_InfiniteConstantSampler`) does not depend on it, so the swap is sound. Rebuilding the loader
+    # instead would lose a DataLoader subclass and any attribute set on it.
+    object.__setattr__(dataloader, "dataset", stream)
+    return stream

@@ -1,0 +1,150 @@
+"""The shard-by-shard split of a sharded stream (`lightning_par.parallel.stream_shards`), in one process.
+
+Every data-parallel rank's loader is built and read here in turn (real DataLoaders, with worker processes where
+``workers > 0``), which is what each rank of a job does; the strategies' spawn tests (tests/test_streaming.py) train
+on it. Checked: each rank reads only the shards of its ranges, the ranks together read every sample once (less the
+tail), a resume on the same layout gives exactly the uninterrupted run's later batches, and one on another layout
+reads every unread sample once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from lightning_par.parallel.stream_shards import ShardedStream, shards_of
+from lightning_par.parallel.stream_split import split_over_data_parallel
+
+LENGTHS = [13, 7, 22, 9, 16, 5, 11, 17]  # 100 samples; sample j of shard s is s * 1000 + j
+
+
+class Shards(IterableDataset):
+    """A user's sharded source: the `ShardedSource` methods, and a log of the shards each read opened."""
+
+    def __init__(self, lengths: list[int]) -> None:
+        self.lengths = lengths
+
+    def __iter__(self) -> Iterator[int]:
+        for s in range(len(self.lengths)):
+            yield from self.read_shard(s, 0)
+
+    def shard_lengths(self) -> list[int]:
+        return self.lengths
+
+    def read_shard(self, index: int, start: int) -> Iterator[int]:
+        for j in range(start, self.lengths[index]):
+            yield index * 1000 + j
+
+
+def _loaders(source: Any, dp: int, batch: int, workers: int) -> list[DataLoader]:
+    loaders = []
+    for rank in range(dp):
+        loader = DataLoader(source, batch_size=batch, num_workers=workers)
+        split_over_data_parallel(loader, rank, dp, lambda: 0)
+        loaders.append(loader)
+    return loaders
+
+
+def _read(loaders: list[DataLoader], count: int | None = None) -> list[list[list[int]]]:
+    """Per rank, its batches as lists (the first ``count`` only, when given)."""
+    out = []
+    for loader in loaders:
+        batches = []
+        for batch in loader:
+            batches.append(batch.tolist())
+            if count is not None and len(batches) == count:
+                break
+        out.append(batches)
+    return out
+
+
+def test_a_sharded_source_gets_the_shard_by_shard_split():
+    loader = DataLoader(Shards(LENGTHS), batch_size=2)
+    assert isinstance(split_over_data_parallel(loader, 0, 2), ShardedStream)
+    assert shards_of(iter([1, 2])) is None  # a plain iterable is read whole
+
+
+@pytest.mark.parametrize("dp,workers", [(2, 0), (2, 2), (4, 1)])
+def test_ranks_read_their_own_contiguous_ranges_and_every_sample_once(dp, workers):
+    batch = 3
+    per_rank = _read(_loaders(Shards(LENGTHS), dp, batch, workers))
+    steps = {len(b) for b in per_rank}
+    assert len(steps) == 1  # every rank runs the same number of steps
+    samples = [s for rank in per_rank for b in rank for s in b]
+    assert len(samples) == len(set(samples))
+    # all but the tail: fewer than dp x W x batch samples
+    assert 0 <= sum(LENGTHS) - len(samples) < dp * max(workers, 1) * batch
+    for rank in per_rank:  # a rank's samples come from a run of neighbouring shards, not from all of them
+        shards = {s // 1000 for b in rank for s in b}
+        assert len(shards) <= len(LENGTHS) // dp + 2
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_resume_on_the_same_layout_gives_the_uninterrupted_batches(workers):
+    dp, batch, stop = 2, 3, 5  # stop after 5 batches: inside a worker round when workers = 2
+    whole = _read(_loaders(Shards(LENGTHS), dp, batch, workers))
+    first = _loaders(Shards(LENGTHS), dp, batch, workers)
+    _read(first, stop)
+    saved = first[0].dataset.position(stop, complete=False)
+    assert all(loader.dataset.position(stop, False) == saved for loader in first)  # every rank saves the same
+    assert saved["samples"] == stop * dp * batch
+    resumed = _loaders(Shards(LENGTHS), dp, batch, workers)
+    for loader in resumed:
+        loader.dataset.resume_from(saved)
+    assert _read(resumed) == [rank[stop:] for rank in whole]
+    # a position saved by the resumed run (2 more batches) is the uninterrupted run's after stop + 2
+    again = resumed[0].dataset.position(stop + 2, complete=False)
+    assert again == first[0].dataset.position(stop + 2, complete=False)
+
+
+@pytest.mark.parametrize("dp,workers", [(1, 0), (4, 2)])
+def test_a_resume_on_another_layout_reads_every_unread_sample_once(dp, workers):
+    first = _loaders(Shards(LENGTHS), 2, 3, 0)
+    seen = [s for rank in _read(first, 4) for b in rank for s in b]
+    saved = first[0].dataset.position(4, complete=False)
+    resumed = _loaders(Shards(LENGTHS), dp, 12 // dp, workers)  # the same global batch of 12... of 6 x 2
+    with pytest.warns(UserWarning, match="cut again for the new layout"):
+        for loader in resumed:
+            loader.dataset.resume_from(saved)
+    later = [s for rank in _read(resumed) for b in rank for s in b]
+    assert not set(seen) & set(later) and len(later) == len(set(later))
+    unread = sum(LENGTHS) - len(seen)
+    assert 0 <= unread - len(later) < dp * max(workers, 1) * (12 // dp)
+
+
+def test_a_finished_pass_resumes_at_the_next_epoch_and_lengths_that_lie_fail():
+    loaders = _loaders(Shards(LENGTHS), 2, 3, 0)
+    done = _read(loaders)
+    saved = loaders[0].dataset.position(len(done[0]), complete=True)
+    resumed = _loaders(Shards(LENGTHS), 2, 3, 0)
+    for loader in resumed:
+        loader.dataset.resume_from(saved)
+    assert resumed[0].dataset._start == (1, 0)  # the next epoch, from its first sample
+    liar = Shards(LENGTHS)
+    liar.lengths = [n + 4 for n in LENGTHS]  # says 4 more samples per shard than read_shard yields
+    liar.read_shard = lambda i, start: (i * 1000 + j for j in range(start, LENGTHS[i]))  # type: ignore[method-assign]
+    with pytest.raises(ValueError, match="make shard_lengths"):
+        _read(_loaders(liar, 2, 3, 0))
+    with pytest.raises(ValueError, match="too few samples"):
+        _read(_loaders(Shards([2, 1]), 2, 3, 0))
+
+
+def test_the_position_fits_a_checkpoint():
+    loaders = _loaders(Shards(LENGTHS), 2, 3, 2)
+    _read(loaders, 3)
+    saved = loaders[0].dataset.position(3, complete=False)
+    restored = torch.load(_save(saved), weights_only=True)
+    assert restored == saved
+
+
+def _save(obj: Any) -> Any:
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return buffer
