@@ -5,6 +5,8 @@
 """
 
 from lightning_par.config import ParallelConfig, ParallelConfigError
+from lightning_par.parallel.stream_parquet import ParquetShards
+from lightning_par.parallel.stream_shards import ShardedSource
 from lightning_par.precision.parallel import ParallelPrecision
 from lightning_par.strategies import (
     STRATEGY_NAMES,
@@ -30,4 +32,6 @@ __all__ = [
     "ParallelConfigError",
     "ParallelPrecision",
     "ParallelStrategy",
+    "ParquetShards",
+    "ShardedSource",
 ]

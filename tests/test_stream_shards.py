@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from lightning_par.parallel.stream_parquet import ParquetShards
 from lightning_par.parallel.stream_shards import ShardedStream, shards_of
 from lightning_par.parallel.stream_split import split_over_data_parallel
 
@@ -148,3 +149,36 @@ def _save(obj: Any) -> Any:
     torch.save(obj, buffer)
     buffer.seek(0)
     return buffer
+
+
+class _LoggedParquet(ParquetShards):
+    """Records the files it reads samples from (the footers are read by every rank at construction)."""
+
+    def read_shard(self, index: int, start: int) -> Iterator[Any]:
+        self.read = [*getattr(self, "read", []), index]
+        return super().read_shard(index, start)
+
+
+def test_parquet_files_are_shards_read_from_the_middle_of_a_row_group(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    files = []
+    for s, n in enumerate([9, 4, 12, 7, 10, 6]):  # row groups of 4: reads from the middle skip whole groups
+        files.append(tmp_path / f"part-{s}.parquet")
+        pq.write_table(pa.table({"id": [s * 1000 + j for j in range(n)]}), files[-1], row_group_size=4)
+    source = ParquetShards(files, transform=lambda row: row["id"])
+    assert source.shard_lengths() == [9, 4, 12, 7, 10, 6] and source.row_groups[2] == [4, 4, 4]
+    assert list(source.read_shard(2, 5)) == [2005 + j for j in range(7)]
+    assert list(source.read_shard(0, 9)) == []
+    per_rank, opened = [], []
+    for rank in range(2):
+        mine = _LoggedParquet(files, transform=lambda row: row["id"])
+        loader = DataLoader(mine, batch_size=4)
+        split_over_data_parallel(loader, rank, 2, lambda: 0)
+        per_rank.append([s for b in loader for s in b.tolist()])
+        opened.append(mine.read)
+    assert opened == [[0, 1, 2], [2, 3, 4, 5]]  # 48 rows cut at 24: each rank opens its own files, and file 2
+    assert sorted(per_rank[0] + per_rank[1]) == sorted(source)  # every row once (48 = 2 ranks x 6 batches of 4)
+    with pytest.raises(ValueError, match="no files"):
+        ParquetShards([])
