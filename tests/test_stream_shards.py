@@ -182,3 +182,30 @@ def test_parquet_files_are_shards_read_from_the_middle_of_a_row_group(tmp_path):
     assert sorted(per_rank[0] + per_rank[1]) == sorted(source)  # every row once (48 = 2 ranks x 6 batches of 4)
     with pytest.raises(ValueError, match="no files"):
         ParquetShards([])
+
+
+def test_litdata_chunks_are_the_shards_and_shuffle_permutes_them_per_epoch(tmp_path):
+    import litdata
+    from _streams import CHUNK, _env, litdata_stream
+
+    from lightning_par.parallel.stream_shards import LitdataShards
+
+    plain = litdata_stream(tmp_path, 8, 30)  # 30 windows in chunks of 4: 7 full chunks and one of 2
+    shards = shards_of(plain)
+    assert isinstance(shards, LitdataShards)
+    assert shards.shard_lengths() == [CHUNK] * 7 + [2]
+    heads = [[s["tokens"][0].item() for s in shards.read_shard(i, 0)] for i in range(8)]
+    everything = [s["tokens"][0].item() for s in (plain[i] for i in range(30))]
+    assert [h for chunk in heads for h in chunk] == everything
+    assert [s["tokens"][0].item() for s in shards.read_shard(3, 1)] == heads[3][1:]
+    with _env(HTTPS_PROXY="http://127.0.0.1:9"):
+        mixed = litdata.StreamingDataset(str(tmp_path / "litdata_8_30"), shuffle=True, seed=7)
+    shuffled = shards_of(mixed)
+    orders = []
+    for epoch in (0, 1):
+        shuffled.set_epoch(epoch)
+        chunks = [[s["tokens"][0].item() for s in shuffled.read_shard(i, 0)] for i in range(8)]
+        assert sorted(map(tuple, chunks)) == sorted(map(tuple, heads))  # the same chunks, each in its order
+        assert sorted(shuffled.shard_lengths()) == sorted(shards.shard_lengths())
+        orders.append(chunks)
+    assert orders[0] != orders[1] and orders[0] != heads
