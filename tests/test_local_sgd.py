@@ -8,21 +8,29 @@
   `tests/_local_sgd_sim.py`, which trains the replicas one after the other in one process (1e-5 relative on
   losses; parameters 1e-5 relative and 0.01 x lr absolute, the AdamW tolerance of tests/test_zero.py).
 - Composed with ZeRO inside each replica: 4 ranks as 2 replicas x 2 shards, ZeRO-1 and ZeRO-2 inside.
-- Bad settings are refused when the strategy is built, naming the fix; checkpoints (not supported yet) before the
-  first step.
+- Bad settings are refused when the strategy is built, naming the fix.
+- Checkpoints: ``h2`` (2 replicas, ZeRO-0) and ``h2_zero1`` (2 replicas x 2 shards, ZeRO-1, saved in the background)
+  save after every step; resumed on the same layout from inside a cycle (step 1: before the first sync, no outer
+  momentum yet; step 3: after it) they must continue the uninterrupted run: the losses of every later step (the
+  mean over all ranks, and replica 0's own) and the final weights, to 1e-5 relative (fp32). The layout rules: a
+  sync-boundary checkpoint on 2 x 2 ranks instead of 2 x 1 continues with a warning; dp_replicate 2 -> 4, and a
+  run without local SGD, are refused before training naming the fix. `lightning-par consolidate` writes the anchor.
 
 Spawns: one 2-rank torchrun, one 4-rank torchrun, one process (the simulations).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from launch import run_jobs
 from parity import params_close, rel
 
 import lightning_par
+from lightning_par.checkpoint import consolidate
 from lightning_par.config import ParallelConfigError
 
 STEPS, LR = 4, 3e-3
@@ -45,12 +53,35 @@ SIM: dict[str, dict[str, Any]] = {
 }
 
 
+# Resumes: name -> (writer, step of its checkpoint, ranks, overrides of the writer's job).
+RESUMES: dict[str, tuple[str, int, int, dict[str, Any]]] = {
+    "h2_from_1": ("h2", 1, 2, {}),
+    "h2_from_3": ("h2", 3, 2, {}),
+    "h2_without_local_sgd": ("h2", 3, 2, {"strategy": {"zero_stage": 0}, "expect_error": True}),
+    "h2_zero1_from_1": ("h2_zero1", 1, 4, {}),
+    "h2_zero1_from_3": ("h2_zero1", 3, 4, {}),
+    # dp_shard 1 -> 2 (and ZeRO-0 -> ZeRO-2) from a synchronisation: allowed, with a warning.
+    "h2_on_2x2": ("h2", 2, 4, {"strategy": FOUR["h2_zero2"]["strategy"], "record_warnings": True}),
+    "h2_on_4_replicas": ("h2", 3, 4, {"strategy": {**TWO["h2"]["strategy"], "dp_replicate": 4}, "expect_error": True}),
+}
+
+
+def _ckpt(tmp: Path, writer: str, step: int) -> str:
+    return str(tmp / writer / f"step={step}.ckpt")
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("local_sgd")
-    results: dict[str, dict[str, Any]] = {}
-    two = {**TWO, "h2_ckpt": {**TWO["h2"], "ckpt_dir": str(tmp / "ckpts"), "expect_error": True}}
-    for jobs, nproc in ((two, 2), (FOUR, 4), (SIM, 1)):
+    results: dict[str, Any] = {"root": tmp}
+    two, four = dict(TWO), dict(FOUR)
+    for jobs, name, over in ((two, "h2", {"record_step_params": True}), (four, "h2_zero1", {})):
+        jobs[name] = {**jobs[name], "ckpt_dir": str(tmp / name), "ckpt_every_n_steps": 1, **over}
+    four["h2_zero1"]["strategy"] = {**four["h2_zero1"]["strategy"], "async_save": True}
+    for name, (writer, step, nproc, over) in RESUMES.items():
+        job = {**(two.get(writer) or four[writer]), "resume": _ckpt(tmp, writer, step), "ckpt_dir": None, **over}
+        (two if nproc == 2 else four)[name] = job
+    for jobs, nproc in ((two, 2), (four, 4), (SIM, 1)):
         specs = [{**BASE, **job} for job in jobs.values()]
         results.update(zip(jobs, run_jobs(tmp / f"n{nproc}", specs, nproc=nproc, timeout=400)))
     return results
@@ -96,12 +127,47 @@ def test_bad_settings_are_refused_when_the_strategy_is_built(kwargs, message):
         lightning_par.ParallelStrategy(**kwargs)
 
 
-def test_checkpoints_are_refused_before_the_first_step(runs):
-    # Not supported yet (docs/strategies.md, "Local SGD"): refused before training, not at the first save.
-    got = runs["h2_ckpt"]
-    assert got["losses"] == []
-    assert "a ModelCheckpoint callback with sync_every (local SGD)" in got["error"]
-    assert "enable_checkpointing=False" in got["error"]
+@pytest.mark.parametrize("case", ["h2_from_1", "h2_from_3", "h2_zero1_from_1", "h2_zero1_from_3"])
+def test_a_resume_inside_a_cycle_continues_the_uninterrupted_run(runs, case):
+    writer, step, _, _ = RESUMES[case]
+    got, ref = runs[case], runs[writer]
+    assert got["start_step"] == step and got["resumed_from"] == f"step={step}.ckpt"
+    assert got["outer_syncs"] == ref["outer_syncs"] == STEPS // 2  # the step count (cycle position) carried over
+    assert rel(got["losses"], ref["losses"][step:]) < 1e-5
+    assert rel(got["local_losses"], ref["local_losses"][step:]) < 1e-5  # replica 0's own weights and batches
+    params_close(got["params"], ref["params"], rtol=1e-5, atol=1e-7)  # the outer momentum shapes the last sync
+
+
+def test_a_resume_on_other_shards_per_replica_continues_with_a_warning(runs):
+    # From a synchronisation every replica holds theta: the first loss over the same global batch is the writer's.
+    got, ref = runs["h2_on_2x2"], runs["h2"]
+    assert got["start_step"] == 2 and got["outer_syncs"] == STEPS // 2
+    assert rel(got["losses"][:1], ref["losses"][2:3]) < 1e-5
+    assert any("ranks now read other samples" in w for w in got["warnings"]), got["warnings"]
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("h2_on_4_replicas", "holds 2 local SGD replicas (dp_replicate=2) and this run has dp_replicate=4"),
+        ("h2_without_local_sgd", "saved under local SGD (sync_every=2, dp_replicate=2)"),
+    ],
+)
+def test_a_resume_on_other_replicas_is_refused_before_training(runs, case, message):
+    got = runs[case]
+    assert got["losses"] == [] and message in got["error"]
+    assert "lightning-par consolidate" in got["error"]
+
+
+def test_consolidate_writes_the_anchor_and_replica_0s_optimizer(runs, tmp_path):
+    # Saved after step 3, inside the second cycle: the anchor is the weights of the sync after step 2.
+    with pytest.warns(UserWarning, match="the consolidated weights are the anchor of the last synchronisation"):
+        consolidate(_ckpt(runs["root"], "h2", 3), tmp_path / "out.ckpt", safetensors=False)
+    out = torch.load(tmp_path / "out.ckpt", weights_only=True)
+    steps = runs["h2"]["step_params"]
+    params_close({k: out["state_dict"][k] for k in steps[2]}, steps[2], rtol=0, atol=0)
+    assert any(not out["state_dict"][k].equal(v) for k, v in steps[3].items())
+    assert "local_sgd" not in out and len(out["optimizer_states"][0]["state"]) == len(steps[2])
 
 
 def test_deepspeed_refuses_local_sgd_naming_the_native_engine():

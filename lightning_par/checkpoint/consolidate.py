@@ -6,6 +6,10 @@ loops, schedulers, ``hyper_parameters``), so ``MyModule.load_from_checkpoint(OUT
 ``Trainer(...).fit(model, ckpt_path=OUT)`` work on one device. With the ``safetensors`` package installed it also
 writes the weights alone to ``OUT.safetensors``.
 
+Of a checkpoint trained with local SGD (``sync_every``), the weights are the anchor theta (the weights of the last
+synchronisation, the same for every replica) and the optimizer state is replica 0's; the other replicas' weights and
+state and the outer momentum are left out, with a warning (a fit resumed from the file trains without local SGD).
+
 It runs in one process with no process group, and holds the whole model and optimizer state in memory at once
 (about 3x the fp32 weights for Adam): run it on a machine with that much RAM, not inside every rank of a job.
 """
@@ -22,7 +26,9 @@ from typing import Any, Optional, Union
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from lightning_par.checkpoint.dcp import LOCAL_SGD
 from lightning_par.checkpoint.reader import CheckpointError, SafeLoadPlanner, read_index, read_meta, safe_load
+from lightning_par.checkpoint.resume_state import KEY
 
 
 def _slot(node: Any, key: Any, default: Any) -> Any:
@@ -107,7 +113,7 @@ def consolidate(
         the files written: ``out_file``, then ``<out_file>.safetensors`` if it was written.
     """
     save_file = _safetensors_writer(required=bool(safetensors)) if safetensors is not False else None
-    state = load_full_state(ckpt_dir)
+    state = _without_replicas(load_full_state(ckpt_dir), ckpt_dir)
     optimizers = sorted((k for k in state if k.startswith("optimizer_")), key=lambda k: int(k.split("_")[1]))
     checkpoint = {k: v for k, v in state.items() if k not in optimizers}
     checkpoint.setdefault("state_dict", {})
@@ -125,6 +131,23 @@ def consolidate(
         )
         written.append(weights)
     return written
+
+
+def _without_replicas(state: dict[str, Any], ckpt_dir: Union[str, Path]) -> dict[str, Any]:
+    """Local SGD's per-replica state (`LOCAL_SGD`) replaced by replica 0's optimizers; the weights are theta."""
+    replicas = state.pop(LOCAL_SGD, None)
+    if replicas is None:
+        return state
+    counts = state.get(KEY, {}).get(LOCAL_SGD, {})
+    warnings.warn(
+        f"{ckpt_dir} was trained with local SGD (sync_every={counts.get('every')}, {counts.get('replicas')} replicas): "
+        "the consolidated weights are the anchor of the last synchronisation, the optimizer state is replica 0's; "
+        "the replicas' own weights and the outer momentum are left out, so a fit resumed from it trains without "
+        "local SGD",
+        stacklevel=3,
+    )
+    first = replicas.get("replica_0", {})
+    return {**state, **{k: v for k, v in first.items() if k.startswith("optimizer_")}}
 
 
 def _safetensors_writer(required: bool) -> Optional[Callable[..., None]]:

@@ -4,9 +4,10 @@ Layout of ``<path>/``: DCP's ``.metadata`` and one ``__<rank>_0.distcp`` per wri
 (``state_dict``) and each optimizer (``optimizer_<i>``) keyed by the original parameter names; plus ``meta.pt``,
 the rest of Lightning's checkpoint (loops, callbacks, schedulers, scaler, data position), written by rank 0, and
 ``rank_<r>.pt``, each rank's RNG states (`resume_state.py`), both loaded with ``weights_only=True``. Replicated
-tensors are written once (DCP de-duplicates them). A folder appears only when complete: everything is written to
-``<path>.tmp`` and renamed by rank 0 after all ranks finished (`commit`). `async_save.py` writes the same layout
-in the background.
+tensors are written once (DCP de-duplicates them); under local SGD, where replicas differ, ``state_dict`` holds the
+anchor and each replica's own state is under `LOCAL_SGD` (`lightning_par.parallel.local_sgd_state`). A folder
+appears only when complete: everything is written to ``<path>.tmp`` and renamed by rank 0 after all ranks finished
+(`commit`). `async_save.py` writes the same layout in the background.
 """
 
 from __future__ import annotations
@@ -36,6 +37,11 @@ from lightning_par import _compat
 from lightning_par.checkpoint.fast_state import model_state_dict, optimizer_state_dict
 from lightning_par.checkpoint.reader import META, load_tensors, read_index, read_meta
 from lightning_par.checkpoint.strided import canonicalize, restore
+
+LOCAL_SGD = "local_sgd"  # tensors: each replica's state and the outer momentum; meta.pt["lightning_par"]: counts
+# Maps the state to load (`state_for`'s layout, its tensors the live ones) and the checkpoint's ``meta.pt`` to the
+# nested dict DCP loads into, whose leaves alias those tensors (`lightning_par.parallel.local_sgd_state`).
+Layout = Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]]
 
 
 def _barrier(group: Optional[dist.ProcessGroup] = None) -> None:
@@ -221,6 +227,7 @@ def load_sharded(
     strict: bool = True,
     distribute_model: Optional[Distribute] = None,
     elsewhere: frozenset[str] = frozenset(),
+    layout: Optional[Layout] = None,
 ) -> dict[str, Any]:
     """Load a folder written by `save_sharded` into ``module`` and ``optimizers`` in place.
 
@@ -231,6 +238,8 @@ def load_sharded(
         strict: fail on missing or unexpected model keys.
         distribute_model: as in `state_for`.
         elsewhere: model keys (``state_dict.<name>``) other ranks load: other pipeline stages' parameters.
+        layout: where the state is in the checkpoint, when not as `state_for` lays it out (local SGD's replicas);
+            it may refuse the checkpoint (before any tensor is read).
 
     Returns:
         the non-tensor rest of the checkpoint (``meta.pt``).
@@ -241,7 +250,8 @@ def load_sharded(
     for entry in optimizers:
         _compat.init_optim_state(entry.optimizer)  # DCP loads into existing tensors, so the state must exist first
     state = state_for(module, optimizers, distribute_model)
-    canonical, swaps = canonicalize(state)  # fused tensor-parallel tensors are stored whole (strided.py)
+    on_disk = state if layout is None else layout(state, meta)
+    canonical, swaps = canonicalize(on_disk)  # fused tensor-parallel tensors are stored whole (strided.py)
     load_tensors(path, index, canonical, strict=strict, elsewhere=elsewhere)
     restore(swaps)
     model_sd = state["state_dict"]

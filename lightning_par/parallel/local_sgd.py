@@ -15,6 +15,9 @@ the parameters. Per optimizer step that is ``1/H`` of the bytes plain data paral
 With ``sync_every=1``, ``outer_lr=1`` and ``outer_momentum=0`` the outer step sets ``theta`` to the mean of the
 replicas' parameters after one inner step. For an inner optimizer linear in the gradient (SGD, with or without
 momentum and weight decay) that is exactly plain data parallelism; Adam's update is not linear, so it differs.
+
+Checkpoints save the anchor, the outer momentum and the step count besides each replica's own weights and optimizer
+state (`lightning_par.parallel.local_sgd_state`), so a run saved inside a cycle resumes exactly.
 """
 
 from __future__ import annotations
@@ -50,16 +53,17 @@ class OuterSync:
 
     Args:
         parts: what this rank holds of the parameters and steps (full parameters at ZeRO-0, masters at ZeRO 1-2),
-            read when the first inner step starts (the optimizer's layout is settled then, and a loaded checkpoint
-            is in place).
+            each with its parameter's name, read when the first inner step starts (the optimizer's layout is
+            settled then, and a loaded checkpoint is in place) or when a checkpoint is saved or loaded.
         group: the ranks holding the same part in the other replicas.
         settings: `LocalSGD`.
     """
 
-    def __init__(self, parts: Callable[[], Sequence[torch.Tensor]], group: dist.ProcessGroup,
+    def __init__(self, parts: Callable[[], Sequence[tuple[str, torch.Tensor]]], group: dist.ProcessGroup,
                  settings: LocalSGD) -> None:  # fmt: skip
         self.parts, self.group, self.settings = parts, group, settings
         self.replicas = dist.get_world_size(group)
+        self.names: list[str] = []  # the parameter of each tensor (checkpoint keys)
         self.tensors: list[torch.Tensor] = []
         self.anchor: list[nn.Parameter] = []  # theta: the parameters of the last synchronisation
         self.outer: Optional[torch.optim.SGD] = None
@@ -67,7 +71,7 @@ class OuterSync:
         self.syncs = 0
 
     @classmethod
-    def attach(cls, optimizer: torch.optim.Optimizer, parts: Callable[[], Sequence[torch.Tensor]],
+    def attach(cls, optimizer: torch.optim.Optimizer, parts: Callable[[], Sequence[tuple[str, torch.Tensor]]],
                group: dist.ProcessGroup, settings: LocalSGD, post_hook: bool, existing: Optional[OuterSync],
                ) -> OuterSync:  # fmt: skip
         """The outer loop of ``optimizer``'s steps: built (anchored) in a step pre-hook of its first step, and run
@@ -93,7 +97,9 @@ class OuterSync:
         """Before the first inner step: theta is the parameters as they are now."""
         if self.outer is not None:
             return
-        self.tensors = [t.detach() for t in self.parts()]
+        named = list(self.parts())
+        self.names = [name for name, _ in named]
+        self.tensors = [t.detach() for _, t in named]
         self.anchor = [nn.Parameter(t.clone()) for t in self.tensors]
         momentum = self.settings.momentum
         self.outer = torch.optim.SGD(self.anchor, lr=self.settings.lr, momentum=momentum, nesterov=momentum > 0)
@@ -125,3 +131,35 @@ class OuterSync:
         self.outer.zero_grad(set_to_none=True)
         _compat.foreach_copy(self.tensors, [a.detach() for a in self.anchor])
         self.syncs += 1
+
+    # ---- checkpoints (`lightning_par.parallel.local_sgd_state`) --------------------------------------------------
+    def momentum(self) -> list[torch.Tensor]:
+        """The outer SGD's momentum buffers, one per anchor tensor (zeros before the first synchronisation)."""
+        self.anchor_once()
+        assert self.outer is not None
+        return [self._buffer(a) for a in self.anchor]
+
+    def _buffer(self, anchor: nn.Parameter) -> torch.Tensor:
+        assert self.outer is not None
+        buf = self.outer.state.get(anchor, {}).get("momentum_buffer")
+        return buf if buf is not None else torch.zeros_like(anchor.detach())
+
+    @torch.no_grad()
+    def load(self, anchor: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor], steps: int, syncs: int) -> None:
+        """Continue from a checkpoint: the anchor, the outer momentum, and the step and synchronisation counts.
+
+        Args:
+            anchor: theta, one tensor per `names`, shaped like `tensors`.
+            momentum: the momentum buffers (ignored without momentum, or before the first synchronisation, where
+                torch's SGD has none: its first step then starts the buffer from the gradient, as uninterrupted).
+            steps: inner steps since the run started (the position in the cycle is ``steps % every``).
+            syncs: synchronisations so far.
+        """
+        self.anchor_once()
+        assert self.outer is not None
+        _compat.foreach_copy([a.detach() for a in self.anchor], list(anchor))
+        self.outer.state.clear()
+        if self.settings.momentum > 0 and syncs > 0:
+            for a, buf in zip(self.anchor, momentum):
+                self.outer.state[a]["momentum_buffer"] = buf.detach().clone()
+        self.steps, self.syncs = steps, syncs

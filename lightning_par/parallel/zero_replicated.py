@@ -157,7 +157,8 @@ class ReplicatedZero:
         not element-wise over tensor-parallel shards.
         """
         if self.local_sgd is not None:  # stage 0: a post-hook of its own; stages 1-2: `_after_step`, before the gather
-            parts = lambda: list(self.masters.values()) if self.stage else [local_data(p) for p in self.names]  # noqa: E731
+            parts = lambda: ([(self.names[p], m) for p, m in self.masters.items()] if self.stage  # noqa: E731
+                             else [(n, local_data(p)) for p, n in self.names.items()])  # fmt: skip
             self.outer = OuterSync.attach(optimizer, parts, self.replicate_group, self.local_sgd, self.stage == 0,
                                           self.outer)  # fmt: skip
         if self.stage == 0:

@@ -21,9 +21,18 @@ from torch.distributed.tensor import DTensor
 
 from lightning_par import _compat
 from lightning_par.checkpoint.async_save import AsyncSaver
-from lightning_par.checkpoint.dcp import OptimizerEntry, load_sharded, optimizer_state, save_sharded, tmp_path
+from lightning_par.checkpoint.dcp import (
+    LOCAL_SGD,
+    OptimizerEntry,
+    load_sharded,
+    optimizer_state,
+    save_sharded,
+    tmp_path,
+)
 from lightning_par.checkpoint.resume_state import KEY
+from lightning_par.parallel import local_sgd_state
 from lightning_par.parallel.run import ParallelRun
+from lightning_par.parallel.zero_replicated import ReplicatedZero
 from lightning_par.strategies._resume import ResumeState
 
 
@@ -78,8 +87,6 @@ class ShardedCheckpoints:
     def on_train_start(self, trainer: Any, device: torch.device) -> None:
         """Saves are asynchronous from here on; the loaded RNG states are restored."""
         self.saving_async = self.saver is not None
-        if trainer is not None and (trainer.checkpoint_callbacks or trainer.ckpt_path):
-            refuse_local_sgd(trainer, "a ModelCheckpoint callback" if trainer.checkpoint_callbacks else "ckpt_path")
         # Last of the on_train_start hooks, after Lightning set up the training loader: nothing draws random numbers
         # between here and the first resumed step, as in the uninterrupted run between the save and that step.
         self.resume.restore_rng(trainer, device)
@@ -94,11 +101,14 @@ class ShardedCheckpoints:
         self, checkpoint: dict[str, Any], filepath: Path, where: Where, module: nn.Module, entries: list[OptimizerEntry]
     ) -> None:
         """Write Lightning's ``checkpoint`` dict (its tensors already name-keyed and sharded) as a folder."""
-        refuse_local_sgd(where.trainer, "save_checkpoint")
-        tensors = {"state_dict": checkpoint.pop("state_dict")}
+        tensors: dict[str, Any] = {"state_dict": checkpoint.pop("state_dict")}
         for i, state in enumerate(checkpoint.pop("optimizer_states", [])):
             tensors[f"optimizer_{i}"] = state
         checkpoint[KEY] = self.resume.checkpoint_state(where.trainer, where.world_size)
+        zero = _local_sgd(where.trainer)
+        if zero is not None:  # the replicas' own state under keys of their own (local_sgd_state)
+            tensors = local_sgd_state.save_layout(zero, tensors)
+            checkpoint[KEY][LOCAL_SGD] = local_sgd_state.describe(zero)
         local = self.resume.rank_state(where.trainer, where.device)
         if self.saver is not None and self.saving_async:
             deferred = self._staging_fence(module, entries)
@@ -153,14 +163,17 @@ class ShardedCheckpoints:
         """Load a folder into the sharded module and optimizers in place; return the rest of Lightning's dict."""
         self.wait()  # it may be the one being written
         path = Path(where.broadcast(str(path)))
+        local_sgd = local_sgd_state.LoadLayout(run.zero if run is not None else None)
         meta = load_sharded(
             path,
             module,
             entries,
             strict=module.strict_loading,
             distribute_model=run.distribute_model() if run is not None else None,
-            elsewhere=run.other_stage_keys() if run is not None else frozenset(),
+            elsewhere=(run.other_stage_keys() if run is not None else frozenset()) | local_sgd.elsewhere(module),
+            layout=local_sgd,
         )
+        local_sgd.finish()
         if where.trainer is not None and where.trainer.state.fn == TrainerFn.FITTING:
             self.resume.loaded(path, meta, where.rank, where.world_size)
         return meta
@@ -196,14 +209,8 @@ class ShardedCheckpoints:
             self.saver.release()
 
 
-def refuse_local_sgd(trainer: Any, what: str) -> None:
-    """Refuse checkpoints under local SGD (``sync_every``) before they could resume a silently different run."""
-    config = getattr(getattr(trainer, "strategy", None), "config", None)
-    if getattr(config, "sync_every", None) is None:
-        return
-    raise ValueError(
-        f"{what} with sync_every (local SGD): checkpoints of it are not supported yet. Between synchronisations "
-        "each replica holds its own parameters and optimizer state, and the outer optimizer's momentum is not "
-        "saved, so a resume would train differently. Train with Trainer(enable_checkpointing=False) and no "
-        "ckpt_path or save_checkpoint, or drop sync_every"
-    )
+def _local_sgd(trainer: Any) -> Optional[ReplicatedZero]:
+    """The ZeRO 0-2 engine of a run that trains its replicas apart (``sync_every``), else ``None``."""
+    run = getattr(getattr(trainer, "strategy", None), "parallel_run", None)
+    zero = getattr(run, "zero", None)
+    return zero if local_sgd_state.active(zero) else None
