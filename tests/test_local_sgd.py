@@ -8,6 +8,7 @@
   `tests/_local_sgd_sim.py`, which trains the replicas one after the other in one process (1e-5 relative on
   losses; parameters 1e-5 relative and 0.01 x lr absolute, the AdamW tolerance of tests/test_zero.py).
 - Composed with ZeRO inside each replica: 4 ranks as 2 replicas x 2 shards, ZeRO-1 and ZeRO-2 inside.
+- A model we did not write: a Hugging Face Llama built from a config, 2 replicas, against the same simulation.
 - Bad settings are refused when the strategy is built, naming the fix.
 - Checkpoints: ``h2`` (2 replicas, ZeRO-0) and ``h2_zero1`` (2 replicas x 2 shards, ZeRO-1, saved in the background)
   save after every step; resumed on the same layout from inside a cycle (step 1: before the first sync, no outer
@@ -42,6 +43,8 @@ TWO: dict[str, dict[str, Any]] = {
     "h1_sgd": {"model": "gpt_sgd", "strategy": {"zero_stage": 0, "dp_replicate": 2, "sync_every": 1,
                                                 "outer_lr": 1.0, "outer_momentum": 0.0}},
     "h2": {"model": "gpt", "strategy": {"zero_stage": 0, "dp_replicate": 2, "sync_every": 2, **DILOCO}},
+    # a model we did not write: Hugging Face Llama built from a config (GQA, RMSNorm, rotary, SwiGLU)
+    "h2_hf_llama": {"model": "hf_llama", "strategy": {"zero_stage": 0, "dp_replicate": 2, "sync_every": 2, **DILOCO}},
 }
 FOUR: dict[str, dict[str, Any]] = {
     "h2_zero1": {"model": "gpt", "strategy": {"zero_stage": 1, "dp_replicate": 2, "sync_every": 2, **DILOCO}},
@@ -50,6 +53,8 @@ FOUR: dict[str, dict[str, Any]] = {
 SIM: dict[str, dict[str, Any]] = {
     "sim_2x1": {"model": "gpt", "simulate": {"replicas": 2, "shards": 1, "every": 2, "lr": 0.7, "momentum": 0.9}},
     "sim_2x2": {"model": "gpt", "simulate": {"replicas": 2, "shards": 2, "every": 2, "lr": 0.7, "momentum": 0.9}},
+    "sim_2x1_hf_llama": {"model": "hf_llama",
+                         "simulate": {"replicas": 2, "shards": 1, "every": 2, "lr": 0.7, "momentum": 0.9}},
 }
 
 
@@ -94,7 +99,8 @@ def test_sync_every_1_with_a_plain_outer_step_is_data_parallelism(runs):
     params_close(got["params"], ref["params"], rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize(("name", "sim"), [("h2", "sim_2x1"), ("h2_zero1", "sim_2x2"), ("h2_zero2", "sim_2x2")])
+@pytest.mark.parametrize(("name", "sim"), [("h2", "sim_2x1"), ("h2_zero1", "sim_2x2"), ("h2_zero2", "sim_2x2"),
+                                           ("h2_hf_llama", "sim_2x1_hf_llama")])  # fmt: skip
 def test_diloco_matches_the_one_process_simulation(runs, name, sim):
     got, ref = runs[name], runs[sim]
     assert got["outer_syncs"] == STEPS // 2
