@@ -6,7 +6,8 @@ of 2 accumulates 1 micro-batch on 4 ranks and 2 on 2 ranks. The data position ca
 Lightning's batch progress is counted again in the new batches, so every step after a restart trains on the
 samples of the uninterrupted run's step.
 
-Runs (ZeRO-2, AdamW, one epoch of 6 steps, a checkpoint after every step): A, 4 ranks uninterrupted; B, 2 ranks
+Runs, for the suite's GPT and a Hugging Face Llama built from a config (ZeRO-2, AdamW, one epoch of 6 steps, a
+checkpoint after every step): A, 4 ranks uninterrupted; B, 2 ranks
 resuming A after step 2 and training steps 3-4; C, 4 ranks resuming B after step 4 and training steps 5-6. B is
 compared by each step's global gradient norm (Lightning logs an accumulated step's loss from its last micro-batch),
 C by its losses, rank 0's batches and the final weights. Tolerances as
@@ -26,27 +27,33 @@ from parity import params_close, rel
 
 LR = 3e-3
 STRATEGY = {"zero_stage": 2, "global_batch": 8}
-BASE: dict[str, Any] = {"model": "gpt", "strategy": STRATEGY, "global_batch": 8, "dp": 4, "epoch_steps": 6}
+BASE: dict[str, Any] = {"strategy": STRATEGY, "global_batch": 8, "dp": 4, "epoch_steps": 6}
+MODELS = ("gpt", "hf_llama")  # the suite's GPT, and a Hugging Face Llama built from a config
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("elastic")
-    a, b = str(tmp / "a"), str(tmp / "b")
     every = {"ckpt_every_n_steps": 1}
-    (full,) = run_jobs(tmp / "A", [{**BASE, "max_steps": 6, "ckpt_dir": a, **every}], nproc=4, timeout=300)
-    two = [
-        {**BASE, "max_steps": 4, "resume": f"{a}/step=2.ckpt", "ckpt_dir": b, **every},
-        # A global batch the 2 ranks cannot make from per-rank batches of 2: refused when the loader is set up.
-        {**BASE, "strategy": {**STRATEGY, "global_batch": 6}, "max_steps": 4, "expect_error": True},
-    ]
-    shrunk, bad = run_jobs(tmp / "B", two, nproc=2, timeout=300)
-    (grown,) = run_jobs(tmp / "C", [{**BASE, "max_steps": 6, "resume": f"{b}/step=4.ckpt"}], nproc=4, timeout=300)
-    return {"full": full, "shrunk": shrunk, "bad": bad, "grown": grown}
+    results: dict[str, dict[str, Any]] = {}
+    full, two, grown = [], [], []
+    for model in MODELS:  # each model's runs: A -> B -> C, in the same three spawns
+        a, b = str(tmp / model / "a"), str(tmp / model / "b")
+        job = {**BASE, "model": model}
+        full.append({**job, "max_steps": 6, "ckpt_dir": a, **every})
+        two.append({**job, "max_steps": 4, "resume": f"{a}/step=2.ckpt", "ckpt_dir": b, **every})
+        grown.append({**job, "max_steps": 6, "resume": f"{b}/step=4.ckpt"})
+    # A global batch the 2 ranks cannot make from per-rank batches of 2: refused when the loader is set up.
+    two.append({**BASE, "strategy": {**STRATEGY, "global_batch": 6}, "max_steps": 4, "expect_error": True})
+    for stage, jobs, nproc in (("full", full, 4), ("shrunk", two, 2), ("grown", grown, 4)):
+        for name, got in zip([*MODELS, "bad"], run_jobs(tmp / stage, jobs, nproc=nproc, timeout=400)):
+            results[name if name == "bad" else f"{stage}_{name}"] = got
+    return results
 
 
-def test_two_ranks_continue_the_four_rank_curve_with_accumulation(runs):
-    full, shrunk = runs["full"], runs["shrunk"]
+@pytest.mark.parametrize("model", MODELS)
+def test_two_ranks_continue_the_four_rank_curve_with_accumulation(runs, model):
+    full, shrunk = runs[f"full_{model}"], runs[f"shrunk_{model}"]
     assert shrunk["start_step"] == 2 and shrunk["layout"]["world_size"] == 2
     # 2 steps x 2 micro-batches: the accumulation was raised to keep the global batch of 8.
     assert len(shrunk["local_losses"]) == 4
@@ -56,8 +63,9 @@ def test_two_ranks_continue_the_four_rank_curve_with_accumulation(runs):
     assert rel(shrunk["grad_norms"], full["grad_norms"][2:4]) < 1e-5
 
 
-def test_four_ranks_again_continue_the_curve_to_the_same_weights(runs):
-    full, grown = runs["full"], runs["grown"]
+@pytest.mark.parametrize("model", MODELS)
+def test_four_ranks_again_continue_the_curve_to_the_same_weights(runs, model):
+    full, grown = runs[f"full_{model}"], runs[f"grown_{model}"]
     assert grown["start_step"] == 4 and grown["layout"]["world_size"] == 4
     assert rel(grown["losses"], full["losses"][4:6]) < 1e-5
     assert grown["batch_heads"] == full["batch_heads"][4:6]  # rank 0 reads the samples it read uninterrupted
