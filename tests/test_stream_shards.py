@@ -67,6 +67,10 @@ def test_a_sharded_source_gets_the_shard_by_shard_split():
     loader = DataLoader(Shards(LENGTHS), batch_size=2)
     assert isinstance(split_over_data_parallel(loader, 0, 2), ShardedStream)
     assert shards_of(iter([1, 2])) is None  # a plain iterable is read whole
+    # persistent workers would keep the first epoch's stream: refused, naming the fix
+    persistent = DataLoader(Shards(LENGTHS), batch_size=2, num_workers=1, persistent_workers=True)
+    with pytest.raises(ValueError, match="set persistent_workers=False"):
+        split_over_data_parallel(persistent, 0, 2)
 
 
 @pytest.mark.parametrize("dp,workers", [(2, 0), (2, 2), (4, 1)])

@@ -23,7 +23,8 @@ def split_over_data_parallel(
         that is not a `DataLoader` over an `IterableDataset`.
 
     Raises:
-        ValueError: the loader already started an iterator (persistent workers hold the old dataset).
+        ValueError: the loader already started an iterator, or has persistent workers (they would keep the first
+            epoch's copy of the stream).
     """
     if not isinstance(dataloader, DataLoader) or not isinstance(dataloader.dataset, IterableDataset):
         return None
@@ -34,6 +35,13 @@ def split_over_data_parallel(
             "a DataLoader over an iterable dataset was iterated before the strategy could split it over the "
             "data-parallel ranks (its persistent workers hold the whole dataset); create the loader in the "
             "LightningModule's or DataModule's *_dataloader hook, or set persistent_workers=False"
+        )
+    if dataloader.persistent_workers and dataloader.num_workers > 0:
+        raise ValueError(
+            "a DataLoader over an iterable dataset with persistent_workers=True: its workers keep their copy of the "
+            "stream from the first epoch, so later epochs could not be told their epoch (a source's set_epoch "
+            "reshuffle, and where a resumed epoch starts); set persistent_workers=False for iterable datasets "
+            "(a stream's workers start once per epoch)"
         )
     source, batch = dataloader.dataset, dataloader.batch_size or 1
     shards = shards_of(source)
