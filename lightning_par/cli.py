@@ -16,7 +16,8 @@ With ``--gpu NAME`` it is the planner instead: every layout ranked by predicted 
 ``lightning-par recipes [FOLDER]`` lists the recipes (``./recipes``, else the ones beside this package's source), one
 line each: the name and what it trains.
 
-``lightning-par sweep --config RECIPE --space SPACE.yaml`` runs Optuna trials of a recipe (`lightning_par.tuning`).
+``lightning-par sweep --config RECIPE --space SPACE.yaml`` runs Optuna trials of a recipe (`lightning_par.tuning`),
+or Ray Tune trials with ``backend: ray`` in the space (``--ray-address`` names a cluster).
 
 ``lightning-par check --config RECIPE`` reports, without training, which strategy names can train the recipe's model
 and why the others cannot (`lightning_par.analysis.compatibility`).
@@ -104,32 +105,45 @@ def list_recipes(folder: Optional[Path] = None) -> str:
 
 
 def sweep_main(argv: list[str]) -> None:
-    """``lightning-par sweep --config RECIPE --space SPACE.yaml [--out DIR] [--study-name N] [--storage URL]``."""
+    """``lightning-par sweep --config RECIPE --space SPACE.yaml [--out DIR] [--study-name N] [--storage URL]
+    [--ray-address ADDRESS]``."""
     import argparse
 
     from lightning_par.tuning.space import SpaceError, load_space
-    from lightning_par.tuning.sweep import run_sweep, summary
+    from lightning_par.tuning.sweep import run_sweep, study_results, summary
 
-    parser = argparse.ArgumentParser(prog="lightning-par sweep", description="Optuna trials of a recipe")
+    parser = argparse.ArgumentParser(prog="lightning-par sweep", description="Optuna or Ray Tune trials of a recipe")
     parser.add_argument("--config", required=True, type=Path, help="the recipe (as for lightning-par fit)")
     parser.add_argument("--space", required=True, type=Path, help="the search space YAML")
     parser.add_argument("--out", type=Path, default=Path("sweeps"), help="trial logs, metrics and results.json")
     parser.add_argument("--study-name", default=None, help="the study and W&B group name")
     parser.add_argument("--storage", default=None, help="Optuna storage URL, e.g. sqlite:///sweep.db (resumable)")
+    parser.add_argument("--ray-address", default=None,
+                        help="backend: ray only: the Ray cluster (auto: the running one; default: start a local one)")
     args = parser.parse_args(argv)
     try:
         space = load_space(args.space)
-        if space.algorithm == "pbt":
+        if space.backend != "ray" and args.ray_address is not None:
+            raise SpaceError(f"--ray-address is for Ray Tune; add 'backend: ray' to {args.space}, or drop the flag")
+        if space.backend == "ray":
+            if args.storage is not None:
+                raise SpaceError("--storage is an Optuna storage; Ray Tune keeps its state in OUT/ray: drop --storage")
+            from lightning_par.tuning.ray_tune import run_ray_sweep
+
+            results = run_ray_sweep(args.config, space, args.out, args.study_name, args.ray_address)
+        elif space.algorithm == "pbt":
             from lightning_par.tuning.pbt import run_pbt
 
             results = run_pbt(args.config, space, args.out, args.study_name)
             for member in results["members"]:
                 print(f"member {member['id']}: " + ", ".join(f"{h['score']:.4g}" for h in member["history"]))
             return
-        study = run_sweep(args.config, space, args.out, args.study_name, args.storage)
+        else:
+            study = run_sweep(args.config, space, args.out, args.study_name, args.storage)
+            results = study_results(study, space.metric)
     except SpaceError as err:
         sys.exit(f"lightning-par sweep: {err}")
-    print(summary(study, space.metric))
+    print(summary(results, space.direction))
 
 
 def main() -> None:

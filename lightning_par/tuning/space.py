@@ -5,8 +5,11 @@ metric: val_loss          # logged by the model in validation; the objective and
 direction: minimize       # or maximize
 trials: 8
 sampler: tpe              # tpe (Bayesian, Optuna's TPESampler) | random
-pruner: median            # median (Optuna's MedianPruner) | none
+pruner: median            # median (Optuna's MedianPruner) | asha (successive halving) | none
 seed: 0
+backend: optuna           # optuna (trials one after another here) | ray (Ray Tune: trials on a Ray cluster)
+resources: {cpu: 2, gpu: 2}  # ray only, optional: per trial (default: one CPU per rank, the recipe's GPUs)
+max_concurrent: 4         # ray only, optional: trials at once (default: as many as the cluster's resources hold)
 parameters:               # LightningCLI keys of the recipe, as on its command line without the leading "--"
   model.init_args.lr: {low: 1.0e-4, high: 1.0e-2, log: true}     # floats: a float range
   model.init_args.n_layer: {low: 1, high: 4}                      # ints: an int range (step: optional)
@@ -29,7 +32,8 @@ from typing import Any, Optional
 import yaml
 
 SAMPLERS = ("tpe", "random")
-PRUNERS = ("median", "none")
+PRUNERS = ("median", "asha", "none")
+BACKENDS = ("optuna", "ray")
 
 
 class SpaceError(ValueError):
@@ -78,6 +82,9 @@ class Space:
     seed: int = 0
     enqueue: tuple[dict[str, Any], ...] = ()
     algorithm: str = "optuna"
+    backend: str = "optuna"
+    resources: Optional[dict[str, float]] = None
+    max_concurrent: Optional[int] = None
     population: int = 4
     generations: int = 3
     steps_per_generation: int = 0
@@ -121,6 +128,7 @@ def load_space(path: Path) -> Space:
         raise SpaceError(f"search space {path}: trials={space.trials!r} must be an int >= 1")
     if space.algorithm not in ("optuna", "pbt"):
         raise SpaceError(f"search space {path}: algorithm={space.algorithm!r}; use optuna (default) or pbt")
+    _check_backend(path, space)
     if space.algorithm == "pbt" and (space.steps_per_generation < 1 or space.population < 2 or
                                      space.generations < 1 or not 0 < space.quantile <= 0.5):  # fmt: skip
         raise SpaceError(
@@ -133,6 +141,31 @@ def load_space(path: Path) -> Space:
         if extra:
             raise SpaceError(f"search space {path}: enqueue names {extra}, which are not in 'parameters'")
     return space
+
+
+def _check_backend(path: Path, space: Space) -> None:
+    if space.backend not in BACKENDS:
+        raise SpaceError(f"search space {path}: backend={space.backend!r}; use one of {BACKENDS}")
+    if space.backend == "ray" and space.algorithm == "pbt":
+        raise SpaceError(
+            f"search space {path}: algorithm: pbt runs on backend: optuna only (its members resume this suite's "
+            "checkpoints one generation at a time); remove 'backend: ray', or drop 'algorithm: pbt' for Ray Tune"
+        )
+    ray_only = [k for k in ("resources", "max_concurrent") if getattr(space, k) is not None]
+    if ray_only and space.backend != "ray":
+        raise SpaceError(
+            f"search space {path}: {ray_only} set how Ray schedules trials; add 'backend: ray' or remove them "
+            "(backend: optuna runs one trial at a time, which may use all of this machine)"
+        )
+    mc = space.max_concurrent
+    if mc is not None and (not isinstance(mc, int) or isinstance(mc, bool) or mc < 1):
+        raise SpaceError(f"search space {path}: max_concurrent={mc!r} must be an int >= 1 (or absent: no limit)")
+    if space.resources is None:
+        return
+    res = space.resources
+    numbers = isinstance(res, dict) and all(isinstance(v, (int, float)) and v >= 0 for v in res.values())
+    if not numbers or not res or set(res) - {"cpu", "gpu"} or not res.get("cpu", 1) > 0:
+        raise SpaceError(f"search space {path}: resources={res!r}; give numbers per trial, e.g. {{cpu: 2, gpu: 2}}")
 
 
 def _param(path: Path, key: str, spec: Any) -> Param:

@@ -7,7 +7,8 @@ ending the sweep. The sweep reads the metric the trial's model logs after every 
 and stops the trial's process group when the pruner says so. W&B: every trial's run gets the group
 ``WANDB_RUN_GROUP`` = the study name and the name ``<study>-<trial>`` (unless the recipe names its runs).
 Before the first trial the recipe is parsed once with every searched argument (``--print_config``), so a key the
-recipe does not have fails at once, naming it.
+recipe does not have fails at once, naming it. `run_trial` (one trial process, its metric reported after each
+validation) and `trial_env` are shared with the Ray Tune backend (`lightning_par.tuning.ray_tune`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
@@ -52,6 +54,60 @@ def _parses(cmd: list[str]) -> bool:
     return done.returncode == 0
 
 
+def trial_env(study_name: str, run_name: str) -> dict[str, str]:
+    """This process's environment with the W&B group and run name of a trial set.
+
+    Read when the trial starts, in the process that starts it: under Ray that is the trial's worker, whose
+    ``CUDA_VISIBLE_DEVICES`` Ray set to the GPUs it gave the trial.
+    """
+    return {**os.environ, "WANDB_RUN_GROUP": study_name, "WANDB_NAME": run_name}
+
+
+def run_trial(recipe: Path, space: Space, out: Path, number: int, values: dict[str, Any], study_name: str,
+              on_report: Callable[[dict[str, Any]], None], cwd: Optional[Path] = None) -> list[dict[str, Any]]:
+    """Run trial ``number`` (``out/trial-<number>.log`` and ``.metrics.jsonl``) and return what it reported.
+
+    Args:
+        recipe: the recipe, ``values`` set on it (LightningCLI arguments).
+        on_report: called with ``{"step", "value"}`` after each validation; an exception it raises (a prune)
+            stops the trial's processes and propagates.
+        cwd: where the trial runs (the recipe's relative paths are from there); this process's by default.
+
+    Raises:
+        TrialFailed: the trial's process failed, or reported no metric.
+    """
+    metrics = out / f"trial-{number}.metrics.jsonl"
+    metrics.unlink(missing_ok=True)
+    log = out / f"trial-{number}.log"
+    cmd = [sys.executable, "-m", "lightning_par.tuning.trial", str(metrics), space.metric,
+           "--config", str(recipe), *space.overrides(values)]  # fmt: skip
+    env = trial_env(study_name, f"{study_name}-{number}")
+    reported: list[dict[str, Any]] = []
+    with log.open("w") as sink:
+        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
+        try:
+            while True:
+                done = proc.poll() is not None
+                for row in _read_new(metrics, len(reported)):
+                    reported.append(row)
+                    on_report(row)
+                if done:
+                    break
+                time.sleep(_POLL_S)
+        finally:  # also when on_report raised, or Ray ended the trial (SystemExit): no rank may outlive it
+            if proc.poll() is None:
+                _stop(proc)
+    if proc.returncode != 0:
+        tail = log.read_text()[-2000:]
+        raise TrialFailed(f"trial {number} exited with {proc.returncode} ({values}); its log {log}:\n{tail}")
+    if not reported:
+        raise TrialFailed(
+            f"trial {number} logged no {space.metric!r} in validation; set 'metric' to a value the "
+            "model logs in validation_step, and let the recipe validate (limit_val_batches > 0)"
+        )
+    return reported
+
+
 class _Objective:
     def __init__(self, recipe: Path, space: Space, out: Path, study_name: str) -> None:
         self.recipe, self.space, self.out, self.study_name = recipe, space, out, study_name
@@ -59,39 +115,13 @@ class _Objective:
     def __call__(self, trial: Any) -> float:
         import optuna
 
+        def report(row: dict[str, Any]) -> None:
+            trial.report(row["value"], row["step"])
+            if trial.should_prune():
+                raise optuna.TrialPruned(f"{self.space.metric}={row['value']:.4g} at step {row['step']}")
+
         values = {p.key: p.suggest(trial) for p in self.space.params}
-        metrics = self.out / f"trial-{trial.number}.metrics.jsonl"
-        metrics.unlink(missing_ok=True)
-        log = self.out / f"trial-{trial.number}.log"
-        cmd = [sys.executable, "-m", "lightning_par.tuning.trial", str(metrics), self.space.metric,
-               "--config", str(self.recipe), *self.space.overrides(values)]  # fmt: skip
-        env = {**os.environ, "WANDB_RUN_GROUP": self.study_name, "WANDB_NAME": f"{self.study_name}-{trial.number}"}
-        reported: list[dict[str, Any]] = []
-        with log.open("w") as sink:
-            proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-            try:
-                while True:
-                    done = proc.poll() is not None
-                    for row in _read_new(metrics, len(reported)):
-                        reported.append(row)
-                        trial.report(row["value"], row["step"])
-                        if trial.should_prune():
-                            _stop(proc)
-                            raise optuna.TrialPruned(f"{self.space.metric}={row['value']:.4g} at step {row['step']}")
-                    if done:
-                        break
-                    time.sleep(_POLL_S)
-            finally:
-                if proc.poll() is None:
-                    _stop(proc)
-        if proc.returncode != 0:
-            tail = log.read_text()[-2000:]
-            raise TrialFailed(f"trial {trial.number} exited with {proc.returncode} ({values}); its log {log}:\n{tail}")
-        if not reported:
-            raise TrialFailed(
-                f"trial {trial.number} logged no {self.space.metric!r} in validation; set 'metric' to a value the "
-                "model logs in validation_step, and let the recipe validate (limit_val_batches > 0)"
-            )
+        reported = run_trial(self.recipe, self.space, self.out, trial.number, values, self.study_name, report)
         return float(reported[-1]["value"])
 
 
@@ -138,27 +168,45 @@ def run_sweep(recipe: Path, space: Space, out: Path, study_name: Optional[str] =
     name = study_name or f"{recipe.stem}-sweep"
     sampler = (optuna.samplers.TPESampler(seed=space.seed) if space.sampler == "tpe"
                else optuna.samplers.RandomSampler(seed=space.seed))  # fmt: skip
-    pruner = optuna.pruners.MedianPruner(n_startup_trials=2) if space.pruner == "median" else optuna.pruners.NopPruner()
+    pruner: Any = optuna.pruners.NopPruner()
+    if space.pruner == "median":
+        pruner = optuna.pruners.MedianPruner(n_startup_trials=2)
+    elif space.pruner == "asha":  # asynchronous successive halving, as the Ray backend's ASHAScheduler
+        pruner = optuna.pruners.SuccessiveHalvingPruner()
     direction: Any = space.direction  # "minimize" or "maximize", checked by load_space
     study = optuna.create_study(study_name=name, storage=storage, sampler=sampler, pruner=pruner,
                                 direction=direction, load_if_exists=storage is not None)  # fmt: skip
     for values in space.enqueue:
         study.enqueue_trial(values)
     study.optimize(_Objective(recipe, space, out, name), n_trials=space.trials, catch=(TrialFailed,))
-    rows = [{"number": t.number, "state": t.state.name, "value": t.value, "params": t.params,
-             "steps": sorted(t.intermediate_values)} for t in study.trials]  # fmt: skip
-    (out / "results.json").write_text(json.dumps({"study": name, "metric": space.metric, "trials": rows}, indent=1))
+    write_results(out, study_results(study, space.metric))
     return study
 
 
-def summary(study: Any, metric: str) -> str:
-    """A table of the trials and the best one."""
+def study_results(study: Any, metric: str) -> dict[str, Any]:
+    """An Optuna study's trials in the form of ``results.json`` (`write_results`)."""
+    rows = [{"number": t.number, "state": t.state.name, "value": t.value, "params": t.params,
+             "steps": sorted(t.intermediate_values)} for t in study.trials]  # fmt: skip
+    return {"study": study.study_name, "metric": metric, "trials": rows}
+
+
+def write_results(out: Path, results: dict[str, Any]) -> None:
+    """Write ``out/results.json``: ``study``, ``metric`` and ``trials``, one row per trial with its ``number``,
+    ``state`` (COMPLETE, PRUNED or FAIL), ``value`` (the last validation's; None unless complete), ``params`` and
+    the ``steps`` it reported at. Both backends write this form."""
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+
+
+def summary(results: dict[str, Any], direction: str) -> str:
+    """A table of the trials of ``results`` (`write_results`) and the best complete one."""
+    metric, rows = results["metric"], results["trials"]
     lines = [f"| trial | state | {metric} | parameters |", "|---|---|---|---|"]
-    for t in study.trials:
-        value = f"{t.value:.4g}" if t.value is not None else "-"
-        lines.append(f"| {t.number} | {t.state.name.lower()} | {value} | {t.params} |")
-    complete = [t for t in study.trials if t.state.name == "COMPLETE"]
+    for t in rows:
+        value = f"{t['value']:.4g}" if t["value"] is not None else "-"
+        lines.append(f"| {t['number']} | {t['state'].lower()} | {value} | {t['params']} |")
+    complete = [t for t in rows if t["state"] == "COMPLETE" and t["value"] is not None]
     if complete:
-        best = study.best_trial
-        lines.append(f"\nbest: trial {best.number}, {metric} {best.value:.4g}, {best.params}")
+        pick = min if direction == "minimize" else max
+        best = pick(complete, key=lambda t: t["value"])
+        lines.append(f"\nbest: trial {best['number']}, {metric} {best['value']:.4g}, {best['params']}")
     return "\n".join(lines)
