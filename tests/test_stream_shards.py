@@ -186,6 +186,21 @@ def test_parquet_files_are_shards_read_from_the_middle_of_a_row_group(tmp_path):
     assert sorted(per_rank[0] + per_rank[1]) == sorted(source)  # every row once (48 = 2 ranks x 6 batches of 4)
     with pytest.raises(ValueError, match="no files"):
         ParquetShards([])
+    # Remote files (a pyarrow filesystem) with a local cache: each rank copies only the files of its ranges.
+    from pyarrow import fs
+
+    remote = fs.SubTreeFileSystem(str(tmp_path), fs.LocalFileSystem())
+    names = [f.name for f in files]
+    with pytest.raises(ValueError, match="pass their filesystem"):
+        ParquetShards(files, cache_dir=tmp_path / "nowhere")
+    for rank, expected in ((0, [0, 1, 2]), (1, [2, 3, 4, 5])):
+        cached = ParquetShards(names, transform=lambda row: row["id"], filesystem=remote,
+                               cache_dir=tmp_path / f"cache{rank}")  # fmt: skip
+        loader = DataLoader(cached, batch_size=4)
+        split_over_data_parallel(loader, rank, 2, lambda: 0)
+        assert [s for b in loader for s in b.tolist()] == per_rank[rank]
+        copies = sorted(p.name for p in (tmp_path / f"cache{rank}").iterdir())
+        assert copies == [f"{i:06d}-part-{i}.parquet" for i in expected]
 
 
 def test_litdata_chunks_are_the_shards_and_shuffle_permutes_them_per_epoch(tmp_path):

@@ -9,6 +9,8 @@ be read whole by every rank, ``ParquetShards(files)`` is read 1/dp per rank (doc
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -24,6 +26,9 @@ class ParquetShards(IterableDataset):
         transform: applied to each row (a dict of column -> value), e.g. to make tensors; ``None`` yields the dicts.
         columns: read only these columns.
         filesystem: a ``pyarrow.fs.FileSystem`` for remote files (S3, GCS, HDFS); ``None`` for local paths.
+        cache_dir: with ``filesystem``, a local folder: a file is copied there the first time this process reads
+            from it, and read from the copy after (later epochs, resumes). Only the files of this rank's ranges are
+            copied. Use a folder per node, or one shared by the node's ranks (copies appear by an atomic rename).
 
     Raises:
         ImportError: pyarrow is missing (``pip install "lightning-par[streaming]"``).
@@ -35,6 +40,7 @@ class ParquetShards(IterableDataset):
         transform: Optional[Callable[[dict[str, Any]], Any]] = None,
         columns: Optional[Sequence[str]] = None,
         filesystem: Any = None,
+        cache_dir: Optional[Union[str, Path]] = None,
     ) -> None:
         try:
             import pyarrow.parquet as pq
@@ -45,6 +51,10 @@ class ParquetShards(IterableDataset):
         self.files = [str(f) for f in files]
         self.transform, self.filesystem = transform, filesystem
         self.columns = list(columns) if columns is not None else None
+        if cache_dir is not None and filesystem is None:
+            raise ValueError("ParquetShards(cache_dir=...) caches remote files: pass their filesystem= too, or drop "
+                             "cache_dir for local files")  # fmt: skip
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else None
         # Per file, its row groups' lengths: the shard's length, and where a read from the middle starts.
         self.row_groups: list[list[int]] = []
         for path in self.files:
@@ -54,6 +64,20 @@ class ParquetShards(IterableDataset):
     def _open(self, path: str) -> Any:
         return path if self.filesystem is None else self.filesystem.open_input_file(path)
 
+    def _local(self, index: int) -> Any:
+        """What to read file ``index`` from: the local copy when caching (made now if missing), else the file."""
+        path = self.files[index]
+        if self.cache_dir is None:
+            return self._open(path)
+        local = self.cache_dir / f"{index:06d}-{Path(path).name}"
+        if not local.exists():
+            self.cache_dir.mkdir(parents=True, exist_ok=True)
+            tmp = local.with_name(f"{local.name}.{os.getpid()}.tmp")
+            with self.filesystem.open_input_stream(path) as remote, open(tmp, "wb") as out:
+                shutil.copyfileobj(remote, out, length=1 << 24)
+            os.replace(tmp, local)  # whole or absent, also when other ranks of the node copy it too
+        return str(local)
+
     def shard_lengths(self) -> list[int]:
         """Rows per file, from the footers read once at construction."""
         return [sum(groups) for groups in self.row_groups]
@@ -62,7 +86,7 @@ class ParquetShards(IterableDataset):
         """The rows of file ``index`` from its ``start``-th on; row groups that end before it are not read."""
         import pyarrow.parquet as pq
 
-        handle = pq.ParquetFile(self._open(self.files[index]))
+        handle = pq.ParquetFile(self._local(index))
         skip = start
         for group, rows in enumerate(self.row_groups[index]):
             if skip >= rows:
