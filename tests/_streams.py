@@ -83,6 +83,40 @@ def sharded_order(count: int, dp: int, workers: int, batch: int) -> list[int]:
     return order
 
 
+# `hf_parquet_stream`: the windows in 4 Parquet files of unequal lengths; 2 data-parallel ranks read files 0-1
+# (windows 0-11) and 2-3 (windows 12-31), so rank 0's pass ends after 3 batches of 4.
+PARQUET_FILES = (7, 5, 10, 10)
+
+
+def hf_parquet_stream(folder: Path, seq_len: int) -> Any:
+    """The first 32 windows through `datasets.load_dataset("parquet", streaming=True)` over `PARQUET_FILES`."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from datasets import load_dataset
+
+    data = windows(seq_len, sum(PARQUET_FILES))
+    files, first = [], 0
+    for i, n in enumerate(PARQUET_FILES):
+        files.append(folder / f"part-{i}.parquet")
+        if not files[-1].exists():  # every rank writes the same bytes; a rename makes the file appear whole
+            folder.mkdir(parents=True, exist_ok=True)
+            tmp = folder / f"part-{i}.{os.getpid()}.tmp"
+            pq.write_table(pa.table({"tokens": [w.tolist() for w in data[first : first + n]]}), tmp)
+            tmp.replace(files[-1])
+        first += n
+    return load_dataset("parquet", data_files=[str(f) for f in files], split="train", streaming=True)
+
+
+def hf_parquet_order(steps: int) -> list[int]:
+    """The global batches of `hf_parquet_stream` on 2 ranks x 4 per rank: rank 0's batch (windows 0-11, 3 batches a
+    pass), then rank 1's (windows 12-31); every pass ends after 3 steps, when rank 0's files end."""
+    order = []
+    for step in range(steps):
+        k = step % 3
+        order += list(range(4 * k, 4 * k + 4)) + list(range(12 + 4 * k, 12 + 4 * k + 4))
+    return order
+
+
 CHUNK = 4  # samples per litdata chunk
 
 
@@ -134,9 +168,10 @@ def _litdata_pairs(rows: list[dict[str, Any]]) -> tuple[Tensor, Tensor]:
 
 
 class StreamData(L.LightningDataModule):
-    """A training loader over a stream: ``kind`` "torch" (`CorpusStream`), "hf" (`hf_stream`), "litdata"
-    (`litdata_stream`) or "sharded_ref:<dp>:<workers>:<per-rank batch>" (the global batches of a sharded stream read
-    by that layout, in one process: `sharded_order`)."""
+    """A training loader over a stream: ``kind`` "torch" (`CorpusStream`), "hf" (`hf_stream`), "hf_parquet"
+    (`hf_parquet_stream`), "hf_parquet_ref" (its 2-rank global batches in one process), "litdata"
+    (`litdata_stream`) or "sharded_ref:<dp>:<workers>:<per-rank batch>" (the global batches of a sharded stream
+    read by that layout, in one process: `sharded_order`)."""
 
     def __init__(self, kind: str, seq_len: int, batch_size: int, count: int, workers: int, folder: str) -> None:
         super().__init__()
@@ -147,6 +182,12 @@ class StreamData(L.LightningDataModule):
         if self.kind == "litdata":
             source = litdata_stream(self.folder, self.seq_len, self.count)
             return DataLoader(source, batch_size=self.batch_size, num_workers=self.workers, collate_fn=_litdata_pairs)
+        if self.kind == "hf_parquet":
+            source = hf_parquet_stream(self.folder / "parquet", self.seq_len)
+            return DataLoader(source, batch_size=self.batch_size, num_workers=self.workers, collate_fn=_pairs)
+        if self.kind == "hf_parquet_ref":  # one process: the global batches of hf_parquet on 2 ranks
+            order = hf_parquet_order(self.count // 8)
+            return DataLoader(OrderedStream(self.seq_len, sum(PARQUET_FILES), order), batch_size=self.batch_size)
         if self.kind.startswith("sharded_ref"):  # "sharded_ref:<dp>:<workers>:<per-rank batch>", one process
             dp, workers, batch = (int(v) for v in self.kind.split(":")[1:])
             order = sharded_order(self.count, dp, workers, batch)

@@ -228,3 +228,30 @@ def test_litdata_chunks_are_the_shards_and_shuffle_permutes_them_per_epoch(tmp_p
         assert sorted(shuffled.shard_lengths()) == sorted(shards.shard_lengths())
         orders.append(chunks)
     assert orders[0] != orders[1] and orders[0] != heads
+
+
+def test_hf_streaming_shards_of_unknown_length_resume_where_each_file_stopped(tmp_path):
+    """`CountedShardStream` in one process (dp = 1; the 2-rank agreement on the end of a pass is trained in
+    tests/test_streaming.py): shard lengths learnt while reading, the unread files in the position, exact resume."""
+    from _streams import PARQUET_FILES, _pairs, hf_parquet_stream
+
+    from lightning_par.parallel.stream_counted import CountedShardStream, counted_shards_of
+
+    def loader(resume: Any = None) -> DataLoader:
+        source = hf_parquet_stream(tmp_path, 8)
+        stream = CountedShardStream(source, counted_shards_of(source), 0, 1, 4, lambda: 0)
+        if resume is not None:
+            stream.resume_from(resume)
+        return DataLoader(stream, batch_size=4, num_workers=2, collate_fn=_pairs)
+
+    whole = torch.cat([x for x, _ in loader()])
+    assert len(whole) == sum(PARQUET_FILES)  # 32 rows: 8 batches, the 4 files one after the other
+    first = loader()
+    for i, _ in enumerate(first):
+        if i == 4:
+            break
+    saved = first.dataset.position(5, complete=False)
+    assert saved["ranks"] == [[[2, 8], [3, 0]]]  # 20 rows read: files 0-1 (12 rows), 8 of file 2's 10
+    assert first.dataset.lengths[:2].tolist() == [7, 5]  # learnt by the workers (file 3 may be too: prefetch)
+    rest = torch.cat([x for x, _ in loader(saved)])
+    assert torch.equal(rest, whole[20:])

@@ -38,12 +38,15 @@ TWO: dict[str, dict[str, Any]] = {
     # litdata, read shard by shard (each rank its chunks, through its own cache): 2 ranks x 2 loader workers
     "zero2_litdata": {"strategy": "zero2", "stream": "litdata", "workers": 2},
     "tp_litdata": {"strategy": {"tp": 2}, "dp": 1, "stream": "litdata"},
+    # Hugging Face streaming over 4 Parquet files: each rank reads its 2 files, passes end when rank 0's do
+    "zero1_hf_parquet": {"strategy": "zero1", "stream": "hf_parquet", "workers": 2},
 }
 ONE: dict[str, dict[str, Any]] = {
     "ref": {},
     "ref_hf": {"stream": "hf", "workers": 2},
     "ref_hf_llama": {"model": "hf_llama"},
     "ref_litdata": {"stream": "sharded_ref:2:2:4"},  # zero2_litdata's global batches: rank 0's 4, then rank 1's
+    "ref_hf_parquet": {"stream": "hf_parquet_ref"},
 }
 
 
@@ -55,6 +58,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     two = {name: {**BASE, "stream_dir": data, **job} for name, job in TWO.items()}
     two["zero1"].update(ckpt_dir=ckpts, ckpt_every_n_steps=1)
     two["zero1_resumed"] = {**two["zero1"], "ckpt_dir": None, "resume": f"{ckpts}/step=2.ckpt"}
+    two["zero1_hf_parquet"].update(ckpt_dir=str(tmp / "ckpts_parquet"), ckpt_every_n_steps=1)
+    two["zero1_hf_parquet_resumed"] = {**two["zero1_hf_parquet"], "ckpt_dir": None,
+                                       "resume": str(tmp / "ckpts_parquet" / "step=2.ckpt")}  # fmt: skip
     for name in ("zero2_litdata", "tp_litdata"):  # each its own chunks and caches
         two[name]["stream_dir"] = str(tmp / name)
     two["zero2_litdata"].update(ckpt_dir=str(tmp / "ckpts_litdata"), ckpt_every_n_steps=1)
@@ -98,6 +104,24 @@ def test_litdata_ranks_read_their_own_chunks_and_train_on_the_global_batch_of_on
     # tensor-parallel ranks of one replica read the same samples: the whole global batch, in order
     assert runs["tp_litdata"]["batch_heads"] == runs["ref"]["batch_heads"]
     assert rel(runs["tp_litdata"]["losses"], runs["ref"]["losses"]) < 1e-5
+
+
+def test_hf_streaming_ranks_read_their_own_files_and_end_each_pass_together(runs, tmp_path_factory):
+    ref = runs["ref_hf_parquet"]
+    for name in ("zero1_hf_parquet", "zero1_hf_parquet_resumed"):
+        got = runs[name]
+        start = got.get("start_step", 0)
+        assert len(got["losses"]) == STEPS - start and rel(got["losses"], ref["losses"][start:]) < 1e-5
+        assert got["batch_heads"] == [heads[:4] for heads in ref["batch_heads"][start:]]
+    # step 4 is the first of the second pass: the first pass ended on both ranks after rank 0's 3 batches
+    assert runs["zero1_hf_parquet"]["batch_heads"][3] == runs["zero1_hf_parquet"]["batch_heads"][0]
+    from lightning_par.checkpoint.reader import read_meta
+    from lightning_par.checkpoint.resume_state import KEY
+
+    folder = sorted(tmp_path_factory.getbasetemp().glob("streaming*/ckpts_parquet/step=2.ckpt"))[-1]
+    (position,) = read_meta(folder)[KEY]["data"]
+    # after 2 batches of 4: rank 0 is 1 sample into file 1 (file 0 holds 7), rank 1 is 8 samples into file 2
+    assert position["ranks"] == [[[1, 1]], [[2, 8], [3, 0]]] and position["samples"] == 16
 
 
 def test_the_two_sources_give_the_same_samples(runs):

@@ -7,16 +7,30 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Optional
 
+import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
 
+from lightning_par.parallel.stream_counted import CountedShardStream, counted_shards_of
 from lightning_par.parallel.stream_shards import ShardedStream, shards_of
 from lightning_par.parallel.streaming import DataParallelStream
 
 
 def split_over_data_parallel(
-    dataloader: object, rank: int, size: int, epoch_fn: Optional[Callable[[], int]] = None
+    dataloader: object,
+    rank: int,
+    size: int,
+    epoch_fn: Optional[Callable[[], int]] = None,
+    agree_group: Optional[dist.ProcessGroup] = None,
 ) -> Optional[DataParallelStream]:
     """Give a loader over an iterable dataset this data-parallel rank's share of it, in place.
+
+    Args:
+        dataloader: the loader.
+        rank, size: this rank's data-parallel rank, and the data-parallel size.
+        epoch_fn: the epoch of a pass that starts now.
+        agree_group: the data-parallel group, when the caller runs `stream_counted.agree_on_the_end` every
+            training step (a Trainer's training loader): then a Hugging Face streaming dataset with at least
+            ``size`` shards is read shard by shard (`CountedShardStream`); otherwise it is read whole.
 
     Returns:
         the `DataParallelStream` now read by the loader (also when it was installed before), or ``None`` for a loader
@@ -44,12 +58,14 @@ def split_over_data_parallel(
             "(a stream's workers start once per epoch)"
         )
     source, batch = dataloader.dataset, dataloader.batch_size or 1
-    shards = shards_of(source)
-    stream = (
-        DataParallelStream(source, rank, size, batch, epoch_fn)
-        if shards is None
-        else ShardedStream(source, shards, rank, size, batch, epoch_fn, dataloader.num_workers)
-    )
+    shards, counted = shards_of(source), counted_shards_of(source)
+    stream: DataParallelStream
+    if shards is not None:
+        stream = ShardedStream(source, shards, rank, size, batch, epoch_fn, dataloader.num_workers)
+    elif counted is not None and agree_group is not None and counted.count >= size:
+        stream = CountedShardStream(source, counted, rank, size, batch, epoch_fn, agree_group)
+    else:
+        stream = DataParallelStream(source, rank, size, batch, epoch_fn)
     # DataLoader refuses a new `dataset` after __init__ because its sampler was built from the old one; an iterable
     # dataset's sampler (`_InfiniteConstantSampler`) does not depend on it, so the swap is sound. Rebuilding the loader
     # instead would lose a DataLoader subclass and any attribute set on it.

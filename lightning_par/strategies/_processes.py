@@ -24,6 +24,7 @@ from typing_extensions import override
 from lightning_par import _compat
 from lightning_par.config import ParallelConfig
 from lightning_par.mesh import ParallelMesh, build_mesh
+from lightning_par.parallel.stream_counted import agree_on_the_end
 from lightning_par.parallel.stream_split import split_over_data_parallel
 
 
@@ -79,10 +80,25 @@ class ProcessLayout:
         trainer = _compat.attached_trainer(module) if module is not None else None
         dp = self.meshes.dp
         epoch = (lambda: trainer.current_epoch) if trainer is not None else None
-        split_over_data_parallel(dataloader, dp.get_local_rank(), dp.size(), epoch)
+        training = trainer is not None and trainer.training
+        # A training loader may be read shard by shard with the end of a pass agreed each step (`batch_to_device`).
+        stream = split_over_data_parallel(dataloader, dp.get_local_rank(), dp.size(), epoch,
+                                          dp.get_group() if training else None)  # fmt: skip
+        if training:
+            self._agree_end = getattr(stream, "agree_on_the_end", False)
         if self._config.global_batch is not None and trainer is not None and trainer.training:
             trainer.accumulate_grad_batches = accumulation_for(self._config.global_batch, dataloader, dp.size())
         return super().process_dataloader(dataloader)  # type: ignore[misc]
+
+    def batch_to_device(self: Any, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
+        """Also, for a training stream whose ranks' shards end at different steps (`stream_counted`): end the pass
+        on every data-parallel rank after the step in which the first of them read its last batch."""
+        trainer = _compat.attached_trainer(self.lightning_module) if self.lightning_module is not None else None
+        if getattr(self, "_agree_end", False) and trainer is not None and trainer.training:
+            progress = trainer.fit_loop.epoch_loop.batch_progress
+            if agree_on_the_end(progress.is_last_batch, self.meshes.dp.get_group(), self.root_device):
+                progress.is_last_batch = True
+        return super().batch_to_device(batch, device, dataloader_idx)  # type: ignore[misc]
 
     # ---- processes -------------------------------------------------------------------------------------------
     @property
