@@ -90,16 +90,6 @@ class ProcessLayout:
             trainer.accumulate_grad_batches = accumulation_for(self._config.global_batch, dataloader, dp.size())
         return super().process_dataloader(dataloader)  # type: ignore[misc]
 
-    def batch_to_device(self: Any, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
-        """Also, for a training stream whose ranks' shards end at different steps (`stream_counted`): end the pass
-        on every data-parallel rank after the step in which the first of them read its last batch."""
-        trainer = _compat.attached_trainer(self.lightning_module) if self.lightning_module is not None else None
-        if getattr(self, "_agree_end", False) and trainer is not None and trainer.training:
-            progress = trainer.fit_loop.epoch_loop.batch_progress
-            if agree_on_the_end(progress.is_last_batch, self.meshes.dp.get_group(), self.root_device):
-                progress.is_last_batch = True
-        return super().batch_to_device(batch, device, dataloader_idx)  # type: ignore[misc]
-
     # ---- processes -------------------------------------------------------------------------------------------
     @property
     def root_device(self: Any) -> torch.device:
@@ -181,6 +171,17 @@ class ProcessGroupStrategy(ProcessLayout, _LightningParallelStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         self.start_processes()
+
+    @override
+    def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
+        """Also, for a training stream whose ranks' shards end at different steps (`stream_counted`): end the pass
+        on every data-parallel rank after the step in which the first of them read its last batch."""
+        trainer = _compat.attached_trainer(self.lightning_module) if self.lightning_module is not None else None
+        if getattr(self, "_agree_end", False) and trainer is not None and trainer.training:
+            progress = trainer.fit_loop.epoch_loop.batch_progress
+            if agree_on_the_end(progress.is_last_batch, self.meshes.dp.get_group(), self.root_device):
+                progress.is_last_batch = True
+        return super().batch_to_device(batch, device, dataloader_idx)  # type: ignore[misc]
 
     def _set_metric_groups(self, module: nn.Module) -> None:
         set_metric_groups(module, self.meshes.dp.get_group())
