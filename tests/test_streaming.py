@@ -7,10 +7,15 @@ every global batch, step k must train on the same samples. Losses are compared t
 tests/test_zero.py: only the summation order differs); rank 0's batches must be the reference's rows 0, 2, 4, ...
 (the `DistributedSampler`'s stride).
 
+Sharded sources, read shard by shard: litdata (zero2 with 2 loader workers, against a one-process reference on the
+documented order; each rank's cache holds only its chunks; tp) and Hugging Face streaming over 4 Parquet files of
+unequal length (zero1 with 2 workers: each rank its 2 files, every pass ending on both ranks when rank 0's files
+end; tp and pipe). Both resumed from a mid-pass checkpoint.
+
 Spawns: one 2-rank torchrun (zero1; zero2 with 2 loader workers over `datasets`; zero3; DeepSpeed ZeRO-1; tp, cp
 and pipe, whose two ranks are one replica; a Hugging Face Llama built from a config under tp x ZeRO-1; a resume on
-the same layout; a stream shorter than one global batch) and one process (the references, and the 2-rank
-checkpoint resumed on one rank).
+the same layout; a stream shorter than one global batch; the sharded sources above) and one process (the
+references, and the 2-rank checkpoint resumed on one rank).
 """
 
 from __future__ import annotations
@@ -40,6 +45,9 @@ TWO: dict[str, dict[str, Any]] = {
     "tp_litdata": {"strategy": {"tp": 2}, "dp": 1, "stream": "litdata"},
     # Hugging Face streaming over 4 Parquet files: each rank reads its 2 files, passes end when rank 0's do
     "zero1_hf_parquet": {"strategy": "zero1", "stream": "hf_parquet", "workers": 2},
+    # one replica (dp = 1): both ranks read all 4 files in order, the same windows as "ref"
+    "tp_hf_parquet": {"strategy": {"tp": 2}, "dp": 1, "stream": "hf_parquet"},
+    "pipe_hf_parquet": {"strategy": {"pp": 2, "microbatches": 2}, "dp": 1, "stream": "hf_parquet"},
 }
 ONE: dict[str, dict[str, Any]] = {
     "ref": {},
@@ -113,6 +121,9 @@ def test_hf_streaming_ranks_read_their_own_files_and_end_each_pass_together(runs
         start = got.get("start_step", 0)
         assert len(got["losses"]) == STEPS - start and rel(got["losses"], ref["losses"][start:]) < 1e-5
         assert got["batch_heads"] == [heads[:4] for heads in ref["batch_heads"][start:]]
+    for name in ("tp_hf_parquet", "pipe_hf_parquet"):  # tensor / pipeline ranks of one replica: the same samples
+        assert runs[name]["batch_heads"] == runs["ref"]["batch_heads"]
+        assert rel(runs[name]["losses"], runs["ref"]["losses"]) < 1e-5
     # step 4 is the first of the second pass: the first pass ended on both ranks after rank 0's 3 batches
     assert runs["zero1_hf_parquet"]["batch_heads"][3] == runs["zero1_hf_parquet"]["batch_heads"][0]
     from lightning_par.checkpoint.reader import read_meta
