@@ -255,3 +255,24 @@ def test_hf_streaming_shards_of_unknown_length_resume_where_each_file_stopped(tm
     assert first.dataset.lengths[:2].tolist() == [7, 5]  # learnt by the workers (file 3 may be too: prefetch)
     rest = torch.cat([x for x, _ in loader(saved)])
     assert torch.equal(rest, whole[20:])
+
+
+def test_hf_streaming_unread_shards_are_grouped_again_on_another_data_parallel_size(tmp_path):
+    from _streams import _pairs, hf_parquet_stream
+
+    from lightning_par.parallel.stream_counted import CountedShardStream, counted_shards_of
+
+    source = hf_parquet_stream(tmp_path, 8)
+    one = CountedShardStream(source, counted_shards_of(source), 0, 1, 4, lambda: 0)
+    loader = DataLoader(one, batch_size=4, collate_fn=_pairs)
+    whole = torch.cat([x for x, _ in loader])
+    saved = one.position(3, complete=False)  # 12 rows read: files 0 and 1, to their ends
+    assert saved["ranks"] == [[[2, 0], [3, 0]]]
+    later = []
+    with pytest.warns(UserWarning, match="grouped again for the new ranks"):
+        ranks = [CountedShardStream(source, counted_shards_of(source), r, 2, 2, lambda: 0) for r in range(2)]
+        for stream in ranks:
+            stream.resume_from(saved)
+    for stream in ranks:  # rank 0 reads file 2, rank 1 file 3: each its own, together every unread row once
+        later.append(torch.cat([x for x, _ in DataLoader(stream, batch_size=2, collate_fn=_pairs)]))
+    assert torch.equal(torch.cat(later), whole[12:])
