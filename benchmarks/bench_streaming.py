@@ -6,7 +6,8 @@ One process plays data-parallel rank 0 of ``--dp`` ranks (no process group is ne
 loader is a `DataLoader` over the corpus windows with the `DistributedSampler(num_replicas=dp, rank=0)` Lightning
 inserts; the streaming one reads the same windows in order, wrapped the way the strategies wrap it. Two sources: in-
 memory windows (a `TensorDataset` against an `IterableDataset` over the same tensor: what the wrapper costs),
-Hugging Face `datasets` over a local JSON-lines file (Arrow map-style against streaming mode), the in-memory windows
+Hugging Face `datasets` over a local JSON-lines file (Arrow map-style against streaming mode) and over 8 Parquet
+files (Arrow map-style against streaming mode read shard by shard: `CountedShardStream`), the in-memory windows
 as a sharded source (shards of 64 windows, read shard by shard: `lightning_par.parallel.stream_shards`) and a
 `litdata.StreamingDataset` over chunks of the windows (indexed through a map-style wrapper against read chunk by
 chunk; the rounds read litdata from a warm cache, and the chunks rank 0 copies into its cache from cold are counted
@@ -31,6 +32,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, TensorDataset
 
 from lightning_par.data import encode, load_text
+from lightning_par.parallel.stream_counted import CountedShardStream, counted_shards_of
 from lightning_par.parallel.stream_split import split_over_data_parallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -76,6 +78,21 @@ class _Indexed(Dataset):
         return self.source[i]
 
 
+def _parquet_files(folder: Path, seq: int, count: int, files: int = 8) -> list[str]:
+    """The windows in ``files`` Parquet files of equal length (written once)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder.mkdir(parents=True, exist_ok=True)
+    w, paths = windows(seq, count), []
+    for i in range(files):
+        paths.append(str(folder / f"part-{i}.parquet"))
+        if not Path(paths[-1]).exists():
+            rows = w[i * count // files : (i + 1) * count // files]
+            pq.write_table(pa.table({"tokens": [r.tolist() for r in rows]}), paths[-1])
+    return paths
+
+
 def _loader(kind: str, stream: bool, folder: Path, args: argparse.Namespace, count: int) -> DataLoader:
     """rank 0's loader: map-style with the DistributedSampler Lightning inserts, or the stream split as the
     strategies split it. ``kind``: "torch" (in-memory windows) or "hf" (`datasets` over a JSON-lines file: Arrow
@@ -88,6 +105,16 @@ def _loader(kind: str, stream: bool, folder: Path, args: argparse.Namespace, cou
         path = str(folder / f"windows_{args.seq}_{count}.jsonl")
         dataset: Any = load_dataset("json", data_files=path, split="train", streaming=stream)
         collate: Any = _pairs
+    elif kind == "hf_shards":  # `datasets` over 8 Parquet files: Arrow map-style, or streaming read shard by shard
+        from datasets import load_dataset
+
+        files = _parquet_files(folder / "parquet", args.seq, count)
+        dataset = load_dataset("parquet", data_files=files, split="train", streaming=stream)
+        collate = _pairs
+        if stream:  # what a Trainer's training loader gets (the per-step end agreement is the strategy's)
+            loader = DataLoader(CountedShardStream(dataset, counted_shards_of(dataset), 0, dp, batch),
+                                batch_size=batch, num_workers=workers, collate_fn=collate)  # fmt: skip
+            return loader
     elif kind == "litdata":
         source = litdata_stream(folder, args.seq, count)
         dataset, collate = (source if stream else _Indexed(source)), _litdata_pairs
@@ -133,7 +160,7 @@ def main() -> None:
             chunks = len(list((folder / f"litdata_{args.seq}_{count}").glob("chunk-*.bin")))
             cached[which] = f"{len(list((folder / 'cache_rank0').rglob('chunk-*.bin')))} of {chunks}"
         _rate(_loader("litdata", False, Path(tmp), args, count))  # the rounds below read from a warm cache
-        for kind in ("torch", "hf", "sharded", "litdata"):
+        for kind in ("torch", "hf", "sharded", "hf_shards", "litdata"):
             ratios, rates = [], []
             for r in range(args.rounds):
                 order = ("map", "stream") if r % 2 == 0 else ("stream", "map")
@@ -142,7 +169,8 @@ def main() -> None:
                     loader = _loader(kind, which == "stream", Path(tmp), args, count)
                     got[which] = _rate(loader)
                 # A sharded pass drops what does not fill every worker's last batch: with workers, a few more.
-                slack = args.dp * max(args.workers, 1) * args.batch if kind in ("sharded", "litdata") else 1
+                sharded = kind in ("sharded", "hf_shards", "litdata")
+                slack = args.dp * max(args.workers, 1) * args.batch if sharded else 1
                 if abs(got["map"][1] - got["stream"][1]) >= slack:
                     raise RuntimeError(f"{kind}: map-style read {got['map'][1]} samples, stream {got['stream'][1]}")
                 ratios.append(got["stream"][0] / got["map"][0])
