@@ -164,8 +164,9 @@ class CountedShardStream(DataParallelStream):
         """Continue after the position `position` saved."""
         if not state.get("counted"):
             raise ValueError(
-                "the checkpoint's training data position is not a streaming Hugging Face dataset's read shard by "
-                "shard; resume with the dataset (and the number of data-parallel ranks' split) it was trained on"
+                "the checkpoint's training data position is not one of a Hugging Face streaming dataset read shard "
+                "by shard (the dataset, or its number of shards against the data-parallel ranks, changed); resume "
+                "with the dataset and layout it was trained on, or train from the weights only"
             )
         if state["layout"] != [self.size, self.batch_size] and not state["complete"]:
             warnings.warn(
