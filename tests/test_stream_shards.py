@@ -276,3 +276,20 @@ def test_hf_streaming_unread_shards_are_grouped_again_on_another_data_parallel_s
     for stream in ranks:  # rank 0 reads file 2, rank 1 file 3: each its own, together every unread row once
         later.append(torch.cat([x for x, _ in DataLoader(stream, batch_size=2, collate_fn=_pairs)]))
     assert torch.equal(torch.cat(later), whole[12:])
+
+
+def test_a_mid_pass_position_of_another_kind_of_stream_is_refused_and_an_epoch_end_one_is_not():
+    from lightning_par.parallel.streaming import DataParallelStream
+
+    sharded = _loaders(Shards(LENGTHS), 2, 3, 0)[0].dataset
+    _read([DataLoader(sharded, batch_size=3)], 2)
+    mid, end = sharded.position(2, complete=False), sharded.position(5, complete=True)
+    whole = DataParallelStream(Shards(LENGTHS), 0, 2, 3, lambda: 0)
+    # (e.g. an elastic restart where a Hugging Face dataset's shards no longer cover the data-parallel ranks)
+    with pytest.raises(ValueError, match=r"read shard by shard with known lengths.*this run reads it whole"):
+        whole.resume_from(mid)
+    whole.resume_from(end)
+    assert whole._start == (1, 0)
+    saved_whole = whole.position(2, complete=False)
+    with pytest.raises(ValueError, match="saved while the stream was read whole by every rank"):
+        _loaders(Shards(LENGTHS), 2, 3, 0)[0].dataset.resume_from(saved_whole)

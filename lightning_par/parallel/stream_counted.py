@@ -76,6 +76,7 @@ class CountedShardStream(DataParallelStream):
         group: the data-parallel process group (the position gathers every rank's unread shards over it).
     """
 
+    read_as = "counted"
     agree_on_the_end = True  # the strategy's per-step agreement on the end of a pass (module docstring)
 
     def __init__(
@@ -162,22 +163,17 @@ class CountedShardStream(DataParallelStream):
 
     def resume_from(self, state: dict[str, Any]) -> None:
         """Continue after the position `position` saved."""
-        if not state.get("counted"):
-            raise ValueError(
-                "the checkpoint's training data position is not one of a Hugging Face streaming dataset read shard "
-                "by shard (the dataset, or its number of shards against the data-parallel ranks, changed); resume "
-                "with the dataset and layout it was trained on, or train from the weights only"
-            )
-        if state["layout"] != [self.size, self.batch_size] and not state["complete"]:
+        super().resume_from({**state, "global_batch": self.global_batch})  # refuses another kind of stream
+        if state["complete"]:
+            return  # the next epoch, from its start, as any stream
+        if state["layout"] != [self.size, self.batch_size]:
             warnings.warn(
                 f"the stream was saved by {state['layout'][0]} data-parallel ranks x batch {state['layout'][1]} and "
                 f"resumes on {self.size} x {self.batch_size}: the unread shards are grouped again for the new "
                 "ranks (none read twice or skipped), so later steps group the samples differently",
                 stacklevel=2,
             )
-        super().resume_from({**state, "global_batch": self.global_batch})  # warned above, in the plan's terms
-        if not state["complete"]:
-            self._resume = state
+        self._resume = state
 
 
 def agree_on_the_end(last: bool, group: dist.ProcessGroup, device: torch.device) -> bool:

@@ -130,6 +130,8 @@ class ShardedStream(DataParallelStream):
         workers: the loader's ``num_workers``.
     """
 
+    read_as = "sharded"
+
     def __init__(self, source: Any, shards: Any, rank: int, size: int, batch_size: int,
                  epoch_fn: Optional[Callable[[], int]] = None, workers: int = 0) -> None:  # fmt: skip
         super().__init__(source, rank, size, batch_size, epoch_fn)
@@ -215,12 +217,10 @@ class ShardedStream(DataParallelStream):
 
     def resume_from(self, state: dict[str, Any]) -> None:
         """Continue after the position `position` saved."""
-        if not state.get("sharded"):
-            raise ValueError(
-                "the checkpoint's training data position is a whole stream's (read by every rank) and this run "
-                "reads a sharded dataset shard by shard; resume with the dataset the checkpoint was trained on"
-            )
-        if state["layout"] != self.layout and not state["complete"]:
+        super().resume_from({**state, "global_batch": self.global_batch})  # refuses another kind of stream
+        if state["complete"]:
+            return  # the next epoch, from its start, as any stream
+        if state["layout"] != self.layout:
             warnings.warn(
                 f"the stream was saved by {state['layout'][0]} data-parallel ranks x {state['layout'][1]} loader "
                 f"workers x batch {state['layout'][2]} and resumes on {self.size} x {self.workers} x "
@@ -228,6 +228,4 @@ class ShardedStream(DataParallelStream):
                 "skipped), so later steps group them differently from the uninterrupted run",
                 stacklevel=2,
             )
-        super().resume_from({**state, "global_batch": self.global_batch})  # warned above, in the plan's terms
-        if not state["complete"]:
-            self._resume = state
+        self._resume = state

@@ -49,6 +49,8 @@ class DataParallelStream(IterableDataset):
         epoch_fn: the epoch of a pass that starts now (the trainer's ``current_epoch``), or ``None``.
     """
 
+    read_as = "whole"  # how the stream is read: "whole" here; the shard-by-shard subclasses say theirs
+
     def __init__(
         self, source: Any, rank: int, size: int, batch_size: int, epoch_fn: Optional[Callable[[], int]] = None
     ) -> None:
@@ -141,6 +143,16 @@ class DataParallelStream(IterableDataset):
                 "streams an iterable dataset; resume with the dataset the checkpoint was trained on, or train from "
                 "the weights only (load them in the model and start a new fit)"
             )
+        saved = "sharded" if state.get("sharded") else "counted" if state.get("counted") else "whole"
+        if saved != self.read_as and not state["complete"]:
+            raise ValueError(
+                f"the checkpoint's stream position was saved while the stream was read {_READ_AS[saved]}, and this "
+                f"run reads it {_READ_AS[self.read_as]} (docs/data.md), so the position does not apply mid-pass. "
+                "Resume with the dataset and layout the checkpoint was trained with (a Hugging Face streaming "
+                "dataset is read shard by shard when it has at least as many shards as data-parallel ranks: give "
+                "it more files for an elastic job), from a checkpoint saved at an epoch's end, or from the weights "
+                "only"
+            )
         if state["global_batch"] != self.global_batch:
             warnings.warn(
                 f"the global batch changed from {state['global_batch']} to {self.global_batch} samples: the stream "
@@ -157,6 +169,13 @@ class DataParallelStream(IterableDataset):
         if self.epoch < 0 and self._start is not None:  # resumed, and the pass has not started
             return self._start[0]
         return max(self.epoch, 0)
+
+
+_READ_AS = {
+    "whole": "whole by every rank",
+    "sharded": "shard by shard with known lengths (stream_shards)",
+    "counted": "shard by shard with lengths learnt while reading (stream_counted)",
+}
 
 
 def _whole(source: Any) -> Iterator[Any]:
