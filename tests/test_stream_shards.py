@@ -112,7 +112,7 @@ def test_a_resume_on_another_layout_reads_every_unread_sample_once(dp, workers):
     seen = [s for rank in _read(first, 4) for b in rank for s in b]
     saved = first[0].dataset.position(4, complete=False)
     resumed = _loaders(Shards(LENGTHS), dp, 12 // dp, workers)  # the same global batch of 12... of 6 x 2
-    with pytest.warns(UserWarning, match="cut again for the new layout"):
+    with pytest.warns(UserWarning, match="planned again for the new layout"):
         for loader in resumed:
             loader.dataset.resume_from(saved)
     later = [s for rank in _read(resumed) for b in rank for s in b]
@@ -269,7 +269,7 @@ def test_hf_streaming_unread_shards_are_grouped_again_on_another_data_parallel_s
     saved = one.position(3, complete=False)  # 12 rows read: files 0 and 1, to their ends
     assert saved["ranks"] == [[[2, 0], [3, 0]]]
     later = []
-    with pytest.warns(UserWarning, match="grouped again for the new ranks"):
+    with pytest.warns(UserWarning, match="planned again for the new layout"):
         ranks = [CountedShardStream(source, counted_shards_of(source), r, 2, 2, lambda: 0) for r in range(2)]
         for stream in ranks:
             stream.resume_from(saved)

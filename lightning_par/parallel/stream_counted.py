@@ -25,7 +25,6 @@ is read twice or skipped. The samples of a partly read shard are skipped by read
 from __future__ import annotations
 
 import itertools
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, Optional
 
@@ -77,6 +76,7 @@ class CountedShardStream(DataParallelStream):
     """
 
     read_as = "counted"
+    layout_names = ("data-parallel ranks", "per batch")
     agree_on_the_end = True  # the strategy's per-step agreement on the end of a pass (module docstring)
 
     def __init__(
@@ -93,7 +93,10 @@ class CountedShardStream(DataParallelStream):
         self.shards, self.group = shards, group
         # Each shard's length once a reader finished it (-1: not yet), shared with the loader's workers.
         self.lengths = torch.full((shards.count,), -1, dtype=torch.int64).share_memory_()
-        self._resume: Optional[dict[str, Any]] = None
+
+    @property
+    def layout(self) -> list[int]:
+        return [self.size, self.batch_size]
 
     def plan(self, epoch: int) -> tuple[list[list[Piece]], int]:
         """(every rank's pieces, samples of the pass consumed before the plan starts) for the pass of ``epoch``."""
@@ -106,7 +109,7 @@ class CountedShardStream(DataParallelStream):
                 "resume with the dataset the checkpoint was trained on, or train from the weights only"
             )
         ranks = [[(int(s), int(f)) for s, f in pieces] for pieces in saved["ranks"]]
-        if saved["layout"] != [self.size, self.batch_size]:
+        if saved["layout"] != self.layout:
             ranks = _groups([p for pieces in ranks for p in pieces], self.size)
         return ranks, saved["samples"]
 
@@ -149,7 +152,7 @@ class CountedShardStream(DataParallelStream):
         epoch = self._epoch_of_position()
         state: dict[str, Any] = {"stream": True, "counted": True, "epoch": epoch, "complete": complete,
                                  "samples": batches * self.global_batch, "global_batch": self.global_batch,
-                                 "layout": [self.size, self.batch_size], "shards": self.shards.count}  # fmt: skip
+                                 "layout": self.layout, "shards": self.shards.count}  # fmt: skip
         if complete:
             return {**state, "ranks": []}
         ranks, before = self.plan(epoch)
@@ -160,20 +163,6 @@ class CountedShardStream(DataParallelStream):
             gathered = [None] * self.size
             dist.all_gather_object(gathered, [list(p) for p in mine], group=self.group)
         return {**state, "ranks": gathered}
-
-    def resume_from(self, state: dict[str, Any]) -> None:
-        """Continue after the position `position` saved."""
-        super().resume_from({**state, "global_batch": self.global_batch})  # refuses another kind of stream
-        if state["complete"]:
-            return  # the next epoch, from its start, as any stream
-        if state["layout"] != [self.size, self.batch_size]:
-            warnings.warn(
-                f"the stream was saved by {state['layout'][0]} data-parallel ranks x batch {state['layout'][1]} and "
-                f"resumes on {self.size} x {self.batch_size}: the unread shards are grouped again for the new "
-                "ranks (none read twice or skipped), so later steps group the samples differently",
-                stacklevel=2,
-            )
-        self._resume = state
 
 
 def agree_on_the_end(last: bool, group: dist.ProcessGroup, device: torch.device) -> bool:

@@ -23,7 +23,6 @@ and none is skipped, but the later batches group them differently.
 from __future__ import annotations
 
 import itertools
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Optional, Protocol, runtime_checkable
 
@@ -131,13 +130,13 @@ class ShardedStream(DataParallelStream):
     """
 
     read_as = "sharded"
+    layout_names = ("data-parallel ranks", "loader workers", "per batch")
 
     def __init__(self, source: Any, shards: Any, rank: int, size: int, batch_size: int,
                  epoch_fn: Optional[Callable[[], int]] = None, workers: int = 0) -> None:  # fmt: skip
         super().__init__(source, rank, size, batch_size, epoch_fn)
         self.shards = shards
         self.workers = max(1, workers)
-        self._resume: Optional[dict[str, Any]] = None  # the loaded position, for the pass of its epoch
 
     @property
     def layout(self) -> list[int]:
@@ -214,18 +213,3 @@ class ShardedStream(DataParallelStream):
             rest = [_split(r, n * self.batch_size)[1] for r, n in zip(rank_ranges, read)]
             unread.extend(rest[(done + j) % workers] for j in range(workers))  # the next batch's worker first
         return {**state, "ranges": [[list(p) for p in r] for r in unread], "tail": [list(p) for p in tail]}
-
-    def resume_from(self, state: dict[str, Any]) -> None:
-        """Continue after the position `position` saved."""
-        super().resume_from({**state, "global_batch": self.global_batch})  # refuses another kind of stream
-        if state["complete"]:
-            return  # the next epoch, from its start, as any stream
-        if state["layout"] != self.layout:
-            warnings.warn(
-                f"the stream was saved by {state['layout'][0]} data-parallel ranks x {state['layout'][1]} loader "
-                f"workers x batch {state['layout'][2]} and resumes on {self.size} x {self.workers} x "
-                f"{self.batch_size}: the unread samples are cut again for the new layout (none read twice or "
-                "skipped), so later steps group them differently from the uninterrupted run",
-                stacklevel=2,
-            )
-        self._resume = state

@@ -50,6 +50,7 @@ class DataParallelStream(IterableDataset):
     """
 
     read_as = "whole"  # how the stream is read: "whole" here; the shard-by-shard subclasses say theirs
+    layout_names: tuple[str, ...] = ()  # what a shard-by-shard subclass's saved plan depends on (its `layout`)
 
     def __init__(
         self, source: Any, rank: int, size: int, batch_size: int, epoch_fn: Optional[Callable[[], int]] = None
@@ -59,6 +60,7 @@ class DataParallelStream(IterableDataset):
         self._epoch_fn = epoch_fn
         self.epoch = -1  # of the pass in progress; -1 before the first
         self._start: Optional[tuple[int, int]] = None  # (epoch, samples of all ranks to skip) of the next pass
+        self._resume: Optional[dict[str, Any]] = None  # shard by shard: the loaded position, for its epoch's pass
 
     @property
     def global_batch(self) -> int:
@@ -153,14 +155,29 @@ class DataParallelStream(IterableDataset):
                 "it more files for an elastic job), from a checkpoint saved at an epoch's end, or from the weights "
                 "only"
             )
-        if state["global_batch"] != self.global_batch:
+        if self.read_as == "whole" and state["global_batch"] != self.global_batch:
             warnings.warn(
                 f"the global batch changed from {state['global_batch']} to {self.global_batch} samples: the stream "
                 f"resumes after the {state['samples']} samples already trained on, but later steps group the "
                 "samples differently from the uninterrupted run",
                 stacklevel=2,
             )
+        elif self.read_as != "whole" and not state["complete"]:  # the shard-by-shard plans continue from it
+            if state["layout"] != self.layout:
+                warnings.warn(
+                    f"the stream was saved by {_layout(state['layout'], self.layout_names)} and resumes on "
+                    f"{_layout(self.layout, self.layout_names)}: the unread samples are planned again for the new "
+                    "layout (none read twice or skipped), so later steps group them differently from the "
+                    "uninterrupted run",
+                    stacklevel=2,
+                )
+            self._resume = state
         self.start_at(*resume_point(state))
+
+    @property
+    def layout(self) -> list[int]:
+        """The values of `layout_names` (none for the whole-stream split)."""
+        return []
 
     def _epoch_of_position(self) -> int:
         # The trainer's epoch: with loader workers, this (main process) copy never iterates, so its `epoch` is stale.
@@ -169,6 +186,10 @@ class DataParallelStream(IterableDataset):
         if self.epoch < 0 and self._start is not None:  # resumed, and the pass has not started
             return self._start[0]
         return max(self.epoch, 0)
+
+
+def _layout(values: list[int], names: tuple[str, ...]) -> str:
+    return " x ".join(f"{v} {n}" for v, n in zip(values, names))
 
 
 _READ_AS = {
