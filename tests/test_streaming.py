@@ -95,13 +95,19 @@ def test_every_step_trains_on_the_global_batch_of_one_process(runs, name):
         assert got["batch_heads"] == ref["batch_heads"]
 
 
-def test_litdata_ranks_read_their_own_chunks_and_train_on_the_global_batch_of_one_process(runs, tmp_path_factory):
-    ref = runs["ref_litdata"]
-    for name in ("zero2_litdata", "zero2_litdata_resumed"):
+def _rank_0_reads_the_first_half(runs: dict[str, Any], ref_name: str, names: tuple[str, ...]) -> None:
+    """Sharded 2-rank runs (and their resumes) against the one-process reference of their global batches: the
+    same losses from each run's first step on, and rank 0's 4 samples first in each global batch."""
+    ref = runs[ref_name]
+    for name in names:
         got = runs[name]
         start = got.get("start_step", 0)
         assert len(got["losses"]) == STEPS - start and rel(got["losses"], ref["losses"][start:]) < 1e-5
-        assert got["batch_heads"] == [heads[:4] for heads in ref["batch_heads"][start:]]  # rank 0's 4 come first
+        assert got["batch_heads"] == [heads[:4] for heads in ref["batch_heads"][start:]]
+
+
+def test_litdata_ranks_read_their_own_chunks_and_train_on_the_global_batch_of_one_process(runs, tmp_path_factory):
+    _rank_0_reads_the_first_half(runs, "ref_litdata", ("zero2_litdata", "zero2_litdata_resumed"))
     assert runs["zero2_litdata_resumed"]["start_step"] == 2
     # 32 samples in chunks of 4: rank 0's ranges are samples 0-15 (chunks 0-3), rank 1's 16-31 (chunks 4-7). Each
     # rank's local cache holds only the chunks it read.
@@ -115,12 +121,7 @@ def test_litdata_ranks_read_their_own_chunks_and_train_on_the_global_batch_of_on
 
 
 def test_hf_streaming_ranks_read_their_own_files_and_end_each_pass_together(runs, tmp_path_factory):
-    ref = runs["ref_hf_parquet"]
-    for name in ("zero1_hf_parquet", "zero1_hf_parquet_resumed"):
-        got = runs[name]
-        start = got.get("start_step", 0)
-        assert len(got["losses"]) == STEPS - start and rel(got["losses"], ref["losses"][start:]) < 1e-5
-        assert got["batch_heads"] == [heads[:4] for heads in ref["batch_heads"][start:]]
+    _rank_0_reads_the_first_half(runs, "ref_hf_parquet", ("zero1_hf_parquet", "zero1_hf_parquet_resumed"))
     for name in ("tp_hf_parquet", "pipe_hf_parquet"):  # tensor / pipeline ranks of one replica: the same samples
         assert runs[name]["batch_heads"] == runs["ref"]["batch_heads"]
         assert rel(runs[name]["losses"], runs["ref"]["losses"]) < 1e-5

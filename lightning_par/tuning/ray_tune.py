@@ -20,7 +20,7 @@ from typing import Any, Optional
 import yaml
 
 from lightning_par.tuning.space import Space, SpaceError
-from lightning_par.tuning.sweep import check_arguments, run_trial, write_results
+from lightning_par.tuning.sweep import check_arguments, optuna_sampler, run_trial, write_results
 
 # ASHA stops a trial that reaches max_t; no recipe validates this often, so only its rungs stop trials.
 _ASHA_MAX_T = 1_000_000
@@ -205,10 +205,7 @@ def run_ray_sweep(recipe: Path, space: Space, out: Path, study_name: Optional[st
     check_arguments(recipe, space)
     name = study_name or f"{recipe.stem}-sweep"
     resources = trial_resources(recipe, space)
-    import optuna
-
-    sampler = (optuna.samplers.TPESampler(seed=space.seed) if space.sampler == "tpe"
-               else optuna.samplers.RandomSampler(seed=space.seed))  # fmt: skip
+    sampler = optuna_sampler(space)
     mode = "min" if space.direction == "minimize" else "max"
     # A define-by-run space takes its metric and mode here (Tune passes TuneConfig's only to a searcher without one).
     searcher = OptunaSearch(space=_DefineByRun(space), metric=space.metric, mode=mode, sampler=sampler,

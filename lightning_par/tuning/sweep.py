@@ -166,8 +166,7 @@ def run_sweep(recipe: Path, space: Space, out: Path, study_name: Optional[str] =
     out.mkdir(parents=True, exist_ok=True)
     check_arguments(recipe, space)
     name = study_name or f"{recipe.stem}-sweep"
-    sampler = (optuna.samplers.TPESampler(seed=space.seed) if space.sampler == "tpe"
-               else optuna.samplers.RandomSampler(seed=space.seed))  # fmt: skip
+    sampler = optuna_sampler(space)
     pruner: Any = optuna.pruners.NopPruner()
     if space.pruner == "median":
         pruner = optuna.pruners.MedianPruner(n_startup_trials=2)
@@ -181,6 +180,15 @@ def run_sweep(recipe: Path, space: Space, out: Path, study_name: Optional[str] =
     study.optimize(_Objective(recipe, space, out, name), n_trials=space.trials, catch=(TrialFailed,))
     write_results(out, study_results(study, space.metric))
     return study
+
+
+def optuna_sampler(space: Space) -> Any:
+    """The space's Optuna sampler (TPE or random, seeded): the Optuna backend's, and the Ray backend's searcher's."""
+    import optuna
+
+    if space.sampler == "tpe":
+        return optuna.samplers.TPESampler(seed=space.seed)
+    return optuna.samplers.RandomSampler(seed=space.seed)
 
 
 def study_results(study: Any, metric: str) -> dict[str, Any]:
