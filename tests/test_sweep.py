@@ -43,13 +43,19 @@ SPACE = {
 }
 
 
-def _sweep(tmp: Path, space: dict, *extra: str) -> subprocess.CompletedProcess:
+def sweep_command(tmp: Path, space: dict, *extra: str) -> list[str]:
+    """Write `RECIPE` (W&B logging into ``tmp``) and ``space`` into ``tmp``; the `lightning-par sweep` command over
+    them, to run in ``tmp`` (also tests/test_sweep_ray.py's)."""
     recipe = dict(RECIPE, trainer={**RECIPE["trainer"], "logger": {**RECIPE["trainer"]["logger"]}})
     recipe["trainer"]["logger"]["init_args"] = {**RECIPE["trainer"]["logger"]["init_args"], "save_dir": str(tmp)}
     (tmp / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     (tmp / "space.yaml").write_text(yaml.safe_dump(space))
-    cmd = [str(Path(sys.executable).with_name("lightning-par")), "sweep", "--config", "recipe.yaml", "--space",
-           "space.yaml", "--out", "out", *extra]  # fmt: skip
+    return [str(Path(sys.executable).with_name("lightning-par")), "sweep", "--config", "recipe.yaml", "--space",
+            "space.yaml", "--out", "out", *extra]  # fmt: skip
+
+
+def _sweep(tmp: Path, space: dict, *extra: str) -> subprocess.CompletedProcess:
+    cmd = sweep_command(tmp, space, *extra)
     env = {**worker_env(), "WANDB_MODE": "offline"}
     return subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
 

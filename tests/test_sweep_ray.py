@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 from launch import worker_env
-from test_sweep import RECIPE
+from test_sweep import sweep_command
 
 from lightning_par.cli import sweep_main
 from lightning_par.tuning.ray_tune import require_ray, run_ray_sweep, trial_resources
@@ -35,12 +35,7 @@ _TIMEOUT_S = 400
 
 
 def _sweep(tmp: Path, space: dict, *extra: str) -> subprocess.CompletedProcess:
-    recipe = dict(RECIPE, trainer={**RECIPE["trainer"], "logger": {**RECIPE["trainer"]["logger"]}})
-    recipe["trainer"]["logger"]["init_args"] = {**RECIPE["trainer"]["logger"]["init_args"], "save_dir": str(tmp)}
-    (tmp / "recipe.yaml").write_text(yaml.safe_dump(recipe))
-    (tmp / "space.yaml").write_text(yaml.safe_dump(space))
-    cmd = [str(Path(sys.executable).with_name("lightning-par")), "sweep", "--config", "recipe.yaml", "--space",
-           "space.yaml", "--out", "out", *extra]  # fmt: skip
+    cmd = sweep_command(tmp, space, *extra)
     # Its own process group, so a sweep past the timeout is ended with the Ray instance it started.
     proc = subprocess.Popen(cmd, cwd=tmp, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)  # fmt: skip
