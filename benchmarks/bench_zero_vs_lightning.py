@@ -85,8 +85,9 @@ DEFERRED: dict[str, list[dict[str, Any]]] = {}  # per config: the deferred all-g
 
 def run_once(
     name: str, factory: Callable[[], tuple[Any, L.LightningModule]], args: argparse.Namespace
-) -> tuple[float, float]:
-    """One fresh Trainer.fit; returns this rank's (median, fastest) step time in seconds."""
+) -> tuple[float, float, float]:
+    """One fresh Trainer.fit; returns rank 0's (median, fastest) step time in seconds, step end to step end, and the
+    median CPU time per step summed over the ranks."""
     L.seed_everything(0, verbose=False)
     strategy, model = factory()
     steps = args.warmup + args.steps
@@ -112,7 +113,10 @@ def run_once(
         DEFERRED.setdefault(name, []).append(dict(prefetch.stats))
     if len(timer.times) != args.steps:
         raise RuntimeError(f"{name}: timed {len(timer.times)} steps, expected {args.steps}; raise num_samples")
-    return statistics.median(timer.times), min(timer.times)
+    cpu = torch.tensor(statistics.median(timer.cpu), dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(cpu)  # every rank's work, gloo's threads included
+    return statistics.median(timer.cycles), min(timer.cycles), float(cpu)
 
 
 def main() -> None:
@@ -125,6 +129,7 @@ def main() -> None:
     parser.add_argument("--embd", type=int, default=256)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=8, help="per-rank batch")
+    parser.add_argument("--only", default="", help="comma-separated config names (default: all); pairs need both")
     parser.add_argument("--overlap-diagnostic", action="store_true",
                         help="also zero1/zero2 with the all-gather finished before a batch-end hook")  # fmt: skip
     args = parser.parse_args()
@@ -139,16 +144,22 @@ def main() -> None:
         for stage in ("zero1", "zero2"):
             configs[f"{stage}_sync_gather"] = configs[stage]
             pairs.append((stage, f"{stage}_sync_gather"))
+    if args.only:
+        keep = args.only.split(",")
+        configs = {name: configs[name] for name in keep}
+        pairs = [(a, b) for a, b in pairs if a in configs and b in configs]
     order = list(configs)
     medians: dict[str, list[float]] = {name: [] for name in configs}
+    cpus: dict[str, list[float]] = {name: [] for name in configs}
     fastest: dict[str, float] = {name: float("inf") for name in configs}
     load_before = os.getloadavg()[0]  # other tenants on the machine show up here; drift hits both sides alike
     start = time.perf_counter()
     for r in range(args.rounds):
         # ABBA: reversing every other round cancels a linear drift for every pair, not only the adjacent ones.
         for name in order if r % 2 == 0 else order[::-1]:
-            med, low = run_once(name, configs[name], args)
+            med, low, cpu = run_once(name, configs[name], args)
             medians[name].append(med)
+            cpus[name].append(cpu)
             fastest[name] = min(fastest[name], low)
     elapsed = time.perf_counter() - start
 
@@ -163,14 +174,16 @@ def main() -> None:
         # (pairs runs close in time, so slow drift cancels) and the ratio of the fastest steps (least disturbed by
         # other tenants, which only ever add time).
         print("| ours | ms/step | Lightning | ms/step | ours/theirs | per-round ratio: median [min, max] "
-              "| fastest-step ratio |")  # fmt: skip
-        print("|---|---|---|---|---|---|---|")
+              "| fastest-step ratio | CPU ms/step, all ranks: ours / theirs | CPU ratio |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|---|")
         for ours, theirs in pairs:
             a, b = statistics.median(medians[ours]), statistics.median(medians[theirs])
             rounds = [x / y for x, y in zip(medians[ours], medians[theirs])]
             mid = statistics.median(rounds)
+            ca, cb = statistics.median(cpus[ours]), statistics.median(cpus[theirs])
             print(f"| {ours} | {a * 1e3:.1f} | {theirs} | {b * 1e3:.1f} | {a / b:.3f} | {mid:.3f} "
-                  f"[{min(rounds):.3f}, {max(rounds):.3f}] | {fastest[ours] / fastest[theirs]:.3f} |")  # fmt: skip
+                  f"[{min(rounds):.3f}, {max(rounds):.3f}] | {fastest[ours] / fastest[theirs]:.3f} "
+                  f"| {ca * 1e3:.0f} / {cb * 1e3:.0f} | {ca / cb:.3f} |")  # fmt: skip
         for name, runs in DEFERRED.items():  # evidence that the overlap ran (or, for *_sync_gather, was waited early)
             print(f"{name}: all-gather deferred {runs[-1]['deferred']} times in the last run; blocks waited for "
                   f"their weights in the forward {runs[-1]['waited_in_forward']} times, whole gathers waited "

@@ -1,6 +1,8 @@
 """Collectives shared by more than one technique.
 
-`reduce_scatter_single` is torch's flat reduce-scatter, except on gloo, whose own all-reduces the whole buffer.
+`reduce_scatter_single` and `all_gather_single` are torch's flat collectives, except on gloo, where they are direct
+sends and receives: gloo's reduce-scatter all-reduces the whole buffer, and ZeRO's all-gather need not copy a
+rank's own part.
 
 `all_to_all` exchanges rows with split sizes, which may be uneven and zero (gloo's ``all_to_all_single`` takes
 them): expert parallelism's token dispatch (expert_dispatch.py) and Ulysses context parallelism's heads <->
@@ -9,6 +11,7 @@ sequence exchange (cp_ulysses.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -18,16 +21,29 @@ from torch import Tensor
 from lightning_par import _compat
 
 
-class _SumOnWait:
-    """The work of a reduce-scatter made of an all-to-all: waiting sums the ``world`` received rows into the output."""
+class _Exchange:
+    """The work of a collective made of point-to-point sends and receives; `wait` finishes them, then runs the local
+    step that completes the collective (a reduce-scatter's sum)."""
 
-    def __init__(self, work: Any, rows: Tensor, out: Tensor) -> None:
-        self.work, self.rows, self.out = work, rows, out
+    def __init__(self, works: list[Any], finish: Optional[Callable[[], None]] = None) -> None:
+        self.works, self.finish = works, finish
 
     def wait(self) -> bool:
-        self.work.wait()
-        torch.sum(self.rows, dim=0, out=self.out)
+        for work in self.works:
+            work.wait()
+        if self.finish is not None:
+            self.finish()
+            self.finish = None
         return True
+
+
+def _exchange(sends: list[Tensor], recvs: list[Tensor], group: Optional[dist.ProcessGroup]) -> list[Any]:
+    """Post, without waiting, a send of ``sends[j]`` to and a receive into ``recvs[j]`` from every other rank j of
+    ``group`` (``recvs[rank]`` is not touched)."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    peers = [j for j in range(world) if j != rank]
+    works = [dist.irecv(recvs[j], group=group, group_src=j) for j in peers]
+    return works + [dist.isend(sends[j], group=group, group_dst=j) for j in peers]
 
 
 def reduce_scatter_single(output: Tensor, input: Tensor, group: Optional[dist.ProcessGroup] = None,
@@ -36,15 +52,49 @@ def reduce_scatter_single(output: Tensor, input: Tensor, group: Optional[dist.Pr
 
     gloo's reduce-scatter clones the input, all-reduces all of it and copies one part out (ProcessGroupGloo's
     ``reduce_scatter_tensor_coalesced``): 2(n-1)/n of the input on the wire instead of (n-1)/n, which made ZeRO 1-2
-    send half again what DDP sends there. On gloo this is an all-to-all of the parts (each rank receives every
-    rank's part j = its own) and a local sum in rank order: the optimal (n-1)/n. Other backends: torch's own.
-    Returns the work with ``async_op`` (its ``wait`` also does the sum), else ``None``.
+    send half again what DDP sends there. On gloo, every rank instead sends part j straight to rank j and sums what it
+    receives with its own part, in rank order: the optimal (n-1)/n on the wire, and no copy of its own part (an
+    all-to-all would copy it into the receive buffer). Other backends: torch's own. Returns the work with
+    ``async_op`` (its ``wait`` also does the sum), else ``None``.
     """
     if dist.get_backend(group) != "gloo":
         return _compat.reduce_scatter_single(output, input, group=group, async_op=async_op)
-    rows = torch.empty_like(input)
-    work = _SumOnWait(dist.all_to_all_single(rows, input, group=group, async_op=True),
-                      rows.view(dist.get_world_size(group), -1), output)  # fmt: skip
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    parts = input.view(world, -1)
+    recv = input.new_empty(world, output.numel())  # row `rank` stays unused: this rank's part is read from `input`
+
+    def total() -> None:
+        terms = [parts[j] if j == rank else recv[j] for j in range(world)]
+        if world == 1:
+            output.copy_(terms[0])
+            return
+        torch.add(terms[0], terms[1], out=output)
+        for t in terms[2:]:
+            output.add_(t)
+
+    work = _Exchange(_exchange(list(parts), list(recv), group), total)
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
+def all_gather_single(output_tensor: Tensor, input_tensor: Tensor, group: Optional[dist.ProcessGroup] = None,
+                      async_op: bool = False, skip_own: bool = False) -> Any:  # fmt: skip
+    """Gather every rank's ``input_tensor`` into ``output_tensor`` (``world x input_tensor.numel()``, rank order).
+
+    Args:
+        skip_own: leave this rank's own part of ``output_tensor`` unwritten (the caller already has it in place:
+            ZeRO's masters are views of the parameters), which saves copying it. On gloo the gather is then direct
+            sends and receives; other backends run torch's own and write it anyway.
+    """
+    if dist.get_backend(group) != "gloo":
+        return _compat.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    rows = output_tensor.view(world, -1)
+    if not skip_own:
+        rows[rank].copy_(input_tensor.reshape(-1))
+    work = _Exchange(_exchange([input_tensor] * world, list(rows), group))
     if async_op:
         return work
     work.wait()

@@ -87,6 +87,7 @@ class Bucket:
 
     def __init__(self, params: list[nn.Parameter], world: int, rank: int) -> None:
         self.params = params
+        self.rank = rank
         self.offsets: list[int] = []
         self.chunks: list[int] = []  # padded shard numel per parameter
         self.local: list[tuple[int, ...]] = []  # this rank's shard shape per parameter
@@ -131,31 +132,38 @@ class Bucket:
         return [flat[off : off + math.prod(shape)].view(shape) for off, shape in zip(self.offsets, self.local)]
 
     def unpack(self, recv: torch.Tensor) -> None:
-        """Copy the all-gathered ``(world, shard_numel)`` shards back into the full parameters."""
+        """Copy the other ranks' rows of the all-gathered ``(world, shard_numel)`` shards into the full parameters.
+
+        This rank's own rows are skipped: its masters are views of them, so the optimizer step already wrote them (the
+        gather leaves them unwritten in ``recv``, `collectives.all_gather_single` with ``skip_own``).
+        """
         world = recv.shape[0]
         dst, src = [], []
         for d, off, chunk in zip(self.data, self.offsets, self.chunks):
-            if d.numel() == world * chunk:  # unpadded: a (world, chunk) view of the parameter, fused below
-                dst.append(d.view(world, chunk))
-                src.append(recv[:, off : off + chunk])
-            else:
-                d.view(-1).copy_(recv[:, off : off + chunk].reshape(-1)[: d.numel()])
+            rows = d.view(-1)
+            for j in range(world):
+                if j == self.rank or j * chunk >= rows.numel():
+                    continue
+                n = min(chunk, rows.numel() - j * chunk)  # the last rows may be padding
+                dst.append(rows[j * chunk : j * chunk + n])
+                src.append(recv[j, off : off + n])
         if dst:
-            _compat.foreach_copy(dst, src)
+            _compat.foreach_copy(dst, src)  # one fused copy per bucket
 
 
 @torch.no_grad()
 def gather_buckets(buckets: Sequence[Any], masters: dict[nn.Parameter, nn.Parameter], world: int,
                    group: dist.ProcessGroup, gather: Callable[..., Any]) -> None:  # fmt: skip
     """All-gather every bucket's shards from this rank's masters (all started, then all waited for) and copy them
-    back into the full parameters. ``gather``: the flat all-gather (``all_gather_single``)."""
+    back into the full parameters. ``gather``: the flat all-gather (`collectives.all_gather_single`; this rank's own
+    rows are already in place, so it skips them)."""
     inflight = []
     for bucket in buckets:  # a `Bucket`, or `zero_whole`'s WholeBucket (``mine``: the parameters this rank owns)
         dtype = bucket.params[0].dtype
         send = torch.zeros(bucket.shard_numel, dtype=dtype, device=bucket.data[0].device)
         _compat.foreach_copy(bucket.shard_views(send), [masters[p] for p in bucket.mine])
         recv = torch.empty(world, bucket.shard_numel, dtype=dtype, device=send.device)
-        inflight.append((gather(recv.view(-1), send, group=group, async_op=True), bucket, recv))
+        inflight.append((gather(recv.view(-1), send, group=group, async_op=True, skip_own=True), bucket, recv))
     for work, bucket, recv in inflight:
         work.wait()
         bucket.unpack(recv)

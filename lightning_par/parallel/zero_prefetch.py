@@ -30,7 +30,7 @@ from torch.overrides import TorchFunctionMode
 from lightning_par import _compat
 from lightning_par.parallel.zero_buckets import Bucket
 
-Gather = Callable[..., Any]  # all_gather_single(out, in, group=, async_op=)
+Gather = Callable[..., Any]  # collectives.all_gather_single(out, in, group=, async_op=, skip_own=)
 
 
 class _Unit:
@@ -87,7 +87,8 @@ class ParamPrefetch:
     @torch.no_grad()
     def launch(self, gather: Gather) -> None:
         """Start every unit's all-gather from the masters' current values, outer unit first; return at once.
-        ``gather``: the flat all-gather (``all_gather_single``, looked up per call: byte counters patch it)."""
+        ``gather``: the flat all-gather (`collectives.all_gather_single`, looked up per call: byte counters patch
+        it); this rank's own rows are in place already and are skipped."""
         self.wait_all()
         self._pending, self._waited = [], 0
         for unit in self.units:
@@ -96,7 +97,7 @@ class ParamPrefetch:
                 unit.send = torch.zeros(unit.layout.shard_numel, dtype=dtype, device=unit.layout.data[0].device)
             _compat.foreach_copy(unit.layout.shard_views(unit.send), unit.masters)
             recv = torch.empty(self.world, unit.layout.shard_numel, dtype=dtype, device=unit.send.device)
-            work = gather(recv.view(-1), unit.send, group=self.group, async_op=True)
+            work = gather(recv.view(-1), unit.send, group=self.group, async_op=True, skip_own=True)
             self._pending.append((work, unit, recv))
         self.stats["deferred"] += 1
 

@@ -28,8 +28,8 @@ from lightning_par.parallel.zero_buckets import Bucket, local_data, local_grad, 
 from lightning_par.parallel.zero_prefetch import ParamPrefetch
 
 # Module attributes, not calls of _compat's: lightning_par.utils.comm_counter patches these two to count bytes.
-_reduce_scatter = collectives.reduce_scatter_single  # torch's, or an all-to-all on gloo
-_all_gather = _compat.all_gather_single
+_reduce_scatter = collectives.reduce_scatter_single  # torch's, or direct sends on gloo
+_all_gather = collectives.all_gather_single
 
 # DDP's choice: a small first bucket so the first reduction starts early in backward and overlaps the rest.
 _FIRST_BUCKET_MB = 1.0
