@@ -50,6 +50,17 @@ class SGDGPT(GPT):
         return torch.optim.SGD(groups, lr=0.5, momentum=0.9)
 
 
+class ForeachSGDGPT(SGDGPT):
+    """SGDGPT with ``foreach=True``: torch's multi-tensor kernels, CUDA's default, which refuse a list that mixes
+    DTensors and plain tensors (what tp at ZeRO-0 handed them before `zero_local_views`)."""
+
+    def configure_optimizers(self) -> Any:
+        optimizer = super().configure_optimizers()
+        for group in optimizer.param_groups:
+            group["foreach"] = True
+        return optimizer
+
+
 class NoLogGPT(GPT):
     """The GPT whose training_step does not call self.log (Lightning's single-device strategy cannot fit a
     torch.compile'd module that does: docs/strategies.md, "torch.compile")."""
@@ -282,6 +293,7 @@ MODELS = {
     "gpt_nolog": lambda: NoLogGPT(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=32, lr=3e-3),
     "gpt_fail": lambda: FailingGPT(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=32),
     "gpt_sgd": lambda: SGDGPT(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=32),
+    "gpt_sgd_foreach": lambda: ForeachSGDGPT(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=32),
     "gpt_dropout": lambda: DropoutGPT(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=32, lr=3e-3),
     # Wide enough that DeepSpeed's NVMe offload really swaps (it keeps partitions under 1 MiB in memory).
     "gpt_wide": lambda: GPT(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=192, lr=3e-3),
@@ -1019,6 +1031,10 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         result["outer_syncs"] = outer.syncs if outer is not None else None  # local SGD's synchronisations
         # Which param groups step with torch's multi-tensor kernels (ZeRO-3 and tp switch DTensor-only groups).
         result["optimizer_foreach"] = [g.get("foreach") for g in trainer.optimizers[0].param_groups]
+        # How many DTensors the optimizer steps (tp at ZeRO-0 steps plain views of the shards: none).
+        result["optimizer_dtensors"] = sum(
+            isinstance(p, DTensor) for g in trainer.optimizers[0].param_groups for p in g["params"]
+        )
         result["offload_policies"] = sorted({type(g.offload_policy).__name__ for g in groups if g is not None})
     if getattr(getattr(trainer.strategy, "config", None), "pp", 1) > 1:
         # Each rank holds its stages' parameters only: merge every rank's (data-parallel replicas agree).

@@ -17,6 +17,7 @@ the strategies themselves:
   Absent: found in the module.
 """
 
+import itertools
 import math
 import re
 from collections.abc import Iterable, Mapping
@@ -321,8 +322,11 @@ class ParallelismMonitor(Callback):
     def on_before_optimizer_step(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: torch.optim.Optimizer
     ) -> None:
-        # Costs one Python pass over the parameters per step; grads may be freed (set to None) after the step.
-        self._grads_bytes = _local_bytes(p.grad for p in pl_module.parameters())
+        # Costs one Python pass over the parameters per step; grads may be freed (set to None) after the step. The
+        # optimizer's parameters too: under ZeRO-1/2 (and tp at ZeRO-0) the reduced gradients are on the tensors it
+        # steps (shards, views), not on the model's.
+        stepped = (q for group in optimizer.param_groups for q in group["params"])
+        self._grads_bytes = _local_bytes(p.grad for p in itertools.chain(pl_module.parameters(), stepped))
 
     @override
     def on_train_batch_end(

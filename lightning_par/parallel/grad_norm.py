@@ -42,6 +42,12 @@ def mark_replica(param: torch.Tensor) -> None:
     setattr(param, _REPLICA, True)
 
 
+def copy_marks(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Carry `mark_replica` over from a parameter to a tensor that stands in for it in the optimizer."""
+    if getattr(src, _REPLICA, False):
+        setattr(dst, _REPLICA, True)
+
+
 def _local(g: torch.Tensor) -> torch.Tensor:
     return g.to_local() if isinstance(g, DTensor) else g
 

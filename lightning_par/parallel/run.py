@@ -121,7 +121,7 @@ class ParallelRun:
     def optimizer_owner(self) -> tuple[nn.Module, Optional[Distribute]]:
         """The module whose parameter names key the optimizer's state, and how to wrap that state for DCP."""
         owner, distribute = self.module, cast(Optional[Distribute], None)
-        if self.zero is not None and self.zero.stage >= 1:
+        if self.zero is not None and (self.zero.stage >= 1 or self.zero.local_views.views):
             owner, distribute = self.zero.masters_module(), self.zero.distribute_state
         if self.experts is not None and self.experts.params:
             distribute = self.experts.distribute_then(distribute)

@@ -151,6 +151,15 @@ class Bucket:
             _compat.foreach_copy(dst, src)  # one fused copy per bucket
 
 
+def flat_grads(bucket: Bucket) -> Optional[torch.Tensor]:
+    """Stage 0: the bucket's gradients in one flat tensor (zeros for an unused parameter), or ``None`` if all unused."""
+    settle_grads(bucket.params)
+    grads = [local_grad(p) for p in bucket.params]
+    if all(g is None for g in grads):
+        return None
+    return torch.cat([(torch.zeros_like(d) if g is None else g).reshape(-1) for g, d in zip(grads, bucket.data)])
+
+
 @torch.no_grad()
 def gather_buckets(buckets: Sequence[Any], masters: dict[nn.Parameter, nn.Parameter], world: int,
                    group: dist.ProcessGroup, gather: Callable[..., Any]) -> None:  # fmt: skip

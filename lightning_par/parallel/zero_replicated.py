@@ -25,6 +25,7 @@ from lightning_par.parallel.local_sgd import LocalSGD, OuterSync
 from lightning_par.parallel.optimizers import check_per_parameter, is_elementwise
 from lightning_par.parallel.param_tree import parameter_tree
 from lightning_par.parallel.zero_buckets import Bucket, local_data, local_grad, set_grad, settle_grads, tp_groups
+from lightning_par.parallel.zero_local_views import LocalViews
 from lightning_par.parallel.zero_prefetch import ParamPrefetch
 
 # Module attributes, not calls of _compat's: lightning_par.utils.comm_counter patches these two to count bytes.
@@ -116,6 +117,7 @@ class ReplicatedZero:
                     mark_sharded(master, (self.shard_group, *tp_groups(p)))
                     self.masters[p] = master
                     self._full_of[self.names[p]] = p
+        self.local_views = LocalViews()  # stage 0 under tp: what element-wise optimizers step (zero_local_views)
         self._pending: list[tuple[Any, Bucket, torch.Tensor]] = []
         self._blocks = list(blocks)
         self.prefetch: Optional[ParamPrefetch] = None  # built by `defer_gather(True)`
@@ -151,8 +153,9 @@ class ReplicatedZero:
     def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> Optional[str]:
         """Point ``optimizer`` (built over the model's parameters) at this rank's masters, in place.
 
-        In place, so LR schedulers that hold the optimizer keep working; stage 0 leaves it alone. An element-wise
-        optimizer steps row slices of every weight; any other the whole parameters this rank owns (`zero_whole`).
+        In place, so LR schedulers that hold the optimizer keep working. An element-wise optimizer steps row slices
+        of every weight; any other the whole parameters this rank owns (`zero_whole`). Stage 0 only points
+        element-wise ones at plain views of tensor-parallel shards (`zero_local_views`).
         Returns a start-up line for the latter. Raises ValueError for a step that couples parameters (LBFGS), or one
         not element-wise over tensor-parallel shards.
         """
@@ -162,6 +165,8 @@ class ReplicatedZero:
             self.outer = OuterSync.attach(optimizer, parts, self.replicate_group, self.local_sgd, self.stage == 0,
                                           self.outer)  # fmt: skip
         if self.stage == 0:
+            if self.local_views.adopt(optimizer, self.names):
+                self._masters_root = None  # its names now lead to the views
             return None
         check_per_parameter(optimizer, self.stage)
         if optimizer.state:
@@ -242,7 +247,8 @@ class ReplicatedZero:
         return zero_whole.note(optimizer, self.stage, self.world, self.buckets)
 
     def masters_module(self) -> nn.Module:
-        """A module tree holding the masters (and the excluded parameters) under the original parameter names.
+        """A module tree holding the masters (stage 0: `zero_local_views`'s views), and the excluded parameters,
+        under the original parameter names.
 
         ``torch.distributed.checkpoint.state_dict`` keys optimizer state by the names of the module that owns
         the optimizer's parameters; this gives the sharded optimizer the same keys as FSDP2's. Built once: the
@@ -251,8 +257,10 @@ class ReplicatedZero:
         """
         if self._masters_root is not None:
             return self._masters_root
-        named = [(self.names[p], master) for p, master in self.masters.items()]
-        # The excluded parameters are in the optimizer as they are.
+        # Stage 0 (under tp): the plain views element-wise optimizers step, else the parameters. The excluded
+        # parameters are in the optimizer as they are.
+        named = ([(n, self.local_views.owner_of(p)) for p, n in self.names.items()] if self.stage == 0
+                 else [(self.names[p], master) for p, master in self.masters.items()])  # fmt: skip
         self._masters_root = parameter_tree([*named, *self._excluded_names.items()])
         return self._masters_root
 
@@ -263,6 +271,8 @@ class ReplicatedZero:
         whole parameters a state tensor stays plain: only its owner holds (and saves) it, whole, which DCP reads
         into any layout (the owners of another world size, or one process).
         """
+        if self.stage == 0:
+            return self.local_views.distribute(name, value)
         full = self._full_of.get(name)
         if self.whole or full is None or not isinstance(value, torch.Tensor) or value.dim() == 0:
             return value
@@ -331,23 +341,30 @@ class ReplicatedZero:
         if self.dp == 1:
             # Nothing to average (tensor parallelism alone): only settle Partial tensor-parallel gradients.
             settle_grads(bucket.params)
+            self.local_views.hand_grads(bucket.params)
             return
-        flat = _flat_grads(bucket)
+        flat = zero_buckets.flat_grads(bucket)
         if flat is None:
             return
         dist.all_reduce(flat, group=self.shard_group)
         if self.reduce_replicas:
             dist.all_reduce(flat, group=self.replicate_group)
         flat.div_(self.dp)
+        self._set_full_grads(bucket, flat)
+
+    def _set_full_grads(self, bucket: Bucket, flat: torch.Tensor) -> None:
+        """Stage 0: hand the bucket's reduced gradients to its parameters (and to their views, `zero_local_views`)."""
         offset = 0
         for p, d in zip(bucket.params, bucket.data):
-            set_grad(p, flat[offset : offset + d.numel()].view_as(d))
+            grad = flat[offset : offset + d.numel()].view_as(d)
+            if not self.local_views.take(p, grad):
+                set_grad(p, grad)
             offset += d.numel()
 
     def _launch_all_reduce(self, bucket: Bucket) -> None:
         """Stage 0: pack the bucket's gradients into one flat tensor and start its all-reduce without waiting."""
         bucket.ready, bucket.launched = 0, True
-        flat = _flat_grads(bucket)
+        flat = zero_buckets.flat_grads(bucket)
         if flat is None:
             return
         work = dist.all_reduce(flat, group=self.shard_group, async_op=True)
@@ -374,10 +391,7 @@ class ReplicatedZero:
                 dist.all_reduce(out, group=self.replicate_group)
             out.div_(self.dp)
             if self.stage == 0:  # the all-reduced full gradients go back to the parameters
-                offset = 0
-                for p, d in zip(bucket.params, bucket.data):
-                    set_grad(p, out[offset : offset + d.numel()].view_as(d))
-                    offset += d.numel()
+                self._set_full_grads(bucket, out)
                 continue
             for p, shard in zip(bucket.mine, bucket.shard_views(out)):
                 master = self.masters[p]
@@ -401,11 +415,3 @@ class ReplicatedZero:
             self.prefetch.wait_all()
         zero_buckets.gather_buckets(self.buckets, self.masters, self.world, self.shard_group, _all_gather)
 
-
-def _flat_grads(bucket: Bucket) -> Optional[torch.Tensor]:
-    """Stage 0: the bucket's gradients in one flat tensor (zeros for an unused parameter), or ``None`` if all unused."""
-    settle_grads(bucket.params)
-    grads = [local_grad(p) for p in bucket.params]
-    if all(g is None for g in grads):
-        return None
-    return torch.cat([(torch.zeros_like(d) if g is None else g).reshape(-1) for g, d in zip(grads, bucket.data)])
