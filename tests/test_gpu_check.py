@@ -48,9 +48,9 @@ def test_gpu_check_smoke_runs_every_section_and_reports(tmp_path):
 
     throughput = sections["throughput"]["result"]
     variants = {r["variant"]: r for r in throughput["rows"]}
-    assert set(variants) == {"zero3", "tp", "pipe", "lightning_model_parallel", "hand_fsdp2"}
+    assert set(variants) == {"zero3", "tp", "pipe", "lightning_model_parallel", "hand_fsdp2", "zero1", "zero2", "ddp"}
     assert all(r["step_s"] > 0 and r["tflops"] > 0 and r["mfu"] is None for r in variants.values())  # no peak on CPU
-    assert variants["hand_fsdp2"]["ratio_vs_hand_fsdp2"] == 1.0
+    assert variants["hand_fsdp2"]["ratio_vs_hand_fsdp2"] == 1.0 and variants["ddp"]["ratio_vs_ddp"] == 1.0
 
     rows = sections["activations"]["result"]["rows"]
     assert [r["policy"] for r in rows] == ["none", "full", "selective", "selective_op", "offload"]
