@@ -170,6 +170,15 @@ def test_bad_args_name_the_fix() -> None:
         ParallelismMonitor(peak_flops=-1)
 
 
+def test_grads_bytes_count_the_gradients_zero_reduced_onto_the_optimizer(tmp_path: Path) -> None:
+    # ZeRO-1 hands the reduced gradients to the tensors the optimizer steps (its masters; here, at one rank, views of
+    # whole parameters) and frees the model's: the gradient memory is still there and is counted.
+    cb = ParallelismMonitor(peak_flops=1e12)
+    model = _fit(tmp_path, cb, strategy="zero1")
+    assert all(p.grad is None for p in model.parameters())
+    assert cb.last_metrics["mem/grads_bytes"] == sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 def test_local_bytes_dedupes_views() -> None:
     flat = torch.zeros(10)  # a flat buffer and views of it, as ZeRO or DDP bucket views hold them: 40 bytes
     assert monitor_mod._local_bytes([flat, flat[:5], flat.view(2, 5), None, torch.zeros(3, device="meta")]) == 40
