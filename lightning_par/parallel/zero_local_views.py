@@ -67,11 +67,19 @@ class LocalViews:
 
     def take(self, p: nn.Parameter, grad: torch.Tensor) -> bool:
         """After the reduction: put ``p``'s reduced (tp-local) gradient on its view and clear ``p.grad``. Returns
-        whether ``p`` has a view (else the caller sets ``p.grad``)."""
+        whether ``p`` has a view (else the caller sets ``p.grad``).
+
+        Added to a gradient the view still holds (no ``zero_grad`` since the last step, or one that zeroed in place),
+        as ZeRO-1/2's masters do: the sum a gradient left in place would have accumulated to in one process.
+        """
         view = self.views.get(p)
         if view is None:
             return False
-        view.grad, p.grad = grad, None
+        if view.grad is None:
+            view.grad = grad
+        else:
+            view.grad.add_(grad)
+        p.grad = None
         return True
 
     def hand_grads(self, params: Iterable[nn.Parameter]) -> None:
