@@ -107,7 +107,8 @@ def _reference(job: dict[str, Any]) -> dict[str, Any]:
         if job.get("clip"):
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), job["clip"]).item())
         opt.step()
-        opt.zero_grad()
+        if not job.get("keep_grads"):  # keep_grads: gradients add up over the steps, as no zero_grad leaves them
+            opt.zero_grad()
         losses.append(total)
     flops = active_param_count(model)
     return {"losses": losses, "norms": norms, "params": _full(model, None), "flops_params": flops}
@@ -151,7 +152,8 @@ def _fabric(job: dict[str, Any], world: int) -> dict[str, Any]:
         if job.get("clip"):
             norms.append(fabric.clip_gradients(model, opt, max_norm=job["clip"]).item())
         opt.step()
-        opt.zero_grad()
+        if not job.get("keep_grads"):
+            opt.zero_grad()
         losses.append(fabric.all_reduce(total, reduce_op="mean").item())  # the data-parallel ranks' mean
     out.update(losses=losses, norms=norms, params=_full(run.module, run))
     if job.get("save"):

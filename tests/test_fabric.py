@@ -48,6 +48,10 @@ def _jobs(tmp: Path) -> list[dict[str, Any]]:
         {"name": "zero2_ac", "strategy": "zero2", **ac},
         {"name": "tp_zero3_ac", "strategy": "tp_zero3", **ac},
         {"name": "zero3_bf16", "strategy": "zero3", **llama, "precision": "bf16-mixed"},
+        # No zero_grad between steps: each step's reduced gradient adds to the last (ZeRO-1's masters, tp's views).
+        {"name": "ref_keep", "strategy": None, **llama, "keep_grads": True},
+        {"name": "zero1_keep", "strategy": "zero1", **llama, "keep_grads": True},
+        {"name": "tp_keep", "strategy": {"kwargs": {"tp": 2}}, **llama, "keep_grads": True},
         # Built on the meta device (fabric.init_module()): each rank creates its share; the same init on any layout.
         {"name": "meta_zero3", "strategy": "zero3", **llama, "meta": True},
         {"name": "meta_tp_zero3", "strategy": "tp_zero3", **llama, "meta": True},
@@ -97,6 +101,14 @@ def test_fabric_moe_matches_one_process(got: dict[str, Any], name: str) -> None:
     assert rel(mine["losses"], ref["losses"]) < 1e-5
     params_close(mine["params"], ref["params"], rtol=1e-5, atol=ATOL)  # every expert, gathered from its ep rank
     assert mine["flops_params"] == ref["flops_params"]  # the active experts (top-k of E), not this rank's
+
+
+@pytest.mark.parametrize("name", ["zero1_keep", "tp_keep"])
+def test_gradients_left_in_place_add_up_as_in_one_process(got: dict[str, Any], name: str) -> None:
+    ref, mine = got["ref_keep"], got[name]
+    assert rel(ref["losses"], got["ref"]["losses"]) > 1e-4  # the kept gradients changed the run
+    assert rel(mine["losses"], ref["losses"]) < 1e-5
+    params_close(mine["params"], ref["params"], rtol=1e-5, atol=ATOL)
 
 
 @pytest.mark.parametrize("name", ["zero2_ac", "tp_zero3_ac"])
