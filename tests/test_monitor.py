@@ -174,7 +174,11 @@ def test_grads_bytes_count_the_gradients_zero_reduced_onto_the_optimizer(tmp_pat
     # ZeRO-1 hands the reduced gradients to the tensors the optimizer steps (its masters; here, at one rank, views of
     # whole parameters) and frees the model's: the gradient memory is still there and is counted.
     cb = ParallelismMonitor(peak_flops=1e12)
-    model = _fit(tmp_path, cb, strategy="zero1")
+    try:
+        model = _fit(tmp_path, cb, strategy="zero1")
+    finally:  # the strategy's one-rank process group, which later tests in this process would meet
+        if dist.is_initialized():
+            dist.destroy_process_group()
     assert all(p.grad is None for p in model.parameters())
     assert cb.last_metrics["mem/grads_bytes"] == sum(p.numel() * p.element_size() for p in model.parameters())
 
