@@ -31,6 +31,17 @@ PARITY_JOBS: dict[str, dict[str, Any]] = {
 }
 
 
+@pytest.fixture(autouse=True)
+def _restore_environment() -> Any:
+    """Put `os.environ` back after every test: an in-process Lightning fit leaves MASTER_PORT, LOCAL_RANK, ... there,
+    and a later test's launch that inherited them hung (CI, 2026-12-03). `launch.worker_env` drops them too."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 def reference_job(job: dict[str, Any]) -> dict[str, Any]:
     ref = {**job, "strategy": "auto"}
     if job.get("precision") == "16-mixed":

@@ -19,7 +19,6 @@ from __future__ import annotations
 import itertools
 import pickle
 import shutil
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -27,7 +26,7 @@ from typing import Any
 
 import pytest
 import torch
-from launch import ROOT, run_jobs, worker_env
+from launch import ROOT, run_jobs, run_session, worker_env
 from parity import rel
 
 LR = 3e-3  # the AdamW GPT's learning rate in _worker.MODELS
@@ -249,7 +248,7 @@ def plain(runs, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("plain")
     resume_file, weights_file = tmp / "epoch1.ckpt", tmp / "epoch3.ckpt"
     cli = [sys.executable, "-m", "lightning_par.cli", "consolidate", str(_ckpt(runs["root"], "gpt", 2, "zero3"))]
-    proc = subprocess.run([*cli, str(resume_file)], env=worker_env(), capture_output=True, text=True, timeout=120)
+    proc = run_session([*cli, str(resume_file)], env=worker_env(), timeout=120)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert f"wrote {resume_file}" in proc.stdout
     written = consolidate(_ckpt(runs["root"], "gpt", 2, "zero3", epoch=3), weights_file)
@@ -257,7 +256,7 @@ def plain(runs, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     script.write_text(PLAIN)
     result = tmp / "plain.pt"
     args = [sys.executable, str(script), str(ROOT), str(weights_file), str(resume_file), str(result)]
-    proc = subprocess.run(args, env=worker_env(), capture_output=True, text=True, timeout=180, cwd=tmp)
+    proc = run_session(args, env=worker_env(), timeout=180, cwd=tmp)
     assert proc.returncode == 0, proc.stderr[-6000:]
     return {"written": written, "resume_file": resume_file, **torch.load(result)}
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from launch import worker_env
+from launch import run_session, worker_env
 from parity import rel
 
 pytestmark = pytest.mark.slow  # multi-process, ~1-2 minutes: the slow tier (README)
@@ -91,7 +91,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     ref.mkdir()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(SCRIPT),
            str(ref), str(STEPS), "0"]  # fmt: skip
-    done = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=300)
+    done = run_session(cmd, env=worker_env(), timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     out, port = tmp / "elastic", _free_port()
     out.mkdir()

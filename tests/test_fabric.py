@@ -9,7 +9,6 @@ within 1e-5 relative plus 1 % of one AdamW step (3e-5) absolute, as the Trainer'
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from launch import worker_env
+from launch import run_session, worker_env
 from parity import params_close, rel
 
 import lightning_par
@@ -73,7 +72,7 @@ def got(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     spec.write_text(json.dumps({"out": str(tmp / "out.pt"), "jobs": _jobs(tmp)}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", str(WORKER), str(spec)]
     env = {**worker_env(), "PYTHONPATH": f"{Path(__file__).parent}:{worker_env()['PYTHONPATH']}"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp)
+    proc = run_session(cmd, env=env, timeout=600, cwd=tmp)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return torch.load(tmp / "out.pt", weights_only=False)
 

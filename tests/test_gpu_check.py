@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 
-from launch import worker_env
+from launch import run_session, worker_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,7 +33,7 @@ def test_the_check_runs_every_cuda_marked_test_file():
 
 def test_gpu_check_smoke_runs_every_section_and_reports(tmp_path):
     cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--smoke", "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=400, cwd=tmp_path)
+    proc = run_session(cmd, env=worker_env(), timeout=400, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads((tmp_path / "report.json").read_text())
     sections = report["sections"]

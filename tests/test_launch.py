@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import WORKER, worker_env
+from launch import WORKER, launcher_keys, run_session, worker_env
 from parity import rel
 
 
@@ -40,8 +40,7 @@ def _communicate(procs: list[subprocess.Popen], timeout: float) -> list[str]:
 def test_lightning_starts_the_processes_itself(tmp_path, references):
     # Plain `python script.py` with Trainer(devices=2): Lightning re-runs the script for rank 1.
     out, spec = _spec(tmp_path, [{"model": "gpt", "strategy": "zero2", "devices": 2, "world": 2}])
-    proc = subprocess.run([sys.executable, str(WORKER), str(spec)], env=worker_env(), cwd=tmp_path,
-                          capture_output=True, text=True, timeout=240)  # fmt: skip
+    proc = run_session([sys.executable, str(WORKER), str(spec)], env=worker_env(), cwd=tmp_path, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = torch.load(out, weights_only=False)[0]
     assert got["layout"]["world_size"] == 2 and got["layout"]["dp_shard"] == 2
@@ -127,10 +126,23 @@ def test_a_failing_rank_ends_the_job_with_its_error(tmp_path, launcher):
     else:
         cmd = [sys.executable, str(WORKER), str(spec)]
     start = time.monotonic()
-    proc = subprocess.run(cmd, env=worker_env(), cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    proc = run_session(cmd, env=worker_env(), cwd=tmp_path, timeout=120)
     elapsed = time.monotonic() - start
     assert proc.returncode != 0
     assert "injected failure in training_step on rank 1" in proc.stdout + proc.stderr
     assert not out.exists()
     # Ended by the failure, not by the 60 s collective timeout.
     assert elapsed < 55, elapsed
+
+
+def test_children_do_not_inherit_what_a_launcher_set(monkeypatch):
+    # An in-process Lightning fit leaves these in this process's environment. A child that inherited them hung the
+    # demo and sweep tests in CI: Lightning believed it was placed already, started no second rank, and waited.
+    placed = {"MASTER_PORT": "29512", "MASTER_ADDR": "127.0.0.1", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "RANK": "0",
+              "TORCHELASTIC_RUN_ID": "x", "SLURM_NTASKS": "2", "PL_GLOBAL_SEED": "3"}  # fmt: skip
+    for key, value in placed.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("LP_KEEP", "1")
+    env = worker_env()
+    assert not launcher_keys(env) and "MASTER_PORT" not in env and env["LP_KEEP"] == "1"
+    assert env["OMP_NUM_THREADS"] == "1" and env["WANDB_MODE"] == "offline"

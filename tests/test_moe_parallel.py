@@ -9,7 +9,6 @@ against the unsharded experts by `_moe_a2a_worker.py`.
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import reference_job
-from launch import ROOT, run_jobs, worker_env
+from launch import ROOT, run_jobs, run_session, worker_env
 from parity import rel
 
 LR = 3e-3
@@ -288,7 +287,7 @@ def test_all_to_all_with_uneven_and_empty_splits(tmp_path: Path):
     out = tmp_path / "a2a.pt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            str(Path(__file__).with_name("_moe_a2a_worker.py")), str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=120, cwd=ROOT)
+    proc = run_session(cmd, env=worker_env(), timeout=120, cwd=ROOT)
     assert proc.returncode == 0 and out.exists(), proc.stderr[-4000:]
     result = torch.load(out)
     assert result["rounds"] == 5

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import csv
 import dataclasses
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -289,11 +288,11 @@ def test_torch_profile_matches_live_storage_bytes(case: str, mode: Optional[str]
 
 @pytest.mark.timeout(120)
 def test_torch_profile_under_tensor_and_sequence_parallelism(tmp_path: Path) -> None:
-    from launch import ROOT, worker_env
+    from launch import ROOT, run_session, worker_env
 
     out = tmp_path / "tp.pt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__, str(out)]
-    proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=110, cwd=ROOT)
+    proc = run_session(cmd, env=worker_env(), timeout=110, cwd=ROOT)
     assert proc.returncode == 0 and out.exists(), proc.stderr[-6000:]
     measured: dict[bool, int] = torch.load(out)
     desc = from_hf_config(LLAMA)

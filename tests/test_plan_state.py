@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -182,7 +181,7 @@ FAMILIES: dict[str, tuple[dict[str, Any], Layout, str, bool]] = {
 
 
 def _spawn(tmp: Path, nproc: int = 4) -> list[list[dict[str, Any]]]:
-    from launch import worker_env
+    from launch import run_session, worker_env
 
     jobs = [
         dict(config=c, strategy=layout.strategy_kwargs(), precision=layout.precision, optimizer=opt, aux=aux,
@@ -194,7 +193,7 @@ def _spawn(tmp: Path, nproc: int = 4) -> list[list[dict[str, Any]]]:
     spec.write_text(json.dumps({"out": str(out), "jobs": jobs}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(WORKER),
            str(spec)]  # fmt: skip
-    proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=240, cwd=tmp)
+    proc = run_session(cmd, env=worker_env(), timeout=240, cwd=tmp)
     assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-6000:]
     return torch.load(out, weights_only=False)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import ROOT, worker_env
+from launch import ROOT, run_session, worker_env
 
 import lightning_par
 from lightning_par.cli import build_cli
@@ -94,7 +94,7 @@ def test_demo_command_trains_and_logs_to_wandb_offline(tmp_path):
     demo = str(ROOT / "recipes" / "demo.yaml")
     cmd = [sys.executable, "-m", "lightning_par.cli", "fit", "--config", demo, "--trainer.max_steps=6",
            "--trainer.val_check_interval=3", "--trainer.enable_progress_bar=false"]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    proc = run_session(cmd, env=env, cwd=tmp_path, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1, os.listdir(tmp_path)
@@ -122,7 +122,7 @@ def test_demo_command_trains_and_logs_to_wandb_offline(tmp_path):
 def test_plan_command_prints_the_inferred_plan(tmp_path):
     """``lightning-par plan --config recipes/tp.yaml``: the real console entry point, no processes started."""
     cmd = [sys.executable, "-m", "lightning_par.cli", "plan", "--config", str(ROOT / "recipes" / "tp.yaml")]
-    proc = subprocess.run(cmd, env=worker_env(), cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    proc = run_session(cmd, env=worker_env(), cwd=tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     assert "transformer.h.*.attn.c_attn" in out and "colwise_fused_qkv" in out
@@ -132,13 +132,13 @@ def test_plan_command_prints_the_inferred_plan(tmp_path):
 
 def test_recipes_command_lists_every_recipe_with_what_it_trains(tmp_path):
     cmd = [sys.executable, "-m", "lightning_par.cli", "recipes", str(ROOT / "recipes")]
-    proc = subprocess.run(cmd, env=worker_env(), cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    proc = run_session(cmd, env=worker_env(), cwd=tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {line.split()[0]: line.split(maxsplit=1)[1] for line in proc.stdout.splitlines()[1:]}
     assert set(rows) == {r.stem for r in RECIPES}
     assert all(text.endswith(".") and len(text) > 20 for text in rows.values()), rows
     assert rows["pipe"].startswith("Pipeline parallelism") and rows["zero1"].startswith("ZeRO-1: optimizer state")
-    missing = subprocess.run([*cmd[:-1], str(tmp_path)], env=worker_env(), capture_output=True, text=True, timeout=60)
+    missing = run_session([*cmd[:-1], str(tmp_path)], env=worker_env(), timeout=60)
     assert missing.returncode != 0 and "pass the folder" in missing.stderr
 
 
@@ -165,7 +165,7 @@ def test_every_recipe_trains_a_few_steps(tmp_path):
     spec.write_text(json.dumps({"out": str(out), "runs": runs}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
            str(ROOT / "tests" / "_recipe_worker.py"), str(spec)]  # fmt: skip
-    proc = subprocess.run(cmd, env=worker_env(), cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    proc = run_session(cmd, env=worker_env(), cwd=tmp_path, timeout=900)
     assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-6000:]
     got = torch.load(out, weights_only=False)
     assert set(got) == {r.stem for r in RECIPES}

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from launch import worker_env
+from launch import run_session, worker_env
 
 from lightning_par.tuning.space import SpaceError, load_space
 
@@ -57,7 +57,7 @@ def sweep_command(tmp: Path, space: dict, *extra: str) -> list[str]:
 def _sweep(tmp: Path, space: dict, *extra: str) -> subprocess.CompletedProcess:
     cmd = sweep_command(tmp, space, *extra)
     env = {**worker_env(), "WANDB_MODE": "offline"}
-    return subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
+    return run_session(cmd, cwd=tmp, env=env, timeout=600)
 
 
 @pytest.fixture(scope="module")

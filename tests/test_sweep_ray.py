@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
-from launch import worker_env
+from launch import run_session, worker_env
 from test_sweep import sweep_command
 
 from lightning_par.cli import sweep_main
@@ -35,17 +34,8 @@ _TIMEOUT_S = 400
 
 
 def _sweep(tmp: Path, space: dict, *extra: str) -> subprocess.CompletedProcess:
-    cmd = sweep_command(tmp, space, *extra)
-    # Its own process group, so a sweep past the timeout is ended with the Ray instance it started.
-    proc = subprocess.Popen(cmd, cwd=tmp, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)  # fmt: skip
-    try:
-        out, err = proc.communicate(timeout=_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"the Ray sweep ran past {_TIMEOUT_S} s:\n{out[-3000:]}\n{err[-3000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    # A session of its own, so a sweep past the timeout is ended with the Ray instance it started.
+    return run_session(sweep_command(tmp, space, *extra), cwd=tmp, env=worker_env(), timeout=_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
