@@ -53,17 +53,14 @@ from lightning_par.checkpoint.pretrained_sources import (
 from lightning_par.checkpoint.reader import CheckpointError, SafeLoadPlanner, safe_load
 from lightning_par.checkpoint.strided import canonicalize, is_fused, restore
 from lightning_par.parallel.place import place_full, region_of
+from lightning_par.utils import dtensors
 
 __all__ = ["PretrainedError", "PretrainedPlan", "PretrainedReport", "load_pretrained", "prepare_pretrained"]
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _storage_key(t: torch.Tensor) -> tuple[int, ...] | None:
     # Tied names are two entries over one storage (state dicts hold detached aliases, not the same object).
-    local = _local(t)
+    local = dtensors.local(t)
     if local.numel() == 0 or local.device.type == "meta":
         return None
     return (local.untyped_storage().data_ptr(), local.storage_offset(), *local.shape, *local.stride())
@@ -185,7 +182,7 @@ def _fill(source: Source, key: str, view: torch.Tensor) -> int:
     sliceable = isinstance(view, DTensor) and not is_fused(view) and source.can_slice(key)
     region = region_of(view) if isinstance(view, DTensor) and sliceable else None
     if region is not None:
-        local = _local(view)
+        local = dtensors.local(view)
         if local.numel() == 0:
             return 0  # an uneven split left this rank no rows
         part = source.read(key, region)
@@ -217,7 +214,7 @@ def _fill_dcp(source: DCPSource, pairs: Mapping[str, str], views: Mapping[str, t
     except CheckpointError as err:
         raise PretrainedError(str(err)) from err
     restore(swaps)
-    return sum(_local(v).numel() * source.dtypes[k].itemsize for k, v in state.items())
+    return sum(dtensors.local(v).numel() * source.dtypes[k].itemsize for k, v in state.items())
 
 
 @dataclasses.dataclass
@@ -383,7 +380,7 @@ def load_pretrained(
     local_ties = _ties(views)
     for name, other in (tied or {}).items():
         local_ties[name] = (*local_ties.get(name, ()), other)
-    meta = [n for n, v in views.items() if _local(v).device.type == "meta"]
+    meta = [n for n, v in views.items() if dtensors.local(v).device.type == "meta"]
     error = None
     if meta:
         error = (

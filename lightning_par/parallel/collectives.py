@@ -11,8 +11,8 @@ sequence exchange (cp_ulysses.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Optional
+from collections.abc import Callable, Sequence
+from typing import Any, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -37,12 +37,14 @@ class _Exchange:
         return True
 
 
-def _exchange(sends: list[Tensor], recvs: list[Tensor], group: Optional[dist.ProcessGroup]) -> list[Any]:
+def _exchange(
+    sends: Sequence[Tensor], recvs: Sequence[Optional[Tensor]], group: Optional[dist.ProcessGroup]
+) -> list[Any]:
     """Post, without waiting, a send of ``sends[j]`` to and a receive into ``recvs[j]`` from every other rank j of
-    ``group`` (``recvs[rank]`` is not touched)."""
+    ``group`` (``recvs[rank]`` is not touched and may be None)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     peers = [j for j in range(world) if j != rank]
-    works = [dist.irecv(recvs[j], group=group, group_src=j) for j in peers]
+    works = [dist.irecv(cast(Tensor, recvs[j]), group=group, group_src=j) for j in peers]
     return works + [dist.isend(sends[j], group=group, group_dst=j) for j in peers]
 
 
@@ -61,10 +63,11 @@ def reduce_scatter_single(output: Tensor, input: Tensor, group: Optional[dist.Pr
         return _compat.reduce_scatter_single(output, input, group=group, async_op=async_op)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     parts = input.view(world, -1)
-    recv = input.new_empty(world, output.numel())  # row `rank` stays unused: this rank's part is read from `input`
+    # One row per other rank: this rank's own part is read from `input` where it is.
+    recv = iter(input.new_empty(world - 1, output.numel()))
+    terms = [parts[j] if j == rank else next(recv) for j in range(world)]
 
     def total() -> None:
-        terms = [parts[j] if j == rank else recv[j] for j in range(world)]
         if world == 1:
             output.copy_(terms[0])
             return
@@ -72,7 +75,7 @@ def reduce_scatter_single(output: Tensor, input: Tensor, group: Optional[dist.Pr
         for t in terms[2:]:
             output.add_(t)
 
-    work = _Exchange(_exchange(list(parts), list(recv), group), total)
+    work = _Exchange(_exchange(list(parts), [None if j == rank else terms[j] for j in range(world)], group), total)
     if async_op:
         return work
     work.wait()

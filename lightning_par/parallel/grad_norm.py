@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
+from lightning_par.utils import dtensors
+
 # Attribute set on plain tensors that hold one shard of a larger parameter (ZeRO 1-2 masters): the groups they are
 # sharded over. (An attribute, not a WeakKeyDictionary: that compares tensors with `==`.) Every other plain
 # tensor is taken as replicated.
@@ -48,10 +50,6 @@ def copy_marks(src: torch.Tensor, dst: torch.Tensor) -> None:
         setattr(dst, _REPLICA, True)
 
 
-def _local(g: torch.Tensor) -> torch.Tensor:
-    return g.to_local() if isinstance(g, DTensor) else g
-
-
 def global_grad_norm(params: Iterable[torch.Tensor], sum_groups: Sequence[dist.ProcessGroup] = ()) -> torch.Tensor:
     """L2 norm of all gradients of ``params`` across every shard (a replicated fp32 scalar on every rank).
 
@@ -73,7 +71,7 @@ def global_grad_norm(params: Iterable[torch.Tensor], sum_groups: Sequence[dist.P
                 g = g.redistribute(g.device_mesh, [Replicate() if pl.is_partial() else pl for pl in g.placements])
             mesh = g.device_mesh
             groups = tuple(mesh.get_group(i) for i, pl in enumerate(g.placements) if not isinstance(pl, Replicate))
-        local = _local(g).detach().float()
+        local = dtensors.local(g).detach().float()
         device = local.device
         sq = local.pow(2).sum()
         sums[groups] = sums[groups] + sq if groups in sums else sq
@@ -109,5 +107,5 @@ def clip_grad_norm(
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for p in params:
         if p.grad is not None:
-            _local(p.grad).mul_(coef.to(p.grad.dtype))
+            dtensors.local(p.grad).mul_(coef.to(p.grad.dtype))
     return norm

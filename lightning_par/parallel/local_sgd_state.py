@@ -32,12 +32,12 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from lightning_par.checkpoint.dcp import LOCAL_SGD
 from lightning_par.checkpoint.fast_state import clean_name
 from lightning_par.checkpoint.reader import CheckpointError
 from lightning_par.checkpoint.resume_state import KEY
+from lightning_par.utils import dtensors
 
 if TYPE_CHECKING:
     from lightning_par.parallel.zero_replicated import ReplicatedZero
@@ -67,11 +67,8 @@ def _for_dcp(zero: ReplicatedZero, names: Sequence[str], tensors: Sequence[torch
         p = params[name]
         if zero.stage:
             value = zero.distribute_state(name, t)
-        elif isinstance(p, DTensor):
-            value = DTensor.from_local(t, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
-                                       run_check=False)  # fmt: skip
         else:
-            value = t
+            value = dtensors.like(t, p)
         out[clean_name(name)] = value
     return out
 
@@ -170,8 +167,8 @@ class LoadLayout:
         keys = [clean_name(n) for n in sync.names]
 
         def finish() -> None:
-            anchor = [_local(theta[k]) if k in theta else a.detach() for k, a in zip(keys, sync.anchor)]
-            sync.load(anchor, [_local(momentum[k]) for k in keys], int(saved["steps"]), int(saved["syncs"]))
+            anchor = [dtensors.local(theta[k]) if k in theta else a.detach() for k, a in zip(keys, sync.anchor)]
+            sync.load(anchor, [dtensors.local(momentum[k]) for k in keys], int(saved["steps"]), int(saved["syncs"]))
 
         self._finish = finish
         return on_disk
@@ -181,7 +178,3 @@ class LoadLayout:
         if self._finish is not None:
             self._finish()
             self._finish = None
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t

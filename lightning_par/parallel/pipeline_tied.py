@@ -26,10 +26,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from lightning_par.parallel.grad_norm import mark_replica
 from lightning_par.parallel.param_tree import parameter_tree
+from lightning_par.utils import dtensors
 
 
 class TiedWeights:
@@ -100,7 +100,7 @@ class TiedWeights:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             grad = p.grad
-            dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self.group)
+            dist.all_reduce(dtensors.local(grad), group=self.group)
 
 
 def tie_group(first_rank: int, last_rank: int, timeout: Optional[timedelta]) -> Optional[dist.ProcessGroup]:

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from lightning_par import _compat
 from lightning_par.checkpoint.strided import is_fused, local_of_fused
+from lightning_par.utils import dtensors
 
 
 def local_slice(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -49,8 +50,8 @@ def place_full(full: torch.Tensor, into: torch.Tensor) -> None:
 
     ``full`` may live on another device or have another dtype; it is cast and copied slice by slice.
     """
-    local = local_slice(full.to(device=_local(into).device), into)
-    _local(into).copy_(local)
+    local = local_slice(full.to(device=dtensors.local(into).device), into)
+    dtensors.local(into).copy_(local)
 
 
 def region_of(view: DTensor) -> Optional[tuple[slice, ...]]:
@@ -72,7 +73,3 @@ def region_of(view: DTensor) -> Optional[tuple[slice, ...]]:
     if len(chunks) != 1 or tuple(chunks[0].sizes) != tuple(view.to_local().shape):
         return None
     return tuple(slice(o, o + s) for o, s in zip(chunks[0].offsets, chunks[0].sizes))
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t

@@ -33,7 +33,7 @@ from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 from typing_extensions import override
 
@@ -51,6 +51,7 @@ from lightning_par.parallel.tp_sequence import (
 from lightning_par.plans.tp_affine import affine
 from lightning_par.plans.tp_types import HeadInfo, MLPInfo, TPPlan, TPPlanError
 from lightning_par.plans.trunk import find_trunk
+from lightning_par.utils import dtensors
 
 _SEQ = 1  # batch-first models: (batch, sequence, hidden)
 _SPLIT = ("colwise", "colwise_fused_qkv", "rowwise")
@@ -84,7 +85,7 @@ class _FusedColwise(_compat.ColwiseParallelHook):
 def _local_output(mod: nn.Module, outputs: Any, mesh: DeviceMesh) -> Any:
     # Keep the strided layout: ColwiseParallel would redistribute it to a contiguous Shard(-1), moving data and
     # mixing q, k and v columns across ranks.
-    return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+    return dtensors.local(outputs)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
 
 from lightning_par import _compat
+from lightning_par.utils import dtensors
 
 
 def _params_as(placement: Placement) -> Any:
@@ -66,7 +67,7 @@ def apply_colwise_norm(norm: nn.Module, mesh: DeviceMesh) -> None:
 
 
 def _local(mod: nn.Module, out: Any, mesh: DeviceMesh) -> Any:
-    return out.to_local() if isinstance(out, DTensor) else out
+    return dtensors.local(out)
 
 
 def apply_head_params(attn: nn.Module, names: tuple[str, ...], mesh: DeviceMesh) -> None:

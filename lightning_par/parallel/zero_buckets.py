@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 from lightning_par import _compat
+from lightning_par.utils import dtensors
 
 
 def local_data(p: torch.Tensor) -> torch.Tensor:
@@ -63,7 +64,7 @@ def settle_grads(params: Sequence[torch.Tensor]) -> None:
 def local_grad(p: torch.Tensor) -> Optional[torch.Tensor]:
     settle_grad(p)
     g = p.grad
-    return g.to_local() if isinstance(g, DTensor) else g
+    return dtensors.local(g)
 
 
 def tp_groups(p: torch.Tensor) -> tuple[dist.ProcessGroup, ...]:
@@ -74,12 +75,7 @@ def tp_groups(p: torch.Tensor) -> tuple[dist.ProcessGroup, ...]:
 
 
 def set_grad(p: torch.Tensor, local: torch.Tensor) -> None:
-    if isinstance(p, DTensor):
-        p.grad = DTensor.from_local(
-            local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False
-        )
-    else:
-        p.grad = local
+    p.grad = dtensors.like(local, p)
 
 
 class Bucket:

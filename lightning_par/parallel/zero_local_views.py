@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from lightning_par.parallel.grad_norm import copy_marks, mark_sharded
 from lightning_par.parallel.optimizers import is_elementwise
 from lightning_par.parallel.zero_buckets import local_data, local_grad, tp_groups
+from lightning_par.utils import dtensors
 
 
 class LocalViews:
@@ -100,7 +101,5 @@ class LocalViews:
         p = self._by_name.get(name)
         if p is None or not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape != self.views[p].shape:
             return value
-        assert isinstance(p, DTensor)
-        return DTensor.from_local(value, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
-                                  run_check=False)  # fmt: skip
+        return dtensors.like(value, p)
 

@@ -19,12 +19,12 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from lightning.pytorch.plugins.precision import MixedPrecision
-from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_par import _compat
 from lightning_par.parallel.grad_norm import clip_grad_norm
 from lightning_par.precision.flags import PrecisionFlags, check_flag
+from lightning_par.utils import dtensors
 
 
 class ShardedGradScaler(_compat.GradScalerUnscaleHook):
@@ -43,7 +43,7 @@ class ShardedGradScaler(_compat.GradScalerUnscaleHook):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                g = dtensors.local(p.grad)
                 if not allow_fp16 and g.dtype == torch.float16:
                     raise ValueError("Attempting to unscale FP16 gradients; keep fp32 master weights (16-mixed)")
                 by_key.setdefault((g.device, g.dtype), []).append(g)
