@@ -39,7 +39,7 @@ from typing_extensions import override
 
 from lightning_par import _compat
 from lightning_par.parallel.tp_affine import apply_affine
-from lightning_par.parallel.tp_heads import apply_colwise_norm, apply_head_norm, apply_head_params
+from lightning_par.parallel.tp_heads import apply_colwise_norm, apply_head_norm, apply_head_params, local_output
 from lightning_par.parallel.tp_latent import apply_latents
 from lightning_par.parallel.tp_sequence import (
     SequenceState,
@@ -51,7 +51,6 @@ from lightning_par.parallel.tp_sequence import (
 from lightning_par.plans.tp_affine import affine
 from lightning_par.plans.tp_types import HeadInfo, MLPInfo, TPPlan, TPPlanError
 from lightning_par.plans.trunk import find_trunk
-from lightning_par.utils import dtensors
 
 _SEQ = 1  # batch-first models: (batch, sequence, hidden)
 _SPLIT = ("colwise", "colwise_fused_qkv", "rowwise")
@@ -78,14 +77,10 @@ class _FusedColwise(_compat.ColwiseParallelHook):
             device_mesh,
             partition,
             self.prepare_input(),
-            _local_output,
+            # Keep the strided layout: ColwiseParallel would redistribute it to a contiguous Shard(-1), moving data
+            # and mixing q, k and v columns across ranks.
+            local_output,
         )
-
-
-def _local_output(mod: nn.Module, outputs: Any, mesh: DeviceMesh) -> Any:
-    # Keep the strided layout: ColwiseParallel would redistribute it to a contiguous Shard(-1), moving data and
-    # mixing q, k and v columns across ranks.
-    return dtensors.local(outputs)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,7 +46,7 @@ def apply_head_norm(norm: nn.Module, mesh: DeviceMesh) -> None:
         # the weight's gradient (a sum over rows) comes out Partial.
         return (DTensor.from_local(x, mesh, [Shard(x.dim() - 2)], run_check=False), *rest)
 
-    distribute_module(norm, mesh, _params_as(Replicate()), cast(Any, inputs), _local)  # its hint says None: wrong
+    distribute_module(norm, mesh, _params_as(Replicate()), cast(Any, inputs), local_output)  # its hint says None: wrong
 
 
 def apply_colwise_norm(norm: nn.Module, mesh: DeviceMesh) -> None:
@@ -66,7 +66,8 @@ def apply_colwise_norm(norm: nn.Module, mesh: DeviceMesh) -> None:
     distribute_module(norm, mesh, _params_as(Shard(0)), cast(Any, inputs), outputs)
 
 
-def _local(mod: nn.Module, out: Any, mesh: DeviceMesh) -> Any:
+def local_output(mod: nn.Module, out: Any, mesh: DeviceMesh) -> Any:
+    """An output hook for `distribute_module`: this rank's local tensor, in whatever layout the module left it."""
     return dtensors.local(out)
 
 
