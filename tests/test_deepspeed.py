@@ -197,7 +197,6 @@ def test_monitor_counts_model_flops_of_the_whole_model(runs, name):
 def test_nvme_without_async_io_is_refused_before_training(monkeypatch):
     """Where async_io cannot be built (no libaio), deepspeed_zero3_nvme is refused at set-up naming the package to
     install, before any step, instead of failing inside DeepSpeed ("Unable to JIT load the async_io op")."""
-    import os
 
     import lightning as L
     import torch.distributed as dist
@@ -205,8 +204,6 @@ def test_nvme_without_async_io_is_refused_before_training(monkeypatch):
     from lightning_par.data import ByteTextDataModule
     from lightning_par.models import GPT
     from lightning_par.parallel.deepspeed_zero import DeepSpeedConfigError, async_io_available
-
-    environment = dict(os.environ)
 
     assert async_io_available() == AIO  # the strategy's probe agrees with the one this module skips on
     monkeypatch.setattr("lightning_par.strategies.deepspeed.async_io_available", lambda: False)  # a machine without
@@ -219,10 +216,7 @@ def test_nvme_without_async_io_is_refused_before_training(monkeypatch):
     finally:
         if dist.is_initialized():  # the world-1 group of this in-process fit; later tests start their own
             dist.destroy_process_group()
-        # Lightning set MASTER_PORT, LOCAL_RANK, ... in this process: inherited by later tests' launches, they would
-        # make Lightning believe it was started by a launcher and reuse a port this process still holds.
-        os.environ.clear()
-        os.environ.update(environment)
+        # What Lightning wrote into os.environ (MASTER_PORT, LOCAL_RANK, ...) is put back by conftest's fixture.
 
 
 @pytest.mark.skipif(not AIO, reason=NO_AIO)

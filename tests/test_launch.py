@@ -100,9 +100,7 @@ def test_slurm_environment_is_detected(tmp_path, references):
     procs = []
     job_id = str(10000 + _free_port() % 1000)  # Lightning derives MASTER_PORT from the job id
     for rank in range(2):
-        env = worker_env()
-        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
-            env.pop(key, None)
+        env = worker_env()  # without any launcher's variables: only SLURM's below place the ranks
         env.update(SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2", SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank),
                    SLURM_NODEID="0", SLURM_NODELIST="127.0.0.1", SLURM_JOB_NAME="lp-test",
                    SLURM_JOB_ID=job_id)  # fmt: skip
