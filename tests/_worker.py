@@ -464,7 +464,9 @@ def _prefetch_stats(strategy: Any) -> dict[str, Any] | None:
     prefetch = getattr(zero, "prefetch", None)
     if prefetch is None:
         return None
-    return {**prefetch.stats, "enabled": prefetch.enabled, "units": len(prefetch.units)}
+    group = prefetch.group
+    return {**prefetch.stats, "enabled": prefetch.enabled, "units": len(prefetch.units),
+            "default_group": group is dist.group.WORLD, "group_ranks": dist.get_process_group_ranks(group)}  # fmt: skip
 
 
 class RankSeed(L.Callback):

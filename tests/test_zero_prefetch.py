@@ -5,9 +5,9 @@ ranks) and a tied head. Checked against one process (fp32: losses 1e-5 relative;
 0.01 x lr absolute, as tests/test_zero.py: AdamW moves a weight whose gradient is near zero by up to lr, so the
 data-parallel average's reduction order shows there, measured 2.6e-6 with or without the deferral):
 
-- with no user code between step and forward, the gather is deferred at every step and each block waits for its
-  weights in its forward pre-hook (counted), and training is unchanged, under ZeRO-1 and under ZeRO-2 with
-  gradient accumulation;
+- with no user code between step and forward, the gather is deferred at every step, on a process group of its
+  own, and each block waits for its weights in its forward pre-hook (counted), and training is unchanged, under
+  ZeRO-1 and under ZeRO-2 with gradient accumulation;
 - the contract: an EMA callback reading the weights in ``on_train_batch_end`` sees the new weights (the strategy
   waits before it, nothing is left to wait for in the forward); an optimizer step post-hook of the user's sees
   them (the gather is then not deferred);
@@ -58,6 +58,9 @@ def test_training_matches_one_process(runs: tuple[dict[str, Any], dict[str, Any]
 def test_gather_is_waited_for_in_the_forward(runs: tuple[dict[str, Any], dict[str, Any]], case: str) -> None:
     stats = runs[0][case]["prefetch"]
     assert stats["enabled"] and stats["units"] == BLOCKS + 1
+    # dp_shard is the default group here: the gather runs on a group of its own over the same ranks, so Lightning's
+    # per-batch broadcast on the default group does not queue behind it (collectives.apart_from_default).
+    assert not stats["default_group"] and stats["group_ranks"] == [0, 1]
     assert stats["deferred"] == STEPS  # every step's gather started and returned
     # Steps 2..STEPS each start with the previous step's gather in flight: every block waits in its pre-hook.
     assert stats["waited_in_forward"] == (STEPS - 1) * BLOCKS

@@ -4,6 +4,8 @@
 sends and receives: gloo's reduce-scatter all-reduces the whole buffer, and ZeRO's all-gather need not copy a
 rank's own part.
 
+`apart_from_default` gives collectives left in flight while the training loop runs their own communicator.
+
 `all_to_all` exchanges rows with split sizes, which may be uneven and zero (gloo's ``all_to_all_single`` takes
 them): expert parallelism's token dispatch (expert_dispatch.py) and Ulysses context parallelism's heads <->
 sequence exchange (cp_ulysses.py).
@@ -12,6 +14,7 @@ sequence exchange (cp_ulysses.py).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any, Optional, cast
 
 import torch
@@ -102,6 +105,24 @@ def all_gather_single(output_tensor: Tensor, input_tensor: Tensor, group: Option
         return work
     work.wait()
     return None
+
+
+def apart_from_default(group: dist.ProcessGroup, timeout: Optional[timedelta]) -> dist.ProcessGroup:
+    """``group``, or, when it is the default process group, a new group over the same ranks.
+
+    For collectives started and left in flight while other code runs (ZeRO's deferred all-gather, `zero_prefetch`).
+    Lightning's training loop broadcasts a flag on the default group at the start of every batch and reads it on
+    the host (`_TrainingEpochLoop._broadcast_sigterm_tensor`). On one communicator that broadcast runs after the
+    started all-gathers (NCCL: the same stream; gloo: the same connections), so the host would wait for all of them
+    before it issues the next forward, and nothing would overlap. A group of its own costs one more communicator
+    (NCCL creates it on first use). Every rank of the default group must call this, in the same order.
+
+    Args:
+        timeout: the new group's collective timeout (None: torch's default for the backend).
+    """
+    if group is not dist.group.WORLD:
+        return group
+    return dist.new_group(dist.get_process_group_ranks(group), timeout=timeout)
 
 
 class _AllToAll(torch.autograd.Function):

@@ -59,7 +59,8 @@ def parallelize(
         param_dtype: compute dtype for ZeRO-3 gathered parameters under mixed precision.
         reduce_dtype: gradient reduction dtype under ZeRO-3.
         tp_plan: the user's overrides of the inferred tensor-parallel plan (module pattern -> style).
-        timeout: collective timeout of process groups created here (a pipeline's tied-weight group).
+        timeout: collective timeout of process groups created here (a pipeline's tied-weight group, ZeRO's
+            deferred all-gather).
         device: this rank's device; needed when the model was built on the meta device (default: where the
             parameters are).
         pretrained: a checkpoint whose weights replace the model's (`lightning_par.checkpoint.pretrained`): each
@@ -187,7 +188,7 @@ def parallelize(
                               exclude=exclude, reduce_during_backward=cut is None,
                               blocks=parts[0].block_modules if cut is None and not config.compile else (),
                               local_sgd=LocalSGD(config.sync_every, config.outer_lr, config.outer_momentum)
-                              if config.sync_every else None)  # fmt: skip
+                              if config.sync_every else None, timeout=timeout)  # fmt: skip
 
     # 7. The pipeline's own hooks last, outside every wrapping above (the recomputed region, FSDP2's pre-hooks); a
     #    tied weight's second copy is marked once ZeRO built its masters (and FSDP2 its sharded parameters).

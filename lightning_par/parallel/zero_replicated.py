@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from contextlib import nullcontext
+from datetime import timedelta
 from typing import Any, Optional
 
 import torch
@@ -60,6 +61,7 @@ class ReplicatedZero:
             all-gather after the step with the next forward (`defer_gather`, `lightning_par.parallel.zero_prefetch`).
         local_sgd: synchronise the ``dp_replicate`` replicas every ``local_sgd.every`` steps (DiLoCo,
             `lightning_par.parallel.local_sgd`) instead of reducing gradients over them every step.
+        timeout: collective timeout of the group the deferred all-gather may get (`collectives.apart_from_default`).
     """
 
     def __init__(
@@ -73,6 +75,7 @@ class ReplicatedZero:
         reduce_during_backward: bool = True,
         blocks: Sequence[nn.Module] = (),
         local_sgd: Optional[LocalSGD] = None,
+        timeout: Optional[timedelta] = None,
     ) -> None:
         if stage not in (0, 1, 2):
             raise ValueError(f"ReplicatedZero handles stages 0-2, got {stage}; stage 3 is `apply_fsdp`")
@@ -83,7 +86,7 @@ class ReplicatedZero:
         self.world = mesh.size(1)
         self.rank = mesh.get_local_rank(1)
         # Gradients are averaged over dp_shard, and over dp_replicate too unless the replicas train apart (local SGD).
-        self.local_sgd = local_sgd
+        self.local_sgd, self.timeout = local_sgd, timeout
         self.reduce_replicas = mesh.size(0) > 1 and local_sgd is None
         self.dp = mesh.size() if local_sgd is None else self.world
         self.outer: Optional[OuterSync] = None  # built once the optimizer's layout is known (`shard_optimizer`)
@@ -203,8 +206,8 @@ class ReplicatedZero:
         than one rank, with one optimizer stepping row slices."""
         on = on and self.stage >= 1 and self.world > 1 and not self.whole and self._wrapped <= 1
         if on and self.prefetch is None:
-            self.prefetch = ParamPrefetch(list(self.names), self.masters, self._blocks, self.shard_group, self.world,
-                                          self.rank)  # fmt: skip
+            group = collectives.apart_from_default(self.shard_group, self.timeout)  # Lightning's per-batch broadcast
+            self.prefetch = ParamPrefetch(list(self.names), self.masters, self._blocks, group, self.world, self.rank)
         if self.prefetch is not None:
             self.prefetch.wait_all()
             self.prefetch.enabled = on
