@@ -2,7 +2,9 @@
 and receives. Checked on 3 ranks (an odd world, a 2-D and a padded-length input) against the sums and gathers written
 out by hand from every rank's input (each rank rebuilds all inputs from their seeds): bitwise, since the reduce-scatter
 sums in rank order; both with ``async_op`` (the sum happens in ``wait``) and without, in float32 and bfloat16; the
-all-gather with and without ``skip_own`` (the own part left as it was)."""
+all-gather with and without ``skip_own`` (the own part left as it was). In the same spawn, the all-reduce of logged
+values (`all_reduce_logged`): mean, sum and max over the world with one collective each and no barrier, and
+nothing sent over a one-rank group (a layout without data parallelism), the value unchanged."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lightning_par.parallel import collectives
+from lightning_par.strategies._processes import all_reduce_logged
+from lightning_par.utils.comm_counter import CommCounter
 
 WORLD = 3
 
@@ -61,12 +65,35 @@ def _worker(rank: int, init_file: str, out: str) -> None:
     dist.all_reduce(ref)
     if not torch.allclose(got, ref.view(WORLD, -1)[rank], rtol=1e-6, atol=1e-6):
         failures.append("reduce_scatter 2-D input against all_reduce")
+    failures += _logged_values(rank)
     torch.save(failures, f"{out}.{rank}")
     dist.barrier()
     dist.destroy_process_group()
 
 
-def test_gloo_reduce_scatter_and_all_gather_on_three_ranks(tmp_path: Path) -> None:
+def _logged_values(rank: int) -> list[str]:
+    singles = [dist.new_group([j]) for j in range(WORLD)]  # every rank creates every group, in the same order
+    failures = []
+    counter = CommCounter()
+    counter.install()
+    try:
+        for op, want in (("mean", sum(range(1, WORLD + 1)) / WORLD), ("sum", sum(range(1, WORLD + 1))),
+                         ("max", WORLD)):  # fmt: skip
+            got = all_reduce_logged(torch.tensor(float(rank + 1)), None, op)
+            if got.item() != want:
+                failures.append(f"all_reduce_logged {op}: {got.item()} != {want}")
+        alone = all_reduce_logged(torch.tensor(float(rank + 1)), singles[rank], "mean")
+        if alone.item() != rank + 1:
+            failures.append(f"all_reduce_logged over one rank changed the value to {alone.item()}")
+    finally:
+        counter.uninstall()
+    calls = {kind: n for (_, kind, _), n in counter.calls.items()}
+    if calls != {"all_reduce": 3}:
+        failures.append(f"all_reduce_logged issued {calls}, expected 3 all-reduces (one per world call, none alone)")
+    return failures
+
+
+def test_gloo_collectives_and_logged_values_on_three_ranks(tmp_path: Path) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     out = str(tmp_path / "result")
     mp.start_processes(_worker, args=(str(tmp_path / "init"), out), nprocs=WORLD, start_method="spawn")

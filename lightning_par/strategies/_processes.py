@@ -207,13 +207,17 @@ def all_reduce_logged(tensor: Tensor, group: Optional[Any], reduce_op: Optional[
     (docs/benchmarks.md, "Per-step overhead on a tiny model"), where Lightning's ``ddp`` pays it.
 
     Args:
-        tensor: the value; returned unchanged when no process group exists.
+        tensor: the value; returned unchanged when no process group exists or ``group`` is one rank (a layout
+            with no data parallelism: pipelines, tensor parallelism alone), where a collective would cost ~50 us of
+            gloo's latency for nothing.
         group: the ranks to reduce over (``None``: the world).
         reduce_op: ``"mean"`` / ``"avg"``, ``"sum"``, ``"max"``, ``"min"``, ..., or a ``ReduceOp``.
     """
     if not (dist.is_available() and dist.is_initialized()):
         return tensor
     group = dist.group.WORLD if group is None else group
+    if dist.get_world_size(group) == 1:
+        return tensor
     divide = False
     op: Any = reduce_op if reduce_op is not None else dist.ReduceOp.SUM
     if isinstance(reduce_op, str):
