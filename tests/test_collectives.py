@@ -4,7 +4,8 @@ out by hand from every rank's input (each rank rebuilds all inputs from their se
 sums in rank order; both with ``async_op`` (the sum happens in ``wait``) and without, in float32 and bfloat16; the
 all-gather with and without ``skip_own`` (the own part left as it was). In the same spawn, the all-reduce of logged
 values (`all_reduce_logged`): mean, sum and max over the world with one collective each and no barrier, and
-nothing sent over a one-rank group (a layout without data parallelism), the value unchanged."""
+nothing sent over a one-rank group (a layout without data parallelism), the value unchanged; and
+`apart_from_default`: one new group over every rank for the default group, reused, any other group kept."""
 
 from __future__ import annotations
 
@@ -66,6 +67,15 @@ def _worker(rank: int, init_file: str, out: str) -> None:
     if not torch.allclose(got, ref.view(WORLD, -1)[rank], rtol=1e-6, atol=1e-6):
         failures.append("reduce_scatter 2-D input against all_reduce")
     failures += _logged_values(rank)
+    # A twin of the default group for collectives left in flight, made once per process; other groups stay.
+    twin = collectives.apart_from_default(dist.group.WORLD, None)
+    if twin is dist.group.WORLD or dist.get_process_group_ranks(twin) != list(range(WORLD)):
+        failures.append("apart_from_default(WORLD) is not a new group over every rank")
+    if collectives.apart_from_default(dist.group.WORLD, None) is not twin:
+        failures.append("apart_from_default made a second twin")
+    single = dist.new_group([0])
+    if rank == 0 and collectives.apart_from_default(single, None) is not single:
+        failures.append("apart_from_default replaced a group that is not the default one")
     torch.save(failures, f"{out}.{rank}")
     dist.barrier()
     dist.destroy_process_group()

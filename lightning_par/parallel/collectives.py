@@ -107,6 +107,9 @@ def all_gather_single(output_tensor: Tensor, input_tensor: Tensor, group: Option
     return None
 
 
+_APART: dict[dist.ProcessGroup, dist.ProcessGroup] = {}  # default group -> its twin (`apart_from_default`)
+
+
 def apart_from_default(group: dist.ProcessGroup, timeout: Optional[timedelta]) -> dist.ProcessGroup:
     """``group``, or, when it is the default process group, a new group over the same ranks.
 
@@ -122,7 +125,11 @@ def apart_from_default(group: dist.ProcessGroup, timeout: Optional[timedelta]) -
     """
     if group is not dist.group.WORLD:
         return group
-    return dist.new_group(dist.get_process_group_ranks(group), timeout=timeout)
+    # One per default group and process: another fit in the same process (a test, a sweep's trial) reuses it rather
+    # than holding one more communicator each time.
+    if group not in _APART:
+        _APART[group] = dist.new_group(dist.get_process_group_ranks(group), timeout=timeout)
+    return _APART[group]
 
 
 class _AllToAll(torch.autograd.Function):
