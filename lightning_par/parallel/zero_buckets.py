@@ -16,11 +16,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 
 from lightning_par import _compat
 from lightning_par.utils import dtensors
-
-
-def local_data(p: torch.Tensor) -> torch.Tensor:
-    """The storage this rank holds: a tensor-parallel DTensor's local shard, or the plain tensor itself."""
-    return p.detach().to_local() if isinstance(p, DTensor) else p.data  # type: ignore[attr-defined]
+from lightning_par.utils.dtensors import local_data
 
 
 def settle_grad(p: torch.Tensor) -> None:

@@ -20,9 +20,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from lightning_par.parallel.grad_norm import _REPLICA, mark_sharded
+from lightning_par.utils.dtensors import local_data
 
 
 def assign_owners(numels: Sequence[int], world: int, load: list[int]) -> list[int]:
@@ -132,8 +132,7 @@ def whole_masters(
     masters = {}
     for bucket in buckets:
         for p in bucket.mine:
-            local = p.detach().to_local() if isinstance(p, DTensor) else p.data  # type: ignore[attr-defined]
-            master = nn.Parameter(local)
+            master = nn.Parameter(local_data(p))
             mark_sharded(master, (group,))
             if getattr(rows.get(p), _REPLICA, False):  # the last stage's copy of a tied weight (pipelines)
                 setattr(master, _REPLICA, True)

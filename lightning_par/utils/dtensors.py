@@ -1,8 +1,9 @@
-"""The two conversions between a parameter's DTensor and the plain tensor this rank holds of it.
+"""The conversions between a parameter's DTensor and the plain tensor this rank holds of it.
 
 Tensor parallelism leaves some parameters as DTensors and others plain (embeddings, head, norms), and most of the
 engines work on what this rank holds: `local` takes it out, `like` puts a local tensor back in its parameter's
-layout (as its gradient, or as optimizer state saved under the parameter's name).
+layout (as its gradient, or as optimizer state saved under the parameter's name); `local_data` is a parameter's
+storage outside autograd, which ZeRO's masters view.
 """
 
 from __future__ import annotations
@@ -20,6 +21,11 @@ def local(t: None) -> None: ...
 def local(t: Optional[Tensor]) -> Optional[Tensor]:
     """This rank's part of ``t`` (a DTensor's local tensor, no copy), or ``t`` itself when it is plain or None."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def local_data(p: Tensor) -> Tensor:
+    """The storage this rank holds of parameter ``p``, outside autograd: a DTensor's local shard, or ``p.data``."""
+    return p.detach().to_local() if isinstance(p, DTensor) else p.data  # type: ignore[attr-defined]
 
 
 def like(value: Tensor, p: Tensor) -> Tensor:
