@@ -66,23 +66,22 @@ def _worker(rank: int, init_file: str, out: str) -> None:
     dist.all_reduce(ref)
     if not torch.allclose(got, ref.view(WORLD, -1)[rank], rtol=1e-6, atol=1e-6):
         failures.append("reduce_scatter 2-D input against all_reduce")
-    failures += _logged_values(rank)
+    singles = [dist.new_group([j]) for j in range(WORLD)]  # every rank creates every group, in the same order
+    failures += _logged_values(rank, singles[rank])
     # A twin of the default group for collectives left in flight, made once per process; other groups stay.
     twin = collectives.apart_from_default(dist.group.WORLD, None)
     if twin is dist.group.WORLD or dist.get_process_group_ranks(twin) != list(range(WORLD)):
         failures.append("apart_from_default(WORLD) is not a new group over every rank")
     if collectives.apart_from_default(dist.group.WORLD, None) is not twin:
         failures.append("apart_from_default made a second twin")
-    single = dist.new_group([0])
-    if rank == 0 and collectives.apart_from_default(single, None) is not single:
+    if collectives.apart_from_default(singles[rank], None) is not singles[rank]:
         failures.append("apart_from_default replaced a group that is not the default one")
     torch.save(failures, f"{out}.{rank}")
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _logged_values(rank: int) -> list[str]:
-    singles = [dist.new_group([j]) for j in range(WORLD)]  # every rank creates every group, in the same order
+def _logged_values(rank: int, alone_group: dist.ProcessGroup) -> list[str]:
     failures = []
     counter = CommCounter()
     counter.install()
@@ -92,7 +91,7 @@ def _logged_values(rank: int) -> list[str]:
             got = all_reduce_logged(torch.tensor(float(rank + 1)), None, op)
             if got.item() != want:
                 failures.append(f"all_reduce_logged {op}: {got.item()} != {want}")
-        alone = all_reduce_logged(torch.tensor(float(rank + 1)), singles[rank], "mean")
+        alone = all_reduce_logged(torch.tensor(float(rank + 1)), alone_group, "mean")
         if alone.item() != rank + 1:
             failures.append(f"all_reduce_logged over one rank changed the value to {alone.item()}")
     finally:

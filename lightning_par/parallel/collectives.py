@@ -107,7 +107,7 @@ def all_gather_single(output_tensor: Tensor, input_tensor: Tensor, group: Option
     return None
 
 
-_APART: dict[dist.ProcessGroup, dist.ProcessGroup] = {}  # default group -> its twin (`apart_from_default`)
+_TWIN: list[tuple[dist.ProcessGroup, dist.ProcessGroup]] = []  # (default group, its twin), for `apart_from_default`
 
 
 def apart_from_default(group: dist.ProcessGroup, timeout: Optional[timedelta]) -> dist.ProcessGroup:
@@ -125,11 +125,11 @@ def apart_from_default(group: dist.ProcessGroup, timeout: Optional[timedelta]) -
     """
     if group is not dist.group.WORLD:
         return group
-    # One per default group and process: another fit in the same process (a test, a sweep's trial) reuses it rather
-    # than holding one more communicator each time.
-    if group not in _APART:
-        _APART[group] = dist.new_group(dist.get_process_group_ranks(group), timeout=timeout)
-    return _APART[group]
+    # One per process: another fit (a test, a sweep's trial) reuses it rather than holding one more communicator each
+    # time. A new default group (the old one destroyed, and every group with it) gets a new twin.
+    if not _TWIN or _TWIN[0][0] is not group:
+        _TWIN[:] = [(group, dist.new_group(dist.get_process_group_ranks(group), timeout=timeout))]
+    return _TWIN[0][1]
 
 
 class _AllToAll(torch.autograd.Function):
