@@ -242,6 +242,49 @@ class DictTrunkLM(_TinyLM):
         return self.head(self.norm(h))
 
 
+class SkipLM(_TinyLM):
+    """Six blocks whose outputs also reach later blocks or the head other than through the hidden state, as user
+    models write them (tests/test_pipeline_units.py, tests/test_pipeline_families.py). ``mode``:
+
+    - ``unet``: blocks 0-2 push their outputs on a list, blocks 3-5 each add one back before running (no cut works);
+    - ``groups``: in each group of three blocks, the first block's output is added to the third block's input (only
+      the cut between the groups, before block 3, works);
+    - ``x0``: the embedding's output is added to every later block's input (modded-nanoGPT's value residual kind);
+    - ``outside``: the residual is added around each block, outside it (``h = h + block(h)``);
+    - ``late_read``: block 3's output is added to the last block's before the head (cuts up to block 3 work).
+    """
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.mode = mode
+        self.emb = torch.nn.Embedding(256, 32)
+        self.blocks = torch.nn.ModuleList([_Residual(32) for _ in range(6)])
+        self.head = torch.nn.Linear(32, 256)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x0 = self.emb(x)
+        skips: list[torch.Tensor] = []
+        late = h
+        for i, block in enumerate(self.blocks):
+            if self.mode == "outside":
+                h = h + block(h)
+                continue
+            if (self.mode == "unet" and i >= 3) or (self.mode == "groups" and i % 3 == 2):
+                h = h + skips.pop()
+            if self.mode == "x0" and i > 0:
+                h = h + x0
+            h = block(h)
+            if (self.mode == "unet" and i < 3) or (self.mode == "groups" and i % 3 == 0):
+                skips.append(h)
+            late = h if i == 3 else late
+        return self.head(h + late if self.mode == "late_read" else h)
+
+    def configure_optimizers(self) -> Any:
+        # The skips double the activations' scale: at _TinyLM's lr 0.5 the summation order of microbatches moves a
+        # few head weights by 6e-7 in 3 steps, past the 1e-7 absolute bound every SGD parity check uses.
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
 class ProbeGPT(GPT):
     """A GPT whose code reads weights where ZeRO-1/2's deferred all-gather may still be running
     (tests/test_zero_prefetch.py): ``training_step`` reads the last block's weight before the forward, and a step
@@ -351,6 +394,8 @@ MODELS = {
     "gpt_adafactor": lambda: AdafactorGPT(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=32),
     "muon_lm": MuonLM,
     "seq_trunk": lambda: SeqTrunkLM(),
+    "skip_groups": lambda: SkipLM("groups"),  # skip connections inside groups of blocks: one cut keeps the values
+    "skip_unet": lambda: SkipLM("unet"),  # skip connections across every cut: pipelines refuse it
     "dict_trunk": lambda: DictTrunkLM(),
     "gpt4_tied_sgd": lambda: SGDGPT(vocab_size=256, block_size=32, n_layer=4, n_head=4, n_embd=32, tie_weights=True),
     # Families we did not write (tests/_families.py), each a plain user LightningModule with SGD + momentum.

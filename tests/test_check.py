@@ -157,3 +157,11 @@ def test_cp_needs_sdpa_attention_and_names_the_switch():
     assert "sequence split over cp" in sdpa["cp"].reason and "sdpa attention" in sdpa["cp"].reason
     gpt = _verdicts("gpt", strategies=["cp"])["cp"]
     assert gpt.ok and "checked at the first forward" in gpt.reason
+
+
+def test_pipelines_name_the_cuts_skip_connections_leave_and_refuse_when_none_is_left():
+    groups = _verdicts("skip_groups", strategies=["pipe", "zero3"])
+    assert groups["pipe"].ok and "cuts only before blocks [3]" in groups["pipe"].reason
+    unet = _verdicts("skip_unet", strategies=["pipe", "pipe_zero1", "zero3"])
+    assert not unet["pipe"].ok and unet["zero3"].ok and unet["pipe_zero1"].reason == unet["pipe"].reason
+    assert "No cut of this trunk keeps the values: train without pipeline parallelism" in unet["pipe"].reason

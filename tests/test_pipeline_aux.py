@@ -20,6 +20,7 @@ Two spawns (2 and 4 ranks) and one reference process.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -150,7 +151,7 @@ class _Collecting(torch.nn.Module):
         return self.head(h) + sum(k.mean() for k in kept[:-1])
 
 
-def test_router_logits_are_carried_and_other_side_outputs_are_refused():
+def test_router_logits_are_carried_and_other_side_outputs_rule_out_the_cuts_before_their_reader():
     model = _hf_qwen2_moe(output_router_logits=True)
     trunk = find_trunk(model)
     assert trunk is not None
@@ -159,15 +160,20 @@ def test_router_logits_are_carried_and_other_side_outputs_are_refused():
     assert [(s.name, s.leaf) for s in sides] == [(f"model.layers.{i}.mlp.gate", 0) for i in range(2)]
     plain = _hf_qwen2_moe(output_router_logits=False)
     assert find_ownership(plain, find_trunk(plain)).sides == ()
-    # Every block's output (not a submodule's), or a value the forward computes between blocks: not carried.
+    # Every block's output (not a submodule's), or a value the forward computes between blocks: not carried, so
+    # every cut before the reader is ruled out (tests/test_pipeline_units.py has the rule on its own).
     for read, what in (
-        ("blocks", "blocks.0 computed inside it and that a trunk block returns beyond"),
-        ("between", "the trunk computed inside it and that no module inside a block returns"),
+        (
+            "blocks",
+            r"the code after the trunk reads, in mean\(\), a value blocks\.0 computed, which a stage starting "
+            r"at blocks\.1 does not have",
+        ),
+        ("between", r"the code between blocks\.0 and blocks\.1 reads, in square\(\), a value blocks\.0 computed"),
     ):
         model = _Collecting(read)
-        with pytest.raises(PipelineError, match=what) as err:
-            find_ownership(model, find_trunk(model))
-        assert "strategy='moe' or 'zero3'" in str(err.value)
+        own = find_ownership(model, find_trunk(model))
+        assert own.sides == () and sorted(own.cut_conflicts) == [1, 2]
+        assert re.match(what, own.cut_conflicts[1]), own.cut_conflicts[1]
 
 
 def test_stages_in_one_process_carry_replay_and_backpropagate_the_router_logits():

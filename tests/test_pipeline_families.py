@@ -36,6 +36,9 @@ JOBS_2: dict[str, dict[str, Any]] = {
     # zbv: rank 0 runs stage 0 and the last stage, so the tied weight is one parameter there.
     "qwen2_tied_zbv": {"model": "hf_qwen2_tied", "strategy": {"pp": 2, "pp_schedule": "zbv"}},
     "gpt_tied_dualpipev": {"model": "gpt4_tied_sgd", "strategy": {"pp": 2, "pp_schedule": "dualpipev"}},
+    # Skip connections inside groups of three blocks (tests/_worker.py's SkipLM): the split keeps to the one cut
+    # they do not cross, before block 3, whatever balances best.
+    "skip_groups": {"model": "skip_groups", "strategy": {"pp": 2}},
 }
 
 # 3 ranks, pp 3: 4 blocks split unevenly.
@@ -77,19 +80,25 @@ def _checkpoint_jobs(tmp: Path) -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def spawns(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, tuple[dict, dict]], list[dict[str, Any]]]:
+def spawns(tmp_path_factory: pytest.TempPathFactory) -> Spawns:
     tmp = tmp_path_factory.mktemp("pipeline_families")
     refs = run_jobs(tmp, [reference_job({k: v for k, v in j.items() if k not in ("strategy", "dp")})
                           for j in ALL.values()], nproc=1, timeout=900)  # fmt: skip
-    got = run_jobs(tmp, [{**j, "dp": 1} for j in JOBS_2.values()] + _checkpoint_jobs(tmp), nproc=2, timeout=900)
-    got, checkpoints = got[: len(JOBS_2)], got[len(JOBS_2) :]
+    # Last on 2 ranks: a U-Net's skip connections cross every cut, refused before the first step.
+    refused = {"model": "skip_unet", "strategy": {"pp": 2}, "dp": 1, "steps": 1, "expect_error": True}
+    got = run_jobs(tmp, [{**j, "dp": 1} for j in JOBS_2.values()] + _checkpoint_jobs(tmp) + [refused], nproc=2,
+                   timeout=900)  # fmt: skip
+    got, checkpoints, unet = got[: len(JOBS_2)], got[len(JOBS_2) : -1], got[-1]
     got += run_jobs(tmp, [{**j, "dp": 1} for j in JOBS_3.values()], nproc=3, timeout=900)
     got += run_jobs(tmp, list(JOBS_4.values()), nproc=4, timeout=900)
-    return dict(zip(ALL, zip(got, refs))), checkpoints
+    return dict(zip(ALL, zip(got, refs))), checkpoints, unet
+
+
+Spawns = tuple[dict[str, tuple[dict, dict]], list[dict[str, Any]], dict[str, Any]]
 
 
 @pytest.fixture(scope="module")
-def results(spawns: tuple[dict[str, tuple[dict, dict]], list[dict[str, Any]]]) -> dict[str, tuple[dict, dict]]:
+def results(spawns: Spawns) -> dict[str, tuple[dict, dict]]:
     return spawns[0]
 
 
@@ -136,6 +145,27 @@ def test_tied_copies_live_on_both_end_stages_only(results):
     vocab_rows = 256 * 32 * 4
     total = sum(t.numel() * 4 for t in ref["params"].values())
     assert sum(per_rank) == total + vocab_rows  # exactly one extra copy of the tied matrix
+
+
+def test_skip_connections_keep_to_the_cut_they_do_not_cross_or_are_refused(results, spawns):
+    got, _ = results["skip_groups"]
+    # Block costs alone would cut before block 4 (the head costs about two blocks); the skips allow block 3 only:
+    # rank 0 holds the embedding's tensor and three blocks'.
+    per_block = len(list(_worker_model("skip_groups").blocks[0].parameters()))
+    assert got["param_counts_all"] == [1 + 3 * per_block, 3 * per_block + 2]
+    unet = spawns[2]
+    assert unet["losses"] == [] and unet["error"] is not None  # refused before the first step
+    assert (
+        "cannot cut the trunk before blocks.1: the code between blocks.4 and blocks.5 reads, in add(), a value "
+        "blocks.0 computed" in unet["error"]
+    )
+    assert "No cut of this trunk keeps the values: train without pipeline parallelism" in unet["error"]
+
+
+def _worker_model(name: str) -> Any:
+    import _worker
+
+    return _worker.MODELS[name]()
 
 
 def test_tied_checkpoints_resume_across_pipeline_and_data_parallel_layouts(spawns):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 from typing import Any
 
 import pytest
@@ -34,9 +35,11 @@ from lightning_par.plans.trunk import find_trunk
 # ---- partitioner ---------------------------------------------------------------------------------------------
 
 
-def _brute_force(costs: list[float], k: int, first: float, last: float) -> float:
+def _brute_force(
+    costs: list[float], k: int, first: float, last: float, forbidden: frozenset[int] = frozenset()
+) -> float:
     n, best = len(costs), float("inf")
-    for cuts in itertools.combinations(range(1, n), k - 1):
+    for cuts in itertools.combinations([c for c in range(1, n) if c not in forbidden], k - 1):
         bounds = [0, *cuts, n]
         ranges = list(itertools.pairwise(bounds))
         best = min(best, max(stage_costs(ranges, costs, first, last)))
@@ -54,6 +57,12 @@ def test_partition_minimises_the_costliest_stage(seed: int) -> None:
     assert len(ranges) == k and ranges[0][0] == 0 and ranges[-1][1] == n
     assert all(a < b for a, b in ranges) and all(r[1] == s[0] for r, s in itertools.pairwise(ranges))
     assert max(stage_costs(ranges, costs, first, last)) == _brute_force(costs, k, first, last)
+    # Some cuts ruled out (a skip connection across them): the best among the others.
+    forbidden = frozenset(c for c in range(1, n) if torch.rand((), generator=g) < 0.4)
+    if n - 1 - len(forbidden) >= k - 1:
+        ranges = partition(costs, k, first_extra=first, last_extra=last, forbidden=forbidden)
+        assert not {a for a, _ in ranges[1:]} & forbidden and ranges[-1][1] == n
+        assert max(stage_costs(ranges, costs, first, last)) == _brute_force(costs, k, first, last, forbidden)
 
 
 def test_partition_gives_end_stages_fewer_blocks_when_embedding_and_head_cost() -> None:
@@ -325,16 +334,107 @@ class _SideOutputs(nn.Module):
         return out + torch.stack(kept).mean() if self.penalty else out
 
 
-def test_a_tensor_made_inside_the_trunk_and_read_after_it_is_refused() -> None:
+def test_a_tensor_made_inside_the_trunk_and_read_after_it_rules_out_every_cut_before_its_reader() -> None:
     from lightning_par.parallel.pipeline_owners import find_ownership
 
     model = _SideOutputs()
-    # The last block's output is handed on (and allowed); block 0's is not, and it is named.
-    message = r"after the trunk \(blocks\) reads, in stack\(\), a tensor that blocks\.0 computed inside it"
-    with pytest.raises(PipelineError, match=message):
-        find_ownership(model, find_trunk(model))
+    # The last block's output is handed on (and allowed); block 0's is not, so no cut keeps the values.
+    own = find_ownership(model, find_trunk(model))
+    assert sorted(own.cut_conflicts) == [1, 2, 3]
+    assert own.cut_conflicts[1].startswith("the code after the trunk reads, in stack(), a value blocks.0 computed")
+    message = r"cannot cut the trunk before blocks\.2: the code after the trunk reads, in stack\(\), a value blocks\.0"
+    with pytest.raises(PipelineError, match=message + r" computed.*No cut of this trunk"):
+        PipelineModel(model, find_trunk(model), [(0, 2), (2, 4)], [0], torch.device("cpu"))
     plain = _SideOutputs(penalty=False)
-    assert find_ownership(plain, find_trunk(plain)).source == "probe"
+    assert find_ownership(plain, find_trunk(plain)).cut_conflicts == {}
+
+
+def _skip_lm(mode: str) -> Any:
+    from _worker import SkipLM
+
+    torch.manual_seed(0)
+    return SkipLM(mode)
+
+
+# mode -> the cuts that keep the one-process values (tests/_worker.py's SkipLM)
+SKIP_CUTS = {"unet": [], "groups": [3], "x0": [], "outside": [], "late_read": [1, 2, 3]}
+
+
+@pytest.mark.parametrize("mode", list(SKIP_CUTS))
+def test_values_that_reach_past_a_cut_other_than_through_the_hidden_state_rule_that_cut_out(mode: str) -> None:
+    from lightning_par.parallel.pipeline_owners import find_ownership
+
+    model = _skip_lm(mode)
+    trunk = find_trunk(model)
+    own = find_ownership(model, trunk)
+    assert [c for c in range(1, 6) if c not in own.cut_conflicts] == SKIP_CUTS[mode]
+    first = min(own.cut_conflicts)
+    expected = {
+        "unet": r"the code between blocks\.4 and blocks\.5 reads, in add\(\), a value blocks\.0 computed, which a "
+                r"stage starting at blocks\.1 does not have",
+        "groups": r"the code between blocks\.1 and blocks\.2 reads, in add\(\), a value blocks\.0 computed",
+        "x0": r"blocks\.1 is called with a tensor made by add\(\) in the code between blocks\.0 and blocks\.1 "
+              r"instead of what blocks\.0 returned",
+        "outside": r"blocks\.1 is called with a tensor made by add\(\) in the code between blocks\.0 and blocks\.1",
+        "late_read": r"the code after the trunk reads, in add\(\), a value blocks\.3 computed, which a stage starting "
+                     r"at blocks\.4 does not have",
+    }[mode]  # fmt: skip
+    assert re.match(expected, own.cut_conflicts[first]), own.cut_conflicts[first]
+    # A split at a ruled-out cut is refused before any step, naming the reader and a split that is exact.
+    bad = next(c for c in range(1, 6) if c in own.cut_conflicts and c != 3)
+    fix = {
+        "groups": r"Cut only before blocks \[3\] \(e\.g\. pp_split=\(3, 3\)",
+        "late_read": r"Cut only before blocks \[1, 2, 3\] \(e\.g\. pp_split=\(3, 3\)",
+    }.get(
+        mode, r"No cut of this trunk keeps the values: train without pipeline parallelism \(e\.g\. strategy='zero3'\)"
+    )
+    with pytest.raises(PipelineError, match=rf"cannot cut the trunk before blocks\.{bad}: .*{fix}"):
+        PipelineModel(_skip_lm(mode), trunk, [(0, bad), (bad, 6)], [0], torch.device("cpu"), own)
+
+
+@pytest.mark.parametrize("mode", ["groups", "late_read"])
+def test_the_automatic_split_keeps_to_the_cuts_that_keep_the_values(mode: str) -> None:
+    import copy
+
+    from lightning_par.parallel.pipeline_owners import find_ownership
+
+    full = _skip_lm(mode)
+    own = find_ownership(full, find_trunk(full))
+    ranges = partition([1.0] * 6, 2, forbidden=own.cut_conflicts)
+    assert ranges == [(0, 3), (3, 6)]  # the balanced cut is allowed in both
+    assert partition([1.0] * 6, 2, last_extra=4.0, forbidden=own.cut_conflicts) == [(0, 3), (3, 6)]  # not (0, 5)
+    batch = (torch.randint(0, 256, (2, 8)), torch.randint(0, 256, (2, 8)))
+    ref = full._loss(*batch)
+    ref.backward()
+    cuts = [copy.deepcopy(full) for _ in ranges]
+    for m in cuts:
+        m.zero_grad(set_to_none=True)
+    hidden = None
+    for s, m in enumerate(cuts):
+        pipe = PipelineModel(m, find_trunk(m), ranges, [s], torch.device("cpu"))
+        pipe.install()
+        pipe.step_fn = lambda _mb, _spec, m=m: m._loss(*batch)
+        hidden = pipe.run_stage(pipe.specs[0], hidden, 0)
+    torch.testing.assert_close(hidden, ref, rtol=1e-6, atol=0)
+    hidden.backward()
+    got = {n: p.grad for m in cuts for n, p in m.named_parameters()}
+    assert set(got) == {n for n, _ in full.named_parameters()}
+    for n, p in full.named_parameters():
+        torch.testing.assert_close(got[n], p.grad, rtol=1e-5, atol=1e-7, msg=lambda msg, n=n: f"{n}: {msg}")
+
+
+def test_no_split_into_more_stages_than_the_allowed_cuts_allow() -> None:
+    from lightning_par.parallel.pipeline_cuts import no_split_possible
+    from lightning_par.parallel.pipeline_owners import find_ownership
+
+    model = _skip_lm("groups")
+    trunk = find_trunk(model)
+    own = find_ownership(model, trunk)
+    assert no_split_possible(own.cut_conflicts, trunk.names, 2) is None
+    why = no_split_possible(own.cut_conflicts, trunk.names, 3)
+    assert why is not None and "Only 1 cut(s) keep the values (before blocks [3]): use at most 2 pipeline stages" in why
+    with pytest.raises(PartitionError, match=r"3 pipeline stages need 2 cuts but only 1 .* use at most 2 stages"):
+        partition([1.0] * 6, 3, forbidden=own.cut_conflicts)
 
 
 def test_a_stage_reads_the_attribute_tree_of_modules_it_does_not_own() -> None:

@@ -18,6 +18,7 @@ from torch import nn
 
 from lightning_par.names import ALIASES, DEEPSPEED_STRATEGY_NAMES, STRATEGY_NAMES, strategy_kwargs
 from lightning_par.parallel.optimizers import check_dtensor_step, check_elementwise, check_per_parameter, is_elementwise
+from lightning_par.parallel.pipeline_cuts import allowed_cuts, no_split_possible
 from lightning_par.parallel.pipeline_owners import PipelineError, find_ownership
 from lightning_par.parallel.tp_check import check_local_shapes
 from lightning_par.parallel.zero_whole import check_not_tp_sharded
@@ -102,11 +103,15 @@ class _Checks:
                     "pipeline ranks"
                 )
             own = find_ownership(self.module, trunk)
+            if (why := no_split_possible(own.cut_conflicts, trunk.names, self.degree)) is not None:
+                raise PipelineError(why)
             outside = f"{len(own.pre)} modules on the first stage, {len(own.post)} on the last, by {own.source}"
             tied = f", {len(own.tied)} tied weights on both" if own.tied else ""
             sides = f", {len(own.sides)} side outputs carried to the last stage ({own.sides[0].name}, ...)" if (
                 own.sides) else ""  # fmt: skip
-            return f"pipeline over the {len(trunk.blocks)} blocks of {trunk.path} ({outside}{tied}{sides})"
+            ruled_out = f", cuts only before blocks {allowed_cuts(len(trunk.blocks), own.cut_conflicts)}" if (
+                own.cut_conflicts) else ""  # fmt: skip
+            return f"pipeline over the {len(trunk.blocks)} blocks of {trunk.path} ({outside}{tied}{sides}{ruled_out})"
 
         return _guard(run, PipelineError)
 

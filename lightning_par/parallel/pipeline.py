@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_par import _compat
+from lightning_par.parallel.pipeline_cuts import refused_split
 from lightning_par.parallel.pipeline_owners import Ownership, PipelineError, find_ownership
 from lightning_par.parallel.pipeline_shadow import shadow
 from lightning_par.parallel.pipeline_sides import SideCarrier
@@ -149,6 +150,8 @@ class PipelineModel:
         ownership: Optional[Ownership] = None,
     ) -> None:
         own = ownership if ownership is not None else find_ownership(module, trunk)
+        if (why := refused_split(own.cut_conflicts, trunk.names, ranges)) is not None:
+            raise PipelineError(why)
         self.module, self.trunk, self.device, self.ownership = module, trunk, device, own
         n = len(ranges)
         self.n_stages, self.ranges = n, list(ranges)

@@ -29,6 +29,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_par import _compat
 from lightning_par.nn.moe import MoE
+from lightning_par.parallel.pipeline_cuts import CutRule, writes_in_place
 from lightning_par.plans._probe import eval_mode, probe_call
 from lightning_par.plans.trunk import Trunk
 
@@ -76,6 +77,8 @@ class Ownership:
         sides: tensors modules inside the trunk return and code after the trunk reads (router logits collected for
             a load-balancing loss), in the order they are made; the stages carry them with the hidden state
             (`lightning_par.parallel.pipeline_sides`).
+        cut_conflicts: the blocks a stage may not start at, each with the first read that a cut there would get
+            wrong (`lightning_par.parallel.pipeline_cuts`); empty when the probe could not run.
     """
 
     pre: Units
@@ -84,6 +87,7 @@ class Ownership:
     source: str
     reason: str = ""
     sides: tuple[SideSlot, ...] = ()
+    cut_conflicts: dict[int, str] = dataclasses.field(default_factory=dict)
 
     def why(self, before: bool) -> str:
         """How a unit of the first (``before``) or last stage got there, for error messages."""
@@ -129,9 +133,10 @@ class _Uses(TorchFunctionMode):
     trunk and by the head after it, and each of the two units is placed by its own calls.
     """
 
-    def __init__(self, unit_of: dict[int, set[str]]) -> None:
+    def __init__(self, unit_of: dict[int, set[str]], trunk: Trunk) -> None:
         super().__init__()
         self.unit_of, self.phase = unit_of, "pre"
+        self.cuts = CutRule(trunk.names)  # which cuts keep the one-process values
         self.seen: dict[str, set[str]] = {}
         self.running: list[str] = []
         # Side outputs: tensors computed inside the trunk (by the module named) and read after it, other than
@@ -152,21 +157,48 @@ class _Uses(TorchFunctionMode):
         name = getattr(func, "__name__", str(func))
         # Reading an attribute that is not a tensor (shape, dtype, device) uses no values; `.T` does.
         if name != "__get__" or isinstance(out, Tensor):
-            for t in _compat.tree_flatten((args, kwargs or {}))[0]:
-                if isinstance(t, Tensor):
-                    self._used(t, name)
+            reads = [t for t in _compat.tree_flatten((args, kwargs or {}))[0] if isinstance(t, Tensor)]
+            for t in reads:
+                self._used(t, name)
+            self._follow(name, args, reads, out)
         if self.phase == "trunk":
             for t in _compat.tree_flatten(out)[0]:
                 if isinstance(t, Tensor):
                     self.made.setdefault(id(t), (t, self.makers[-1] if self.makers else "the trunk"))
         return out
 
+    def _follow(self, name: str, args: Any, reads: list[Tensor], out: Any) -> None:
+        outs = [t for t in _compat.tree_flatten(out)[0] if isinstance(t, Tensor)]
+        if args and isinstance(args[0], Tensor) and writes_in_place(name):
+            outs.append(args[0])
+        if self.phase == "post":  # side outputs are carried to the last stage (`_side_slots`)
+            reads = [t for t in reads if not self.carried(t)]
+        first_stage = self.phase == "pre" and (bool(self.running) or any(id(t) in self.unit_of for t in reads))
+        where = self.running[-1] if self.running else self._where()
+        self.cuts.op(name, reads, outs, where=where, first_stage=first_stage)
+
+    def _where(self) -> str:
+        cuts = self.cuts
+        if cuts.inside is not None:
+            return self.makers[-1] if self.makers else cuts.names[cuts.inside]
+        if self.phase == "pre":
+            return "the code before the trunk"
+        if self.phase == "post":
+            return "the code after the trunk"
+        return f"the code between {cuts.names[cuts.position - 1]} and {cuts.names[cuts.position]}"
+
+    def carried(self, t: Tensor) -> bool:
+        """Whether ``t`` (read after the trunk) is a side output the stages carry: made inside the trunk, not handed
+        on by the last block, and returned by a module inside a block (the module a stage replays)."""
+        where = self.returned_by.get(id(t))
+        return id(t) in self.made and id(t) not in self.handed_on and where is not None and where[1] != ""
+
     def _used(self, t: Tensor, by: str) -> None:
         holders = self.unit_of.get(id(t), ())
         inside = self.running[-1] if self.running and self.running[-1] in holders else None
         for unit in (inside,) if inside is not None else holders:
             self.mark(unit)
-        if self.phase == "post" and id(t) in self.made and id(t) not in self.handed_on:
+        if self.phase == "post" and self.carried(t):
             self.side.append((id(t), self.made[id(t)][1], by))
 
     def left(self, block: int, path: str, out: Any) -> None:
@@ -192,7 +224,7 @@ def _probe(module: nn.Module, trunk: Trunk, units: Units, run: Callable[[], Any]
     for name, m in units:
         for p in m.parameters():
             unit_of.setdefault(id(p), set()).add(name)
-    uses = _Uses(unit_of)
+    uses = _Uses(unit_of, trunk)
 
     def enter(*_: Any) -> None:
         if uses.phase == "pre":
@@ -203,6 +235,9 @@ def _probe(module: nn.Module, trunk: Trunk, units: Units, run: Callable[[], Any]
         uses.handed_on.update(id(t) for t in _compat.tree_flatten(out)[0] if isinstance(t, Tensor))
 
     handles = [trunk.blocks[0].register_forward_pre_hook(enter), trunk.blocks[-1].register_forward_hook(leave)]
+    for i, block in enumerate(trunk.blocks):  # where each torch call runs, for the cut rule
+        handles.append(block.register_forward_pre_hook(lambda _m, a, i=i: uses.cuts.enter(i, a)))
+        handles.append(block.register_forward_hook(lambda _m, _a, out, i=i: uses.cuts.leave(i, out)))
     for i, (prefix, block) in enumerate(zip(trunk.names, trunk.blocks)):  # which module inside made each tensor
         for sub_name, sub in block.named_modules():
             where = f"{prefix}.{sub_name}" if sub_name else prefix
@@ -250,26 +285,27 @@ def find_ownership(module: nn.Module, trunk: Trunk, run: Optional[Callable[[], A
 
     Raises:
         PipelineError: a unit's parameters are used between trunk blocks, where no stage boundary can own them; or
-            code after the trunk reads a tensor computed inside it other than the last block's output.
+            code after the trunk reads a tensor computed inside it other than the last block's output. (Reads that
+            rule out only some cuts are returned in ``cut_conflicts``; the split avoids those cuts.)
     """
     units = outer_units(module, trunk)
-    uses = _probe(module, trunk, units, run or default_probe(module)) if units else None
+    uses = _probe(module, trunk, units, run or default_probe(module))
     if isinstance(uses, str) and run is None:
         uses = _probe_holder(module, trunk, units, uses)
     if isinstance(uses, str):
         return dataclasses.replace(_by_registration(module, trunk, units, uses), sides=moe_loss_slots(module, trunk))
-    seen = uses.seen if uses is not None else {}
-    sides = _side_slots(uses, trunk) if uses is not None else ()
-    for name, phases in seen.items():
+    sides = _side_slots(uses, trunk)
+    for name, phases in uses.seen.items():
         if "trunk" in phases:
             raise PipelineError(
                 f"{name} runs between the trunk's blocks ({trunk.path}), where the pipeline cuts, so no stage can own "
                 "it; train this model without pipeline parallelism (pp=1, e.g. strategy='zero2'), or run that work "
                 "inside the blocks or before / after the loop over them"
             )
-    pre = [(n, m) for n, m in units if "pre" in seen.get(n, {"pre"})]  # never used: the first stage keeps it
-    post = [(n, m) for n, m in units if "post" in seen.get(n, set())]
-    return Ownership(pre, post, _tied(module, pre, post), "probe", sides=sides + moe_loss_slots(module, trunk))
+    pre = [(n, m) for n, m in units if "pre" in uses.seen.get(n, {"pre"})]  # never used: the first stage keeps it
+    post = [(n, m) for n, m in units if "post" in uses.seen.get(n, set())]
+    return Ownership(pre, post, _tied(module, pre, post), "probe", sides=sides + moe_loss_slots(module, trunk),
+                     cut_conflicts=dict(uses.cuts.conflicts))  # fmt: skip
 
 
 def moe_loss_slots(module: nn.Module, trunk: Trunk) -> tuple[SideSlot, ...]:
@@ -295,23 +331,14 @@ def moe_loss_slots(module: nn.Module, trunk: Trunk) -> tuple[SideSlot, ...]:
 
 
 def _side_slots(uses: _Uses, trunk: Trunk) -> tuple[SideSlot, ...]:
-    """The side outputs the stages can carry, in the order they were made; refuses the others."""
+    """The side outputs the stages carry, in the order they were made. (What code after the trunk reads and the
+    stages cannot carry, a block's own output or a value computed between blocks, rules out the cuts before it:
+    `lightning_par.parallel.pipeline_cuts`.)"""
     order = {k: n for n, k in enumerate(uses.made)}
     slots: dict[tuple[int, str, int], SideSlot] = {}
-    first_use = {tid: (producer, consumer) for tid, producer, consumer in reversed(uses.side)}
+    first_use = {tid: producer for tid, producer, _ in reversed(uses.side)}
     for tid in sorted(first_use, key=order.__getitem__):
-        producer, consumer = first_use[tid]
-        where = uses.returned_by.get(tid)
-        if where is None or where[1] == "":
-            what = "a trunk block returns beyond the hidden state" if where else "no module inside a block returns"
-            raise PipelineError(
-                f"code after the trunk ({trunk.path}) reads, in {consumer}(), a tensor that {producer} computed "
-                f"inside it and that {what} (e.g. every layer's hidden states); a pipeline carries to the last stage "
-                "only the hidden state and tensors that a submodule of a block returns (router logits). Train this "
-                "model without pipeline parallelism (e.g. strategy='moe' or 'zero3'), or turn that output off in "
-                "the model's config (e.g. output_hidden_states=False)"
-            )
-        block, path, leaf, spec = where
+        block, path, leaf, spec = uses.returned_by[tid]
         name = f"{trunk.names[block]}.{path}"
         if (block, path, leaf) in slots:
             raise PipelineError(

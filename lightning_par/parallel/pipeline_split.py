@@ -21,6 +21,7 @@ from torch import nn
 
 from lightning_par.parallel.parts import ModelPart
 from lightning_par.parallel.pipeline import PipelineError, PipelineModel
+from lightning_par.parallel.pipeline_cuts import no_split_possible
 from lightning_par.parallel.pipeline_owners import find_ownership
 from lightning_par.parallel.pipeline_schedule import PipelineRunner, check_schedule, local_stages, n_stages
 from lightning_par.parallel.pipeline_tied import TiedWeights, tie_group
@@ -88,9 +89,12 @@ def split_pipeline(
     block_costs = list(costs) if costs is not None else param_costs(trunk.blocks)
     if len(block_costs) != len(trunk.blocks):
         raise PipelineError(f"pp_costs has {len(block_costs)} entries but the trunk has {len(trunk.blocks)} blocks")
+    stages = n_stages(schedule, pp)
+    if (why := no_split_possible(own.cut_conflicts, trunk.names, stages)) is not None:
+        raise PipelineError(why)
     ranges = partition(
-        block_costs, n_stages(schedule, pp), first_extra=_outer_cost([m for _, m in own.pre]),
-        last_extra=_outer_cost([m for _, m in own.post]), split=split,
+        block_costs, stages, first_extra=_outer_cost([m for _, m in own.pre]),
+        last_extra=_outer_cost([m for _, m in own.post]), split=split, forbidden=own.cut_conflicts,
     )  # fmt: skip
     model = PipelineModel(module, trunk, ranges, local_stages(schedule, pp, pp_rank), device, own)
     runner = PipelineRunner(model, schedule, group, microbatches)

@@ -11,7 +11,7 @@ Megatron-LM", arXiv 2104.04473, uneven first/last stages).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any, Optional
 
 import torch
@@ -78,6 +78,7 @@ def partition(
     first_extra: float = 0.0,
     last_extra: float = 0.0,
     split: Optional[Sequence[int]] = None,
+    forbidden: Collection[int] = (),
 ) -> list[tuple[int, int]]:
     """Cut blocks ``0..len(costs)-1`` into ``n_stages`` contiguous ranges minimising the costliest stage.
 
@@ -90,7 +91,10 @@ def partition(
         n_stages: number of stages (``pp * virtual`` stages per rank).
         first_extra: cost of the code before the trunk (embeddings), charged to the first stage.
         last_extra: cost of the code after the trunk (final norm, head, loss), charged to the last stage.
-        split: block counts per stage given by hand; overrides the costs.
+        split: block counts per stage given by hand; overrides the costs (and is not checked against
+            ``forbidden``: the caller says why a cut is wrong).
+        forbidden: blocks no stage may start at (a cut there would change the values,
+            `lightning_par.parallel.pipeline_cuts`); the balance is the best among the other cuts.
 
     Returns:
         ``(start, end)`` block ranges, one per stage, covering every block once.
@@ -108,7 +112,13 @@ def partition(
     if split is not None:
         sizes = _check_split(split, n, n_stages)
     else:
-        sizes = _min_bottleneck(list(costs), n_stages, first_extra, last_extra)
+        allowed = [c for c in range(1, n) if c not in set(forbidden)]
+        if len(allowed) < n_stages - 1:
+            raise PartitionError(
+                f"{n_stages} pipeline stages need {n_stages - 1} cuts but only {len(allowed)} of the trunk's block "
+                f"boundaries can be cut (before blocks {allowed}); use at most {len(allowed) + 1} stages"
+            )
+        sizes = _min_bottleneck(list(costs), n_stages, first_extra, last_extra, allowed)
     ranges, start = [], 0
     for size in sizes:
         ranges.append((start, start + size))
@@ -120,31 +130,33 @@ def _stage_cost(costs: list[float], i: int, j: int, first: float, last: float, n
     return sum(costs[i:j]) + (first if i == 0 else 0.0) + (last if j == n else 0.0)
 
 
-def _fill(costs: list[float], n_stages: int, cap: float, first: float, last: float) -> Optional[list[int]]:
-    """Greedy: each stage takes blocks while under ``cap`` and while enough blocks remain for the others."""
+def _fill(
+    costs: list[float], n_stages: int, cap: float, first: float, last: float, allowed: list[int]
+) -> Optional[list[int]]:
+    """Greedy: each stage ends at the furthest allowed cut under ``cap`` that leaves a cut for each later stage."""
     n, sizes, i = len(costs), [], 0
     for s in range(n_stages):
-        remaining_stages = n_stages - s - 1
-        j = i + 1  # a stage holds at least one block
-        if _stage_cost(costs, i, j, first, last, n) > cap:
+        later = n_stages - s - 1  # stages after this one; they need `later - 1` cuts after this stage's end
+        if later == 0:
+            ends = [n]
+        else:
+            ends = [j for k, j in enumerate(allowed) if j > i and len(allowed) - k - 1 >= later - 1]
+        fits = [j for j in ends if _stage_cost(costs, i, j, first, last, n) <= cap]
+        if not fits:
             return None
-        while j < n - remaining_stages and _stage_cost(costs, i, j + 1, first, last, n) <= cap:
-            j += 1
-        if remaining_stages == 0 and j != n:
-            return None
-        sizes.append(j - i)
-        i = j
-    return sizes if i == n else None
+        sizes.append(fits[-1] - i)
+        i = fits[-1]
+    return sizes
 
 
-def _min_bottleneck(costs: list[float], n_stages: int, first: float, last: float) -> list[int]:
+def _min_bottleneck(costs: list[float], n_stages: int, first: float, last: float, allowed: list[int]) -> list[int]:
     n = len(costs)
     candidates = sorted({_stage_cost(costs, i, j, first, last, n) for i in range(n) for j in range(i + 1, n + 1)})
     lo, hi = 0, len(candidates) - 1
-    best = _fill(costs, n_stages, candidates[hi], first, last)
+    best = _fill(costs, n_stages, candidates[hi], first, last, allowed)
     while lo < hi:
         mid = (lo + hi) // 2
-        sizes = _fill(costs, n_stages, candidates[mid], first, last)
+        sizes = _fill(costs, n_stages, candidates[mid], first, last, allowed)
         if sizes is None:
             lo = mid + 1
         else:
