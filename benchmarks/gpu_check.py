@@ -65,12 +65,16 @@ def _section(report: dict[str, Any], name: str, run: Callable[[], Any]) -> None:
 
 # The test files holding `cuda`-marked tests, named so pytest collects nothing else: the GPU machine lacks the test
 # extras some other modules import (tests/test_gpu_check.py keeps this list equal to the marked files).
+_LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
 CUDA_TEST_FILES = ("tests/test_activation_checkpointing.py", "tests/test_cuda.py", "tests/test_monitor.py")
 
 
 def _cuda_tests() -> dict[str, Any]:
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", *CUDA_TEST_FILES]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    # Without the launcher variables this process's own world-1 fits left behind: a test's fit would take
+    # MASTER_PORT, whose store this process still holds (EADDRINUSE).
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     return {"returncode": proc.returncode, "summary": last, "tail": proc.stdout[-3000:] + proc.stderr[-1000:]}
 
@@ -114,7 +118,7 @@ def main() -> None:
     args = parser.parse_args()
     # A world-1 script: a launcher's variables (inherited from a parent that ran a distributed fit) would make
     # Lightning join that world, or reuse a port the parent still holds.
-    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+    for name in _LAUNCH_VARIABLES:
         os.environ.pop(name, None)
     accelerator = "cuda" if torch.cuda.is_available() else "cpu"
     if accelerator == "cpu" and not args.smoke:
@@ -147,8 +151,9 @@ def main() -> None:
     for name, run in sections.items():
         if args.only is None or name in args.only:
             _section(report, name, run)
-            (args.out / "report.json").write_text(json.dumps(report, indent=1, default=str))  # what is done so far
-    (args.out / "report.md").write_text(markdown(report))
+            # What is done so far, in both forms: a run stopped at its limit still returns its finished sections.
+            (args.out / "report.json").write_text(json.dumps(report, indent=1, default=str))
+            (args.out / "report.md").write_text(markdown(report))
     print(markdown(report), flush=True)
 
 
