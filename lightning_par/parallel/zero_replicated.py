@@ -9,7 +9,6 @@ the same buckets and collectives.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterable, Sequence
 from contextlib import nullcontext
 from datetime import timedelta
@@ -133,12 +132,8 @@ class ReplicatedZero:
         self._final: Optional[bool] = None
         if reduce_during_backward and (stage == 2 or self.dp > 1):
             self._bucket_of: dict[nn.Parameter, Any] = {p: b for b in self.buckets for p in b.params}
-            # A weak hook: a parameter's hooks are not seen by Python's cycle collector while autograd holds the
-            # parameter, so parameter -> hook -> engine -> parameter would keep every parameter (and its buffers,
-            # on the device) alive after the run: a second fit in the process would find the first one's memory.
-            hook = _weak_hook(weakref.ref(self))
-            for p in self.names:
-                self._hooks.append(p.register_post_accumulate_grad_hook(hook))
+            hook = zero_buckets.weak_grad_hook(self._on_grad_ready)  # a strong one kept a finished fit's memory
+            self._hooks += [p.register_post_accumulate_grad_hook(hook) for p in self.names]
 
     def _make_buckets(self, params: list[nn.Parameter], cap_mb: float) -> list[Bucket]:
         # Reverse order: gradients become ready roughly back to front, so stage-2 buckets fill early.
@@ -423,13 +418,3 @@ class ReplicatedZero:
             self.prefetch.wait_all()
         zero_buckets.gather_buckets(self.buckets, self.masters, self.world, self.shard_group, _all_gather)
 
-
-def _weak_hook(engine: weakref.ReferenceType[ReplicatedZero]) -> Any:
-    """A gradient-ready hook that reaches its engine through a weak reference (see `ReplicatedZero.__init__`)."""
-
-    def on_grad_ready(p: torch.Tensor) -> None:
-        alive = engine()
-        if alive is not None:
-            alive._on_grad_ready(p)
-
-    return on_grad_ready
