@@ -94,6 +94,7 @@ def _reference(job: dict[str, Any]) -> dict[str, Any]:
     torch.manual_seed(0)
     model = LM(job["model"])
     opt = _optimizer(model)
+    init = _full(model, None)  # the starting point (tests/parity.py's wrong_share)
     losses, norms = [], []
     autocast = torch.autocast("cpu", torch.bfloat16, cache_enabled=False)
     for step in range(job["steps"]):
@@ -111,7 +112,7 @@ def _reference(job: dict[str, Any]) -> dict[str, Any]:
             opt.zero_grad()
         losses.append(total)
     flops = active_param_count(model)
-    return {"losses": losses, "norms": norms, "params": _full(model, None), "flops_params": flops}
+    return {"losses": losses, "norms": norms, "params": _full(model, None), "flops_params": flops, "init_state": init}
 
 
 def _fabric(job: dict[str, Any], world: int) -> dict[str, Any]:

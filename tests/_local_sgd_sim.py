@@ -49,7 +49,7 @@ def simulate(job: dict[str, Any], make_model: Callable[[], Any]) -> dict[str, An
     losses = []
     for step in range(steps):
         step_losses = []
-        for r, (model, optimizer) in enumerate(zip(models, optimizers)):
+        for r, (model, optimizer) in enumerate(zip(models, optimizers, strict=True)):
             rank_losses = []
             for s in range(shards):  # the replica's ranks average their gradients: the mean of their mean losses
                 rank = r * shards + s
@@ -71,6 +71,6 @@ def simulate(job: dict[str, Any], make_model: Callable[[], Any]) -> dict[str, An
                     t.grad = torch.stack([t - list(m.parameters())[i] for m in models]).mean(0)
                 outer.step()
                 for model in models:
-                    for p, t in zip(model.parameters(), theta):
+                    for p, t in zip(model.parameters(), theta, strict=True):
                         p.copy_(t)
     return {"losses": losses, "params": {n: p.detach().clone() for n, p in models[0].named_parameters()}}

@@ -13,6 +13,7 @@ import os
 import random
 import signal
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -624,6 +625,11 @@ class MemoryLogger(Logger):
         pass
 
 
+# Steps ended so far and whether training is over, for writes that wait for a step (`_patch_checkpoint_writes`).
+_STEP_ENDS = threading.Condition()
+_STEPS: dict[str, Any] = {"ended": 0, "over": False, "saves": []}  # saves: steps ended at each save call
+
+
 class CheckpointRecorder(L.Callback):
     """The step a run starts at (after any resume), full parameters after each step, and how many steps ended
     while an asynchronous save was being written."""
@@ -642,6 +648,10 @@ class CheckpointRecorder(L.Callback):
         # started at an earlier step.
         if getattr(trainer.strategy, "checkpoint_in_flight", None) is not None:
             self.steps_while_writing += 1
+        with _STEP_ENDS:  # after the count: a write waiting for this step is still in flight above
+            _STEPS["ended"] += 1
+            _STEPS["over"] = trainer.max_steps > 0 and trainer.global_step >= trainer.max_steps
+            _STEP_ENDS.notify_all()
         if self.record_params:
             self.step_params[trainer.global_step] = _full_params(pl_module)
 
@@ -745,9 +755,11 @@ def _slow_staging(pause: float) -> Iterator[None]:
 @contextmanager
 def _patch_checkpoint_writes(job: dict[str, Any]) -> Iterator[None]:
     """Test hooks in DCP's file writer (the data files of every save, sync or async, in whichever thread):
-    ``slow_write_s`` sleeps before each write; ``sigkill_in_save: {"nth": n, "rank": r}`` SIGKILLs rank r right
-    after its data file of the n-th save was written (before the index), on torchrun's first attempt only."""
-    slow, kill = job.get("slow_write_s"), job.get("sigkill_in_save")
+    ``write_after_next_step``: a write in a background thread (an asynchronous save) starts only once training has
+    ended one more step (or is over), so that training provably runs on while a checkpoint is written, whatever the
+    machine's speed; ``sigkill_in_save: {"nth": n, "rank": r}`` SIGKILLs rank r right after its data file of the n-th
+    save was written (before the index), on torchrun's first attempt only."""
+    slow, kill = job.get("write_after_next_step"), job.get("sigkill_in_save")
     rank = int(os.environ.get("RANK", "0"))
     if job.get("slow_staging_s"):
         with _slow_staging(float(job["slow_staging_s"])), _patch_checkpoint_writes({**job, "slow_staging_s": 0}):
@@ -762,8 +774,12 @@ def _patch_checkpoint_writes(job: dict[str, Any]) -> Iterator[None]:
     calls = [0]
 
     def write_data(self: Any, plan: Any, planner: Any) -> Any:
-        if slow:
-            time.sleep(slow)
+        if slow and threading.current_thread() is not threading.main_thread():
+            # Until the step after the one that saved (not after this thread started), the end of training, or
+            # another save, which waits for this one (Lightning saves step=N.ckpt and last.ckpt at one step end).
+            with _STEP_ENDS:
+                at_save = _STEPS["saves"].pop(0) if _STEPS["saves"] else _STEPS["ended"]
+                _STEP_ENDS.wait_for(lambda: _STEPS["ended"] > at_save or _STEPS["over"] or _STEPS["saves"], timeout=120)
         written = original(self, plan, planner)
         calls[0] += 1
         if kill and calls[0] == kill["nth"]:
@@ -887,7 +903,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     as ``error`` instead of failing the spawn), record_warnings (return the fit's warnings as ``warnings``)."""
     # Checkpoint options: ckpt_every_n_steps, save_top_k, save_last (see _checkpoint_callbacks); resume "last"
     # (Lightning's) or "latest" (lightning_par.checkpoint.latest(ckpt_dir)); sigkill_at_step {"step", "rank"};
-    # sigkill_in_save {"nth", "rank"}; slow_write_s; slow_staging_s; record_step_params; limit_val_batches;
+    # sigkill_in_save {"nth", "rank"}; write_after_next_step; slow_staging_s; record_step_params; limit_val_batches;
     # ckpt_epoch_end_dir (also an epoch-end checkpoint per epoch there); rank_seed (per-rank RNG seeds).
     # Under torchrun WORLD_SIZE is set; when Lightning starts the processes itself the job states it.
     if job.get("simulate"):  # local SGD in one process (tests/_local_sgd_sim.py)
@@ -895,6 +911,8 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
 
         return simulate(job, MODELS[job.get("model", "gpt")])
     world = job.get("world") or int(os.environ.get("WORLD_SIZE", "1"))
+    with _STEP_ENDS:
+        _STEPS.update(ended=0, over=False, saves=[])
     L.seed_everything(job.get("seed", 0), verbose=False)
     model_cls = MODELS[job.get("model", "gpt")]
     strategy: Any = job.get("strategy", "auto")
@@ -976,6 +994,16 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         limit_val_batches=job.get("limit_val_batches", 2),
         limit_test_batches=2,
     )
+    if job.get("write_after_next_step"):  # which step each save was called at (`_patch_checkpoint_writes`)
+        save = trainer.strategy.save_checkpoint
+
+        def counted_save(*args: Any, **kwargs: Any) -> Any:
+            with _STEP_ENDS:
+                _STEPS["saves"].append(_STEPS["ended"])
+                _STEP_ENDS.notify_all()
+            return save(*args, **kwargs)
+
+        trainer.strategy.save_checkpoint = counted_save  # type: ignore[method-assign]
     # empty_init: the model is built under trainer.init_module(empty_init=True), on the meta device.
     with trainer.init_module(empty_init=True) if job.get("empty_init") else contextlib.nullcontext():
         model = model_cls()

@@ -3,17 +3,25 @@
 from __future__ import annotations
 
 import os
+import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 os.environ.setdefault("WANDB_MODE", "offline")
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-# DeepSpeed JIT-builds its C++ ops (shm comm ~30 s, cpu_adam ~40 s) on first use: once per checkout, here.
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".torch_extensions"))
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # read when torch loads OpenMP: before the forkserver imports torch
+sys.path.insert(0, str(Path(__file__).parent))
 
-from launch import run_jobs
+from deepspeed_ops import extensions_folder, remove_stale_locks
+from launch import run_jobs, set_deadline
+from watchdog import Watchdog
+
+# DeepSpeed JIT-builds its C++ ops on first use (cpu_adam ~125 CPU-s, shm_comm ~65 CPU-s): once per machine, in a
+# cache outside the checkout (`.ci/run` builds them before the tests: tests/deepspeed_ops.py).
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_folder()))
 
 # The jobs every ZeRO stage is compared on. Reference runs use the same jobs on one process with strategy "auto".
 PARITY_JOBS: dict[str, dict[str, Any]] = {
@@ -42,8 +50,13 @@ def _restore_environment() -> Any:
         os.environ.update(saved)
 
 
+LOW_PRECISION = ("bf16-mixed", "16-mixed", "bf16-true")
+
+
 def reference_job(job: dict[str, Any]) -> dict[str, Any]:
     ref = {**job, "strategy": "auto"}
+    if job.get("precision") in LOW_PRECISION:
+        ref["record_init"] = True  # low-precision checks measure how much of the training a run got wrong (parity.py)
     if job.get("precision") == "16-mixed":
         # Lightning turns 16-mixed into bf16 on CPU; its own fp16 AMP plugin with a CPU GradScaler is the reference.
         ref["lightning_fp16_reference"] = True
@@ -54,10 +67,42 @@ def reference_job(job: dict[str, Any]) -> dict[str, Any]:
 def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("reference")
     results = run_jobs(tmp, [reference_job(j) for j in PARITY_JOBS.values()], nproc=1)
-    return dict(zip(PARITY_JOBS, results))
+    return dict(zip(PARITY_JOBS, results, strict=True))
+
+
+_WATCHDOG = Watchdog()
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    import sys
+    # A build killed midway leaves a lock that torch waits on forever: every DeepSpeed test would wait out its limit.
+    remove_stale_locks(Path(os.environ["TORCH_EXTENSIONS_DIR"]))
+    deadline = os.environ.get("LP_SUITE_DEADLINE")  # unix time
+    if deadline:  # .ci/run: fail, naming the running test and the live processes, before CI's own limit
+        _WATCHDOG.start(float(deadline) - time.time())
 
-    sys.path.insert(0, str(Path(__file__).parent))
+
+@pytest.fixture(scope="session", autouse=True)
+def _reference_folder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """One-process runs kept for the session (tests/references.py)."""
+    import references
+
+    references.set_folder(tmp_path_factory.getbasetemp() / "references")
+    yield
+    print(f"\none-process jobs: {references.STATS['runs']} run, {references.STATS['hits']} read from earlier tests")
+
+
+def _test_timeout(item: pytest.Item) -> float:
+    marker = item.get_closest_marker("timeout")
+    if marker is not None and marker.args:
+        return float(marker.args[0])
+    return float(item.config.getoption("timeout", None) or item.config.getini("timeout") or 0)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: Any) -> Iterator[None]:
+    # Launches end (killing their ranks, with their output) before pytest-timeout interrupts the test (tests/launch.py).
+    timeout = _test_timeout(item)
+    set_deadline(time.monotonic() + timeout if timeout > 0 else None)
+    _WATCHDOG.running(item.nodeid)
+    yield
+    set_deadline(None)

@@ -1,16 +1,20 @@
-"""Run `tests/_worker.py` jobs in 1 process or under torchrun, with a hard timeout (no test may hang)."""
+"""Run `tests/_worker.py` jobs on ranks forked from the test forkserver (tests/forked.py) or one process, and other
+commands in sessions of their own, each with a hard timeout within its test's (no test may hang, nothing outlives
+its test)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
-import sys
+import time
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from forked import Launched, launch
 
 WORKER = Path(__file__).with_name("_worker.py")
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,38 +45,78 @@ def worker_env() -> dict[str, str]:
     return env
 
 
+# The current test's deadline (monotonic seconds), set by conftest from its pytest-timeout: a launch ends, with the
+# ranks' output, before pytest-timeout would interrupt it.
+_DEADLINE: Optional[float] = None
+
+
+def set_deadline(deadline: Optional[float]) -> None:
+    """The monotonic time by which the running test must end (``None``: no limit)."""
+    global _DEADLINE
+    _DEADLINE = deadline
+
+
+def capped(timeout: float, margin: float = 15.0) -> float:
+    """``timeout``, cut to what the current test has left less ``margin`` seconds (at least 1 s)."""
+    if _DEADLINE is None:
+        return timeout
+    return max(1.0, min(timeout, _DEADLINE - time.monotonic() - margin))
+
+
 def run_session(
     cmd: list[str], *, timeout: float, env: Optional[dict[str, str]] = None, cwd: Optional[Path | str] = None
 ) -> subprocess.CompletedProcess:
-    """`subprocess.run` with captured text output, in a session of its own: past ``timeout`` every process of it
-    is killed (torchrun's or Lightning's ranks too, which would otherwise live on and load the machine for the
-    tests after), and the test fails with the tail of what they printed."""
+    """`subprocess.run` with captured text output, in a session of its own: when it ends for any reason (its
+    ``timeout``, cut to the test's own, or the test interrupted) every process of it is killed (torchrun's or
+    Lightning's ranks too, which would otherwise live on and load the machine for the tests after), and past the
+    timeout the test fails with the tail of what they printed."""
+    timeout = capped(timeout)
     proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # fmt: skip
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_session(proc)
         out, err = proc.communicate()
-        raise AssertionError(f"{cmd[:4]} ran past {timeout} s:\n{out[-3000:]}\n{err[-3000:]}") from None
+        raise AssertionError(f"{cmd[:4]} ran past {timeout:.0f} s:\n{out[-3000:]}\n{err[-3000:]}") from None
+    finally:
+        kill_session(proc)  # what the launcher left behind, and everything when the test was interrupted
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+def kill_session(proc: subprocess.Popen) -> None:
+    """SIGKILL the process group ``proc`` leads (started with ``start_new_session=True``), if any is left."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
 def run_jobs(tmp: Path, jobs: list[dict[str, Any]], nproc: int = 1, timeout: float = 240) -> list[dict[str, Any]]:
-    """Run ``jobs`` on ``nproc`` ranks and return rank 0's results; raise with the output on failure."""
+    """Run ``jobs`` on ``nproc`` ranks forked from the test forkserver (tests/forked.py; a torchrun-style job) and
+    return rank 0's results; raise with the ranks' output on failure. One-process jobs that an earlier test of the
+    session ran with the same description are not run again (`references.cached`)."""
+    from references import cached
+
     tmp.mkdir(parents=True, exist_ok=True)
+    if nproc == 1:
+        return cached(jobs, lambda todo: _run_jobs(tmp, todo, 1, timeout))
+    return _run_jobs(tmp, jobs, nproc, timeout)
+
+
+def _run_jobs(tmp: Path, jobs: list[dict[str, Any]], nproc: int, timeout: float) -> list[dict[str, Any]]:
     out = tmp / f"result_{nproc}_{abs(hash(json.dumps(jobs, sort_keys=True)))}.pt"
     spec = tmp / (out.stem + ".json")
     spec.write_text(json.dumps({"out": str(out), "jobs": jobs}))
-    if nproc == 1:
-        cmd = [sys.executable, str(WORKER), str(spec)]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               str(WORKER), str(spec)]  # fmt: skip
-    proc = run_session(cmd, env=worker_env(), timeout=timeout, cwd=tmp)
-    if proc.returncode != 0 or not out.exists():
-        raise AssertionError(f"worker failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+    done = launch("_worker:main", [str(spec)], nproc, env=worker_env(), cwd=tmp, timeout=capped(timeout))
+    if done.returncode != 0 or not out.exists():
+        why = f"ran past {capped(timeout):.0f} s" if done.timed_out else f"failed ({done.returncode})"
+        raise AssertionError(f"worker {why}:\n{done.stdout[-10000:]}")
     return torch.load(out, weights_only=False)
+
+
+def run_forked(script: Path, argv: list[str], nproc: int, *, cwd: Path, timeout: float,
+               env: Optional[dict[str, str]] = None) -> Launched:  # fmt: skip
+    """Run a test script's ``__main__`` as ``nproc`` forked torchrun-style ranks (tests/forked.py)."""
+    return launch(str(script), argv, nproc, env=env or worker_env(), cwd=cwd, timeout=capped(timeout))
 
 
 def split_gradients(tmp: Path, models: tuple[str, ...]) -> dict[str, dict[str, Any]]:
@@ -83,10 +127,8 @@ def split_gradients(tmp: Path, models: tuple[str, ...]) -> dict[str, dict[str, A
         per model: ``loss`` and ``grads`` (relative errors), ``layouts`` (each parameter's placements).
     """
     out = tmp / "grads.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(Path(__file__).parent / "_tp_heads_worker.py"), str(out), *models]  # fmt: skip
-    proc = run_session(cmd, env=worker_env(), timeout=280, cwd=tmp)
-    assert proc.returncode == 0 and out.exists(), proc.stderr[-6000:]
+    proc = run_forked(Path(__file__).parent / "_tp_heads_worker.py", [str(out), *models], 2, cwd=tmp, timeout=280)
+    assert proc.returncode == 0 and out.exists(), proc.stdout[-6000:]
     got: dict[str, dict[str, Any]] = torch.load(out, weights_only=False)
     for model, r in got.items():
         assert r["loss"] < 1e-5, (model, r["loss"])

@@ -1,20 +1,60 @@
-"""Comparisons every parity test makes against its one-process reference."""
+"""Comparisons every parity test makes against its one-process reference.
+
+``LP_MEASURE=FILE`` appends every value `rel` and `wrong_share` compute to FILE (one JSON line each, with the test
+that asked): how the tolerances beside the low-precision checks were measured, against the same checks run under
+tools/mutate.py's deliberately broken builds (docs/testing.md, "Tolerances").
+"""
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any
 
 import torch
 
 
+def _measured(what: str, value: float) -> float:
+    path = os.environ.get("LP_MEASURE")
+    if path:
+        row = {"test": os.environ.get("PYTEST_CURRENT_TEST", ""), "what": what, "value": value}
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        # Measuring a broken run (tools/mutate.py --measure): every comparison of a test is recorded, not only the
+        # values up to its first failing assert. Never set outside a measurement: every bound passes.
+        if os.environ.get("LP_MEASURE_ALL") == "1":
+            return 0.0
+    return value
+
+
 def rel(a: list[float], b: list[float]) -> float:
-    """Largest relative difference of two equally long sequences (``b`` is the reference)."""
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+    """Largest relative difference of two equally long, non-empty sequences (``b`` is the reference): a run that
+    logged fewer steps fails here instead of passing on its prefix."""
+    assert len(a) == len(b) > 0, f"curves of {len(a)} and {len(b)} points"
+    return _measured("rel", max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True)))
+
+
+def wrong_share(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], init: dict[str, torch.Tensor]) -> float:
+    """How much of the reference's training a run got wrong: ``‖got − ref‖ / ‖ref − init‖`` over every parameter
+    (one global L2 norm, fp64). A run that never updated scores 1.0 whatever its precision, so a bound below 1 can
+    fail; element-wise bounds on low-precision AdamW runs could not (Adam moves every element by about lr per step,
+    and a bf16 gradient's noise decides the sign of the near-zero ones).
+
+    Args:
+        got: the run's parameters; ``ref``: the reference's after the same steps; ``init``: both runs' initial
+            values (the reference's ``init_state``, recorded with ``record_init``).
+    """
+    assert ref and got.keys() == ref.keys() and ref.keys() <= init.keys(), sorted(ref.keys() - init.keys())[:5]
+    wrong = sum(float((got[k].double() - ref[k].double()).pow(2).sum()) for k in ref)
+    moved = sum(float((ref[k].double() - init[k].double()).pow(2).sum()) for k in ref)
+    assert moved > 0, "the reference did not train"
+    return _measured("wrong_share", (wrong / moved) ** 0.5)
 
 
 def params_close(got: dict, ref: dict, rtol: float, atol: float) -> None:
-    """Same parameter names, and every tensor within ``rtol`` / ``atol`` of the reference (names the first miss)."""
-    assert got.keys() == ref.keys()
+    """Same parameter names (at least one), and every tensor within ``rtol`` / ``atol`` of the reference (names the
+    first miss)."""
+    assert ref and got.keys() == ref.keys(), (sorted(got)[:5], sorted(ref)[:5])
     for k in ref:
         torch.testing.assert_close(got[k], ref[k], rtol=rtol, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
 

@@ -174,9 +174,10 @@ CASES = [("gpt_sgd", 3, "selective_op"), ("gpt_sgd", 1, "selective_op"), ("gpt_s
 def strategy_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int, str], dict[str, Any]]:
     tmp: Path = tmp_path_factory.mktemp("ac_strategy")
     jobs = [{"model": m, "strategy": {"zero_stage": z, "activation_checkpointing": a}} for m, z, a in CASES]
-    return dict(zip(CASES, run_jobs(tmp, jobs, nproc=2, timeout=180)))
+    return dict(zip(CASES, run_jobs(tmp, jobs, nproc=2, timeout=180), strict=True))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key", CASES, ids=["-".join(map(str, k)) for k in CASES])
 def test_new_modes_under_the_strategy_match_one_process(key, strategy_runs, references):
     model, stage, mode = key

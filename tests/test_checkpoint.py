@@ -29,6 +29,8 @@ import torch
 from launch import ROOT, run_jobs, run_session, worker_env
 from parity import rel
 
+pytestmark = pytest.mark.slow  # multi-process: the slow tier (docs/testing.md, "Tiers")
+
 LR = 3e-3  # the AdamW GPT's learning rate in _worker.MODELS
 GPT_KWARGS = {"vocab_size": 256, "block_size": 32, "n_layer": 2, "n_head": 4, "n_embd": 32, "lr": LR}
 
@@ -163,7 +165,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 continue
             jobs = [job if isinstance(job, dict) else job() for _, _, job in (pending.pop(k) for k in here)]
             spawn += 1
-            out.update(zip(here, run_jobs(tmp / f"s{spawn}", jobs, nproc=ranks, timeout=300)))
+            out.update(zip(here, run_jobs(tmp / f"s{spawn}", jobs, nproc=ranks, timeout=300), strict=True))
         assert len(pending) < before, f"jobs whose writer never runs: {sorted(pending)}"
     return out
 

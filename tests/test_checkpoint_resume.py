@@ -68,13 +68,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         model, strategy, over = WRITERS[writer]
         resume = str(tmp / writer / folder)
         jobs[name] = {**BASE, **over, "model": model, "strategy": strategy, "rank_seed": True, "resume": resume}
-    results = dict(zip(jobs, run_jobs(tmp / "s2", list(jobs.values()), nproc=2, timeout=400)))
+    results = dict(zip(jobs, run_jobs(tmp / "s2", list(jobs.values()), nproc=2, timeout=400), strict=True))
     writer, folder, _ = RESHARD
     reshard = {**BASE, "model": "gpt", "strategy": "zero3", "rank_seed": True, "resume": str(tmp / writer / folder)}
     (results["reshard_2_to_4"],) = run_jobs(tmp / "s4", [reshard], nproc=4, timeout=300)
     return {"root": tmp, **results}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(RESUMES))
 def test_resume_continues_the_uninterrupted_run_bit_for_bit(runs, case):
     writer, _, step = RESUMES[case]
@@ -92,6 +93,7 @@ def test_resume_continues_the_uninterrupted_run_bit_for_bit(runs, case):
         assert torch.equal(resumed["params"][name], value), name
 
 
+@pytest.mark.slow
 def test_the_setup_is_sensitive_to_what_is_restored(runs):
     full = runs["zero2"]
     # Every epoch has its own order (a resume that restarted the epoch or reseeded it would see other batches).
@@ -103,6 +105,7 @@ def test_the_setup_is_sensitive_to_what_is_restored(runs):
     assert len({d for d in full["draws"]}) == STEPS
 
 
+@pytest.mark.slow
 def test_each_rank_saves_its_rng_states_and_the_position_is_global(runs):
     from lightning_par.checkpoint.reader import read_meta
     from lightning_par.checkpoint.resume_state import KEY, read_rank_state
@@ -120,12 +123,13 @@ def test_each_rank_saves_its_rng_states_and_the_position_is_global(runs):
     assert epoch_end["epoch"] == 0 and epoch_end["complete"] and epoch_end["samples"] == 24
 
 
+@pytest.mark.slow
 def test_resume_on_4_ranks_continues_the_2_rank_loss_curve(runs):
     writer, _, step = RESHARD
     full, resumed = runs[writer], runs["reshard_2_to_4"]
     assert resumed["layout"]["world_size"] == 4 and resumed["start_step"] == step
     assert len(resumed["losses"]) == STEPS - step
-    rel = max(abs(a - b) / abs(b) for a, b in zip(resumed["losses"], full["losses"][step:]))
+    rel = max(abs(a - b) / abs(b) for a, b in zip(resumed["losses"], full["losses"][step:], strict=True))
     assert rel < 1e-5, rel
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -19,6 +20,8 @@ import torch.multiprocessing as mp
 from lightning_par.parallel import collectives
 from lightning_par.strategies._processes import all_reduce_logged
 from lightning_par.utils.comm_counter import CommCounter
+
+pytestmark = pytest.mark.slow  # multi-process: the slow tier (docs/testing.md, "Tiers")
 
 WORLD = 3
 

@@ -50,7 +50,7 @@ ONE_PROCESS = {
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     results = run_jobs(tmp_path_factory.mktemp("compile1"), list(ONE_PROCESS.values()), nproc=1, timeout=400)
-    return dict(zip(ONE_PROCESS, results))
+    return dict(zip(ONE_PROCESS, results, strict=True))
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +58,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, A
     jobs = {name: {"model": "gpt", **spec} for name, spec in LAYOUTS.items()}
     jobs["zero3_torch_compile"] = {"model": "gpt", "strategy": "zero3", "torch_compile": True}
     results = run_jobs(tmp_path_factory.mktemp("compile2"), list(jobs.values()), nproc=2, timeout=400)
-    return dict(zip(jobs, results))
+    return dict(zip(jobs, results, strict=True))
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -103,7 +103,7 @@ def test_compile_keeps_names_and_values():
     for m in (eager, model):
         m(x).square().mean().backward()
     torch.testing.assert_close(model(x), eager(x), rtol=1e-5, atol=1e-6)
-    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+    for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
 
 

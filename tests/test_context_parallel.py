@@ -88,8 +88,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     resume = {"model": "gpt_sgd", "epoch_steps": 1, "max_steps": 4, "strategy": {"zero_stage": 1}, "dp": 1}
     resumed = run_jobs(tmp, [{**resume, "resume": str(ckpt / "epoch=1.ckpt")}], nproc=1)[0]
     return {
-        "parity": dict(zip(ALL, zip([*got[: len(JOBS_2)], *got4], refs))),
-        "refused": dict(zip(REFUSED, got[len(JOBS_2) :])),
+        "parity": dict(zip(ALL, zip([*got[: len(JOBS_2)], *got4], refs, strict=True), strict=True)),
+        "refused": dict(zip(REFUSED, got[len(JOBS_2) :], strict=True)),
         "resumed": resumed,
     }
 

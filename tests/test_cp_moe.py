@@ -58,7 +58,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     refs = run_jobs(tmp, [reference_job({k: v for k, v in j.items() if k != "dp"}) for j in jobs.values()], nproc=1)
     got = run_jobs(tmp, [jobs[k] for k in JOBS], nproc=4, timeout=500)
     got += run_jobs(tmp, [jobs[k] for k in JOBS_8], nproc=8, timeout=700)
-    return dict(zip(ALL, zip(got, refs)))
+    return dict(zip(ALL, zip(got, refs, strict=True), strict=True))
 
 
 @pytest.mark.slow

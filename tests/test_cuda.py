@@ -105,4 +105,4 @@ def test_resume_on_cuda_continues_the_dropout_stream_exactly(tmp_path):
     assert len(whole) == 6 and len(resumed) == 3
     # Dropout masks drawn from a wrong generator state move the loss by ~1e-2; 1e-5 leaves room for the atomics of
     # attention's backward (not bit-deterministic on CUDA).
-    assert max(abs(a - b) / abs(b) for a, b in zip(resumed, whole[3:])) < 1e-5
+    assert max(abs(a - b) / abs(b) for a, b in zip(resumed, whole[3:], strict=True)) < 1e-5

@@ -79,7 +79,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TMPDIR", str(tmp / "tmpdir"))
         got = run_jobs(tmp / "ds", jobs, nproc=2, timeout=1200)
-    return {**{f"ref/{m}": r for m, r in zip(FAMILIES, refs)}, **{_key(*c): r for c, r in zip(CASES, got)}}
+    refs_by = {f"ref/{m}": r for m, r in zip(FAMILIES, refs, strict=True)}
+    return {**refs_by, **{_key(*c): r for c, r in zip(CASES, got, strict=True)}}
 
 
 def _unit_bytes(shapes: dict[str, tuple[int, ...]]) -> dict[str, int]:
@@ -110,7 +111,9 @@ def test_initial_weights_and_losses_match_native(runs, model, strategy, precisio
     _assert_bitwise({k: v for k, v in got["init_state"].items() if k not in params},
                     {k: v for k, v in ref["init_state"].items() if k not in params})  # fmt: skip
     assert len(got["losses"]) == len(ref["losses"]) == 3
-    assert rel(got["losses"], ref["losses"]) < (2e-2 if low is not None else 1e-5)
+    # bf16 against the fp32 reference: measured 5.3e-5; trained on half the global batch 5.6e-3 (tools/mutate.py
+    # --measure, 2026-12-04): 1e-3 is 19x above the one and 5.6x below the other (docs/testing.md, "Tolerances").
+    assert rel(got["losses"], ref["losses"]) < (1e-3 if low is not None else 1e-5)
 
 
 @pytest.mark.parametrize(

@@ -55,14 +55,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     HFLlama(layers=3).model.save_pretrained(tmp / "llama_3_layers")
     models = sorted({m for m, _ in CASES.values()})
     ref_jobs = [{"model": m, "hf_from_pretrained": str(tmp / "llama"), "record_init": True} for m in models]
-    refs = dict(zip(models, run_jobs(tmp / "ref", ref_jobs, nproc=1, timeout=600)))
+    refs = dict(zip(models, run_jobs(tmp / "ref", ref_jobs, nproc=1, timeout=600), strict=True))
     jobs = [{"model": m, "strategy": _strategy(s, tmp / "llama"), "record_init": True} for m, s in CASES.values()]
     jobs.append(
         {"model": "hf_llama_deferred", "strategy": _strategy("deepspeed_zero3", tmp / "llama_3_layers"),
          "expect_error": True}
     )  # fmt: skip
     got = run_jobs(tmp / "ds", jobs, nproc=2, timeout=800)
-    out = {name: (g, refs[CASES[name][0]]) for name, g in zip(CASES, got)}
+    out = {name: (g, refs[CASES[name][0]]) for name, g in zip(CASES, got[: len(CASES)], strict=True)}
     return {**out, "wrong": got[-1], "file": load_file(str(tmp / "llama" / "model.safetensors"))}
 
 

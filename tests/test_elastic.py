@@ -25,6 +25,8 @@ import pytest
 from launch import run_jobs
 from parity import params_close, rel
 
+pytestmark = pytest.mark.slow  # multi-process: the slow tier (docs/testing.md, "Tiers")
+
 LR = 3e-3
 STRATEGY = {"zero_stage": 2, "global_batch": 8}
 BASE: dict[str, Any] = {"strategy": STRATEGY, "global_batch": 8, "dp": 4, "epoch_steps": 6}
@@ -46,7 +48,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     # A global batch the 2 ranks cannot make from per-rank batches of 2: refused when the loader is set up.
     two.append({**BASE, "strategy": {**STRATEGY, "global_batch": 6}, "max_steps": 4, "expect_error": True})
     for stage, jobs, nproc in (("full", full, 4), ("shrunk", two, 2), ("grown", grown, 4)):
-        for name, got in zip([*MODELS, "bad"], run_jobs(tmp / stage, jobs, nproc=nproc, timeout=400)):
+        names = [*MODELS, "bad"][: len(jobs)]  # the refused job runs in the 2-rank stage only
+        for name, got in zip(names, run_jobs(tmp / stage, jobs, nproc=nproc, timeout=400), strict=True):
             results[name if name == "bad" else f"{stage}_{name}"] = got
     return results
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from launch import run_session, worker_env
+from launch import capped, run_session, worker_env
 from parity import rel
 
 pytestmark = pytest.mark.slow  # multi-process, ~1-2 minutes: the slow tier (README)
@@ -34,9 +34,28 @@ STEPS = 8
 
 
 def _free_port() -> int:
+    # Free now, bound later by the first agent: `_first_agent` retries with another port if it was taken meanwhile.
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _first_agent(out: Path, log: Path) -> tuple[subprocess.Popen, int]:
+    """The agent that hosts the rendezvous store, started and listening (the one killed later must not host it)."""
+    for _attempt in range(3):
+        port = _free_port()
+        agent = _agent(out, port, log)
+        _wait(lambda p=port, a=agent: _listening(p) or a.poll() is not None, 120, "the first agent's store", [log])
+        if agent.poll() is None:
+            return agent, port
+        if "address already in use" not in log.read_text().lower():
+            raise AssertionError(f"the first agent ended before its store listened:\n{log.read_text()[-3000:]}")
+    raise AssertionError("three ports taken between picking and binding them")
 
 
 def _steps(out: Path) -> list[dict[str, Any]]:
@@ -75,7 +94,7 @@ def _kill_node(pid: int) -> None:
 
 
 def _wait(pred: Any, timeout: float, what: str, logs: list[Path]) -> None:
-    end = time.monotonic() + timeout
+    end = time.monotonic() + capped(timeout)  # never past the test's own limit (tests/launch.py)
     while time.monotonic() < end:
         if pred():
             return
@@ -93,13 +112,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
            str(ref), str(STEPS), "0"]  # fmt: skip
     done = run_session(cmd, env=worker_env(), timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
-    out, port = tmp / "elastic", _free_port()
+    out = tmp / "elastic"
     out.mkdir()
     logs = [tmp / "agent_a.log", tmp / "agent_b.log", tmp / "agent_b2.log"]
-    agents = [_agent(out, port, logs[0])]
-    time.sleep(3)  # the first agent hosts the rendezvous store: the one killed below must not
-    agents.append(_agent(out, port, logs[1]))
+    first, port = _first_agent(out, logs[0])
+    agents = [first]
     try:
+        agents.append(_agent(out, port, logs[1]))
         _wait(lambda: any(r["step"] >= 2 and r["world"] == 4 for r in _steps(out)), 240, "step 2 on 4 ranks", logs)
         _kill_node(agents[1].pid)  # a node is lost: its agent and its workers
         agents[1].wait(timeout=30)

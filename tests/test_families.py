@@ -58,7 +58,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dict, d
                     timeout=900)  # fmt: skip
     got = run_jobs(tmp, list(JOBS_2.values()), nproc=2, timeout=900)
     got += run_jobs(tmp, list(JOBS_4.values()), nproc=4, timeout=900)
-    return dict(zip(ALL, zip(got, refs)))
+    return dict(zip(ALL, zip(got, refs, strict=True), strict=True))
 
 
 @pytest.mark.parametrize("name", list(ALL))

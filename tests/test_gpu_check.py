@@ -14,6 +14,7 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
 from launch import run_session, worker_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,6 +32,7 @@ def test_the_check_runs_every_cuda_marked_test_file():
     assert list(CUDA_TEST_FILES) == marked
 
 
+@pytest.mark.slow
 def test_gpu_check_smoke_runs_every_section_and_reports(tmp_path):
     cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--smoke", "--out", str(tmp_path)]
     proc = run_session(cmd, env=worker_env(), timeout=400, cwd=tmp_path)

@@ -7,19 +7,24 @@ import json
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from launch import WORKER, launcher_keys, run_session, worker_env
+from launch import WORKER, capped, kill_session, launcher_keys, run_session, worker_env
 from parity import rel
 
 
 def _free_port() -> int:
+    # Free now, bound later by the job's rank 0: another process may take it in between, so the tests that use it
+    # retry with a new port when the job reports the clash (`_port_clash`).
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _port_clash(logs: list[str]) -> bool:
+    return any("address already in use" in log.lower() or "EADDRINUSE" in log for log in logs)
 
 
 def _spec(tmp: Path, jobs: list[dict]) -> tuple[Path, Path]:
@@ -28,15 +33,21 @@ def _spec(tmp: Path, jobs: list[dict]) -> tuple[Path, Path]:
     return out, spec
 
 
+def _start(cmd: list[str], env: dict[str, str], cwd: Path) -> subprocess.Popen:
+    # A session of its own: what torchrun or Lightning start is killed with it (`_communicate`).
+    return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
+
+
 def _communicate(procs: list[subprocess.Popen], timeout: float) -> list[str]:
     try:
-        return [p.communicate(timeout=timeout)[0] for p in procs]
+        return [p.communicate(timeout=capped(timeout))[0] for p in procs]
     finally:
-        for p in procs:  # never leave a rank behind, whatever failed
-            if p.poll() is None:
-                p.kill()
+        for p in procs:  # never leave a rank behind, whatever failed (the test's own timeout included)
+            kill_session(p)
 
 
+@pytest.mark.slow
 def test_lightning_starts_the_processes_itself(tmp_path, references):
     # Plain `python script.py` with Trainer(devices=2): Lightning re-runs the script for rank 1.
     out, spec = _spec(tmp_path, [{"model": "gpt", "strategy": "zero2", "devices": 2, "world": 2}])
@@ -47,6 +58,7 @@ def test_lightning_starts_the_processes_itself(tmp_path, references):
     assert rel(got["losses"], references["gpt"]["losses"]) < 1e-5
 
 
+@pytest.mark.slow
 def test_torchrun_two_nodes_with_hybrid_sharding(tmp_path, references):
     """2 nodes x 2 processes over loopback (torchrun --nnodes 2), ZeRO-3 across all 4 ranks and HSDP."""
     jobs = [
@@ -56,24 +68,17 @@ def test_torchrun_two_nodes_with_hybrid_sharding(tmp_path, references):
         {"model": "gpt_sgd", "strategy": {"zero_stage": 1, "dp_replicate": 2}, "num_nodes": 2},
     ]
     out, spec = _spec(tmp_path, jobs)
-    port = _free_port()
-    procs = []
-    for node in range(2):
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nnodes=2",
-            f"--node-rank={node}",
-            "--nproc-per-node=2",
-            "--master-addr=127.0.0.1",
-            f"--master-port={port}",
-            str(WORKER),
-            str(spec),
-        ]
-        procs.append(subprocess.Popen(cmd, env=worker_env(), cwd=tmp_path, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))  # fmt: skip
-    logs = _communicate(procs, timeout=300)
+    for _attempt in range(3):
+        port = _free_port()
+        procs = []
+        for node in range(2):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}",
+                   "--nproc-per-node=2", "--master-addr=127.0.0.1", f"--master-port={port}", str(WORKER),
+                   str(spec)]  # fmt: skip
+            procs.append(_start(cmd, worker_env(), tmp_path))
+        logs = _communicate(procs, timeout=300)
+        if not _port_clash(logs):
+            break
     assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
     results = torch.load(out, weights_only=False)
     layouts = [r["layout"] for r in results]
@@ -94,27 +99,33 @@ def test_torchrun_two_nodes_with_hybrid_sharding(tmp_path, references):
     assert optim[0] + optim[1] == 2 * psi and optim[0:2] == optim[2:4]
 
 
+@pytest.mark.slow
 def test_slurm_environment_is_detected(tmp_path, references):
     """What `srun --ntasks-per-node 2` sets up, without srun: Lightning's SLURMEnvironment picks it up."""
     out, spec = _spec(tmp_path, [{"model": "gpt", "strategy": "zero1", "devices": 2, "world": 2}])
-    procs = []
-    job_id = str(10000 + _free_port() % 1000)  # Lightning derives MASTER_PORT from the job id
-    for rank in range(2):
-        env = worker_env()  # without any launcher's variables: only SLURM's below place the ranks
-        env.update(SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2", SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank),
-                   SLURM_NODEID="0", SLURM_NODELIST="127.0.0.1", SLURM_JOB_NAME="lp-test",
-                   SLURM_JOB_ID=job_id)  # fmt: skip
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(spec)], env=env, cwd=tmp_path,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))  # fmt: skip
-    logs = _communicate(procs, timeout=240)
+    for _attempt in range(3):
+        procs = []
+        job_id = str(10000 + _free_port() % 1000)  # Lightning derives MASTER_PORT from the job id
+        for rank in range(2):
+            env = worker_env()  # without any launcher's variables: only SLURM's below place the ranks
+            env.update(SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2", SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank),
+                       SLURM_NODEID="0", SLURM_NODELIST="127.0.0.1", SLURM_JOB_NAME="lp-test",
+                       SLURM_JOB_ID=job_id)  # fmt: skip
+            procs.append(_start([sys.executable, str(WORKER), str(spec)], env, tmp_path))
+        logs = _communicate(procs, timeout=240)
+        if not _port_clash(logs):
+            break
     assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
     got = torch.load(out, weights_only=False)[0]
     assert rel(got["losses"], references["gpt"]["losses"]) < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["torchrun", "lightning"])
 def test_a_failing_rank_ends_the_job_with_its_error(tmp_path, launcher):
-    job = {"model": "gpt_fail", "strategy": {"zero_stage": 2, "timeout_s": 60}, "steps": 5}
+    # The collectives' timeout (1 h) is far past the session's (120 s): the job can only end in time by the
+    # failure itself reaching every rank, never by a collective timing out.
+    job = {"model": "gpt_fail", "strategy": {"zero_stage": 2, "timeout_s": 3600}, "steps": 5}
     if launcher == "lightning":
         job.update(devices=2, world=2)
     out, spec = _spec(tmp_path, [job])
@@ -123,14 +134,10 @@ def test_a_failing_rank_ends_the_job_with_its_error(tmp_path, launcher):
                str(spec)]  # fmt: skip
     else:
         cmd = [sys.executable, str(WORKER), str(spec)]
-    start = time.monotonic()
-    proc = run_session(cmd, env=worker_env(), cwd=tmp_path, timeout=120)
-    elapsed = time.monotonic() - start
+    proc = run_session(cmd, env=worker_env(), cwd=tmp_path, timeout=120)  # past it, the test fails (a hang)
     assert proc.returncode != 0
     assert "injected failure in training_step on rank 1" in proc.stdout + proc.stderr
     assert not out.exists()
-    # Ended by the failure, not by the 60 s collective timeout.
-    assert elapsed < 55, elapsed
 
 
 def test_children_do_not_inherit_what_a_launcher_set(monkeypatch):

@@ -88,10 +88,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         (two if nproc == 2 else four)[name] = job
     for jobs, nproc in ((two, 2), (four, 4), (SIM, 1)):
         specs = [{**BASE, **job} for job in jobs.values()]
-        results.update(zip(jobs, run_jobs(tmp / f"n{nproc}", specs, nproc=nproc, timeout=400)))
+        results.update(zip(jobs, run_jobs(tmp / f"n{nproc}", specs, nproc=nproc, timeout=400), strict=True))
     return results
 
 
+@pytest.mark.slow
 def test_sync_every_1_with_a_plain_outer_step_is_data_parallelism(runs):
     got, ref = runs["h1_sgd"], runs["ddp_sgd"]
     assert got["outer_syncs"] == STEPS and ref["outer_syncs"] is None
@@ -99,6 +100,7 @@ def test_sync_every_1_with_a_plain_outer_step_is_data_parallelism(runs):
     params_close(got["params"], ref["params"], rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "sim"), [("h2", "sim_2x1"), ("h2_zero1", "sim_2x2"), ("h2_zero2", "sim_2x2"),
                                            ("h2_hf_llama", "sim_2x1_hf_llama")])  # fmt: skip
 def test_diloco_matches_the_one_process_simulation(runs, name, sim):
@@ -109,6 +111,7 @@ def test_diloco_matches_the_one_process_simulation(runs, name, sim):
     params_close(got["params"], ref["params"], rtol=1e-5, atol=0.01 * LR)
 
 
+@pytest.mark.slow
 def test_the_replicas_train_apart_between_syncs(runs):
     # From the same weights, the loss before any step is the same; after one step it is not: plain data
     # parallelism stepped on the gradient averaged over both ranks, each DiLoCo replica on its own.
@@ -133,6 +136,7 @@ def test_bad_settings_are_refused_when_the_strategy_is_built(kwargs, message):
         lightning_par.ParallelStrategy(**kwargs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["h2_from_1", "h2_from_3", "h2_zero1_from_1", "h2_zero1_from_3"])
 def test_a_resume_inside_a_cycle_continues_the_uninterrupted_run(runs, case):
     writer, step, _, _ = RESUMES[case]
@@ -144,6 +148,7 @@ def test_a_resume_inside_a_cycle_continues_the_uninterrupted_run(runs, case):
     params_close(got["params"], ref["params"], rtol=1e-5, atol=1e-7)  # the outer momentum shapes the last sync
 
 
+@pytest.mark.slow
 def test_a_resume_on_other_shards_per_replica_continues_with_a_warning(runs):
     # From a synchronisation every replica holds theta: the first loss over the same global batch is the writer's.
     got, ref = runs["h2_on_2x2"], runs["h2"]
@@ -152,6 +157,7 @@ def test_a_resume_on_other_shards_per_replica_continues_with_a_warning(runs):
     assert any("ranks now read other samples" in w for w in got["warnings"]), got["warnings"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("case", "message"),
     [
@@ -165,6 +171,7 @@ def test_a_resume_on_other_replicas_is_refused_before_training(runs, case, messa
     assert "lightning-par consolidate" in got["error"]
 
 
+@pytest.mark.slow
 def test_consolidate_writes_the_anchor_and_replica_0s_optimizer(runs, tmp_path):
     # Saved after step 3, inside the second cycle: the anchor is the weights of the sync after step 2.
     with pytest.warns(UserWarning, match="the consolidated weights are the anchor of the last synchronisation"):

@@ -59,12 +59,12 @@ def _job(model: str, strategy: dict[str, Any], extra: dict[str, Any]) -> dict[st
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dict, dict]]:
     tmp = tmp_path_factory.mktemp("meta")
     models = sorted({m for m, *_ in JOBS.values()})
-    refs = dict(zip(models, run_jobs(tmp, [_job(m, {}, {}) for m in models], nproc=1, timeout=900)))
+    refs = dict(zip(models, run_jobs(tmp, [_job(m, {}, {}) for m in models], nproc=1, timeout=900), strict=True))
     out: dict[str, tuple[dict, dict]] = {}
     for n in (2, 4):
         names = [k for k, (_, _, ranks, _) in JOBS.items() if ranks == n]
         got = run_jobs(tmp, [_job(JOBS[k][0], JOBS[k][1], JOBS[k][3]) for k in names], nproc=n, timeout=900)
-        out.update({k: (g, refs[JOBS[k][0]]) for k, g in zip(names, got)})
+        out.update({k: (g, refs[JOBS[k][0]]) for k, g in zip(names, got, strict=True)})
     return out
 
 
@@ -115,7 +115,7 @@ def pretrained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         {"model": m, "strategy": "auto", "hf_from_pretrained": str(f), "steps": 3, "record_init": True}
         for m, f in folders.items()
     ]
-    refs = dict(zip(folders, run_jobs(tmp, ref_jobs, nproc=1, timeout=600)))
+    refs = dict(zip(folders, run_jobs(tmp, ref_jobs, nproc=1, timeout=600), strict=True))
     out: dict[str, Any] = {"folders": folders}
     for n in (2, 4):
         names = [k for k, (_, _, ranks, _) in PRETRAINED.items() if ranks == n]
@@ -127,7 +127,7 @@ def pretrained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             wrong = {"zero_stage": 3, "pretrained": str(folders["hf_mixtral_deferred"])}
             jobs.append({"model": "hf_llama_deferred", "strategy": wrong, "empty_init": True, "expect_error": True})
         got = run_jobs(tmp, jobs, nproc=n, timeout=900)
-        out.update({k: (g, refs[PRETRAINED[k][0]]) for k, g in zip(names, got)})
+        out.update({k: (g, refs[PRETRAINED[k][0]]) for k, g in zip(names, got[: len(names)], strict=True)})
         if n == 2:
             out["wrong"] = got[-1]
     return out

@@ -72,7 +72,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     jobs["gpt_adafactor/tp_zero1"] = {"model": "gpt_adafactor", "strategy": tp_zero1, "dp": 1, "expect_error": True}
     tp = {"tp": 2, "zero_stage": 0}  # stage 0 steps the tp DTensors themselves
     jobs["gpt_adafactor/tp"] = {"model": "gpt_adafactor", "strategy": tp, "dp": 1, "expect_error": True}
-    got = dict(zip(jobs, run_jobs(tmp / "two", list(jobs.values()), nproc=2, timeout=300)))
+    got = dict(zip(jobs, run_jobs(tmp / "two", list(jobs.values()), nproc=2, timeout=300), strict=True))
     # One process: every case's reference (deduplicated), and the resume of the ZeRO-2 checkpoint after step 2.
     refs = {repr(sorted(_ref_job(c).items())): _ref_job(c) for c in CASES}
     ckpt = str(tmp / "ckpt" / "epoch=1.ckpt")  # a sharded folder: one process reads it under ParallelStrategy
@@ -96,6 +96,7 @@ def _close(model: str, got: dict[str, Any], ref: dict[str, Any]) -> None:
         params_close(got["params"], ref["params"], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_non_elementwise_optimizers_match_one_process(runs, case):
     got, ref = runs[case], runs[f"{case}/ref"]
@@ -109,6 +110,7 @@ def test_non_elementwise_optimizers_match_one_process(runs, case):
         torch.testing.assert_close(got["grad_norms"], ref["grad_norms"], rtol=1e-5, atol=0)
 
 
+@pytest.mark.slow
 def test_whole_parameters_partition_the_gradients_over_the_ranks(runs):
     # Stage 2 frees every full gradient once reduced; each rank steps the whole gradients of the parameters it owns,
     # and the owners cover every parameter once.
@@ -125,6 +127,7 @@ def test_whole_parameters_partition_the_gradients_over_the_ranks(runs):
         assert torch.equal(runs["muon_lm/zero1"]["params"][name], value), name
 
 
+@pytest.mark.slow
 def test_a_whole_parameter_checkpoint_resumes_in_one_process(runs):
     from lightning_par.checkpoint import load_full_state
 
@@ -145,6 +148,7 @@ def test_a_whole_parameter_checkpoint_resumes_in_one_process(runs):
     assert all(float(st["step"]) == 2 for st in saved.values())
 
 
+@pytest.mark.slow
 def test_zero3_and_tensor_parallel_refuse_adafactor_before_the_first_step(runs):
     # ZeRO-3: torch's Adafactor crashed inside its first step on FSDP2's DTensors (aten.pow_ on a partial placement).
     got = runs["gpt_adafactor/zero3"]
@@ -171,7 +175,7 @@ def test_owners_are_balanced_and_the_same_on_every_rank():
     owned = [0, 0, 0]
     owners = assign_owners(sizes, 3, owned)
     assert owners == assign_owners(sizes, 3, [0, 0, 0]) and max(owned) - min(owned) <= max(sizes[:1] + sizes)
-    assert sorted(owned) == sorted(sum(s for s, o in zip(sizes, owners) if o == r) for r in range(3))
+    assert sorted(owned) == sorted(sum(s for s, o in zip(sizes, owners, strict=True) if o == r) for r in range(3))
 
 
 def test_coupled_and_dtensor_limited_optimizers_are_refused_naming_the_fix():
@@ -208,7 +212,7 @@ def _update(cls: type, full: bool) -> torch.Tensor:
     parts = [weight.clone().requires_grad_()] if full else [w.clone().requires_grad_() for w in weight.chunk(2)]
     opt = cls(parts, lr=0.01)
     for g in grads:
-        for p, gp in zip(parts, [g] if full else list(g.chunk(2))):
+        for p, gp in zip(parts, [g] if full else list(g.chunk(2)), strict=True):
             p.grad = gp.clone()
         opt.step()
     return torch.cat([p.detach() for p in parts]) - weight

@@ -114,8 +114,9 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     one = {**CKPT, "dp": 1, "strategy": "zero1", "resume": "ckpts/epoch=1.ckpt"}
     (single,) = run_jobs(tmp, [one], nproc=1, timeout=900)
     got8 = run_jobs(tmp, list(JOBS_8.values()), nproc=8, timeout=900)
-    out: dict[str, Any] = {n: (g, r) for n, g, r in zip(every, got[: len(JOBS)] + got8, refs)}
-    out.update(zip(CKPT_JOBS, got[len(JOBS) :]))
+    pairs = zip(every, got[: len(JOBS)] + got8, refs[: len(every)], strict=True)  # refs[-1]: noaux
+    out: dict[str, Any] = {n: (g, r) for n, g, r in pairs}
+    out.update(zip(CKPT_JOBS, got[len(JOBS) :], strict=True))
     out["resume_one_process"] = single
     out["noaux"] = (refs[-1], refs[-1])
     return out

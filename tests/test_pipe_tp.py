@@ -15,6 +15,8 @@ import torch
 from launch import run_jobs
 from parity import rel
 
+pytestmark = pytest.mark.slow  # multi-process: the slow tier (docs/testing.md, "Tiers")
+
 LR = 3e-3
 MODELS = ["gpt4", "llama4", "gpt4_sgd"]
 
@@ -22,7 +24,7 @@ MODELS = ["gpt4", "llama4", "gpt4_sgd"]
 @pytest.fixture(scope="module")
 def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     results = run_jobs(tmp_path_factory.mktemp("pptp_ref"), [{"model": m} for m in MODELS], nproc=1)
-    return dict(zip(MODELS, results))
+    return dict(zip(MODELS, results, strict=True))
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +40,7 @@ def pipe_tp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
          "resume": f"{ckpt}/epoch=1.ckpt"},
     ]  # fmt: skip
     results = run_jobs(tmp, jobs, nproc=4, timeout=600)
-    out = dict(zip(MODELS, results))
+    out = dict(zip(MODELS, results[: len(MODELS)], strict=True))
     out["interleaved"], out["ckpt_full"], out["ckpt_resumed"] = results[len(MODELS) :]
     return out
 
@@ -48,7 +50,7 @@ def three_d(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     jobs = [{"model": m, "strategy": "3d", "dp": 2} for m in ("gpt4_sgd", "llama4")]
     jobs.append({"model": "gpt4_sgd", "strategy": "pipe_tp_zero2", "dp": 2})
     results = run_jobs(tmp_path_factory.mktemp("3d"), jobs, nproc=8, timeout=900)
-    return dict(zip(("gpt4_sgd", "llama4", "pipe_tp_zero2"), results))
+    return dict(zip(("gpt4_sgd", "llama4", "pipe_tp_zero2"), results, strict=True))
 
 
 def _check(got: dict, ref: dict, model: str) -> None:

@@ -66,7 +66,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     # ... and in one process (ZeRO-3 over one rank: the strategy reads the sharded folder).
     (one,) = run_jobs(tmp, [{"model": "gpt4", "strategy": {"zero_stage": 3}, "dp": 1, **steps,
                              "resume": f"{ckpt}/epoch=1.ckpt"}])  # fmt: skip
-    out: dict[str, Any] = {k: (g, r) for k, g, r in zip(COUNTED, [*got4, *got8[: len(JOBS_8)]], refs)}
+    out: dict[str, Any] = {k: (g, r) for k, g, r in zip(COUNTED, [*got4, *got8[: len(JOBS_8)]], refs, strict=True)}
     out["ckpt"] = (*got8[len(JOBS_8) :], one)
     return out
 

@@ -93,7 +93,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dict, d
     refs = run_jobs(tmp, [_reference(n, j) for n, j in ALL.items()] + [noaux], nproc=1, timeout=900)
     got = run_jobs(tmp, [{**j, "dp": 1} for j in JOBS_2.values()], nproc=2, timeout=900)
     got += run_jobs(tmp, list(JOBS_4.values()), nproc=4, timeout=900)
-    out = dict(zip(ALL, zip(got, refs)))
+    out = dict(zip(ALL, zip(got, refs[: len(ALL)], strict=True), strict=True))
     out["noaux"] = (refs[-1], refs[-1])
     return out
 
@@ -199,7 +199,7 @@ def test_stages_in_one_process_carry_replay_and_backpropagate_the_router_logits(
         return out.loss
 
     carry: tuple = ()
-    for pipe, m in zip(pipes, cuts):
+    for pipe, m in zip(pipes, cuts, strict=True):
         m.zero_grad(set_to_none=True)
         pipe.install()
         pipe.step_fn = lambda _mb, _spec, m=m: step(m)
@@ -207,7 +207,7 @@ def test_stages_in_one_process_carry_replay_and_backpropagate_the_router_logits(
         carry = out if isinstance(out, tuple) else (out,)
         assert len(carry) == (1 if pipe.specs[0].is_last else 1 + pipe.specs[0].end)  # hidden + each block's logits
     torch.testing.assert_close(carry[0], ref.loss, rtol=1e-6, atol=0)
-    assert len(seen[0]) == 4 and all(torch.equal(a, b) for a, b in zip(seen[0], ref.router_logits))
+    assert len(seen[0]) == 4 and all(torch.equal(a, b) for a, b in zip(seen[0], ref.router_logits, strict=True))
     carry[0].backward()
     got = {n: p.grad for m in cuts for n, p in m.named_parameters()}
     assert got.keys() == {n for n, _ in full.named_parameters()}

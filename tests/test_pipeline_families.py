@@ -91,7 +91,7 @@ def spawns(tmp_path_factory: pytest.TempPathFactory) -> Spawns:
     got, checkpoints, unet = got[: len(JOBS_2)], got[len(JOBS_2) : -1], got[-1]
     got += run_jobs(tmp, [{**j, "dp": 1} for j in JOBS_3.values()], nproc=3, timeout=900)
     got += run_jobs(tmp, list(JOBS_4.values()), nproc=4, timeout=900)
-    return dict(zip(ALL, zip(got, refs))), checkpoints, unet
+    return dict(zip(ALL, zip(got, refs, strict=True), strict=True)), checkpoints, unet
 
 
 Spawns = tuple[dict[str, tuple[dict, dict]], list[dict[str, Any]], dict[str, Any]]

@@ -183,7 +183,7 @@ def test_stages_chained_by_hand_give_the_full_model_loss_and_gradients(name: str
         m.zero_grad(set_to_none=True)
     pipes = [PipelineModel(m, find_trunk(m), ranges, [s], torch.device("cpu")) for s, m in enumerate(cuts)]
     hidden = None
-    for pipe, m in zip(pipes, cuts):
+    for pipe, m in zip(pipes, cuts, strict=True):
         pipe.install()
         pipe.step_fn = lambda _mb, _spec, m=m: loss_of(m, batch)
         hidden = pipe.run_stage(pipe.specs[0], hidden, 0)  # activation, then activation, then the loss
@@ -644,7 +644,7 @@ def test_step_trace_times_actions_and_waits_and_the_timeline_draws_them() -> Non
     assert [(s.kind, s.stage, s.microbatch) for s in record.spans] == [
         ("F", 1, 0), ("wait", -1, -1), ("I", 1, 0), ("W", 1, 0), ("B", 1, 1)
     ]  # fmt: skip
-    assert all(a.end <= b.start for a, b in zip(record.spans, record.spans[1:]))
+    assert all(a.end <= b.start for a, b in itertools.pairwise(record.spans))
     assert record.spans[-1].end <= record.duration and record.duration >= 0.04
     assert record.waiting == record.spans[1].end - record.spans[1].start
     assert record.bubble == record.waiting / record.duration

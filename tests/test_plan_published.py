@@ -60,6 +60,6 @@ def test_table5_step_time_error() -> None:
 def test_table5_predicts_the_speedup_of_sp_selective() -> None:
     # The paper's point: sequence parallelism + selective recomputation is ~30 % faster than full recomputation.
     table = rows()
-    for full, sel in zip(table[::2], table[1::2]):
+    for full, sel in zip(table[::2], table[1::2], strict=True):
         measured = float(full["iteration_s"]) / float(sel["iteration_s"])
         assert predicted(full) / predicted(sel) == pytest.approx(measured, rel=0.06), full["model"]

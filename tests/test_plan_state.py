@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -181,7 +180,7 @@ FAMILIES: dict[str, tuple[dict[str, Any], Layout, str, bool]] = {
 
 
 def _spawn(tmp: Path, nproc: int = 4) -> list[list[dict[str, Any]]]:
-    from launch import run_session, worker_env
+    from launch import run_forked
 
     jobs = [
         dict(config=c, strategy=layout.strategy_kwargs(), precision=layout.precision, optimizer=opt, aux=aux,
@@ -191,10 +190,8 @@ def _spawn(tmp: Path, nproc: int = 4) -> list[list[dict[str, Any]]]:
     out = tmp / "measured.pt"
     spec = tmp / "spec.json"
     spec.write_text(json.dumps({"out": str(out), "jobs": jobs}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(WORKER),
-           str(spec)]  # fmt: skip
-    proc = run_session(cmd, env=worker_env(), timeout=240, cwd=tmp)
-    assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-6000:]
+    proc = run_forked(WORKER, [str(spec)], nproc, timeout=240, cwd=tmp)
+    assert proc.returncode == 0 and out.exists(), proc.stdout[-9000:]
     return torch.load(out, weights_only=False)
 
 
@@ -203,7 +200,7 @@ def _spawn(tmp: Path, nproc: int = 4) -> list[list[dict[str, Any]]]:
 def test_predicted_state_and_traffic_equal_the_strategies_on_4_ranks(tmp_path: Path) -> None:
     measured = _spawn(tmp_path)
     failures = []
-    for (name, (config, layout, opt, aux)), ranks in zip(FAMILIES.items(), measured):
+    for (name, (config, layout, opt, aux)), ranks in zip(FAMILIES.items(), measured, strict=True):
         hidden = config.get("hidden_size") or config["n_embd"]
         sources = {"module": specs_from_module(_meta(config)), "desc": _desc_specs(config)}
         for source, specs in sources.items():

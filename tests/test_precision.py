@@ -68,6 +68,7 @@ def _scaler_worker(rank: int, init_file: str, out: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_sharded_scaler_skips_the_step_on_all_ranks(tmp_path):
     out = str(tmp_path / "scaler.pt")
     os.environ.setdefault("OMP_NUM_THREADS", "1")

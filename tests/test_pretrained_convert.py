@@ -171,6 +171,7 @@ def _worker(rank: int, world: int, store: str, folder: Path, out: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_expert_sharded_and_fsdp2_views_read_bitwise_on_two_ranks(mixtral, tmp_path):
     out = tmp_path / "result"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import ROOT, run_session, worker_env
+from launch import ROOT, run_forked, run_session, worker_env
 
 import lightning_par
 from lightning_par.cli import build_cli
@@ -86,6 +87,7 @@ def test_recipe_parses_and_builds(recipe: Path, tmp_path, monkeypatch):
     assert isinstance(cli.trainer.precision_plugin, lightning_par.ParallelPrecision)
 
 
+@pytest.mark.slow
 def test_demo_command_trains_and_logs_to_wandb_offline(tmp_path):
     """The README's demo command (shortened): 2 processes started by Lightning, zero2, an offline W&B run."""
     env = worker_env()
@@ -114,11 +116,14 @@ def test_demo_command_trains_and_logs_to_wandb_offline(tmp_path):
     assert config["n_layer"] == 2 and config["seq_len"] == 64  # model and data hyperparameters
     history = [r["history"]["item"] for r in records if r["type"] == "history"]
     step5 = next(h for h in history if "perf/tokens_per_s" in h)  # the demo logs every 5 steps
-    assert step5["trainer/global_step"] == 4 and 0 < step5["train_loss"] < 6  # step 5 (0-based 4)
+    # Step 5 (0-based 4); the loss's value is parity's business (tests/test_parity_quick.py and the slow tier):
+    # here, that a number reached W&B.
+    assert step5["trainer/global_step"] == 4 and math.isfinite(step5["train_loss"])
     assert step5["perf/tokens_per_s"] > 0 and step5["mem/params_bytes"] > 0 and step5["parallel/dp"] == 2
     assert sum("val_loss" in h for h in history) == 2  # validation after steps 3 and 6
 
 
+@pytest.mark.slow
 def test_plan_command_prints_the_inferred_plan(tmp_path):
     """``lightning-par plan --config recipes/tp.yaml``: the real console entry point, no processes started."""
     cmd = [sys.executable, "-m", "lightning_par.cli", "plan", "--config", str(ROOT / "recipes" / "tp.yaml")]
@@ -130,6 +135,7 @@ def test_plan_command_prints_the_inferred_plan(tmp_path):
     assert "n_heads=4 n_kv_heads=4" in out and "valid for tp=2" in out
 
 
+@pytest.mark.slow
 def test_recipes_command_lists_every_recipe_with_what_it_trains(tmp_path):
     cmd = [sys.executable, "-m", "lightning_par.cli", "recipes", str(ROOT / "recipes")]
     proc = run_session(cmd, env=worker_env(), cwd=tmp_path, timeout=120)
@@ -163,14 +169,12 @@ def test_every_recipe_trains_a_few_steps(tmp_path):
     runs = [[r.stem, [*_small(r, tmp_path), *_extra(r.stem, tmp_path)]] for r in RECIPES]
     spec, out = tmp_path / "spec.json", tmp_path / "out.pt"
     spec.write_text(json.dumps({"out": str(out), "runs": runs}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-           str(ROOT / "tests" / "_recipe_worker.py"), str(spec)]  # fmt: skip
-    proc = run_session(cmd, env=worker_env(), cwd=tmp_path, timeout=900)
-    assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-6000:]
+    proc = run_forked(ROOT / "tests" / "_recipe_worker.py", [str(spec)], 4, cwd=tmp_path, timeout=900)
+    assert proc.returncode == 0 and out.exists(), proc.stdout[-9000:]
     got = torch.load(out, weights_only=False)
     assert set(got) == {r.stem for r in RECIPES}
     for name, r in got.items():
-        assert r["steps"] == 2 and 0 < r["loss"] < 10, (name, r)
+        assert r["steps"] == 2 and math.isfinite(r["loss"]), (name, r)  # its value: the parity tests
     assert got["deepspeed_zero3"]["strategy"] == "_NamedDeepSpeedStrategy"
     assert (got["pipe"]["layout"]["pp"], got["pipe"]["layout"]["dp_shard"]) == (2, 2)
     assert got["hybrid_zero3"]["layout"]["dp_replicate"] == 2 and got["cp_zero3"]["layout"]["cp"] == 2

@@ -27,6 +27,8 @@ import pytest
 from launch import run_jobs
 from parity import rel
 
+pytestmark = pytest.mark.slow  # multi-process: the slow tier (docs/testing.md, "Tiers")
+
 STEPS = 4
 BASE: dict[str, Any] = {"model": "gpt", "steps": STEPS, "global_batch": 8, "stream": "torch"}
 # 2 ranks: name -> job. dp is the data-parallel size (the per-rank batch is global_batch // dp).
@@ -74,11 +76,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     two["zero2_litdata"].update(ckpt_dir=str(tmp / "ckpts_litdata"), ckpt_every_n_steps=1)
     two["zero2_litdata_resumed"] = {**two["zero2_litdata"], "ckpt_dir": None,
                                     "resume": str(tmp / "ckpts_litdata" / "step=2.ckpt")}  # fmt: skip
-    results = dict(zip(two, run_jobs(tmp / "two", list(two.values()), nproc=2, timeout=400)))
+    results = dict(zip(two, run_jobs(tmp / "two", list(two.values()), nproc=2, timeout=400), strict=True))
     one = {name: {**BASE, "stream_dir": data, **job} for name, job in ONE.items()}
     # The 2-rank ZeRO-1 checkpoint after step 2, on one rank: the stream continues at sample 16 of the same order.
     one["resumed_on_one"] = {**BASE, "strategy": {"zero_stage": 0}, "resume": f"{ckpts}/step=2.ckpt"}
-    results.update(zip(one, run_jobs(tmp / "one", list(one.values()), nproc=1, timeout=300)))
+    results.update(zip(one, run_jobs(tmp / "one", list(one.values()), nproc=1, timeout=300), strict=True))
     return results
 
 

@@ -61,7 +61,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     got = run_jobs(tmp, jobs, nproc=2, timeout=600)
     n = len(FAMILIES)
     resumed = {m: (got[n + 2 * i], got[n + 2 * i + 1]) for i, m in enumerate(RESUMED)}
-    out = {"ref": dict(zip(FAMILIES, refs)), "tp": dict(zip(FAMILIES, got[:n])), "resumed": resumed}
+    out = {"ref": dict(zip(FAMILIES, refs, strict=True)), "tp": dict(zip(FAMILIES, got[:n], strict=True))}
+    out["resumed"] = resumed
     return {**out, "refused": got[-1]}
 
 

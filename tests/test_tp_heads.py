@@ -67,7 +67,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     got = run_jobs(tmp, [*JOBS_2.values(), *_ckpt_jobs(str(tmp / "ckpt"))], nproc=2, timeout=900)
     full, resumed = got[len(JOBS_2) :]
     got = got[: len(JOBS_2)] + run_jobs(tmp, list(JOBS_4.values()), nproc=4, timeout=900)
-    return {"pairs": dict(zip(ALL, zip(got, refs))), "ckpt": (full, resumed)}
+    return {"pairs": dict(zip(ALL, zip(got, refs, strict=True), strict=True)), "ckpt": (full, resumed)}
 
 
 @pytest.mark.timeout(300)

@@ -55,8 +55,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                     timeout=600)  # fmt: skip
     ckpt = [{**j, **{k: str(tmp / j[k]) for k in ("ckpt_dir", "resume") if k in j}} for j in CKPT_JOBS.values()]
     got = run_jobs(tmp, [*JOBS.values(), *ckpt], nproc=4, timeout=900)
-    out = {name: (g, r) for name, g, r in zip(JOBS, got, refs)}
-    out.update({name: g for name, g in zip(CKPT_JOBS, got[len(JOBS) :])})
+    out = {name: (g, r) for name, g, r in zip(JOBS, got[: len(JOBS)], refs, strict=True)}
+    out.update({name: g for name, g in zip(CKPT_JOBS, got[len(JOBS) :], strict=True)})
     return out
 
 

@@ -19,7 +19,9 @@ import pytest
 import torch
 from conftest import PARITY_JOBS
 from launch import run_jobs
-from parity import clipped_fit_matches, params_close, rel
+from parity import clipped_fit_matches, params_close, rel, wrong_share
+
+pytestmark = pytest.mark.slow  # multi-process: the slow tier (docs/testing.md, "Tiers")
 
 STRATEGIES: dict[str, Any] = {
     "zero1": "zero1",
@@ -29,6 +31,12 @@ STRATEGIES: dict[str, Any] = {
     "ddp": {"zero_stage": 0},  # the class with explicit degrees: plain data parallel (ZeRO-0)
 }
 LR = 3e-3
+# Low precision (bf16-mixed, 16-mixed, bf16-true), against the one-process run in the same precision. Bounds set
+# between measured runs (tools/mutate.py --measure, 2026-12-04; docs/testing.md, "Tolerances"): the worst correct
+# run reached loss 2.2e-4 / wrong share 0.049 (zero3 bf16-mixed); the broken run that trains on half the global
+# batch at best 4.4e-3 / 0.27. Margins: 4.6x / 2.4x above the correct, 4.4x / 2.2x below the broken.
+LOW_LOSS = 1e-3
+LOW_WRONG = 0.12
 
 
 def _resume_jobs(strategy: Any, ckpt_dir: str) -> list[dict[str, Any]]:
@@ -91,16 +99,12 @@ def test_accumulation_clipping_validation_predict(run, references):
 @pytest.mark.parametrize("precision", ["bf16_mixed", "16_mixed", "bf16_true"])
 def test_low_precision_matches_one_process(run, references, precision):
     _, results, _ = run
-    for job in (f"gpt_{precision}", f"sgd_{precision}"):
+    jobs = [f"gpt_{precision}", f"sgd_{precision}", *(["llama_bf16_mixed"] if precision == "bf16_mixed" else [])]
+    for job in jobs:
         got, ref = results[list(PARITY_JOBS).index(job)], references[job]
         assert all(math.isfinite(x) for x in got["losses"])
-        assert rel(got["losses"], ref["losses"]) < 2e-2, job
-    if precision == "bf16_mixed":
-        got, ref = results[list(PARITY_JOBS).index("llama_bf16_mixed")], references["llama_bf16_mixed"]
-        assert rel(got["losses"], ref["losses"]) < 2e-2
-    got, ref = results[list(PARITY_JOBS).index(f"sgd_{precision}")], references[f"sgd_{precision}"]
-    # Parameters after SGD (linear in the gradients; see the module docstring for Adam).
-    params_close(got["params"], ref["params"], rtol=2e-2, atol=1e-3)
+        assert rel(got["losses"], ref["losses"]) < LOW_LOSS, job
+        assert wrong_share(got["params"], ref["params"], ref["init_state"]) < LOW_WRONG, job
 
 
 def test_resume_continues_the_same_run(run):

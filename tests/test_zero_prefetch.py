@@ -25,6 +25,8 @@ from conftest import reference_job
 from launch import run_jobs
 from parity import params_close, rel
 
+pytestmark = pytest.mark.slow  # multi-process: the slow tier (docs/testing.md, "Tiers")
+
 STEPS = 4
 ATOL = 0.01 * 3e-3  # 0.01 x the model's learning rate (gpt_quiet's and hf_llama's AdamW)
 SGD_ATOL = 1e-7  # the families' SGD + momentum (tests/test_families.py)
@@ -46,9 +48,9 @@ JOBS: dict[str, dict[str, Any]] = {
 def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("prefetch")
     jobs = [{**job, "steps": STEPS} for job in JOBS.values()]
-    got = dict(zip(JOBS, run_jobs(tmp / "two", jobs, nproc=2, timeout=300)))
+    got = dict(zip(JOBS, run_jobs(tmp / "two", jobs, nproc=2, timeout=300), strict=True))
     refs = [reference_job({k: v for k, v in job.items() if k != "record_warnings"}) for job in jobs]
-    ref = dict(zip(JOBS, run_jobs(tmp / "one", refs, nproc=1, timeout=300)))
+    ref = dict(zip(JOBS, run_jobs(tmp / "one", refs, nproc=1, timeout=300), strict=True))
     return got, ref
 
 
