@@ -53,6 +53,21 @@ class LitGPTPythia(_CausalLM):
         return self.model(idx)
 
 
+class XTransformersDecoder(_CausalLM):
+    """x-transformers' ``TransformerWrapper`` around a ``Decoder`` (lucidrains' library): its layer lists hold
+    ``None`` where an optional per-layer module is off, and each depth is an attention and a feed-forward entry."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from x_transformers import Decoder, TransformerWrapper
+
+        self.model = TransformerWrapper(num_tokens=256, max_seq_len=64,
+                                        attn_layers=Decoder(dim=32, depth=2, heads=4))  # fmt: skip
+
+    def forward(self, idx: Tensor) -> Tensor:
+        return self.model(idx)
+
+
 class LitGPTLlama(_CausalLM):
     """litgpt's ``GPT`` with a Llama 3.2 config (GQA, RMSNorm, SwiGLU, rotary)."""
 

@@ -402,6 +402,7 @@ MODELS = {
     # Families we did not write (tests/_families.py), each a plain user LightningModule with SGD + momentum.
     "litgpt_pythia": lambda: _families().LitGPTPythia(),
     "litgpt_llama": lambda: _families().LitGPTLlama(),
+    "xt_decoder": lambda: _families().XTransformersDecoder(),  # None entries in its ModuleLists
     "hf_gpt2": lambda: _families().HFGPT2(),
     "hf_qwen2_tied": lambda: _families().HFQwen2Tied(),
     "hf_vit": lambda: _families().HFViT(),

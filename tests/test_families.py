@@ -25,7 +25,7 @@ DENSE = ("hf_llama", "litgpt_pythia", "litgpt_llama", "hf_gpt2", "hf_qwen2_tied"
 MOE = ("hf_mixtral", "hf_qwen2_moe", "hf_qwen3_moe", "hf_olmoe", "hf_deepseek_v3", "hf_gpt_oss", "user_moe_list")
 
 JOBS_2: dict[str, dict[str, Any]] = {
-    **{f"{m}_zero3": {"model": m, "strategy": "zero3"} for m in (*DENSE, *MOE)},
+    **{f"{m}_zero3": {"model": m, "strategy": "zero3"} for m in (*DENSE, *MOE, "xt_decoder")},
     # tp and pipe ranks share one batch: dp 1.
     **{f"{m}_tp": {"model": m, "strategy": {"tp": 2}, "dp": 1} for m in ("litgpt_pythia", "hf_qwen2_tied")},
     **{f"{m}_pipe": {"model": m, "strategy": {"pp": 2}, "dp": 1} for m in ("hf_llama", "hf_bert")},

@@ -240,6 +240,15 @@ def test_module_list_experts_are_recognised_and_mismatched_ones_refused():
     assert "expected a router (a module with weight [E, d]" in problems[0]
 
 
+def test_a_module_list_holding_none_is_a_dense_model_not_a_crash():
+    # x-transformers keeps optional per-layer modules as None entries of ModuleLists; the finder crashed on them
+    # (issue 37). Its decoder trains under zero3 in tests/test_families.py.
+    from lightning_par.plans.moe import find_moe_layers, unrecognised_experts
+
+    model = torch.nn.Sequential(torch.nn.ModuleList([None, None]), torch.nn.ModuleList([torch.nn.Linear(4, 4), None]))
+    assert find_moe_layers(model) == [] and unrecognised_experts(model) == []
+
+
 def test_unrecognised_experts_are_refused_before_any_exchange():
     from _worker import MODELS
 

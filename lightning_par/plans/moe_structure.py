@@ -92,7 +92,8 @@ def _is_mlp(m: nn.Module) -> bool:
 
 def module_list_experts_size(m: nn.Module) -> Optional[int]:
     """``E`` if ``m`` is an ``nn.ModuleList`` of at least 2 MLPs of one type and identical parameter shapes."""
-    if not isinstance(m, nn.ModuleList) or len(m) < 2:
+    # A ModuleList may hold None (x-transformers keeps optional per-layer modules that way): not experts.
+    if not isinstance(m, nn.ModuleList) or len(m) < 2 or any(e is None for e in m):
         return None
     first = next(iter(m))
     shapes = [(n, p.shape) for n, p in first.named_parameters()]
