@@ -162,13 +162,35 @@ def gather_buckets(buckets: Sequence[Any], masters: dict[nn.Parameter, nn.Parame
     inflight = []
     for bucket in buckets:  # a `Bucket`, or `zero_whole`'s WholeBucket (``mine``: the parameters this rank owns)
         dtype = bucket.params[0].dtype
-        send = torch.zeros(bucket.shard_numel, dtype=dtype, device=bucket.data[0].device)
+        # Empty, not zeros: the padding rows are sent but `unpack` never reads them.
+        send = torch.empty(bucket.shard_numel, dtype=dtype, device=bucket.data[0].device)
         _compat.foreach_copy(bucket.shard_views(send), [masters[p] for p in bucket.mine])
         recv = torch.empty(world, bucket.shard_numel, dtype=dtype, device=send.device)
         inflight.append((gather(recv.view(-1), send, group=group, async_op=True, skip_own=True), bucket, recv))
     for work, bucket, recv in inflight:
         work.wait()
         bucket.unpack(recv)
+
+
+def hand_over(bucket: Any, masters: dict[nn.Parameter, nn.Parameter], dtype: torch.dtype) -> None:
+    """One data-parallel rank: give each parameter's (settled, local) gradient to its master as it is, and free it.
+
+    What packing, a reduce-scatter over one rank and dividing by one would give, without the three passes over
+    every gradient (the ZeRO-1/2 engine's per-step overhead against ``ddp`` on one H200: docs/benchmarks.md). At
+    world 1 a master is the whole (tp-local) parameter. A gradient left from before adds up, as in the packed path;
+    an unused parameter keeps no gradient, as in one process (the packed path, which cannot know that no other rank
+    used it, gives zeros).
+    """
+    for p in bucket.params:
+        g = local_grad(p)
+        if g is None:
+            continue
+        master = masters[p]
+        p.grad = None
+        if master.grad is None:
+            master.grad = g.to(dtype)
+        else:
+            master.grad.add_(g)
 
 
 def state_dtensor(full: torch.Tensor, value: torch.Tensor, mesh: Any, state_mesh: Optional[Any]) -> DTensor:

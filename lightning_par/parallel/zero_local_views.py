@@ -18,7 +18,7 @@ optimizer held the DTensor: the files do not change.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_par.parallel.grad_norm import copy_marks, mark_sharded
 from lightning_par.parallel.optimizers import is_elementwise
-from lightning_par.parallel.zero_buckets import local_data, local_grad, tp_groups
+from lightning_par.parallel.zero_buckets import local_data, local_grad, set_grad, tp_groups
 from lightning_par.utils import dtensors
 
 
@@ -83,6 +83,16 @@ class LocalViews:
         p.grad = None
         return True
 
+    def set_full_grads(self, params: Sequence[nn.Parameter], data: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
+        """Stage 0: hand a bucket's reduced gradients (``flat``, laid out as ``data``, the parameters' local tensors)
+        to its parameters, or to their views."""
+        offset = 0
+        for p, d in zip(params, data):
+            grad = flat[offset : offset + d.numel()].view_as(d)
+            if not self.take(p, grad):
+                set_grad(p, grad)
+            offset += d.numel()
+
     def hand_grads(self, params: Iterable[nn.Parameter]) -> None:
         """`take` each parameter's own (already reduced and settled) gradient."""
         for p in params:
@@ -102,4 +112,3 @@ class LocalViews:
         if p is None or not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape != self.views[p].shape:
             return value
         return dtensors.like(value, p)
-

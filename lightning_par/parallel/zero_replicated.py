@@ -25,7 +25,7 @@ from lightning_par.parallel.grad_norm import mark_sharded
 from lightning_par.parallel.local_sgd import LocalSGD, OuterSync
 from lightning_par.parallel.optimizers import check_per_parameter, is_elementwise
 from lightning_par.parallel.param_tree import parameter_tree
-from lightning_par.parallel.zero_buckets import Bucket, local_data, local_grad, set_grad, settle_grads, tp_groups
+from lightning_par.parallel.zero_buckets import Bucket, local_data, local_grad, settle_grads, tp_groups
 from lightning_par.parallel.zero_local_views import LocalViews
 from lightning_par.parallel.zero_prefetch import ParamPrefetch
 
@@ -353,16 +353,7 @@ class ReplicatedZero:
         if self.reduce_replicas:
             dist.all_reduce(flat, group=self.replicate_group)
         flat.div_(self.dp)
-        self._set_full_grads(bucket, flat)
-
-    def _set_full_grads(self, bucket: Bucket, flat: torch.Tensor) -> None:
-        """Stage 0: hand the bucket's reduced gradients to its parameters (and to their views, `zero_local_views`)."""
-        offset = 0
-        for p, d in zip(bucket.params, bucket.data):
-            grad = flat[offset : offset + d.numel()].view_as(d)
-            if not self.local_views.take(p, grad):
-                set_grad(p, grad)
-            offset += d.numel()
+        self.local_views.set_full_grads(bucket.params, bucket.data, flat)
 
     def _launch_all_reduce(self, bucket: Bucket) -> None:
         """Stage 0: pack the bucket's gradients into one flat tensor and start its all-reduce without waiting."""
@@ -378,6 +369,9 @@ class ReplicatedZero:
         bucket.ready, bucket.launched = 0, True
         dtype = bucket.params[0].dtype
         settle_grads(bucket.params)
+        if self.dp == 1:  # one data-parallel rank: the reduction is the identity (zero_buckets.hand_over)
+            zero_buckets.hand_over(bucket, self.masters, dtype)
+            return
         packed = bucket.pack([local_grad(p) for p in bucket.params], self.world, dtype)
         for p in bucket.params:
             p.grad = None  # the full gradient is not needed again: this is where ZeRO saves gradient memory
@@ -392,9 +386,10 @@ class ReplicatedZero:
             work.wait()
             if self.reduce_replicas:
                 dist.all_reduce(out, group=self.replicate_group)
-            out.div_(self.dp)
+            if self.dp > 1:
+                out.div_(self.dp)
             if self.stage == 0:  # the all-reduced full gradients go back to the parameters
-                self._set_full_grads(bucket, out)
+                self.local_views.set_full_grads(bucket.params, bucket.data, out)
                 continue
             for p, shard in zip(bucket.mine, bucket.shard_views(out)):
                 master = self.masters[p]
@@ -416,5 +411,6 @@ class ReplicatedZero:
                 self.prefetch.launch(_all_gather)
                 return
             self.prefetch.wait_all()
+        if self.world == 1:
+            return  # every row is this rank's, and its masters are views of them: the step already wrote them
         zero_buckets.gather_buckets(self.buckets, self.masters, self.world, self.shard_group, _all_gather)
-
