@@ -411,6 +411,16 @@ class ParallelStrategy(ProcessGroupStrategy):
             if not propagating:
                 raise
             warnings.warn(str(err), stacklevel=2)  # do not replace the exception that ended fit
+        # The Trainer binds `callback.log` / `callback.log_dict` to this module's methods at every run and leaves
+        # them: a callback kept after the run would hold the module, its parameters and gradients, and through its
+        # trainer the optimizer state, on the device (Lightning's own teardown moves the module to the CPU; a
+        # sharded module stays). The next run binds them again.
+        module = self.lightning_module
+        trainer = _compat.attached_trainer(module)
+        for callback in trainer.callbacks if trainer is not None else ():
+            for name in ("log", "log_dict"):
+                if getattr(getattr(callback, name, None), "__self__", None) is module:
+                    delattr(callback, name)
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
