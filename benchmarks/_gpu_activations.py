@@ -36,9 +36,9 @@ import torch
 import torch.nn.functional as F
 from _gpu_fits import LLAMA_1B
 
+from lightning_par.blocks.trunk import find_trunk
 from lightning_par.models import Llama
 from lightning_par.parallel.activation_checkpointing import apply_activation_checkpointing
-from lightning_par.plans.trunk import find_trunk
 from lightning_par.utils import LiveStorageBytes
 
 POLICIES: tuple[Optional[str], ...] = (None, "full", "selective", "selective_op", "offload")

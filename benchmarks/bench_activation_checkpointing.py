@@ -37,9 +37,9 @@ import torch
 
 torch.set_num_threads(1)
 
+from lightning_par.blocks.trunk import find_trunk  # noqa: E402
 from lightning_par.models import GPT, Llama  # noqa: E402
 from lightning_par.parallel.activation_checkpointing import apply_activation_checkpointing  # noqa: E402
-from lightning_par.plans.trunk import find_trunk  # noqa: E402
 from lightning_par.utils import LiveStorageBytes  # noqa: E402
 
 POLICIES: dict[str, Optional[str]] = {

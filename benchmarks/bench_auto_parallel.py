@@ -31,7 +31,7 @@ from _rounds import StepTimer  # noqa: E402
 
 import lightning_par  # noqa: E402
 from lightning_par.data import ByteTextDataModule  # noqa: E402
-from lightning_par.plan.layout import Layout  # noqa: E402
+from lightning_par.planner.layout import Layout  # noqa: E402
 from lightning_par.strategies.auto import AutoParallelStrategy  # noqa: E402
 from lightning_par.utils import clean_exit  # noqa: E402
 

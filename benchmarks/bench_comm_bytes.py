@@ -4,13 +4,13 @@ Launch:
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 benchmarks/bench_comm_bytes.py [--quick]
 
-Every collective is counted by `lightning_par.utils.comm_counter.CommCounter` (the wrapped ``torch.distributed``
-entry points, the two names `lightning_par.parallel.zero_replicated` bound at import, and DTensor's functional
+Every collective is counted by `lightning_par.parallel.comm_counter.CommCounter` (the wrapped ``torch.distributed``
+entry points, the two names `lightning_par.parallel.zero.replicated` bound at import, and DTensor's functional
 collectives). Lightning's own ``ddp`` is not counted: its all-reduces are issued from C++ (the DDP reducer).
 
 Convention, "bytes on the wire per rank" for ring algorithms over n ranks: an all-reduce of B bytes moves
 2B(n-1)/n, a reduce-scatter of a B-byte input B(n-1)/n, an all-gather producing B bytes B(n-1)/n, a broadcast of
-B bytes B(n-1)/n (averaged over ranks); `lightning_par.plan.comm` predicts these counts. The paper (Rajbhandari et
+B bytes B(n-1)/n (averaged over ranks); `lightning_par.planner.comm` predicts these counts. The paper (Rajbhandari et
 al., arXiv 1910.02054, section 7) gives per step DDP 2Psi, ZeRO-1/2 2Psi, ZeRO-3 3Psi, each times (n-1)/n, with Psi
 the parameter bytes.
 """
@@ -33,8 +33,8 @@ import torch.distributed as dist  # noqa: E402
 import lightning_par  # noqa: E402
 from lightning_par.data import ByteTextDataModule  # noqa: E402
 from lightning_par.models import GPT  # noqa: E402
+from lightning_par.parallel.comm_counter import CommCounter  # noqa: E402
 from lightning_par.utils import clean_exit  # noqa: E402
-from lightning_par.utils.comm_counter import CommCounter  # noqa: E402
 
 
 class PhaseTagger(L.Callback):

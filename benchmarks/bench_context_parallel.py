@@ -50,9 +50,9 @@ from torch.autograd.graph import saved_tensors_hooks  # noqa: E402
 
 import lightning_par  # noqa: E402
 from lightning_par import _compat  # noqa: E402
+from lightning_par.blocks.trunk import find_trunk  # noqa: E402
 from lightning_par.data import ByteTextDataModule  # noqa: E402
 from lightning_par.models import Llama  # noqa: E402
-from lightning_par.plans.trunk import find_trunk  # noqa: E402
 
 SEQ, PER_RANK, LAYERS, DIM, HEADS, KV_HEADS = 512, 2, 8, 128, 8, 4
 

@@ -86,7 +86,7 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
 
 
 class HandTPZero3GPT(GPT):
-    """The GPT under ``ModelParallelStrategy``: tensor + sequence parallel by hand over ``tensor_parallel``, then
+    """The GPT under ``ModelParallelStrategy``: tensor + sequence parallel by hand over ``tensor.apply``, then
     FSDP2 over ``data_parallel`` (torchtitan's order: TP before FSDP, so FSDP shards the tp-local tensors)."""
 
     def configure_model(self) -> None:

@@ -5,7 +5,7 @@ Launch (2 ranks: 2 replicas; 4 ranks: 2 replicas x 2 ZeRO-1 shards each):
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 benchmarks/bench_local_sgd.py [--quick]
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 benchmarks/bench_local_sgd.py --zero-stage 1
 
-Every collective of the counted steps is counted by `lightning_par.utils.comm_counter.CommCounter` (ring
+Every collective of the counted steps is counted by `lightning_par.parallel.comm_counter.CommCounter` (ring
 convention, bytes per rank; scalars under 1 KiB, the logged loss, reported apart). The baseline is the same
 strategy without ``sync_every``: gradients all-reduced (ZeRO-0) or reduce-scattered and all-gathered (ZeRO 1-2) over
 every data-parallel rank each step. A hand-run benchmark: it asserts nothing. Results: docs/benchmarks.md.
@@ -29,8 +29,8 @@ from bench_comm_bytes import PhaseTagger  # noqa: E402
 import lightning_par  # noqa: E402
 from lightning_par.data import ByteTextDataModule  # noqa: E402
 from lightning_par.models import GPT  # noqa: E402
+from lightning_par.parallel.comm_counter import CommCounter  # noqa: E402
 from lightning_par.utils import clean_exit  # noqa: E402
-from lightning_par.utils.comm_counter import CommCounter  # noqa: E402
 
 
 def run(stage: int, every: Optional[int], args: argparse.Namespace) -> tuple[float, float]:

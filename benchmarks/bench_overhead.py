@@ -52,7 +52,7 @@ from _rounds import StepTimer, finish  # noqa: E402
 import lightning_par  # noqa: E402  (registers the names for the Trainer and Fabric)
 from lightning_par.data import ByteTextDataModule  # noqa: E402
 from lightning_par.models import GPT, MoEGPT  # noqa: E402
-from lightning_par.utils.comm_counter import CommCounter  # noqa: E402
+from lightning_par.parallel.comm_counter import CommCounter  # noqa: E402
 
 Factory = Callable[[], Any]
 Probe = cProfile.Profile | CommCounter | None  # what is switched on over the timed steps only

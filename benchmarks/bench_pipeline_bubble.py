@@ -7,7 +7,7 @@ Launch with p ranks (p = 2 or 4), one thread each:
 
 1. Bubble: stages whose compute is a calibrated sleep (forward F, input-gradient B and weight-gradient W of
    ``--f-ms`` each, the zero-bubble paper's F = B = W, arXiv 2401.10241), driven by torch's schedules through
-   `lightning_par.parallel.pipeline_schedule.SCHEDULES`. Sleeping stages measure the schedule, not this 2-core
+   `lightning_par.parallel.pipeline.schedule.SCHEDULES`. Sleeping stages measure the schedule, not this 2-core
    machine's contention. The bubble is the time a rank sits waiting on its peers (inside the schedule's
    point-to-point waits, before its first action and after its last) over the step time, averaged over ranks;
    the median over steps.
@@ -40,7 +40,7 @@ from torch.distributed.pipelining import PipelineStage  # noqa: E402
 
 from lightning_par import _compat  # noqa: E402
 from lightning_par.analysis.pipeline_timeline import compute_actions, one_f_one_b_order, replay  # noqa: E402
-from lightning_par.parallel.pipeline_schedule import SCHEDULES, local_stages, n_stages  # noqa: E402
+from lightning_par.parallel.pipeline.schedule import SCHEDULES, local_stages, n_stages  # noqa: E402
 from lightning_par.utils import clean_exit  # noqa: E402
 
 BUSY = [0.0]  # seconds this rank spent in its stages' work (sleeps), as measured, not as requested
@@ -189,9 +189,9 @@ def throughput(steps: int, rounds: int) -> list[float]:
 
     Rounds alternate the two measurements seconds apart, so load that drifts on this shared machine hits both.
     """
+    from lightning_par.blocks.trunk import find_trunk
     from lightning_par.models import GPT
-    from lightning_par.parallel.pipeline_split import split_pipeline
-    from lightning_par.plans.trunk import find_trunk
+    from lightning_par.parallel.pipeline.split import split_pipeline
 
     def make() -> GPT:
         torch.manual_seed(0)

@@ -8,7 +8,7 @@ inserts; the streaming one reads the same windows in order, wrapped the way the 
 memory windows (a `TensorDataset` against an `IterableDataset` over the same tensor: what the wrapper costs),
 Hugging Face `datasets` over a local JSON-lines file (Arrow map-style against streaming mode) and over 8 Parquet
 files (Arrow map-style against streaming mode read shard by shard: `CountedShardStream`), the in-memory windows
-as a sharded source (shards of 64 windows, read shard by shard: `lightning_par.parallel.stream_shards`) and a
+as a sharded source (shards of 64 windows, read shard by shard: `lightning_par.streams.shards`) and a
 `litdata.StreamingDataset` over chunks of the windows (indexed through a map-style wrapper against read chunk by
 chunk; the rounds read litdata from a warm cache, and the chunks rank 0 copies into its cache from cold are counted
 once per loader). Both loaders of a pair yield the same number of batches of the same size. Rounds alternate the
@@ -32,8 +32,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, TensorDataset
 
 from lightning_par.data import encode, load_text
-from lightning_par.parallel.stream_counted import CountedShardStream, counted_shards_of
-from lightning_par.parallel.stream_split import split_over_data_parallel
+from lightning_par.streams.counted import CountedShardStream, counted_shards_of
+from lightning_par.streams.split import split_over_data_parallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from _streams import _litdata_pairs, _pairs, hf_stream, litdata_stream, windows

@@ -50,8 +50,8 @@ from torch.distributed.tensor.parallel import (  # noqa: E402
 import lightning_par  # noqa: E402, F401  (registers "tp")
 from lightning_par import _compat  # noqa: E402
 from lightning_par.models import GPT, Llama  # noqa: E402
-from lightning_par.parallel.tensor_parallel import apply_tensor_parallel  # noqa: E402
-from lightning_par.plans import infer_tp_plan  # noqa: E402
+from lightning_par.parallel.tensor import infer_tp_plan  # noqa: E402
+from lightning_par.parallel.tensor.apply import apply_tensor_parallel  # noqa: E402
 from lightning_par.utils import clean_exit  # noqa: E402
 
 _RING = {"all_reduce": 2.0, "reduce_scatter_tensor": 1.0, "all_gather_into_tensor": 1.0}

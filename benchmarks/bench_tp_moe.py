@@ -5,7 +5,7 @@ Launch (4 ranks):
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 benchmarks/bench_tp_moe.py [--quick]
 
 Under ``tp_moe`` (tp 2 x dp 2, ep 2 over the dp ranks of each tp index) both tp ranks of a data-parallel rank hold
-its T tokens, and each takes 1/tp of every expert's rows before the ep exchange (parallel/expert_tp.py). So a rank
+its T tokens, and each takes 1/tp of every expert's rows before the ep exchange (parallel/experts/with_tp.py). So a rank
 sends ``k * T * d * bytes * (ep-1)/ep / tp`` per all-to-all under uniform routing (dropless), the same as a rank of
 plain ``moe`` with T/tp tokens: the second run, ep 2 over dp 4 at the same global batch, is that layout. Both are
 measured on the same step with the all-to-all counter of ``bench_moe.py``; four row all-to-alls per layer and step

@@ -1,5 +1,5 @@
 """The optimizer step under tensor parallelism at ZeRO-0: DTensor parameters against the plain views that
-`lightning_par.parallel.zero_local_views` hands element-wise optimizers.
+`lightning_par.parallel.zero.local_views` hands element-wise optimizers.
 
 Launch (one process, one thread; a 1-rank mesh, where DTensor's dispatch costs what it costs on any mesh):
 

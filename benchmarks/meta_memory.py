@@ -140,8 +140,8 @@ def _units_bytes(model_name: str) -> dict[str, int]:
     bytes outside the trunk's blocks (embedding, norm, head: FSDP2's root group under zero3)."""
     import torch
 
+    from lightning_par.blocks.trunk import find_trunk
     from lightning_par.parallel.materialize import capture_init
-    from lightning_par.plans.trunk import find_trunk
 
     with torch.device("meta"):
         twin = _make_module(model_name)

@@ -13,7 +13,7 @@ whose model shapes, strategies and VmHWM phase marks this script imports):
   ``__init__`` on every rank, then the strategy moves, broadcasts and shards it;
 - ``meta``: the model built in ``configure_model()`` (on the meta device under every lightning_par strategy) and
   ``make_strategy(..., pretrained=folder)``: once the model is laid out, each rank allocates its share and reads
-  only its region of each tensor from the folder (``lightning_par/checkpoint/pretrained.py``).
+  only its region of each tensor from the folder (``lightning_par/checkpoint/pretrained/load.py``).
 
 The folder is ``LlamaForCausalLM(config).save_pretrained(...)`` (one ``model.safetensors``), written on local disk
 in a child process before the first job and deleted at the end. It is then in the page cache: every job reads
@@ -113,7 +113,7 @@ def _make_module(model: str, init: str, folder: str) -> Any:
 
 def _track_fills(record: dict[str, Any]) -> None:
     """After every tensor `load_pretrained` fills: the highest RssAnon and RssFile so far, and the largest read."""
-    import lightning_par.checkpoint.pretrained as pretrained
+    import lightning_par.checkpoint.pretrained.load as pretrained
 
     original = pretrained._fill
     record.update(fill_anon=0, fill_file=0, fill_largest=0)

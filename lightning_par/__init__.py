@@ -5,8 +5,6 @@
 """
 
 from lightning_par.config import ParallelConfig, ParallelConfigError
-from lightning_par.parallel.stream_parquet import ParquetShards
-from lightning_par.parallel.stream_shards import ShardedSource
 from lightning_par.precision.parallel import ParallelPrecision
 from lightning_par.strategies import (
     STRATEGY_NAMES,
@@ -17,6 +15,8 @@ from lightning_par.strategies import (
     register_fabric_strategies,
     register_strategies,
 )
+from lightning_par.streams.parquet import ParquetShards
+from lightning_par.streams.shards import ShardedSource
 
 __version__ = "0.1.0"
 

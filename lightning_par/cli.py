@@ -43,7 +43,7 @@ def print_plan(args: list[str]) -> str:
     Raises:
         TPPlanError: the plan cannot be inferred, or the strategy's tp does not divide what it must.
     """
-    from lightning_par.plans import format_plan, infer_tp_plan, validate_tp
+    from lightning_par.parallel.tensor import format_plan, infer_tp_plan, validate_tp
 
     cli = build_cli(args, run=False)
     strategy = cli.trainer.strategy

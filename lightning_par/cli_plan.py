@@ -16,12 +16,12 @@ import json
 from collections.abc import Sequence
 from typing import Any, Optional
 
-from lightning_par.plan import ModelDesc, device, from_hf_config
-from lightning_par.plan.devices import Device
-from lightning_par.plan.estimate import Estimate, estimate
-from lightning_par.plan.layout import PRECISIONS, RECOMPUTE, SCHEDULES, Layout
-from lightning_par.plan.params import ParamSpec
-from lightning_par.plan.search import candidates, format_ranking, rank_layouts
+from lightning_par.planner import ModelDesc, device, from_hf_config
+from lightning_par.planner.devices import Device
+from lightning_par.planner.estimate import Estimate, estimate
+from lightning_par.planner.layout import PRECISIONS, RECOMPUTE, SCHEDULES, Layout
+from lightning_par.planner.params import ParamSpec
+from lightning_par.planner.search import candidates, format_ranking, rank_layouts
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -70,8 +70,8 @@ def _model(args: argparse.Namespace) -> tuple[ModelDesc, Optional[Sequence[Param
     if args.model_config:
         return from_hf_config(args.model_config), None
     from lightning_par.cli_recipe import _built, build_cli  # Lightning only for recipes
-    from lightning_par.plan.introspect import desc_from_module
-    from lightning_par.plan.params import specs_from_module
+    from lightning_par.planner.introspect import desc_from_module
+    from lightning_par.planner.params import specs_from_module
 
     model = _built(build_cli(["--config", args.config], run=False).model)
     return desc_from_module(model), specs_from_module(model)

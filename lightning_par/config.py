@@ -51,7 +51,7 @@ class ParallelConfig:
         tp: tensor-parallel degree (innermost axis).
         etp: expert tensor parallelism under tp x ep: ``1`` (default): each tp rank computes ``1/tp`` of an MoE
             layer's tokens on whole experts; ``tp``: each expert's hidden width is split over tp, every token
-            computed on every tp rank's slice (`lightning_par.parallel.expert_tp`).
+            computed on every tp rank's slice (`lightning_par.parallel.experts.with_tp`).
         cp: context-parallel degree: each sequence is split over ``cp`` ranks inside the trunk
             (docs/context_parallel.md); they read the same samples, and gradients average over dp x cp.
         cp_mode: how attention sees the whole sequence under ``cp > 1``: ``"allgather"`` (keys and values
@@ -69,12 +69,12 @@ class ParallelConfig:
         ac_every: the period of ``"selective"`` checkpointing; other modes reject a value other than 2.
         sequence_parallel: split the residual stream (norms, dropout, residual adds) along the sequence between
             tensor-parallel regions; ``None`` (default): wherever it is exact for the model, ``True``: required.
-        pp_schedule: pipeline schedule name (`lightning_par.parallel.pipeline_schedule.SCHEDULES`).
+        pp_schedule: pipeline schedule name (`lightning_par.parallel.pipeline.schedule.SCHEDULES`).
         microbatches: pipeline microbatches per step (``None``: ``2 * pp``).
         pp_split: trunk blocks per pipeline stage, by hand (``pp`` counts, ``2 * pp`` for the interleaved and V
             schedules); ``None`` balances the stages by ``pp_costs``.
         pp_costs: one cost per trunk block for the automatic split (e.g. from
-            `lightning_par.plans.partition.measure_block_times`); ``None``: parameter counts.
+            `lightning_par.parallel.pipeline.partition.measure_block_times`); ``None``: parameter counts.
         bucket_cap_mb: size of a gradient/parameter communication bucket for ZeRO stages 0-2.
         compile: `torch.compile` each trunk block (after activation checkpointing and tensor parallelism, before
             FSDP2; `lightning_par.parallel.compile`): the code outside the trunk and ``training_step`` stay eager,
@@ -83,7 +83,7 @@ class ParallelConfig:
             gradient accumulation to ``global_batch / (per-rank batch x data-parallel size)`` when the training
             loader is set up, so a restart on fewer or more ranks (elastic) trains on the same global batch; a size
             that does not divide is refused, naming the fix. ``None``: the Trainer's ``accumulate_grad_batches``.
-        sync_every: local SGD / DiLoCo (`lightning_par.parallel.local_sgd`): the ``dp_replicate`` replicas train
+        sync_every: local SGD / DiLoCo (`lightning_par.parallel.local_sgd.outer`): the ``dp_replicate`` replicas train
             apart (gradients reduced inside each, over ``dp_shard``) and synchronise every ``sync_every`` optimizer
             steps with an outer SGD step; ``None`` (default): gradients are reduced over every data-parallel rank
             at every step.

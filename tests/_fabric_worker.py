@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 
 import lightning_par
 from lightning_par.checkpoint.dcp import model_state
-from lightning_par.plans.flops import active_param_count
+from lightning_par.parallel.flops import active_param_count
 
 GLOBAL_BATCH, SEQ = 8, 16
 

@@ -17,7 +17,7 @@ torch.set_num_threads(1)
 import torch.distributed as dist  # noqa: E402
 
 from lightning_par.nn import Experts  # noqa: E402
-from lightning_par.parallel.expert_dispatch import ExpertDispatch  # noqa: E402
+from lightning_par.parallel.experts.dispatch import ExpertDispatch  # noqa: E402
 from lightning_par.utils import clean_exit  # noqa: E402
 
 E, D, F = 4, 6, 10

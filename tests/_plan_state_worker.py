@@ -32,8 +32,8 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lightning_par  # noqa: E402
 from lightning_par.data import ByteTextDataModule  # noqa: E402
+from lightning_par.parallel.comm_counter import CommCounter  # noqa: E402
 from lightning_par.utils import clean_exit  # noqa: E402
-from lightning_par.utils.comm_counter import CommCounter  # noqa: E402
 
 MEASURED = 1  # batch index of the measured step
 

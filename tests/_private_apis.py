@@ -67,7 +67,7 @@ def _step_post_hooks() -> None:
 
 
 def _chunk_cat_layout() -> None:
-    """Rank-major with ceil(rows / world) rows per chunk and zero padding, as `zero_buckets.Bucket` lays out."""
+    """Rank-major with ceil(rows / world) rows per chunk and zero padding, as `zero.buckets.Bucket` lays out."""
     a, b = torch.arange(15.0).view(5, 3), torch.arange(4.0)
     out = torch.empty(2, 11)
     _compat.chunk_cat([a, b], 2, out)
@@ -143,25 +143,26 @@ _CONNECTOR = "lightning.pytorch.trainer.connectors.accelerator_connector._Accele
 _ZERO12 = "deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer"
 _ZERO3 = "deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3"
 _BF16 = "deepspeed.runtime.bf16_optimizer.BF16_Optimizer"
-_ENGINE = "lightning_par.parallel.deepspeed_state finds DeepSpeed's fp32 partitions (checkpoints) with"
+_ENGINE = "lightning_par.parallel.deepspeed.state finds DeepSpeed's fp32 partitions (checkpoints) with"
 _METRIC = "lightning_par.strategies._pipeline sends metrics from the last pipeline stage to the others with"
-_TREE = "lightning_par.parallel.pipeline(_schedule), utils.memory, strategies._pipeline walk batches and outputs with"
+_TREE = "lightning_par.parallel.pipeline (stages, schedule), utils.memory, strategies._pipeline walk batches and " \
+    "outputs with"
 
 # One entry per private API; the accessors are this module's names that reach it.
 PRIVATE_APIS: tuple[PrivateAPI, ...] = (
     # torch: DTensor and DeviceMesh
     PrivateAPI("torch", f"{_DT}.placement_types._StridedShard",
-               "lightning_par.parallel.tensor_parallel shards fused [q|k|v] projections with (checkpoint.strided, "
-               "parallel.zero_replicated read it)",
+               "lightning_par.parallel.tensor.apply shards fused [q|k|v] projections with (checkpoint.strided, "
+               "parallel.zero.replicated read it)",
                ("StridedShard",), lambda: _params(f"{_DT}.placement_types._StridedShard", "dim", "split_factor")),
     PrivateAPI("torch", f"{_DT}.DTensor._local_tensor",
                "lightning_par.checkpoint.async_save and strategies._checkpointing read shards without autograd with",
                ("dtensor_local",), lambda: _slots(f"{_DT}.DTensor", "_local_tensor")),
     PrivateAPI("torch", f"{_DT}.DTensor._spec",
-               "lightning_par.parallel.zero_replicated and checkpoint.async_save rewrap state and staged shards with",
+               "lightning_par.parallel.zero.replicated and checkpoint.async_save rewrap state and staged shards with",
                ("dtensor_spec", "dtensor_like"), lambda: _slots(f"{_DT}.DTensor", "_spec")),
     PrivateAPI("torch", f"{_DT}.DTensor(local_tensor, spec, *, requires_grad)",
-               "lightning_par.parallel.zero_replicated wraps optimizer state for DCP with (checkpoint.async_save "
+               "lightning_par.parallel.zero.replicated wraps optimizer state for DCP with (checkpoint.async_save "
                "falls back to DTensor.from_local)",
                ("dtensor_from_spec", "dtensor_like"), _dtensor_constructor),
     PrivateAPI("torch", f"{_D}.device_mesh.DeviceMesh._flatten",
@@ -169,11 +170,11 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                ("flatten_mesh",), lambda: _params(f"{_D}.device_mesh.DeviceMesh._flatten", "mesh_dim_name")),
     # torch: collectives
     PrivateAPI("torch", f"{_D}.reduce_scatter_single (or reduce_scatter_tensor)",
-               "lightning_par.parallel.zero_replicated reduces ZeRO-1/2 gradient buckets with",
+               "lightning_par.parallel.zero.replicated reduces ZeRO-1/2 gradient buckets with",
                ("reduce_scatter_single",),
                lambda: getattr(dist, "reduce_scatter_single", None) or _attr(f"{_D}.reduce_scatter_tensor")),
     PrivateAPI("torch", f"{_D}.all_gather_single (or all_gather_into_tensor)",
-               "lightning_par.parallel.zero_replicated gathers ZeRO-1/2 parameter shards with",
+               "lightning_par.parallel.zero.replicated gathers ZeRO-1/2 parameter shards with",
                ("all_gather_single",),
                lambda: getattr(dist, "all_gather_single", None) or _attr(f"{_D}.all_gather_into_tensor")),
     PrivateAPI("torch", "torch.ops._c10d_functional.reduce_scatter_tensor",
@@ -195,13 +196,13 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                "lightning_par.utils.memory.LiveStorageBytes sees storages die with",
                ("StorageWeakRef",), lambda: _attr("torch.multiprocessing.reductions.StorageWeakRef.expired")),
     PrivateAPI("torch", "torch.nn.Module._parameters",
-               "lightning_par.parallel.pipeline finds the modules outside the trunk that own parameters with",
+               "lightning_par.parallel.pipeline.stages finds the modules outside the trunk that own parameters with",
                ("module_parameters",), lambda: dict(_compat.module_parameters(nn.Module()))),
     PrivateAPI("torch", "torch.nn.Module._modules",
-               "lightning_par.parallel.pipeline swaps blocks for stage stand-ins with",
+               "lightning_par.parallel.pipeline.stages swaps blocks for stage stand-ins with",
                ("set_child_module",), lambda: _compat.set_child_module(nn.Module(), "x", nn.Module())),
     PrivateAPI("torch", "torch.nn.Module._non_persistent_buffers_set",
-               "lightning_par.parallel.deepspeed_state leaves non-persistent buffers out of checkpoints with",
+               "lightning_par.parallel.deepspeed.state leaves non-persistent buffers out of checkpoints with",
                ("non_persistent_buffers",), lambda: set(_compat.non_persistent_buffers(nn.Module()))),
     # Overridden in lightning_par/models/llama.py itself: models/ imports nothing from lightning_par (test_models.py).
     PrivateAPI("torch", "torch.nn.Module._apply",
@@ -229,16 +230,16 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                lambda: _attr("torch.utils._python_dispatch.TorchDispatchMode.__torch_dispatch__")),
     # torch: optimizer hooks
     PrivateAPI("torch", "torch.optim.{Optimizer._optimizer_step_post_hooks, optimizer._global_optimizer_post_hooks}",
-               "lightning_par.parallel.zero_replicated orders and counts the post-hooks of a ZeRO-1/2 step with",
+               "lightning_par.parallel.zero.replicated orders and counts the post-hooks of a ZeRO-1/2 step with",
                ("step_post_hooks", "run_step_post_hook_first"), lambda: _step_post_hooks()),
     # torch: fused copies
-    PrivateAPI("torch", "torch._foreach_copy_", "lightning_par.parallel.zero_buckets unpacks gathered parameters with",
+    PrivateAPI("torch", "torch._foreach_copy_", "lightning_par.parallel.zero.buckets unpacks gathered parameters with",
                ("foreach_copy",), lambda: _compat.foreach_copy([torch.zeros(2)], [torch.ones(2)])),
-    PrivateAPI("torch", "torch._chunk_cat", "lightning_par.parallel.zero_buckets packs gradients rank-major with",
+    PrivateAPI("torch", "torch._chunk_cat", "lightning_par.parallel.zero.buckets packs gradients rank-major with",
                ("chunk_cat",), lambda: _chunk_cat_layout()),
     # torch: DataLoader workers
     PrivateAPI("torch", "torch.utils.data._utils.worker._worker_info",
-               "lightning_par.parallel.streaming reads a source as one process inside a loader worker with",
+               "lightning_par.streams.dataset reads a source as one process inside a loader worker with",
                ("hidden_worker_info",), lambda: _hidden_worker_info()),
     # torch: distributed checkpoint
     PrivateAPI("torch", f"{_D}.checkpoint.state_dict._init_optim_state",
@@ -256,11 +257,11 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
     ),
     # torch: tensor-parallel styles
     PrivateAPI("torch", f"{_DT}.parallel.ColwiseParallel._apply",
-               "lightning_par.parallel.tensor_parallel overrides to shard fused [q|k|v] projections",
+               "lightning_par.parallel.tensor.apply overrides to shard fused [q|k|v] projections",
                ("ColwiseParallelHook",),
                lambda: _params(f"{_DT}.parallel.ColwiseParallel._apply", "module", "device_mesh")),
     PrivateAPI("torch", f"{_DT}.parallel.ColwiseParallel._prepare_input_fn",
-               "lightning_par.parallel.tensor_parallel prepares the inputs of fused projections with",
+               "lightning_par.parallel.tensor.apply prepares the inputs of fused projections with",
                ("ColwiseParallelHook",),
                lambda: _params(f"{_DT}.parallel.ColwiseParallel._prepare_input_fn", "input_layouts",
                                "desired_input_layouts", "mod", "inputs", "device_mesh")),
@@ -269,22 +270,22 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                "benchmarks/bench_pipeline_bubble.py times the waits on peers by wrapping",
                ("pipeline_p2p_wait", "set_pipeline_p2p_wait"), lambda: _params(f"{_PS}._wait_batch_p2p", "work")),
     PrivateAPI("torch", f"{_PS}.PipelineSchedule{{Single,Multi}}.pipeline_order",
-               "benchmarks/bench_pipeline_bubble.py replays (lightning_par.parallel.pipeline_timeline) for theory",
+               "benchmarks/bench_pipeline_bubble.py replays (lightning_par.analysis.pipeline_timeline) for theory",
                ("pipeline_order",),
                lambda: [_sets(f"{_PS}.PipelineSchedule{kind}", "pipeline_order") for kind in ("Single", "Multi")]),
     PrivateAPI("torch", f"{_PS}.PipelineScheduleMulti subclasses' _calculate_single_rank_operations",
-               "lightning_par.plan.steptime replays (for the bubble of a layout it prices) through",
+               "lightning_par.planner.steptime replays (for the bubble of a layout it prices) through",
                ("schedule_rank_actions",),
                lambda: [_attr(f"{_PS}.{c}._calculate_single_rank_operations") for c in
                         ("ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleInterleavedZeroBubble",
                          "ScheduleZBVZeroBubble", "ScheduleDualPipeV")]),
     PrivateAPI("torch", f"{_PS}._Action",
-               "lightning_par.parallel.pipeline_timeline reads (stage_index, computation_type, microbatch_index, "
+               "lightning_par.analysis.pipeline_timeline reads (stage_index, computation_type, microbatch_index, "
                "sub_actions) of",
                (), lambda: _fields(f"{_PS}._Action", "stage_index", "computation_type", "microbatch_index",
                                    "sub_actions")),
     PrivateAPI("torch", f"{_PS}.Schedule1F1B._step_microbatches",
-               "lightning_par.parallel.pipeline_timeline.one_f_one_b_order copies the order of (check the copy)",
+               "lightning_par.analysis.pipeline_timeline.one_f_one_b_order copies the order of (check the copy)",
                (), lambda: _attr(f"{_PS}.Schedule1F1B._step_microbatches")),
     # Lightning
     PrivateAPI("lightning", "lightning.pytorch.LightningModule._compiler_ctx (set by utilities.compile.from_compiled)",
@@ -307,6 +308,12 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
     PrivateAPI("lightning", "lightning.pytorch.LightningModule._trainer",
                "lightning_par.strategies._checkpointing finds the Trainer of a possibly detached module with",
                ("attached_trainer",), lambda: _sets("lightning.pytorch.core.module.LightningModule", "_trainer")),
+    PrivateAPI("lightning", "lightning.pytorch.trainer.connectors.callback_connector._CallbackConnector"
+               "._attach_model_logging_functions",
+               "lightning_par.strategies.parallel's teardown undoes the log / log_dict bindings of",
+               ("unbind_callback_logging",),
+               lambda: _attr("lightning.pytorch.trainer.connectors.callback_connector._CallbackConnector"
+                             "._attach_model_logging_functions")),
     PrivateAPI("lightning", "lightning.pytorch.core.optimizer.LightningOptimizer._optimizer",
                "lightning_par.strategies unwrap the optimizers they checkpoint and hand to DeepSpeed with",
                ("unwrap_optimizer",),
@@ -376,17 +383,17 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
     PrivateAPI("deepspeed", f"{_ZERO3}.sub_group_to_group_id", _ENGINE,
                ("zero_sub_group_to_group_id",), lambda: _sets(_ZERO3, "sub_group_to_group_id")),
     PrivateAPI("deepspeed", f"{_ZERO3}.swap_optimizer",
-               "lightning_par.parallel.deepspeed_state refuses NVMe-offloaded state, which it cannot load, with",
+               "lightning_par.parallel.deepspeed.state refuses NVMe-offloaded state, which it cannot load, with",
                ("zero_swaps_optimizer",), lambda: _sets(_ZERO3, "swap_optimizer")),
     PrivateAPI("deepspeed", "{DeepSpeedZeroOptimizer,BF16_Optimizer}._lazy_init_hp_params_optimizer_state and "
                "._hp_optimizer_states_linked",
-               "lightning_par.parallel.deepspeed_state relinks every param group's optimizer state (else the second "
+               "lightning_par.parallel.deepspeed.state relinks every param group's optimizer state (else the second "
                "group's reads empty) with",
                ("zero_relink_optimizer_state",),
                lambda: [(_attr(f"{c}._lazy_init_hp_params_optimizer_state"), _sets(c, "_hp_optimizer_states_linked"))
                         for c in (_ZERO12, _BF16)]),
     PrivateAPI("deepspeed", "deepspeed.runtime.zero.partition_parameters (Parameter.ds_shape)",
-               "lightning_par.parallel.deepspeed_state and strategies.deepspeed size ZeRO-3 parameters with",
+               "lightning_par.parallel.deepspeed.state and strategies.deepspeed size ZeRO-3 parameters with",
                ("zero3_shape",), lambda: _sets("deepspeed.runtime.zero.partition_parameters", "ds_shape")),
 )  # fmt: skip
 

@@ -53,7 +53,7 @@ class SGDGPT(GPT):
 
 class ForeachSGDGPT(SGDGPT):
     """SGDGPT with ``foreach=True``: torch's multi-tensor kernels, CUDA's default, which refuse a list that mixes
-    DTensors and plain tensors (what tp at ZeRO-0 handed them before `zero_local_views`)."""
+    DTensors and plain tensors (what tp at ZeRO-0 handed them before `zero.local_views`)."""
 
     def configure_optimizers(self) -> Any:
         optimizer = super().configure_optimizers()
@@ -702,7 +702,7 @@ def _ds_batch(strategy: Any) -> Optional[tuple[int, int, int]]:
 
 
 def _deepspeed_optimizer_state(strategy: Any, opt: Any) -> dict[str, dict[str, Any]]:
-    # Each rank keeps a round-robin share of the names (lightning_par.parallel.deepspeed_state): merge them.
+    # Each rank keeps a round-robin share of the names (lightning_par.parallel.deepspeed.state): merge them.
     mine = {
         n: {k: v.detach().float().cpu() for k, v in st.items()}
         for n, st in strategy.optimizer_state(opt)["state"].items()
@@ -1061,7 +1061,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         "params": params,
         "routing": routing.global_order() if routing in trainer.callbacks else None,
         "init_state": next((c.state for c in extra if isinstance(c, InitRecorder)), None),
-        # DeepSpeed backend, meta-built model: what materialising it cost each rank (parallel/deepspeed_init.py).
+        # DeepSpeed backend, meta-built model: what materialising it cost each rank (parallel/deepspeed/meta_init.py).
         "meta_init_all": _gathered_objects(_asdict(getattr(trainer.strategy, "meta_init", None))),
         "layout": getattr(trainer.strategy, "parallel_layout", None),
         # auto_parallel: the layout the planner chose and its printed top three.

@@ -9,10 +9,10 @@ import pytest
 import torch
 from launch import run_jobs
 
+from lightning_par.blocks.trunk import find_trunk
 from lightning_par.models import GPT, Llama
 from lightning_par.parallel import activation_checkpointing as ac
 from lightning_par.parallel.activation_checkpointing import apply_activation_checkpointing
-from lightning_par.plans.trunk import find_trunk
 from lightning_par.utils import LiveStorageBytes
 
 MODELS = {

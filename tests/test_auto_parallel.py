@@ -13,7 +13,7 @@ from conftest import reference_job
 from launch import run_jobs
 from parity import params_close, rel
 
-from lightning_par.plan.layout import Layout
+from lightning_par.planner.layout import Layout
 from lightning_par.strategies.auto import AutoParallelStrategy, layout_name
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

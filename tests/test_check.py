@@ -135,7 +135,7 @@ def test_compatibility_table_points_at_real_jobs():
 
 def test_moe_families_with_per_head_parts_train_under_tp_and_say_what_follows_the_heads():
     # GPT-OSS's sinks, OLMoE's full-width and Qwen3's per-head q/k norms are split with the heads
-    # (parallel/tp_heads.py; trained against one process in tests/test_tp_heads.py).
+    # (parallel/tensor/heads.py; trained against one process in tests/test_tp_heads.py).
     gpt_oss = _verdicts("hf_gpt_oss", strategies=["tp"])["tp"]
     assert gpt_oss.ok and "split with the heads: sinks (per head)" in gpt_oss.reason, gpt_oss.reason
     olmoe = _verdicts("hf_olmoe", strategies=["tp"])["tp"]

@@ -18,8 +18,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lightning_par.parallel import collectives
+from lightning_par.parallel.comm_counter import CommCounter
 from lightning_par.strategies._processes import all_reduce_logged
-from lightning_par.utils.comm_counter import CommCounter
 
 pytestmark = pytest.mark.slow  # multi-process: the slow tier (docs/testing.md, "Tiers")
 

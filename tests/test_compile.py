@@ -15,13 +15,13 @@ import torch
 from launch import run_jobs
 from parity import rel
 
+from lightning_par.blocks.trunk import find_trunk
 from lightning_par.config import ParallelConfig, ParallelConfigError
 from lightning_par.models import GPT
 from lightning_par.parallel.activation_checkpointing import apply_activation_checkpointing
 from lightning_par.parallel.compile import apply_compile
 from lightning_par.parallel.compose import _trunk
-from lightning_par.parallel.deepspeed_zero import check_deepspeed_layout
-from lightning_par.plans.trunk import find_trunk
+from lightning_par.parallel.deepspeed.engine import check_deepspeed_layout
 from lightning_par.strategies import DeepSpeedParallelStrategy, ParallelStrategy
 from lightning_par.strategies._compiled import take_compiled
 

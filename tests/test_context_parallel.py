@@ -23,7 +23,7 @@ from parity import params_close, rel
 
 from lightning_par.config import ParallelConfig, ParallelConfigError, split_world
 from lightning_par.names import STRATEGY_NAMES, strategy_kwargs
-from lightning_par.parallel.context_parallel import apply_context_parallel, layout
+from lightning_par.parallel.context.apply import apply_context_parallel, layout
 
 LR = 3e-3  # the AdamW models' learning rate (tests/_worker.py)
 UNEVEN = {"cp_uneven": True}
@@ -185,7 +185,7 @@ def test_cp_composes_with_every_dimension_and_refuses_unknown_modes():
 
 
 def test_cp_refuses_deepspeed():
-    from lightning_par.parallel.deepspeed_zero import DeepSpeedConfigError, check_deepspeed_layout
+    from lightning_par.parallel.deepspeed.engine import DeepSpeedConfigError, check_deepspeed_layout
 
     with pytest.raises(DeepSpeedConfigError, match="backend='native' for cp > 1"):
         check_deepspeed_layout(ParallelConfig(cp=2, zero_stage=2))

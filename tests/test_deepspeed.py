@@ -193,7 +193,7 @@ def test_accumulation_clipping_validation(runs, references, name):
 def test_monitor_counts_model_flops_of_the_whole_model(runs, name):
     # Under ZeRO-3 DeepSpeed leaves each parameter an empty placeholder: the strategy counts before partitioning.
     from lightning_par.models import GPT
-    from lightning_par.plans.flops import active_param_count
+    from lightning_par.parallel.flops import active_param_count
 
     m = GPT(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=32)  # the worker's "gpt"
     want = 6.0 * active_param_count(m) + 12.0 * m.n_layers * m.hidden_size * m.seq_len
@@ -209,7 +209,7 @@ def test_nvme_without_async_io_is_refused_before_training(monkeypatch):
 
     from lightning_par.data import ByteTextDataModule
     from lightning_par.models import GPT
-    from lightning_par.parallel.deepspeed_zero import DeepSpeedConfigError, async_io_available
+    from lightning_par.parallel.deepspeed.engine import DeepSpeedConfigError, async_io_available
 
     assert async_io_available() == AIO  # the strategy's probe agrees with the one this module skips on
     monkeypatch.setattr("lightning_par.strategies.deepspeed.async_io_available", lambda: False)  # a machine without
@@ -305,7 +305,7 @@ def test_conflicting_deepspeed_json_fails_at_setup(runs):
 # ---- configuration, no processes ---------------------------------------------------------------------------------
 def test_config_maps_stage_precision_offload_accumulation_and_clipping():
     from lightning_par.config import ParallelConfig
-    from lightning_par.parallel.deepspeed_zero import build_config
+    from lightning_par.parallel.deepspeed.engine import build_config
 
     cfg = build_config(ParallelConfig(zero_stage=2), precision="bf16-mixed", accumulate=4, clip_val=1.0)
     assert cfg["zero_optimization"] == {"stage": 2}
@@ -323,7 +323,7 @@ def test_config_maps_stage_precision_offload_accumulation_and_clipping():
 
 def test_user_json_overrides_and_conflicts(tmp_path):
     from lightning_par.config import ParallelConfig
-    from lightning_par.parallel.deepspeed_zero import (
+    from lightning_par.parallel.deepspeed.engine import (
         DeepSpeedConfigError,
         build_config,
         load_user_config,
@@ -360,7 +360,7 @@ def test_user_json_overrides_and_conflicts(tmp_path):
 )
 def test_combinations_deepspeed_cannot_do_are_refused_up_front(kwargs, message):
     import lightning_par
-    from lightning_par.parallel.deepspeed_zero import DeepSpeedConfigError
+    from lightning_par.parallel.deepspeed.engine import DeepSpeedConfigError
 
     with pytest.raises(DeepSpeedConfigError) as err:
         lightning_par.DeepSpeedParallelStrategy(**kwargs)
@@ -394,7 +394,7 @@ def test_fp16_is_refused_where_the_accelerator_reports_none() -> None:
     support (most CPUs)."""
     import lightning as L
 
-    from lightning_par.parallel.deepspeed_zero import DeepSpeedConfigError
+    from lightning_par.parallel.deepspeed.engine import DeepSpeedConfigError
 
     with pytest.raises(DeepSpeedConfigError, match="does not support fp16 here; use precision='bf16-mixed'"):
         L.Trainer(accelerator="cpu", devices=1, strategy="deepspeed_zero2", precision="16-mixed")

@@ -143,7 +143,7 @@ def test_zero1_2_hold_the_full_model(runs):
 def test_deepspeed_without_module_conversion_is_refused(monkeypatch):
     import deepspeed
 
-    from lightning_par.parallel.deepspeed_init import DeepSpeedInitError, check_zero_init_api
+    from lightning_par.parallel.deepspeed.meta_init import DeepSpeedInitError, check_zero_init_api
 
     class OldInit:  # a zero.Init that can only be entered as a context, not convert a built module
         def __init__(self, remote_device: Any = None, pin_memory: bool = False) -> None:

@@ -27,8 +27,8 @@ from parity import params_close, rel, without_tied_copies
 from safetensors.torch import load_file
 from torch import nn
 
+from lightning_par.blocks.trunk import find_trunk
 from lightning_par.parallel.materialize import UninitializedError, capture_init, init_unit
-from lightning_par.plans.trunk import find_trunk
 
 pytestmark = pytest.mark.timeout(900)
 

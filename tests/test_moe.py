@@ -180,7 +180,7 @@ def test_moe_layers_are_found_in_our_model_and_in_hugging_face_mixtral():
     from transformers import MixtralConfig, MixtralForCausalLM
 
     from lightning_par.models import MoEGPT
-    from lightning_par.plans.moe import find_moe_layers
+    from lightning_par.parallel.experts.finder import find_moe_layers
 
     ours = find_moe_layers(MoEGPT(n_layer=2, n_embd=32, n_experts=4, top_k=1))
     assert [(x.name, x.kind, x.n_experts, x.top_k) for x in ours] == [
@@ -205,7 +205,7 @@ def test_moe_layers_are_found_in_our_model_and_in_hugging_face_mixtral():
 def test_moe_families_are_recognised_by_structure(model, layers, n_experts):
     from _worker import MODELS
 
-    from lightning_par.plans.moe import find_moe_layers, unrecognised_experts
+    from lightning_par.parallel.experts.finder import find_moe_layers, unrecognised_experts
 
     lm = MODELS[model]()
     found = find_moe_layers(lm)
@@ -222,7 +222,7 @@ def test_moe_families_are_recognised_by_structure(model, layers, n_experts):
 def test_module_list_experts_are_recognised_and_mismatched_ones_refused():
     from _worker import MODELS
 
-    from lightning_par.plans.moe import find_moe_layers, unrecognised_experts
+    from lightning_par.parallel.experts.finder import find_moe_layers, unrecognised_experts
 
     found = find_moe_layers(MODELS["user_moe_list"]())
     assert [(x.name, x.kind, x.n_experts, x.top_k) for x in found] == [
@@ -243,7 +243,7 @@ def test_module_list_experts_are_recognised_and_mismatched_ones_refused():
 def test_a_module_list_holding_none_is_a_dense_model_not_a_crash():
     # x-transformers keeps optional per-layer modules as None entries of ModuleLists; the finder crashed on them
     # (issue 37). Its decoder trains under zero3 in tests/test_families.py.
-    from lightning_par.plans.moe import find_moe_layers, unrecognised_experts
+    from lightning_par.parallel.experts.finder import find_moe_layers, unrecognised_experts
 
     model = torch.nn.Sequential(torch.nn.ModuleList([None, None]), torch.nn.ModuleList([torch.nn.Linear(4, 4), None]))
     assert find_moe_layers(model) == [] and unrecognised_experts(model) == []
@@ -252,7 +252,7 @@ def test_a_module_list_holding_none_is_a_dense_model_not_a_crash():
 def test_unrecognised_experts_are_refused_before_any_exchange():
     from _worker import MODELS
 
-    from lightning_par.parallel.expert_parallel import apply_expert_parallel
+    from lightning_par.parallel.experts.apply import apply_expert_parallel
 
     class _Mesh:  # apply_expert_parallel reads the ep size only before refusing
         class ep:

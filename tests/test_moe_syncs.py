@@ -25,10 +25,10 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_par.nn import MoE
-from lightning_par.parallel.expert_dispatch import ExpertDispatch
-from lightning_par.parallel.expert_tp import TokenSplit
-from lightning_par.parallel.moe_module_list import shard_module_list_experts
-from lightning_par.parallel.moe_stacked import shard_stacked_experts
+from lightning_par.parallel.experts.dispatch import ExpertDispatch
+from lightning_par.parallel.experts.module_list import shard_module_list_experts
+from lightning_par.parallel.experts.stacked import shard_stacked_experts
+from lightning_par.parallel.experts.with_tp import TokenSplit
 
 aten = torch.ops.aten
 _ALWAYS = {

@@ -276,7 +276,7 @@ def test_expert_load_counts_each_token_once(tmp_path: Path) -> None:
 
 def test_model_flops_count_the_active_experts_only(tmp_path: Path) -> None:
     # top-2 of 4 experts: N leaves out the embedding and half of every layer's experts (router and the rest whole).
-    from lightning_par.plans.flops import active_param_count
+    from lightning_par.parallel.flops import active_param_count
 
     model = TinyMoELM()
     experts = sum(p.numel() for b in model.blocks for p in b[0].experts.parameters())

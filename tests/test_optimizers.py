@@ -3,7 +3,7 @@
 ZeRO-1/2 step an element-wise optimizer on row slices of each weight; on such slices Adafactor's factored second
 moments and Muon's orthogonalization would compute another update than one process, silently
 (`test_row_slices_change_only_non_elementwise_updates`), so ZeRO-1/2 step them on whole parameters instead, each
-owned by one rank (`lightning_par.parallel.zero_whole`). Both match one process under ZeRO-0, 1 and 2 here (with
+owned by one rank (`lightning_par.parallel.zero.whole`). Both match one process under ZeRO-0, 1 and 2 here (with
 gradient accumulation, clipping, a 2-stage pipeline (dp 1), and a checkpoint written under ZeRO-2 by 2 ranks and
 resumed in one process); Muon under ZeRO-3 too (FSDP2 keeps DTensors, whose reductions span each whole weight).
 torch 2.13's Adafactor cannot step DTensors (an in-place op on a partial placement), so ZeRO-3 refuses it before
@@ -32,7 +32,7 @@ from lightning_par.parallel.optimizers import (
     check_per_parameter,
     is_elementwise,
 )
-from lightning_par.parallel.zero_whole import assign_owners, check_not_tp_sharded
+from lightning_par.parallel.zero.whole import assign_owners, check_not_tp_sharded
 
 
 def _initial_params(model: str) -> dict[str, torch.Tensor]:

@@ -1,6 +1,6 @@
 """Expert parallelism inside pipeline stages (``pipe_moe*``): each stage's MoE layers exchange tokens with
 all-to-all over the ep ranks of that stage, per microbatch, and ``lightning_par.nn.MoE``'s aux / z-losses travel
-down the pipeline with the hidden state (lightning_par/parallel/pipeline_sides.py) so that ``moe_loss(model)`` on
+down the pipeline with the hidden state (lightning_par/parallel/pipeline/sides.py) so that ``moe_loss(model)`` on
 the last stage sums every layer's.
 
 Capacity and load-balancing statistics are per microbatch over every data-parallel rank's tokens of that
@@ -37,11 +37,11 @@ from conftest import reference_job
 from launch import run_jobs
 from parity import params_close, rel
 
+from lightning_par.blocks.trunk import find_trunk
 from lightning_par.config import ParallelConfig
 from lightning_par.names import strategy_kwargs
 from lightning_par.nn import MoE
-from lightning_par.parallel.pipeline_owners import PipelineError, find_ownership
-from lightning_par.plans.trunk import find_trunk
+from lightning_par.parallel.pipeline.owners import PipelineError, find_ownership
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -1,7 +1,7 @@
 """MoE load-balancing losses under pipeline parallelism: Hugging Face MoE models with ``output_router_logits=True``
 (tests/_families_moe.py) compute their aux loss after the trunk from every layer's router logits, which the stages
 carry down the pipeline with the hidden state and replay through the router modules on the stages that do not run
-them (lightning_par/parallel/pipeline_sides.py).
+them (lightning_par/parallel/pipeline/sides.py).
 
 Each microbatch's load-balancing loss is computed from its own router logits, as under gradient accumulation in one
 process, and the loss is not linear in the tokens (a product of means): so a pipeline with m microbatches of its
@@ -29,8 +29,8 @@ from conftest import reference_job
 from launch import run_jobs
 from parity import params_close, rel
 
-from lightning_par.parallel.pipeline_owners import PipelineError, find_ownership
-from lightning_par.plans.trunk import find_trunk
+from lightning_par.blocks.trunk import find_trunk
+from lightning_par.parallel.pipeline.owners import PipelineError, find_ownership
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -181,7 +181,7 @@ def test_stages_in_one_process_carry_replay_and_backpropagate_the_router_logits(
     # order) and every gradient are the whole model's; the middle stage passes block 0's logits on.
     import copy
 
-    from lightning_par.parallel.pipeline import PipelineModel
+    from lightning_par.parallel.pipeline.stages import PipelineModel
 
     torch.manual_seed(0)
     full = _hf_qwen2_moe(output_router_logits=True, num_hidden_layers=4, router_aux_loss_coef=0.1)

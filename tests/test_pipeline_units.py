@@ -12,17 +12,10 @@ from _worker import DictTrunkLM, SeqTrunkLM, _Residual
 from torch import nn
 
 from lightning_par.analysis.pipeline_timeline import Action, one_f_one_b_order, replay
+from lightning_par.blocks.trunk import find_trunk
 from lightning_par.config import PP_SCHEDULES, ParallelConfig, ParallelConfigError
 from lightning_par.models import GPT, Llama
-from lightning_par.parallel.pipeline import PipelineError, PipelineModel, StageSpec
-from lightning_par.parallel.pipeline_schedule import (
-    SCHEDULES,
-    check_schedule,
-    local_stages,
-    n_stages,
-    split_microbatches,
-)
-from lightning_par.plans.partition import (
+from lightning_par.parallel.pipeline.partition import (
     PartitionError,
     even_split,
     measure_block_times,
@@ -30,7 +23,14 @@ from lightning_par.plans.partition import (
     partition,
     stage_costs,
 )
-from lightning_par.plans.trunk import find_trunk
+from lightning_par.parallel.pipeline.schedule import (
+    SCHEDULES,
+    check_schedule,
+    local_stages,
+    n_stages,
+    split_microbatches,
+)
+from lightning_par.parallel.pipeline.stages import PipelineError, PipelineModel, StageSpec
 
 # ---- partitioner ---------------------------------------------------------------------------------------------
 
@@ -260,7 +260,7 @@ class _HeadFirst(nn.Module):
 
 
 def test_ownership_follows_what_runs_before_and_after_the_trunk() -> None:
-    from lightning_par.parallel.pipeline_owners import find_ownership
+    from lightning_par.parallel.pipeline.owners import find_ownership
 
     model = _HeadFirst()
     own = find_ownership(model, find_trunk(model))
@@ -301,7 +301,7 @@ class _BatchWrapper(nn.Module):
 
 
 def test_ownership_probes_the_wrapped_model_when_the_wrapper_cannot_be_called() -> None:
-    from lightning_par.parallel.pipeline_owners import find_ownership
+    from lightning_par.parallel.pipeline.owners import find_ownership
 
     wrapper = _BatchWrapper()
     own = find_ownership(wrapper, find_trunk(wrapper))
@@ -335,7 +335,7 @@ class _SideOutputs(nn.Module):
 
 
 def test_a_tensor_made_inside_the_trunk_and_read_after_it_rules_out_every_cut_before_its_reader() -> None:
-    from lightning_par.parallel.pipeline_owners import find_ownership
+    from lightning_par.parallel.pipeline.owners import find_ownership
 
     model = _SideOutputs()
     # The last block's output is handed on (and allowed); block 0's is not, so no cut keeps the values.
@@ -362,7 +362,7 @@ SKIP_CUTS = {"unet": [], "groups": [3], "x0": [], "outside": [], "late_read": [1
 
 @pytest.mark.parametrize("mode", list(SKIP_CUTS))
 def test_values_that_reach_past_a_cut_other_than_through_the_hidden_state_rule_that_cut_out(mode: str) -> None:
-    from lightning_par.parallel.pipeline_owners import find_ownership
+    from lightning_par.parallel.pipeline.owners import find_ownership
 
     model = _skip_lm(mode)
     trunk = find_trunk(model)
@@ -396,7 +396,7 @@ def test_values_that_reach_past_a_cut_other_than_through_the_hidden_state_rule_t
 def test_the_automatic_split_keeps_to_the_cuts_that_keep_the_values(mode: str) -> None:
     import copy
 
-    from lightning_par.parallel.pipeline_owners import find_ownership
+    from lightning_par.parallel.pipeline.owners import find_ownership
 
     full = _skip_lm(mode)
     own = find_ownership(full, find_trunk(full))
@@ -424,8 +424,8 @@ def test_the_automatic_split_keeps_to_the_cuts_that_keep_the_values(mode: str) -
 
 
 def test_no_split_into_more_stages_than_the_allowed_cuts_allow() -> None:
-    from lightning_par.parallel.pipeline_cuts import no_split_possible
-    from lightning_par.parallel.pipeline_owners import find_ownership
+    from lightning_par.parallel.pipeline.cuts import no_split_possible
+    from lightning_par.parallel.pipeline.owners import find_ownership
 
     model = _skip_lm("groups")
     trunk = find_trunk(model)
@@ -548,7 +548,7 @@ def test_pipe_names_construct(name: str) -> None:
 
 
 def test_split_is_described_for_the_start_up_log() -> None:
-    from lightning_par.parallel.pipeline_schedule import PipelineRunner
+    from lightning_par.parallel.pipeline.schedule import PipelineRunner
 
     model = _models()["gpt"]
     pipe = PipelineModel(model, find_trunk(model), [(0, 1), (1, 4)], [0], torch.device("cpu"))
@@ -615,7 +615,7 @@ def test_step_trace_times_actions_and_waits_and_the_timeline_draws_them() -> Non
 
     from lightning_par import _compat
     from lightning_par.callbacks.pictures import pipeline_timeline
-    from lightning_par.parallel.pipeline_trace import StepTrace
+    from lightning_par.parallel.pipeline.trace import StepTrace
 
     class Stage:  # the three action methods a torch PipelineStage has, each taking 10 ms
         stage_index = 1

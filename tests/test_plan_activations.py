@@ -1,4 +1,4 @@
-"""`lightning_par.plan.activations` against the paper it implements and against what autograd really keeps.
+"""`lightning_par.planner.activations` against the paper it implements and against what autograd really keeps.
 
 - ``"megatron"``: Korthikanti et al., arXiv 2205.05198, Table 2 exactly; the paper's statements about its models
   (Table 1 shapes from tests/data/korthikanti2022_table5.csv); Megatron-LM's own estimator of the same formulas.
@@ -26,10 +26,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_par.plan import ModelDesc, from_hf_config
-from lightning_par.plan.activations import activation_bytes, block_tensors
-from lightning_par.plan.inflight import inflight_from_table, inflight_microbatches
-from lightning_par.plan.layout import Layout
+from lightning_par.planner import ModelDesc, from_hf_config
+from lightning_par.planner.activations import activation_bytes, block_tensors
+from lightning_par.planner.inflight import inflight_from_table, inflight_microbatches
+from lightning_par.planner.layout import Layout
 
 TABLE = Path(__file__).parent / "data" / "korthikanti2022_table5.csv"
 SEQ = 2048  # the paper's sequence length
@@ -176,7 +176,7 @@ def test_inflight_closed_forms_match_torch_schedule_tables() -> None:
         v = 1 if name in ("gpipe", "1f1b") else 2
         for p in (2, 3, 4, 8):
             for m in range(1, 4 * p + 1):
-                # What the suite accepts (parallel/pipeline_schedule.check_schedule).
+                # What the suite accepts (parallel/pipeline/schedule.check_schedule).
                 if (name == "1f1b" and m < p) or (name == "dualpipev" and m < 2 * p):
                     continue
                 if name in ("interleaved_1f1b", "interleaved_zb", "looped_bfs") and m % max(1, m // p):
@@ -251,8 +251,8 @@ def hf_model(config: dict[str, Any], attn: str) -> Any:
 
 def measure(config: dict[str, Any], attn: str, precision: str, mode: Optional[str]) -> tuple[int, int]:
     """(bytes held after forward + loss, peak over forward + backward) of one step, as LiveStorageBytes counts."""
+    from lightning_par.blocks.trunk import find_trunk
     from lightning_par.parallel.activation_checkpointing import apply_activation_checkpointing
-    from lightning_par.plans.trunk import find_trunk
     from lightning_par.utils import LiveStorageBytes
 
     torch.manual_seed(0)

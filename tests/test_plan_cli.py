@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from lightning_par import cli, cli_plan
-from lightning_par.plan import from_hf_config
-from lightning_par.plan.layout import Layout
+from lightning_par.planner import from_hf_config
+from lightning_par.planner.layout import Layout
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA = {"model_type": "llama", "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8,
@@ -70,8 +70,8 @@ def test_estimate_follows_the_layout(config: str) -> None:
     assert full["step_time_s"] > none["step_time_s"]  # recomputation costs a forward
     assert run("--dp", "8", "--micro-batch-size", "4")["memory_gib"]["activations"] > none["memory_gib"]["activations"]
     # Offload (no CLI option; the Python API): the sharded state leaves the GPU for host memory and crosses PCIe.
-    from lightning_par.plan import device
-    from lightning_par.plan.estimate import estimate
+    from lightning_par.planner import device
+    from lightning_par.planner.estimate import estimate
 
     desc = from_hf_config(LLAMA)
     kept, moved = (estimate(desc, Layout(dp_shard=8, zero_stage=3, offload=o), device("A100"), 32, 2048).as_dict()

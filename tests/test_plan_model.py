@@ -1,4 +1,4 @@
-"""The planner's model description (`lightning_par.plan`): parameter counts derived from a Hugging Face config equal
+"""The planner's model description (`lightning_par.planner`): parameter counts derived from a Hugging Face config equal
 what the Hugging Face class builds, at the published models' real sizes (built on the meta device: no memory); the
 device table; bad input names the fix. No process group."""
 
@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_par.plan import DEVICES, ModelDesc, device, from_hf_config
-from lightning_par.plans.flops import active_param_count
+from lightning_par.parallel.flops import active_param_count
+from lightning_par.planner import DEVICES, ModelDesc, device, from_hf_config
 
 
 def _built(config: Any) -> torch.nn.Module:
@@ -59,7 +59,7 @@ def test_parameter_counts_equal_the_hugging_face_model(name: str, tmp_path: Path
 def test_a_live_module_is_described_as_its_config(name: str, tmp_path: Path) -> None:
     # The planner's view of the user's own module (the strategies' introspection, on the meta device) equals its
     # config's, dropout and activation included; a saved config.json omits defaults, which the reader restores.
-    from lightning_par.plan.introspect import desc_from_module
+    from lightning_par.planner.introspect import desc_from_module
 
     config = _configs()[name]
     (tmp_path / "config.json").write_text(config.to_json_string(use_diff=True))

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from lightning_par.plan import ModelDesc, device
-from lightning_par.plan.layout import Layout
-from lightning_par.plan.steptime import step_time
+from lightning_par.planner import ModelDesc, device
+from lightning_par.planner.layout import Layout
+from lightning_par.planner.steptime import step_time
 
 TABLE = Path(__file__).parent / "data" / "korthikanti2022_table5.csv"
 

@@ -1,4 +1,4 @@
-"""The planner's per-rank state and communication (`lightning_par.plan.params`, `state`, `comm`).
+"""The planner's per-rank state and communication (`lightning_par.planner.params`, `state`, `comm`).
 
 Unit tier: the two sources of parameter lists agree on the Hugging Face classes, the conventions (precision, ZeRO
 padding, optimizer state, pipeline stages, Megatron's 18 bytes per parameter) and the errors. Distributed tier: one
@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_par.plan.comm import comm_bytes, comm_terms
-from lightning_par.plan.layout import SCHEDULES, Layout, LayoutError
-from lightning_par.plan.model import from_hf_config
-from lightning_par.plan.params import ParamSpec, specs_from_desc, specs_from_module
-from lightning_par.plan.state import held, local_stages, stage_ranges, state_bytes
+from lightning_par.planner.comm import comm_bytes, comm_terms
+from lightning_par.planner.layout import SCHEDULES, Layout, LayoutError
+from lightning_par.planner.model import from_hf_config
+from lightning_par.planner.params import ParamSpec, specs_from_desc, specs_from_module
+from lightning_par.planner.state import held, local_stages, stage_ranges, state_bytes
 
 WORKER = Path(__file__).with_name("_plan_state_worker.py")
 
@@ -98,8 +98,8 @@ def test_megatron_counts_18_bytes_per_parameter_and_shards_12_with_the_distribut
 
 
 def test_pipeline_stages_follow_the_suite() -> None:
-    from lightning_par.parallel.pipeline_schedule import SCHEDULES as SUITE
-    from lightning_par.parallel.pipeline_schedule import local_stages as suite_stages
+    from lightning_par.parallel.pipeline.schedule import SCHEDULES as SUITE
+    from lightning_par.parallel.pipeline.schedule import local_stages as suite_stages
 
     for schedule in SCHEDULES:
         for pp in (2, 4):

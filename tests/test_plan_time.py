@@ -1,4 +1,4 @@
-"""The step-time model's parts (lightning_par.plan.compute, steptime, search): each formula against its closed form,
+"""The step-time model's parts (lightning_par.planner.compute, steptime, search): each formula against its closed form,
 so a change that breaks one fails here before it moves the published-table check. No process group."""
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ import dataclasses
 
 import pytest
 
-from lightning_par.plan import ModelDesc, device
-from lightning_par.plan.compute import Gemm, gemm_time, peak_flops
-from lightning_par.plan.layout import Layout
-from lightning_par.plan.search import candidates
-from lightning_par.plan.steptime import collective_time, step_time
+from lightning_par.planner import ModelDesc, device
+from lightning_par.planner.compute import Gemm, gemm_time, peak_flops
+from lightning_par.planner.layout import Layout
+from lightning_par.planner.search import candidates
+from lightning_par.planner.steptime import collective_time, step_time
 
 A100 = device("A100")
 GPT = ModelDesc(layers=32, hidden=4096, heads=32, kv_heads=32, head_dim=128, ffn=16384, vocab=51200, gated_mlp=False,
@@ -90,7 +90,7 @@ def test_candidates_per_rank_batch_scale_the_global_batch() -> None:
 
 
 def test_idle_stage_times_come_from_the_schedules_own_tables() -> None:
-    from lightning_par.plan.steptime import idle_stage_times
+    from lightning_par.planner.steptime import idle_stage_times
 
     assert idle_stage_times("1f1b", 8, 64) == 7 == idle_stage_times("gpipe", 8, 16)
     # torch's interleaved table replayed: (p - 1) / v, for the suite's v = 2 and Megatron's v = 3 alike.

@@ -21,8 +21,8 @@ from torch.distributed.tensor import DTensor
 
 from lightning_par.checkpoint import export_hf
 from lightning_par.checkpoint.consolidate import main as consolidate_main
-from lightning_par.checkpoint.pretrained import PretrainedError, load_pretrained
-from lightning_par.checkpoint.pretrained_names import PrefixRewrite, choose_rewrite
+from lightning_par.checkpoint.pretrained.load import PretrainedError, load_pretrained
+from lightning_par.checkpoint.pretrained.names import PrefixRewrite, choose_rewrite
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -266,8 +266,8 @@ def _worker(rank: int, world: int, store: str, files: dict[str, Path], out: str)
 
     from lightning_par.checkpoint.dcp import model_state, save_sharded
     from lightning_par.checkpoint.strided import is_fused
-    from lightning_par.parallel.tensor_parallel import apply_tensor_parallel
-    from lightning_par.plans.tp import infer_tp_plan
+    from lightning_par.parallel.tensor.apply import apply_tensor_parallel
+    from lightning_par.parallel.tensor.plan import infer_tp_plan
 
     _init(rank, world, store)
     result: dict[str, Any] = {}

@@ -1,5 +1,5 @@
 """Hugging Face files in another layout than the modules (transformers 5 saves MoE experts one by one, holds them
-stacked) read through transformers' own conversion mapping (checkpoint/pretrained_convert.py), and the export back.
+stacked) read through transformers' own conversion mapping (checkpoint/pretrained/convert.py), and the export back.
 Tiny models from configs saved with ``save_pretrained`` (no downloads); the reference is ``from_pretrained`` of the
 same folder. One 2-rank spawn checks expert-sharded and FSDP2 views bitwise."""
 
@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 from safetensors import safe_open
 from torch import nn
 
-from lightning_par.checkpoint.pretrained import PretrainedError, load_pretrained
+from lightning_par.checkpoint.pretrained.load import PretrainedError, load_pretrained
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 

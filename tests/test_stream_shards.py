@@ -1,4 +1,4 @@
-"""The shard-by-shard split of a sharded stream (`lightning_par.parallel.stream_shards`), in one process.
+"""The shard-by-shard split of a sharded stream (`lightning_par.streams.shards`), in one process.
 
 Every data-parallel rank's loader is built and read here in turn (real DataLoaders, with worker processes where
 ``workers > 0``), which is what each rank of a job does; the strategies' spawn tests (tests/test_streaming.py) train
@@ -16,9 +16,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_par.parallel.stream_parquet import ParquetShards
-from lightning_par.parallel.stream_shards import ShardedStream, shards_of
-from lightning_par.parallel.stream_split import split_over_data_parallel
+from lightning_par.streams.parquet import ParquetShards
+from lightning_par.streams.shards import ShardedStream, shards_of
+from lightning_par.streams.split import split_over_data_parallel
 
 LENGTHS = [13, 7, 22, 9, 16, 5, 11, 17]  # 100 samples; sample j of shard s is s * 1000 + j
 
@@ -207,7 +207,7 @@ def test_litdata_chunks_are_the_shards_and_shuffle_permutes_them_per_epoch(tmp_p
     import litdata
     from _streams import CHUNK, _env, litdata_stream
 
-    from lightning_par.parallel.stream_shards import LitdataShards
+    from lightning_par.streams.shards import LitdataShards
 
     plain = litdata_stream(tmp_path, 8, 30)  # 30 windows in chunks of 4: 7 full chunks and one of 2
     shards = shards_of(plain)
@@ -235,7 +235,7 @@ def test_hf_streaming_shards_of_unknown_length_resume_where_each_file_stopped(tm
     tests/test_streaming.py): shard lengths learnt while reading, the unread files in the position, exact resume."""
     from _streams import PARQUET_FILES, _pairs, hf_parquet_stream
 
-    from lightning_par.parallel.stream_counted import CountedShardStream, counted_shards_of
+    from lightning_par.streams.counted import CountedShardStream, counted_shards_of
 
     def loader(resume: Any = None) -> DataLoader:
         source = hf_parquet_stream(tmp_path, 8)
@@ -260,7 +260,7 @@ def test_hf_streaming_shards_of_unknown_length_resume_where_each_file_stopped(tm
 def test_hf_streaming_unread_shards_are_grouped_again_on_another_data_parallel_size(tmp_path):
     from _streams import _pairs, hf_parquet_stream
 
-    from lightning_par.parallel.stream_counted import CountedShardStream, counted_shards_of
+    from lightning_par.streams.counted import CountedShardStream, counted_shards_of
 
     source = hf_parquet_stream(tmp_path, 8)
     one = CountedShardStream(source, counted_shards_of(source), 0, 1, 4, lambda: 0)
@@ -279,7 +279,7 @@ def test_hf_streaming_unread_shards_are_grouped_again_on_another_data_parallel_s
 
 
 def test_a_mid_pass_position_of_another_kind_of_stream_is_refused_and_an_epoch_end_one_is_not():
-    from lightning_par.parallel.streaming import DataParallelStream
+    from lightning_par.streams.dataset import DataParallelStream
 
     sharded = _loaders(Shards(LENGTHS), 2, 3, 0)[0].dataset
     _read([DataLoader(sharded, batch_size=3)], 2)

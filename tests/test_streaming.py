@@ -175,7 +175,7 @@ def test_a_resumed_whole_stream_with_loader_workers_saves_its_new_position_and_r
     from _streams import CorpusStream
     from torch.utils.data import DataLoader
 
-    from lightning_par.parallel.stream_split import split_over_data_parallel
+    from lightning_par.streams.split import split_over_data_parallel
 
     epoch = [0]
     loader = DataLoader(CorpusStream(8, 40), batch_size=2, num_workers=2)

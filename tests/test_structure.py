@@ -1,5 +1,7 @@
-"""The package's structure: no import cycle (function-level imports count), one module that knows both strategy
-classes, the lower layers free of Lightning, and no library file past the size the house style allows."""
+"""The package's structure: no import cycle (function-level imports count) between modules, packages or the technique
+folders of `parallel/`, no import up a level, a design document whose package map is the code's, one module that
+knows both strategy classes, the lower layers free of Lightning, and no file or folder past the size the house style
+allows."""
 
 from __future__ import annotations
 
@@ -29,6 +31,35 @@ def test_import_graph_has_no_cycle():
     assert out.stdout.strip().splitlines()[-1].startswith("0 import cycles in ")
 
 
+def test_packages_keep_their_levels_and_the_design_map_is_the_code():
+    for args in ([], ["--check-doc", "docs/design.md"]):
+        out = subprocess.run([sys.executable, "tools/package_graph.py", *args], cwd=ROOT, capture_output=True,
+                             text=True)  # fmt: skip
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr
+        assert out.stdout.strip().splitlines()[-1].startswith("0 package problems ("), out.stdout[-3000:]
+
+
+def test_the_package_checks_can_fail():
+    # The check itself: a cycle and an upward import planted in its input are reported.
+    sys.path.insert(0, str(ROOT / "tools"))
+    import package_graph
+
+    top = {("checkpoint", "parallel"): 1, ("parallel", "checkpoint"): 2}
+    inner = {("parallel.zero", "parallel.tensor"): 1, ("parallel.tensor", "parallel.zero"): 1}
+    found = package_graph.problems(top, inner)
+    assert "package cycle: checkpoint <-> parallel" in found
+    assert "cycle among parallel's folders: parallel.tensor <-> parallel.zero" in found
+    assert any(f.startswith("upward import: checkpoint") for f in found)
+
+
+def test_no_folder_past_fifteen_modules():
+    # The house style: one technique per folder; a folder past ~15 modules is asking for a sub-folder.
+    counts = {d.relative_to(ROOT).as_posix(): len([p for p in d.glob("*.py") if p.name != "__init__.py"])
+              for d in [PACKAGE, *PACKAGE.rglob("*")] if d.is_dir() and d.name != "__pycache__"}  # fmt: skip
+    assert counts["lightning_par/parallel/tensor"] > 5  # the count does see the folders
+    assert not {d: n for d, n in counts.items() if n > 15 and d != "lightning_par"}
+
+
 def test_only_the_registry_imports_both_strategy_classes():
     both = {"lightning_par.strategies.parallel", "lightning_par.strategies.deepspeed"}
     importers = []
@@ -40,7 +71,7 @@ def test_only_the_registry_imports_both_strategy_classes():
 
 
 def test_lower_layers_import_no_lightning():
-    for folder in ("config.py", "names.py", "mesh.py", "plans", "plan", "parallel", "nn"):
+    for folder in ("config.py", "names.py", "mesh.py", "blocks", "planner", "parallel", "streams", "nn"):
         target = PACKAGE / folder
         for path in [target] if target.is_file() else sorted(target.rglob("*.py")):
             imported = _imports(path)

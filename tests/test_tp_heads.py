@@ -1,6 +1,6 @@
 """Tensor parallelism of what an attention holds per head besides its projections, against one process.
 
-Three things the column split of q/k/v leaves to do (lightning_par/parallel/tp_heads.py): Qwen3's per-head q/k
+Three things the column split of q/k/v leaves to do (lightning_par/parallel/tensor/heads.py): Qwen3's per-head q/k
 norms (``head_norm``: the weight's gradient summed over tp), GPT-OSS's per-head ``sinks`` (split with the heads)
 and OLMoE's q/k norms over the whole width (``colwise_norm``: weight split, mean of squares over tp). First the
 gradients themselves after one backward on 2 ranks (`tests/_tp_heads_worker.py`), then training: the families

@@ -1,9 +1,10 @@
 """Tensor parallelism on trunks whose blocks differ, and on multi-head latent attention, against one process.
 
 DeepSeek-V3 (Hugging Face, tiny config: layer 0 a dense MLP, later layers MoE with a shared expert) is planned per
-block structure (`lightning_par.plans.tp`): each structure from its first block, under patterns naming exactly its
+block structure (`lightning_par.parallel.tensor.plan`): each structure from its first block, under patterns naming
+exactly its
 blocks. Its multi-head latent attention keeps the low-rank projections whole and splits the per-head expansions
-(`lightning_par.parallel.tp_latent`). Unit tests pin the plans (a user model whose blocks alternate attention and
+(`lightning_par.parallel.tensor.latent`). Unit tests pin the plans (a user model whose blocks alternate attention and
 feed-forward, as x-transformers lays out its layers; DeepSeek-V3 with and without a low-rank query); the spawned
 jobs train under ``tp`` (2 ranks) and ``pipe_tp`` (pp 2 x tp 2, a stage holding blocks of both structures or part
 of one) against one process. Tolerances as everywhere: fp32 losses and gradient norms 1e-5 relative, SGD +
@@ -21,9 +22,9 @@ from conftest import reference_job
 from launch import run_jobs, split_gradients
 from parity import params_close, rel
 
-from lightning_par.parallel.tp_check import check_local_shapes
-from lightning_par.plans import format_plan, infer_tp_plan, validate_tp
-from lightning_par.plans.tp_types import TPPlanError
+from lightning_par.parallel.tensor import format_plan, infer_tp_plan, validate_tp
+from lightning_par.parallel.tensor.check import check_local_shapes
+from lightning_par.parallel.tensor.plan_types import TPPlanError
 
 # Keys spelled out: docs/compatibility.md cites them.
 JOBS_2: dict[str, dict[str, Any]] = {

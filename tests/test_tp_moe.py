@@ -3,7 +3,7 @@
 4 ranks: tp 2 x dp 2, ep 2 over dp (the ep group is the dp ranks with the same tp index). Attention and dense
 layers are split over tp; each MoE layer's router, capacity and balancing statistics run on every token of the
 data-parallel batch on every tp rank; the experts then run either on ``1/tp`` of the tokens per tp rank
-(``etp=1``, `lightning_par.parallel.expert_tp.TokenSplit`) or on every token with their hidden width split over
+(``etp=1``, `lightning_par.parallel.experts.with_tp.TokenSplit`) or on every token with their hidden width split over
 tp (``etp=tp``). Checked per job: every loss and gradient norm (fp32, 1e-5 relative), every parameter after
 training (experts gathered over ep, and over tp under ``etp=2``; SGD + momentum: rtol 1e-5 / atol 1e-7), each
 rank's expert bytes, and for MoE-GPT the router logits, chosen experts and kept-by-capacity flags of every token.
@@ -132,8 +132,8 @@ def test_bad_etp_is_refused_at_construction(kwargs: dict[str, Any], message: str
 def test_etp_not_dividing_the_expert_hidden_size_is_refused_before_training() -> None:
     import _worker
 
-    from lightning_par.parallel.expert_parallel import _check_etp
-    from lightning_par.plans.moe import find_moe_layers
+    from lightning_par.parallel.experts.apply import _check_etp
+    from lightning_par.parallel.experts.finder import find_moe_layers
 
     model = _worker.MoEGPT(**{**_worker._MOE, "expert_hidden": 6})
     message = r"etp=4 does not divide the expert hidden size d_ff=6 in .*choose etp=1 .*\{1, 2, 3, 6\}"

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from lightning_par.models.gpt import GPT
 from lightning_par.models.llama import Llama
-from lightning_par.plans import TPPlanError, format_plan, infer_tp_plan, validate_tp
+from lightning_par.parallel.tensor import TPPlanError, format_plan, infer_tp_plan, validate_tp
 
 E = 64
 

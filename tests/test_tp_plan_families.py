@@ -12,11 +12,11 @@ from _hf_models import HFLlama
 from torch import Tensor, nn
 
 from lightning_par.models.gpt import GPT
-from lightning_par.parallel.tensor_parallel import _set_local_head_counts, sequence_parallel_blocker
-from lightning_par.parallel.tp_affine import _part_rows
-from lightning_par.parallel.tp_check import check_local_shapes
-from lightning_par.plans import TPPlanError, infer_tp_plan
-from lightning_par.plans.tp_affine import Affine, affine
+from lightning_par.parallel.tensor import TPPlanError, infer_tp_plan
+from lightning_par.parallel.tensor.affine import _part_rows
+from lightning_par.parallel.tensor.apply import _set_local_head_counts, sequence_parallel_blocker
+from lightning_par.parallel.tensor.check import check_local_shapes
+from lightning_par.parallel.tensor.plan_affine import Affine, affine
 
 transformers = pytest.importorskip("transformers")
 litgpt = pytest.importorskip("litgpt")

@@ -1,5 +1,5 @@
 """ZeRO-1/2 on one data-parallel rank: the reduction is the identity, so the engine hands each gradient to its
-master as it is (`zero_buckets.hand_over`) and skips the gather. Training must stay the one-process training,
+master as it is (`zero.buckets.hand_over`) and skips the gather. Training must stay the one-process training,
 through gradient accumulation and with a parameter no step uses (one process leaves its gradient ``None``, so
 AdamW's weight decay does not touch it).
 
@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_par  # noqa: F401  (registers the strategy names)
 from lightning_par.models import Llama
-from lightning_par.parallel import zero_replicated
+from lightning_par.parallel.zero import replicated as zero_replicated
 
 
 class _WithUnused(Llama):

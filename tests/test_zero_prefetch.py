@@ -1,4 +1,4 @@
-"""ZeRO-1/2's parameter all-gather after the optimizer step, overlapped with the next forward (`zero_prefetch`).
+"""ZeRO-1/2's parameter all-gather after the optimizer step, overlapped with the next forward (`zero.prefetch`).
 
 One 2-rank spawn and one reference process. The model has uneven shards (vocabulary 258, 34 positions over 2
 ranks) and a tied head. Checked against one process (fp32: losses 1e-5 relative; weights 1e-5 relative and

@@ -6,7 +6,8 @@
 Only the standard library's `ast` reads the sources; nothing is imported. An import counts wherever it is written:
 at module level and inside functions or methods alike, since a deferred import still ties the two modules together
 (such edges are marked "(deferred)", and drawn dotted in mermaid). `import a.b.c` is an edge to `a.b.c` alone, not
-to the package `__init__`s Python also runs on the way. `from lightning_par.plans import X` is followed through
+to the package `__init__`s Python also runs on the way. `from lightning_par.parallel.tensor import X` is followed
+through
 the package's re-export to the module that defines X when the `__init__` names it; otherwise (X defined in the
 `__init__` itself, or not found) the edge goes to the package.
 
@@ -26,7 +27,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "lightning_par"
 # The layers (subpackages and top modules) in the order they are printed; the root package comes last.
-LAYERS = "config mesh plans parallel nn precision checkpoint strategies callbacks cli models data utils analysis"
+LAYERS = ("config mesh names blocks parallel streams planner nn precision checkpoint strategies callbacks cli models "
+          "data utils analysis tuning")
 TOP = "lightning_par"
 _FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
 
@@ -109,7 +111,7 @@ def imports(node: ast.AST, top_level: bool = True) -> Iterator[tuple[ast.Import 
 
 
 def layer(module: str) -> str:
-    """`lightning_par.plans.tp` -> `plans`; the root package is its own layer."""
+    """`lightning_par.parallel.tensor.plan` -> `plans`; the root package is its own layer."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else TOP
 

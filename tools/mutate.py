@@ -48,7 +48,7 @@ MUTATIONS = [
     Mutation(
         "dp_gradient_reduction",
         "ZeRO-1/2 use each rank's own gradient: the gradient reduce-scatter is dropped",
-        "lightning_par/parallel/zero_replicated.py",
+        "lightning_par/parallel/zero/replicated.py",
         (
             (
                 "        work = _reduce_scatter(out, packed.view(-1), group=self.shard_group, async_op=True)\n",
@@ -60,7 +60,7 @@ MUTATIONS = [
     Mutation(
         "ddp_gradient_all_reduce",
         "ZeRO-0 (DDP) uses each rank's own gradient: its bucket all-reduce is dropped",
-        "lightning_par/parallel/zero_replicated.py",
+        "lightning_par/parallel/zero/replicated.py",
         (
             (
                 "        work = dist.all_reduce(flat, group=self.shard_group, async_op=True)\n",
@@ -73,7 +73,7 @@ MUTATIONS = [
         "tp_all_reduce",
         "row-parallel Linears hand on their partial sums: tensor parallelism's all-reduce (reduce-scatter under "
         "sequence parallelism) is dropped",
-        "lightning_par/parallel/tensor_parallel.py",
+        "lightning_par/parallel/tensor/apply.py",
         (
             (
                 "                styles[rel] = RowwiseParallel(output_layouts=out, use_local_output=True)\n",
@@ -94,7 +94,7 @@ MUTATIONS = [
     Mutation(
         "pipeline_microbatch",
         "a pipeline step trains the second-to-last microbatch twice and never the last",
-        "lightning_par/parallel/pipeline_schedule.py",
+        "lightning_par/parallel/pipeline/schedule.py",
         (
             (
                 "    return [_compat.tree_unflatten([c[i] for c in chunks], spec) for i in range(m)]",
@@ -106,7 +106,7 @@ MUTATIONS = [
     Mutation(
         "experts_swapped",
         "each ep rank runs its local experts on each other's rows",
-        "lightning_par/parallel/expert_dispatch.py",
+        "lightning_par/parallel/experts/dispatch.py",
         (
             (
                 "            torch.arange(n, device=x.device).repeat(self.ep), recv_counts, output_size=sum(recv)",

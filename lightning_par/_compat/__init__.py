@@ -84,6 +84,9 @@ from lightning_par._compat.lightning import (
     sync_ddp_if_available as sync_ddp_if_available,
 )
 from lightning_par._compat.lightning import (
+    unbind_callback_logging as unbind_callback_logging,
+)
+from lightning_par._compat.lightning import (
     unwrap_optimizer as unwrap_optimizer,
 )
 
@@ -337,7 +340,7 @@ def set_pipeline_p2p_wait(fn: Callable[[list[Any]], None]) -> None:
 
 
 def pipeline_order(schedule: Any) -> dict[int, list[Any]]:
-    """A torch schedule's action table ``{rank: [action or None, ...]}``, as `parallel.pipeline_timeline` replays."""
+    """A torch schedule's action table ``{rank: [action or None, ...]}``, as `analysis.pipeline_timeline` replays."""
     # PipelineSchedule*.pipeline_order, torch 2.13.0: set in __init__, undocumented.
     return schedule.pipeline_order
 
@@ -345,7 +348,7 @@ def pipeline_order(schedule: Any) -> dict[int, list[Any]]:
 def schedule_rank_actions(schedule: str, local_stages: int, pp: int, microbatches: int, rank: int) -> list[Any]:
     """The action list torch's multi-stage schedule ``schedule`` (``"interleaved_1f1b"``, ``"looped_bfs"``,
     ``"interleaved_zb"``, ``"zbv"``, ``"dualpipev"``) builds for pipeline rank ``rank``: no stages, no process group
-    (the planner replays it for the bubble, `lightning_par.plan.steptime`)."""
+    (the planner replays it for the bubble, `lightning_par.planner.steptime`)."""
     from types import SimpleNamespace
 
     from torch.distributed.pipelining import schedules as s

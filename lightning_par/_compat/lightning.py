@@ -55,6 +55,21 @@ def attached_trainer(module: Any) -> Optional[Any]:
     return getattr(module, "_trainer", None)
 
 
+def unbind_callback_logging(module: Any) -> None:
+    """Undo what the Trainer binds onto its callbacks for ``module``'s run: ``callback.log`` / ``callback.log_dict``.
+
+    Lightning binds them to the module's methods at every run and leaves them, so a callback kept after the run
+    would hold the module, its parameters and gradients, and through its trainer the optimizer state, on the device
+    (Lightning's own teardown moves the module to the CPU; a sharded module stays). The next run binds them again.
+    """
+    # CallbackConnector._attach_model_logging_functions, lightning 2.6.6.
+    trainer = attached_trainer(module)
+    for callback in trainer.callbacks if trainer is not None else ():
+        for name in ("log", "log_dict"):
+            if getattr(getattr(callback, name, None), "__self__", None) is module:
+                delattr(callback, name)
+
+
 def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     """The torch optimizer inside a `LightningOptimizer`, or ``optimizer`` itself."""
     # LightningOptimizer._optimizer, lightning 2.6.6.

@@ -16,17 +16,17 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from lightning_par.blocks.trunk import find_trunk
 from lightning_par.names import ALIASES, DEEPSPEED_STRATEGY_NAMES, STRATEGY_NAMES, strategy_kwargs
+from lightning_par.parallel.experts.finder import find_moe_layers, unrecognised_experts
 from lightning_par.parallel.optimizers import check_dtensor_step, check_elementwise, check_per_parameter, is_elementwise
-from lightning_par.parallel.pipeline_cuts import allowed_cuts, no_split_possible
-from lightning_par.parallel.pipeline_owners import PipelineError, find_ownership
-from lightning_par.parallel.tp_check import check_local_shapes
-from lightning_par.parallel.zero_whole import check_not_tp_sharded
-from lightning_par.plans.moe import find_moe_layers, unrecognised_experts
-from lightning_par.plans.tp import infer_tp_plan
-from lightning_par.plans.tp_types import _SPLIT_NORMS, TPPlanError
-from lightning_par.plans.tp_validate import validate_tp
-from lightning_par.plans.trunk import find_trunk
+from lightning_par.parallel.pipeline.cuts import allowed_cuts, no_split_possible
+from lightning_par.parallel.pipeline.owners import PipelineError, find_ownership
+from lightning_par.parallel.tensor.check import check_local_shapes
+from lightning_par.parallel.tensor.plan import infer_tp_plan
+from lightning_par.parallel.tensor.plan_types import _SPLIT_NORMS, TPPlanError
+from lightning_par.parallel.tensor.plan_validate import validate_tp
+from lightning_par.parallel.zero.whole import check_not_tp_sharded
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +76,7 @@ class _Checks:
             validate_tp(plan, self.degree)
             check_local_shapes(self.module, plan, self.degree)  # block 0 on per-rank shapes, as set-up runs it
             whole = f"; kept whole on every tp rank: {', '.join(plan.whole)} (mixture of experts)" if plan.whole else ""
-            # Split with the heads (parallel/tp_heads.py): q/k norms by style, an attention's per-head parameters.
+            # Split with the heads (parallel/tensor/heads.py): q/k norms by style, an attention's per-head parameters.
             leaf = [f"{k.rsplit('.', 1)[-1]} ({s})" for k, s in plan.styles.items() if s in _SPLIT_NORMS]
             leaf += [f"{p.rsplit('.', 1)[-1]} (per head)" for h in plan.heads.values() for p in h.head_params]
             heads = f"; split with the heads: {', '.join(leaf)}" if leaf else ""

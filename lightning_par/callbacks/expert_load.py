@@ -27,15 +27,15 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_par.nn import MoE
 from lightning_par.parallel.activation_checkpointing import recomputing
-from lightning_par.parallel.moe_router_stats import is_top_k_output
-from lightning_par.plans.moe import MoELayer, find_moe_layers
+from lightning_par.parallel.experts.finder import MoELayer, find_moe_layers
+from lightning_par.parallel.experts.router_stats import is_top_k_output
 
 
 class ExpertLoad:
     """Count the tokens each expert of ``module``'s MoE layers receives, until `collect`.
 
     Args:
-        module: the model; its MoE layers are found by `lightning_par.plans.moe.find_moe_layers`.
+        module: the model; its MoE layers are found by `lightning_par.parallel.experts.finder.find_moe_layers`.
         group: the ranks whose tokens differ (data parallel); ``None``: this process's tokens are the batch.
         layers: the layers to count (a strategy that sharded the experts found them before, with their global
             expert counts); ``None``: `find_moe_layers` on ``module``.

@@ -7,13 +7,14 @@ the strategies themselves:
 - `dp_size: int`: ranks that see *different* batches. Tensor- and pipeline-parallel ranks of one data-parallel
   replica see the same batch, so only this size multiplies the per-rank token count. Absent: `world_size`.
 - `global_param_count: int`: the active non-embedding parameter count of the whole model
-  (`lightning_par.plans.flops.active_param_count`, counted before the model is laid out, so the same under every
+  (`lightning_par.parallel.flops.active_param_count`, counted before the model is laid out, so the same under every
   layout); lightning_par's strategies set it at set-up. Absent (other strategies): counted on the module here.
 - `parallel_layout: dict[str, int | str]`: logged once as the `parallel` hyperparameter; its degrees also go out
   as `parallel/<axis>` values at every log.
 - `token_group`: the process group whose ranks see different tokens, over which expert loads are summed.
   Absent: every rank (plain data parallelism).
-- `moe_layers`: the MoE layers (`lightning_par.plans.moe.MoELayer`) as found before their experts were sharded.
+- `moe_layers`: the MoE layers (`lightning_par.parallel.experts.finder.MoELayer`) as found before their experts were
+sharded.
   Absent: found in the module.
 """
 
@@ -34,7 +35,7 @@ from typing_extensions import override
 from lightning_par.callbacks.expert_load import ExpertLoad, load_metrics
 from lightning_par.callbacks.pictures import MEMORY_KINDS, load_heatmap, log_pictures, memory_bars, pipeline_timeline
 from lightning_par.callbacks.pipeline_view import bubble_metrics, gather_records, step_record
-from lightning_par.plans.flops import active_param_count
+from lightning_par.parallel.flops import active_param_count
 
 try:
     from torch.distributed.tensor import DTensor

@@ -71,7 +71,7 @@ def pipeline_timeline(per_rank: Sequence[Any]) -> np.ndarray:
     (orange) and waiting on peers (red) over a common time axis; white is time the rank spent elsewhere.
 
     Args:
-        per_rank: each rank's `lightning_par.parallel.pipeline_trace.StepRecord`.
+        per_rank: each rank's `lightning_par.parallel.pipeline.trace.StepRecord`.
     """
     width, left, top, row = 720, 40, 24, 22
     longest = max((r.duration for r in per_rank), default=0.0) or 1.0

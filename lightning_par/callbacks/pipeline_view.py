@@ -1,6 +1,6 @@
 """The pipeline's measured step for `ParallelismMonitor`: its bubble as metrics, and its timeline as a picture.
 
-Both come from the latest training step's `lightning_par.parallel.pipeline_trace.StepRecord` of each rank (the
+Both come from the latest training step's `lightning_par.parallel.pipeline.trace.StepRecord` of each rank (the
 schedule's own actions and point-to-point waits), so they show the step that was just logged, not a model of it.
 """
 
@@ -11,7 +11,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from lightning_par.parallel.pipeline_trace import StepRecord
+from lightning_par.parallel.pipeline.trace import StepRecord
 
 
 def step_record(trainer: Any) -> Optional[StepRecord]:

@@ -5,7 +5,7 @@ Layout of ``<path>/``: DCP's ``.metadata`` and one ``__<rank>_0.distcp`` per wri
 the rest of Lightning's checkpoint (loops, callbacks, schedulers, scaler, data position), written by rank 0, and
 ``rank_<r>.pt``, each rank's RNG states (`resume_state.py`), both loaded with ``weights_only=True``. Replicated
 tensors are written once (DCP de-duplicates them); under local SGD, where replicas differ, ``state_dict`` holds the
-anchor and each replica's own state is under `LOCAL_SGD` (`lightning_par.parallel.local_sgd_state`). A folder
+anchor and each replica's own state is under `LOCAL_SGD` (`lightning_par.parallel.local_sgd.state`). A folder
 appears only when complete: everything is written to ``<path>.tmp`` and renamed by rank 0 after all ranks finished
 (`commit`). `async_save.py` writes the same layout in the background.
 """
@@ -40,7 +40,7 @@ from lightning_par.checkpoint.strided import canonicalize, restore
 
 LOCAL_SGD = "local_sgd"  # tensors: each replica's state and the outer momentum; meta.pt["lightning_par"]: counts
 # Maps the state to load (`state_for`'s layout, its tensors the live ones) and the checkpoint's ``meta.pt`` to the
-# nested dict DCP loads into, whose leaves alias those tensors (`lightning_par.parallel.local_sgd_state`).
+# nested dict DCP loads into, whose leaves alias those tensors (`lightning_par.parallel.local_sgd.state`).
 Layout = Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]]
 
 

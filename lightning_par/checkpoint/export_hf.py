@@ -11,7 +11,7 @@ wrapper prefix is taken off:
 - ``--prefix P``: exactly ``P`` (every weight must be under it; ``--prefix ''`` keeps the names);
 - otherwise, with ``--config`` and ``transformers`` installed: the model the config names is built on the meta device
   (no memory, no download) and the prefix that maps the checkpoint's names onto its names is chosen
-  (`lightning_par.checkpoint.pretrained_names.choose_rewrite`), and the result is checked key by key;
+  (`lightning_par.checkpoint.pretrained.names.choose_rewrite`), and the result is checked key by key;
 - otherwise: the one first name part that every weight shares (``model.``), when there is one.
 
 Tied weights (the output head and the embedding) are written once, as ``save_pretrained`` does: the names the model
@@ -39,8 +39,8 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from lightning_par.checkpoint.pretrained_names import PrefixRewrite, choose_rewrite, listing
-from lightning_par.checkpoint.pretrained_sources import SAFETENSORS, SAFETENSORS_INDEX
+from lightning_par.checkpoint.pretrained.names import PrefixRewrite, choose_rewrite, listing
+from lightning_par.checkpoint.pretrained.sources import SAFETENSORS, SAFETENSORS_INDEX
 from lightning_par.checkpoint.reader import CheckpointError, SafeLoadPlanner, read_index, safe_load
 
 _PREFIX = "state_dict."

@@ -142,7 +142,7 @@ class ResumableSampler(Sampler[int]):
 def resume_point(state: dict[str, Any]) -> tuple[int, int]:
     """(epoch, samples of it already consumed) where a saved data position resumes: the next unseen sample, or
     the next epoch's first when the saved pass was complete. Shared by `ResumableSampler` and
-    `lightning_par.parallel.streaming.DataParallelStream`, whose positions have the same keys."""
+    `lightning_par.streams.dataset.DataParallelStream`, whose positions have the same keys."""
     return (state["epoch"] + 1, 0) if state["complete"] else (state["epoch"], state["samples"])
 
 

@@ -7,8 +7,8 @@ rank's own part.
 `apart_from_default` gives collectives left in flight while the training loop runs their own communicator.
 
 `all_to_all` exchanges rows with split sizes, which may be uneven and zero (gloo's ``all_to_all_single`` takes
-them): expert parallelism's token dispatch (expert_dispatch.py) and Ulysses context parallelism's heads <->
-sequence exchange (cp_ulysses.py).
+them): expert parallelism's token dispatch (experts/dispatch.py) and Ulysses context parallelism's heads <->
+sequence exchange (context/ulysses.py).
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ _TWIN: list[tuple[dist.ProcessGroup, dist.ProcessGroup]] = []  # (default group,
 def apart_from_default(group: dist.ProcessGroup, timeout: Optional[timedelta]) -> dist.ProcessGroup:
     """``group``, or, when it is the default process group, a new group over the same ranks.
 
-    For collectives started and left in flight while other code runs (ZeRO's deferred all-gather, `zero_prefetch`).
+    For collectives started and left in flight while other code runs (ZeRO's deferred all-gather, `zero.prefetch`).
     Lightning's training loop broadcasts a flag on the default group at the start of every batch and reads it on
     the host (`_TrainingEpochLoop._broadcast_sigterm_tensor`). On one communicator that broadcast runs after the
     started all-gathers (NCCL: the same stream; gloo: the same connections), so the host would wait for all of them

@@ -14,28 +14,28 @@ from typing import Optional
 import torch
 from torch import nn
 
+from lightning_par.blocks.trunk import Trunk, find_trunk
 from lightning_par.checkpoint.dcp import model_state
 from lightning_par.checkpoint.fast_state import clean_name
-from lightning_par.checkpoint.pretrained import prepare_pretrained
+from lightning_par.checkpoint.pretrained.load import prepare_pretrained
 from lightning_par.config import ParallelConfig
 from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel.activation_checkpointing import apply_activation_checkpointing
 from lightning_par.parallel.compile import apply_compile
-from lightning_par.parallel.context_parallel import apply_context_parallel
-from lightning_par.parallel.expert_parallel import apply_expert_parallel
-from lightning_par.parallel.local_sgd import LocalSGD
+from lightning_par.parallel.context.apply import apply_context_parallel
+from lightning_par.parallel.experts.apply import apply_expert_parallel
+from lightning_par.parallel.experts.finder import find_moe_layers
+from lightning_par.parallel.local_sgd.outer import LocalSGD
 from lightning_par.parallel.materialize import base_seed, capture_init, has_meta, materialize
 from lightning_par.parallel.parts import ModelPart
-from lightning_par.parallel.pipeline_split import PipelineSplit, split_pipeline
+from lightning_par.parallel.pipeline.split import PipelineSplit, split_pipeline
 from lightning_par.parallel.run import ParallelRun
-from lightning_par.parallel.tensor_parallel import apply_tensor_parallel
-from lightning_par.parallel.tp_check import check_local_shapes
-from lightning_par.parallel.zero import StepRoot, apply_fsdp, sync_module_states
-from lightning_par.parallel.zero_replicated import ReplicatedZero
-from lightning_par.plans.moe import find_moe_layers
-from lightning_par.plans.tp import TPPlan, infer_tp_plan
-from lightning_par.plans.tp_validate import validate_tp
-from lightning_par.plans.trunk import Trunk, find_trunk
+from lightning_par.parallel.tensor.apply import apply_tensor_parallel
+from lightning_par.parallel.tensor.check import check_local_shapes
+from lightning_par.parallel.tensor.plan import TPPlan, infer_tp_plan
+from lightning_par.parallel.tensor.plan_validate import validate_tp
+from lightning_par.parallel.zero.fsdp import StepRoot, apply_fsdp, sync_module_states
+from lightning_par.parallel.zero.replicated import ReplicatedZero
 
 
 def parallelize(
@@ -63,7 +63,7 @@ def parallelize(
             deferred all-gather).
         device: this rank's device; needed when the model was built on the meta device (default: where the
             parameters are).
-        pretrained: a checkpoint whose weights replace the model's (`lightning_par.checkpoint.pretrained`): each
+        pretrained: a checkpoint whose weights replace the model's (`lightning_par.checkpoint.pretrained.load`): each
             rank reads its own part, once the model is laid out; a meta-built model is then never initialised.
     """
     trunk = _trunk(module, config)

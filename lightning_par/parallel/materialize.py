@@ -12,7 +12,7 @@ and its values come from the model's own initialisation, run on one *unit* at a 
   generator seeded from the job's seed and the unit's name, so a unit's values do not depend on which ranks hold
   it, how it is split, or what else was initialised before it: the weights after set-up are the same on every
   layout and world size, one process included;
-- each tensor of the copy goes into this rank's layout of it (`lightning_par.parallel.place`), and the copy is
+- each tensor of the copy goes into this rank's layout of it (`lightning_par.checkpoint.place`), and the copy is
   dropped. The transient is one unit's full weights (the largest block, or the embedding).
 
 Which initialisation runs, for each module of the unit, children before parents (as ``nn.Module.apply`` and
@@ -36,9 +36,9 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_par import _compat
+from lightning_par.blocks.trunk import Trunk
 from lightning_par.checkpoint.fast_state import clean_name
-from lightning_par.parallel.place import place_full
-from lightning_par.plans.trunk import Trunk
+from lightning_par.checkpoint.place import place_full
 
 
 class UninitializedError(ValueError):

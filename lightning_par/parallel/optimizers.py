@@ -1,9 +1,9 @@
 """Which optimizers are right on which ZeRO shards.
 
-ZeRO-1/2 step an element-wise optimizer on plain row slices of each weight (`zero_replicated.ReplicatedZero`): that
+ZeRO-1/2 step an element-wise optimizer on plain row slices of each weight (`zero.replicated.ReplicatedZero`): that
 gives the one-process update exactly when the update of an element depends only on that element's gradient and
 state. Any other optimizer (one that reduces over a whole matrix, such as Adafactor or Muon, or a class we do not
-know) is stepped on whole parameters instead, each owned by one rank (`zero_whole`): right for every optimizer whose
+know) is stepped on whole parameters instead, each owned by one rank (`zero.whole`): right for every optimizer whose
 step updates each parameter from that parameter's own gradient and state. One whose step couples parameters (LBFGS)
 is refused. Under ZeRO-3 the parameters are DTensors and reductions span the whole weight: an optimizer that can
 step DTensors is right there (torch's Muon); torch's Adafactor cannot and is refused before the first step.

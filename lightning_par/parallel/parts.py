@@ -1,6 +1,6 @@
 """`ModelPart`: the unit every per-part transform of `compose.parallelize` works on.
 
-Without a pipeline there is one part, the whole model; a pipeline cut (`pipeline_split.split_pipeline`) gives one
+Without a pipeline there is one part, the whole model; a pipeline cut (`pipeline.split.split_pipeline`) gives one
 part per stage this rank runs. Tensor parallelism, activation checkpointing and ZeRO-3 then treat every part alike,
 so the order in `compose` never needs to know which it has.
 """
@@ -18,7 +18,7 @@ class ModelPart:
 
     Args:
         root: the module whose ``__call__`` runs the part's whole forward (a pipeline stage module, or a
-            `lightning_par.parallel.zero.StepRoot` around the user's module): FSDP2 makes it the part's root.
+            `lightning_par.parallel.zero.fsdp.StepRoot` around the user's module): FSDP2 makes it the part's root.
         blocks: the part's trunk blocks as (qualified name, block), in execution order.
         whole_trunk: the part holds every trunk block, so the residual stream may be split along the sequence
             between its first and last block (sequence parallelism); a pipeline stage exchanges whole activations.

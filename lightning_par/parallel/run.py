@@ -29,10 +29,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lightning_par.parallel.expert_parallel import ExpertParallel
+from lightning_par.parallel.experts.apply import ExpertParallel
 from lightning_par.parallel.optimizers import check_dtensor_step, prefer_foreach_on_dtensors
-from lightning_par.parallel.pipeline_schedule import PipelineRunner
-from lightning_par.parallel.zero_replicated import ReplicatedZero
+from lightning_par.parallel.pipeline.schedule import PipelineRunner
+from lightning_par.parallel.zero.replicated import ReplicatedZero
 
 Distribute = Callable[[str, Any], Any]  # (qualified name, tensor) -> the tensor as its DTensor, for checkpoints
 
@@ -83,7 +83,7 @@ class ParallelRun:
 
     def defer_param_gather(self, on: bool) -> bool:
         """Let ZeRO 1-2 start the parameter all-gather after each optimizer step and return at once, each trunk
-        block waiting for its weights when its forward starts (`lightning_par.parallel.zero_prefetch`).
+        block waiting for its weights when its forward starts (`lightning_par.parallel.zero.prefetch`).
 
         The caller then owes the contract: `before_forward` at every training step's start, and `wait_params`
         before anything else reads the weights. Returns whether the deferral is on (ZeRO 1-2 over dp_shard > 1,

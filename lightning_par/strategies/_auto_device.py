@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from lightning_par.plan.devices import DEVICES, GIB, Device
+from lightning_par.planner.devices import DEVICES, GIB, Device
 
 # Substrings of torch.cuda.get_device_name() -> the planner's table entry.
 _CUDA_NAMES = (("H200", "H200-SXM-141GB"), ("H100", "H100-SXM5-80GB"), ("B200", "B200-SXM-180GB"),
@@ -73,7 +73,7 @@ def this_device(device: torch.device, world: int, ranks_per_node: int, gpu: str 
         ValueError: a CUDA device the table does not know, naming the fix.
     """
     if gpu is not None:
-        from lightning_par.plan import device as lookup
+        from lightning_par.planner import device as lookup
 
         return lookup(gpu)
     if device.type == "cuda":

@@ -30,9 +30,9 @@ from lightning_par.checkpoint.dcp import (
     tmp_path,
 )
 from lightning_par.checkpoint.resume_state import KEY
-from lightning_par.parallel import local_sgd_state
+from lightning_par.parallel.local_sgd import state as local_sgd_state
 from lightning_par.parallel.run import ParallelRun
-from lightning_par.parallel.zero_replicated import ReplicatedZero
+from lightning_par.parallel.zero.replicated import ReplicatedZero
 from lightning_par.strategies._resume import ResumeState
 
 

@@ -1,6 +1,6 @@
 """The window between a ZeRO-1/2 optimizer step and the next forward, while the parameter all-gather runs.
 
-`lightning_par.parallel.zero_prefetch` starts the all-gather after ``optimizer.step()`` and waits for each trunk
+`lightning_par.parallel.zero.prefetch` starts the all-gather after ``optimizer.step()`` and waits for each trunk
 block's weights in that block's forward. Every hook of user code that Lightning runs in between must still see the
 new weights: the callback here, first in ``trainer.callbacks``, waits for all of them before the first such hook
 (Lightning calls callbacks in list order, then the LightningModule's hook). Hooks that only Lightning's own

@@ -25,8 +25,8 @@ from torch import Tensor
 from torchmetrics import Metric
 
 from lightning_par import _compat
-from lightning_par.parallel.pipeline import StageSpec
-from lightning_par.parallel.pipeline_schedule import PipelineRunner
+from lightning_par.parallel.pipeline.schedule import PipelineRunner
+from lightning_par.parallel.pipeline.stages import StageSpec
 
 _LOG_SIGNATURE = inspect.signature(pl.LightningModule.log)
 _LOG_NAMES = tuple(_LOG_SIGNATURE.parameters)[1:]  # after ``self``

@@ -24,8 +24,8 @@ from typing_extensions import override
 from lightning_par import _compat
 from lightning_par.config import ParallelConfig
 from lightning_par.mesh import ParallelMesh, build_mesh
-from lightning_par.parallel.stream_counted import agree_on_the_end
-from lightning_par.parallel.stream_split import split_over_data_parallel
+from lightning_par.streams.counted import agree_on_the_end
+from lightning_par.streams.split import split_over_data_parallel
 
 
 class ProcessLayout:
@@ -75,7 +75,7 @@ class ProcessLayout:
     # ---- data ------------------------------------------------------------------------------------------------
     def process_dataloader(self: Any, dataloader: Any) -> Any:
         """Split a loader over an iterable dataset over the data-parallel ranks only (tensor, context and pipeline
-        ranks of one replica read the same samples): `lightning_par.parallel.streaming`."""
+        ranks of one replica read the same samples): `lightning_par.streams.dataset`."""
         module = getattr(self, "lightning_module", None)
         trainer = _compat.attached_trainer(module) if module is not None else None
         dp = self.meshes.dp
@@ -174,7 +174,7 @@ class ProcessGroupStrategy(ProcessLayout, _LightningParallelStrategy):
 
     @override
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
-        """Also, for a training stream whose ranks' shards end at different steps (`stream_counted`): end the pass
+        """Also, for a training stream whose ranks' shards end at different steps (`streams.counted`): end the pass
         on every data-parallel rank after the step in which the first of them read its last batch."""
         trainer = _compat.attached_trainer(self.lightning_module) if self.lightning_module is not None else None
         if getattr(self, "_agree_end", False) and trainer is not None and trainer.training:

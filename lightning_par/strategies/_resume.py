@@ -25,7 +25,7 @@ from lightning_par.checkpoint.resume_state import (
     rng_state,
     set_rng_state,
 )
-from lightning_par.parallel.streaming import DataParallelStream
+from lightning_par.streams.dataset import DataParallelStream
 
 # Lightning warns on a mid-epoch resume unless the loader implements its `_Stateful` protocol; a loader whose
 # position `ResumableSampler` restored is resumable, so that one message is silenced once a position was restored.

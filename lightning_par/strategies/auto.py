@@ -4,7 +4,7 @@ size and batch, among the layouts the model can run, and the strategy runs it.
 When: in `setup`, after Lightning has run the data module's and the model's ``setup`` and ``configure_model``
 (the model and the data exist) and before the model is laid out. The processes were joined earlier with plain data
 parallelism; the chosen layout is resolved against the same world and gets its own mesh. What: the first batch of
-the training data gives the per-rank batch and the sequence length; `lightning_par.plan.introspect` describes the
+the training data gives the per-rank batch and the sequence length; `lightning_par.planner.introspect` describes the
 model; `lightning_par.analysis.compatibility.check_model` says which dimensions it supports (the layouts it cannot
 run are ruled out with that reason); the device is a known GPU or this CPU job measured
 (`strategies/_auto_device.py`); layouts are ranked by predicted time per sample. The top three and what separates
@@ -24,14 +24,14 @@ from typing_extensions import override
 from lightning_par.analysis.compatibility import check_model, first_optimizer
 from lightning_par.config import ParallelConfig
 from lightning_par.mesh import build_mesh
-from lightning_par.plan.estimate import Estimate
-from lightning_par.plan.introspect import desc_from_module
-from lightning_par.plan.layout import Layout
-from lightning_par.plan.params import specs_from_module
-from lightning_par.plan.search import Ranking, candidates, rank_layouts
-from lightning_par.plans import infer_tp_plan
-from lightning_par.plans.tp_types import TPPlanError
-from lightning_par.plans.tp_validate import validate_tp
+from lightning_par.parallel.tensor import infer_tp_plan
+from lightning_par.parallel.tensor.plan_types import TPPlanError
+from lightning_par.parallel.tensor.plan_validate import validate_tp
+from lightning_par.planner.estimate import Estimate
+from lightning_par.planner.introspect import desc_from_module
+from lightning_par.planner.layout import Layout
+from lightning_par.planner.params import specs_from_module
+from lightning_par.planner.search import Ranking, candidates, rank_layouts
 from lightning_par.strategies._auto_device import this_device
 from lightning_par.strategies.parallel import ParallelStrategy
 

@@ -4,7 +4,7 @@
 `ParallelStrategy` is kept (mesh, sampler over data-parallel ranks, reductions, checkpoint folders); DeepSpeed's
 engine takes over what it owns: backward (``engine.backward``), the optimizer step, the accumulation boundary,
 gradient clipping and the precision (fp32 masters in its optimizer). Checkpoints are written and read in our
-format (`lightning_par.parallel.deepspeed_state`), so a run moves between the two backends and
+format (`lightning_par.parallel.deepspeed.state`), so a run moves between the two backends and
 ``lightning-par consolidate`` works on either. docs/deepspeed.md has the mapping and its limits.
 """
 
@@ -28,12 +28,11 @@ from typing_extensions import override
 
 from lightning_par import _compat
 from lightning_par.checkpoint.dcp import model_state
-from lightning_par.checkpoint.pretrained import prepare_pretrained
+from lightning_par.checkpoint.pretrained.load import prepare_pretrained
 from lightning_par.checkpoint.reader import load_tensors, read_index, read_meta
-from lightning_par.parallel import deepspeed_state as ds_state
 from lightning_par.parallel.compose import tied_names
-from lightning_par.parallel.deepspeed_init import MetaInitReport, materialize_for_deepspeed
-from lightning_par.parallel.deepspeed_zero import (
+from lightning_par.parallel.deepspeed import state as ds_state
+from lightning_par.parallel.deepspeed.engine import (
     DeepSpeedConfigError,
     async_io_available,
     build_config,
@@ -47,9 +46,10 @@ from lightning_par.parallel.deepspeed_zero import (
     merge_user_config,
     use_cpu_accelerator,
 )
+from lightning_par.parallel.deepspeed.meta_init import MetaInitReport, materialize_for_deepspeed
+from lightning_par.parallel.flops import active_param_count
 from lightning_par.parallel.materialize import base_seed, has_meta
 from lightning_par.parallel.optimizers import check_elementwise
-from lightning_par.plans.flops import active_param_count
 from lightning_par.precision.parallel import ParallelPrecision
 from lightning_par.strategies.parallel import ParallelStrategy
 

@@ -32,10 +32,10 @@ from typing_extensions import override
 from lightning_par import _compat
 from lightning_par.config import ParallelConfig
 from lightning_par.parallel.compose import parallelize
+from lightning_par.parallel.flops import active_param_count
 from lightning_par.parallel.materialize import has_meta
 from lightning_par.parallel.rebind import parameter_names, rebind_optimizer
 from lightning_par.parallel.run import ParallelRun
-from lightning_par.plans.flops import active_param_count
 from lightning_par.precision.fabric import FabricPrecision
 from lightning_par.strategies import _fabric_state
 from lightning_par.strategies._processes import ProcessLayout, all_reduce_logged, set_metric_groups

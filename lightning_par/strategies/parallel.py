@@ -30,10 +30,10 @@ from lightning_par.checkpoint.dcp import OptimizerEntry, model_state
 from lightning_par.config import AUTO, ACMode, ParallelConfig
 from lightning_par.names import check_native_backend
 from lightning_par.parallel.compose import parallelize
+from lightning_par.parallel.experts.finder import MoELayer
+from lightning_par.parallel.flops import active_param_count
 from lightning_par.parallel.materialize import has_meta
 from lightning_par.parallel.run import ParallelRun
-from lightning_par.plans.flops import active_param_count
-from lightning_par.plans.moe import MoELayer
 from lightning_par.precision.parallel import ParallelPrecision
 from lightning_par.strategies._checkpointing import ShardedCheckpoints, Where, optimizer_entries
 from lightning_par.strategies._compiled import take_compiled
@@ -411,16 +411,7 @@ class ParallelStrategy(ProcessGroupStrategy):
             if not propagating:
                 raise
             warnings.warn(str(err), stacklevel=2)  # do not replace the exception that ended fit
-        # The Trainer binds `callback.log` / `callback.log_dict` to this module's methods at every run and leaves
-        # them: a callback kept after the run would hold the module, its parameters and gradients, and through its
-        # trainer the optimizer state, on the device (Lightning's own teardown moves the module to the CPU; a
-        # sharded module stays). The next run binds them again.
-        module = self.lightning_module
-        trainer = _compat.attached_trainer(module)
-        for callback in trainer.callbacks if trainer is not None else ():
-            for name in ("log", "log_dict"):
-                if getattr(getattr(callback, name, None), "__self__", None) is module:
-                    delattr(callback, name)
+        _compat.unbind_callback_logging(self.lightning_module)  # a callback kept after the run held the model
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()

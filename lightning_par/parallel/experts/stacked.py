@@ -1,0 +1,94 @@
+"""Expert parallelism for stacked-experts MoE blocks we did not write (Hugging Face transformers 5 families).
+
+Such a block routes with its own router and calls ``experts(hidden [N, d], top_k_index [N, k],
+top_k_weights [N, k])``; the experts module holds stacked ``[E, ...]`` weights and applies the gate weights
+itself. Under expert parallelism the experts module keeps its rows ``[r*E/ep, (r+1)*E/ep)`` of every weight (same
+names) and its forward is replaced, on that instance only, by: group the assignments by expert, exchange them
+with the ep group (`ExpertDispatch`), run the **model's own expert forward** on the received rows (each row sent
+to one local expert, gate weight 1, so Mixtral's SwiGLU, GPT-OSS's clamped interleaved gate_up and biases, or any
+other expert math runs unchanged, through whatever experts implementation the model's config selects), exchange
+back, weight and sum per token on the token's own rank (the gates' gradient never crosses ranks).
+
+These families are dropless, so the result equals the original forward whatever the split of tokens over ranks.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from lightning_par.nn.moe import expert_counts
+from lightning_par.parallel.experts.dispatch import ExpertDispatch, expert_index
+
+
+def _check_call(name: str, hidden: Any, index: Any, weights: Any) -> None:
+    ok = (
+        isinstance(hidden, Tensor) and hidden.dim() == 2 and isinstance(index, Tensor) and index.dim() == 2
+        and not index.is_floating_point() and isinstance(weights, Tensor) and weights.shape == index.shape
+        and index.shape[0] == hidden.shape[0]
+    )  # fmt: skip
+    if not ok:
+        got = ", ".join(
+            str(tuple(a.shape)) if isinstance(a, Tensor) else type(a).__name__ for a in (hidden, index, weights)
+        )
+        raise TypeError(
+            f"{name}: stacked experts are expected to be called as experts(hidden [N, d], top_k_index [N, k] "
+            f"(integer), top_k_weights [N, k]); got ({got}). Train this model with a data-parallel strategy "
+            "(e.g. 'zero3'), or make its experts a lightning_par.nn.MoE"
+        )
+
+
+def shard_stacked_experts(experts: nn.Module, dispatch: ExpertDispatch, n_experts: int, name: str) -> None:
+    """Replace ``experts.forward`` (a stacked-experts module whose weights already hold this rank's rows).
+
+    Args:
+        experts: the experts module of the block.
+        dispatch: the all-to-all exchange over this layer's ep group.
+        n_experts: experts of the whole layer (the router's width).
+        name: its qualified name, for errors.
+    """
+    if isinstance(getattr(experts, "num_experts", None), int):
+        # The model's experts implementations (eager loop, grouped_mm, batched_mm) size their bins by it.
+        experts.num_experts = len(next(experts.parameters(recurse=False)))  # type: ignore[assignment]
+    own_forward: Callable[..., Tensor] = experts.forward  # the class's (or the model's chosen implementation's)
+    state = {"local": False}
+
+    def run_local(module: nn.Module, rows: Tensor, counts: list[int]) -> Tensor:
+        # Each received row goes to one local expert with weight 1: the model's forward returns expert(row).
+        index = expert_index(counts, rows.device).unsqueeze(1)
+        ones = torch.ones(index.shape, dtype=rows.dtype, device=rows.device)
+        params = dict(module.named_parameters(recurse=False))
+        state["local"] = True
+        try:
+            if any(p.dtype != rows.dtype for p in params.values()):
+                # In the tokens' dtype, as lightning_par.nn.Experts: FSDP2 leaves the ignored expert shards fp32.
+                cast = {k: p.to(rows.dtype) for k, p in params.items()}
+                out = functional_call(module, cast, (rows, index, ones))
+            else:
+                out = own_forward(rows, index, ones)
+        finally:
+            state["local"] = False
+        # Every local expert joins the graph (a rank may receive no rows for one): its gradient is then a tensor on
+        # every rank, and the expert-data-parallel reduction sums the same list everywhere.
+        return out + sum(p.reshape(-1)[0] * 0 for p in params.values())
+
+    def forward(self: nn.Module, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Any:
+        if state["local"]:
+            return own_forward(hidden, top_k_index, top_k_weights)
+        _check_call(name, hidden, top_k_index, top_k_weights)
+        k = top_k_index.shape[1]
+        flat = top_k_index.reshape(-1)
+        order = flat.argsort(stable=True)
+        token = order // k
+        counts = expert_counts(flat, n_experts)
+        rows, local_counts = dispatch.dispatch(self, (hidden[token], counts))
+        out = dispatch.combine(self, None, run_local(self, rows, local_counts))
+        weighted = out * top_k_weights.reshape(-1)[order].unsqueeze(1).to(out.dtype)
+        return torch.zeros_like(hidden).index_add_(0, token, weighted.to(hidden.dtype))
+
+    experts.forward = types.MethodType(forward, experts)

@@ -1,0 +1,397 @@
+"""Pipeline schedules from `torch.distributed.pipelining`, microbatching, and one training / evaluation step.
+
+| ``pp_schedule``    | torch class                     | stages per rank | stage -> rank   |
+|--------------------|---------------------------------|-----------------|-----------------|
+| ``gpipe``          | `ScheduleGPipe`                 | 1               | s               |
+| ``1f1b``           | `Schedule1F1B`                  | 1               | s               |
+| ``interleaved_1f1b`` | `ScheduleInterleaved1F1B`     | 2               | s mod pp (loop) |
+| ``looped_bfs``     | `ScheduleLoopedBFS`             | 2               | s mod pp (loop) |
+| ``interleaved_zb`` | `ScheduleInterleavedZeroBubble` | 2               | s mod pp (loop) |
+| ``zbv``            | `ScheduleZBVZeroBubble`         | 2               | V: r and 2pp-1-r |
+| ``dualpipev``      | `ScheduleDualPipeV`             | 2               | V: r and 2pp-1-r |
+
+Bubble fraction with p stages and m microbatches: (p-1)/(m+p-1) for GPipe and 1F1B (Huang et al., arXiv
+1811.06965; Narayanan et al., arXiv 2104.04473), divided by the virtual stages per rank for interleaved 1F1B;
+the zero-bubble schedules fill it with weight-gradient work (Qi et al., arXiv 2401.10241).
+
+Gradients: the schedule's loss function divides each microbatch's loss by the microbatch count (and the caller's
+accumulation factor), so gradients sum to those of the mean loss; torch's own ``scale_grads`` is off because it
+divides the stage's whole ``.grad``, which would also shrink gradients accumulated over earlier steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Optional, cast
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
+)
+
+from lightning_par import _compat
+from lightning_par.parallel.pipeline.stages import PipelineError, PipelineModel, StageSpec
+from lightning_par.parallel.pipeline.tied import TiedWeights
+from lightning_par.parallel.pipeline.trace import StepTrace
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleInfo:
+    """How a schedule name maps onto torch.
+
+    Args:
+        cls: the torch schedule class.
+        virtual: stages per rank.
+        style: ``"loop"`` (stage s on rank s mod pp) or ``"v"`` (rank r runs r and 2pp-1-r).
+    """
+
+    cls: Any
+    virtual: int
+    style: str
+
+
+SCHEDULES: dict[str, ScheduleInfo] = {
+    "gpipe": ScheduleInfo(ScheduleGPipe, 1, "loop"),
+    "1f1b": ScheduleInfo(Schedule1F1B, 1, "loop"),
+    "interleaved_1f1b": ScheduleInfo(ScheduleInterleaved1F1B, 2, "loop"),
+    "looped_bfs": ScheduleInfo(ScheduleLoopedBFS, 2, "loop"),
+    "interleaved_zb": ScheduleInfo(ScheduleInterleavedZeroBubble, 2, "loop"),
+    "zbv": ScheduleInfo(ScheduleZBVZeroBubble, 2, "v"),
+    "dualpipev": ScheduleInfo(ScheduleDualPipeV, 2, "v"),
+}
+
+
+def n_stages(schedule: str, pp: int) -> int:
+    """Total pipeline stages for ``pp`` ranks under ``schedule``."""
+    return pp * SCHEDULES[schedule].virtual
+
+
+def local_stages(schedule: str, pp: int, pp_rank: int) -> list[int]:
+    """The stage indices rank ``pp_rank`` of the pipeline group runs, in increasing order."""
+    info = SCHEDULES[schedule]
+    if info.style == "v":
+        return sorted({pp_rank, 2 * pp - 1 - pp_rank})
+    return [pp_rank + k * pp for k in range(info.virtual)]
+
+
+def _divisors(n: int) -> str:
+    return "{" + ", ".join(str(d) for d in range(1, n + 1) if n % d == 0) + "}"
+
+
+def check_schedule(schedule: str, pp: int, microbatches: int, n_blocks: int) -> None:
+    """Reject a schedule / microbatch / trunk combination torch would refuse, before any step runs.
+
+    Args:
+        schedule: a key of `SCHEDULES`.
+        pp: pipeline ranks.
+        microbatches: microbatches per step.
+        n_blocks: blocks in the trunk.
+    """
+    if schedule not in SCHEDULES:
+        raise PipelineError(f"pp_schedule={schedule!r} is unknown; choose one of {tuple(SCHEDULES)}")
+    stages = n_stages(schedule, pp)
+    if stages > n_blocks:
+        fix = "use a smaller pp" if SCHEDULES[schedule].virtual == 1 else "use pp_schedule='1f1b' or a smaller pp"
+        raise PipelineError(
+            f"pp={pp} with pp_schedule={schedule!r} needs {stages} stages but the trunk has {n_blocks} blocks "
+            f"(each stage needs >= 1); {fix}"
+        )
+    if schedule == "1f1b" and microbatches < stages:
+        raise PipelineError(f"pp_schedule='1f1b' needs microbatches >= {stages} stages; got {microbatches}")
+    if schedule == "dualpipev" and microbatches < stages:
+        raise PipelineError(
+            f"pp_schedule='dualpipev' needs microbatches >= {stages} (pp x 2 virtual stages); got {microbatches}: use "
+            f"microbatches={stages}"
+        )
+    if schedule in ("interleaved_1f1b", "interleaved_zb", "looped_bfs"):
+        rounds = max(1, microbatches // pp)
+        if microbatches % rounds:
+            raise PipelineError(
+                f"pp_schedule={schedule!r} needs microbatches to be a multiple of "
+                f"max(1, microbatches // pp) = {rounds}; got {microbatches}: use a multiple of pp={pp}"
+            )
+
+
+def split_microbatches(batch: Any, m: int) -> list[Any]:
+    """Split every tensor of ``batch`` (a tensor, tuple, list or dict, nested) into ``m`` chunks along dim 0.
+
+    Non-tensor leaves and 0-dim tensors are repeated in every microbatch.
+    """
+    leaves, spec = _compat.tree_flatten(batch)
+    sizes = {t.shape[0] for t in leaves if isinstance(t, Tensor) and t.dim() > 0}
+    if not sizes:
+        raise PipelineError("the batch holds no tensor with a batch dimension to split into microbatches")
+    if len(sizes) > 1:
+        raise PipelineError(
+            f"the batch's tensors differ in size along dim 0 ({sorted(sizes)}); microbatches split every tensor "
+            "along dim 0, so they must share the batch size"
+        )
+    size = sizes.pop()
+    if size % m:
+        raise PipelineError(
+            f"the batch size per data-parallel rank ({size}) is not divisible by microbatches={m}; choose "
+            f"microbatches in {_divisors(size)} or a batch size that is a multiple of {m} (drop_last=True avoids a "
+            "short last batch)"
+        )
+    chunks = [t.chunk(m) if isinstance(t, Tensor) and t.dim() > 0 else [t] * m for t in leaves]
+    return [_compat.tree_unflatten([c[i] for c in chunks], spec) for i in range(m)]
+
+
+def _signature(batch: Any) -> tuple:
+    leaves, spec = _compat.tree_flatten(batch)
+    return (str(spec), tuple((tuple(t.shape), t.dtype) if isinstance(t, Tensor) else type(t) for t in leaves))
+
+
+class PipelineRunner:
+    """Runs one pipeline step on every rank of a pipeline group with a torch schedule.
+
+    Args:
+        model: the cut model (`PipelineModel`).
+        schedule: a key of `SCHEDULES`.
+        group: the pipeline process group (ranks that share data-parallel and tensor-parallel coordinates).
+        microbatches: microbatches per training step.
+    """
+
+    def __init__(self, model: PipelineModel, schedule: str, group: dist.ProcessGroup, microbatches: int) -> None:
+        self.model, self.schedule_name, self.group = model, schedule, group
+        self.microbatches = microbatches
+        self.pp = dist.get_world_size(group)
+        self._first_rank = dist.get_global_rank(group, 0)  # runs stage 0 under every schedule
+        self._last_rank = dist.get_global_rank(group, _rank_of_last(schedule, self.pp))
+        self._cache: dict[tuple, Any] = {}
+        self.tied: Optional[TiedWeights] = None  # set by `split_pipeline` on end-stage ranks of a tied model
+        self._loss_fn: Callable[[Tensor], Tensor] = lambda t: t
+        # The hidden state's shape between stages from its shape entering the trunk: context parallelism sends
+        # this rank's sequence chunks only (set by `compose.parallelize`).
+        self.wire_shape: Callable[[tuple[int, ...]], tuple[int, ...]] = lambda shape: shape
+        self.trace = StepTrace()  # this rank's actions and waits in the latest training step
+
+    @property
+    def last_stage_rank(self) -> int:
+        """Global rank that runs the last stage (it holds the losses and the user's logged values)."""
+        return self._last_rank
+
+    @property
+    def first_stage_rank(self) -> int:
+        """Global rank that runs the first stage."""
+        return self._first_rank
+
+    def describe(self) -> str:
+        """One line naming the schedule, the microbatches and every stage's blocks (printed at start-up)."""
+        model = self.model
+        names = model.trunk.names
+        stages = [f"stage {s}: {names[a]}..{names[b - 1]}" for s, (a, b) in enumerate(model.ranges)]
+        ends = f"before the trunk {model.pre_names or '-'} on stage 0, after it {model.post_names or '-'} on the last"
+        own = model.ownership
+        if own.tied:
+            ends += f"; tied {[names[0] for names in own.tied]} held by both"
+        if own.source != "probe":
+            ends += f" (by registration order: {own.reason})"
+        return (f"pipeline {self.schedule_name}, {model.n_stages} stages over pp={self.pp}, {self.microbatches} "
+                f"microbatches; " + "; ".join(stages) + f"; {ends}")  # fmt: skip
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this rank runs the last stage."""
+        return any(s.is_last for s in self.model.specs)
+
+    def _hidden_meta(self, mb0: Any, step_fn: Callable[[Any, StageSpec], Any]) -> tuple[tuple[int, ...], torch.dtype]:
+        """Shape and dtype of the hidden state entering the trunk, probed on the first stage's rank."""
+        meta: list[Any] = [None]
+        if dist.get_rank() == self._first_rank:
+            probe_spec = self.model.specs[0]
+            device = self.model.device
+            first = self.model.stage_modules()[0]
+            root = cast(FSDPModule, first) if isinstance(first, FSDPModule) else None
+            if root is not None:  # ZeRO-3: the embedding belongs to the stage's root unit; gather it for the probe
+                root.unshard()
+            with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                hidden = self.model.probe(lambda: step_fn(mb0, probe_spec))
+            if root is not None:
+                root.reshard()
+            meta = [(tuple(hidden.shape), hidden.dtype)]
+        dist.broadcast_object_list(meta, src=self._first_rank, group=self.group)
+        return meta[0]
+
+    def _schedule(self, mbs: list[Any], step_fn: Callable[[Any, StageSpec], Any], training: bool) -> Any:
+        key = (_signature(mbs[0]), len(mbs), training, torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled())
+        if key in self._cache:
+            return self._cache[key]
+        shape, dtype = self._hidden_meta(mbs[0], step_fn)
+        shape = self.wire_shape(shape)
+        self.model.hidden_dtype = dtype
+        side = self._side_meta(shape, dtype)
+
+        def meta(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+            # requires_grad in the metadata is what makes the receiving stage's buffers differentiable.
+            return torch.empty(shape, dtype=dtype, device="meta", requires_grad=training and dtype.is_floating_point)
+
+        loss = torch.empty((), dtype=torch.float32, device="meta")
+        stages = []
+        for mod in self.model.stage_modules():
+            spec = mod.spec
+            ins, outs = ([meta(shape, dtype)] + [meta(*side[k]) for k in self._side_slots(at)] for at in
+                         (spec.start, spec.end))  # fmt: skip
+            stages.append(
+                PipelineStage(
+                    mod,
+                    spec.index,
+                    self.model.n_stages,
+                    self.model.device,
+                    input_args=() if spec.is_first else tuple(ins),
+                    output_args=loss if spec.is_last else (tuple(outs) if len(outs) > 1 else outs[0]),
+                    group=self.group,
+                )
+            )
+        for stage in stages:
+            self.trace.watch(stage)
+        info = SCHEDULES[self.schedule_name]
+        loss_fn = (lambda out, _target: self._loss_fn(out)) if training else None
+        try:
+            if info.virtual == 1:
+                # Forward only, GPipe's order is 1F1B's without the minimum microbatch count (a short last batch).
+                cls = info.cls if training else ScheduleGPipe
+                sched = cls(stages[0], n_microbatches=len(mbs), loss_fn=loss_fn, scale_grads=False)
+            else:
+                sched = info.cls(stages, n_microbatches=len(mbs), loss_fn=loss_fn, scale_grads=False)
+        except ValueError as err:
+            raise PipelineError(f"pp_schedule={self.schedule_name!r} with {len(mbs)} microbatches: {err}") from err
+        self._cache[key] = (sched, side)
+        return self._cache[key]
+
+    def _side_slots(self, end: int) -> list[int]:
+        return self.model.sides.before(end) if self.model.sides is not None else []
+
+    def _side_meta(self, shape: tuple[int, ...], dtype: torch.dtype) -> dict[int, tuple[tuple[int, ...], torch.dtype]]:
+        """Shape and dtype of every side output of the trunk (`pipeline.sides`) for microbatches like the current
+        ones: each rank runs each of its stages once, without gradients, on zeros of the hidden state's shape, to
+        its last block; the pipeline group gathers what they measured."""
+        carrier = self.model.sides
+        if carrier is None:
+            return {}
+        device = self.model.device
+        found: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
+        self.model.measuring = True
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                for mod in self.model.stage_modules():
+                    args = () if mod.spec.is_first else (torch.zeros(shape, dtype=dtype, device=device),)
+                    found.update(mod(*args, mb=torch.zeros(1, dtype=torch.long, device=device)))
+        finally:
+            self.model.measuring = False
+        every: list[Any] = [None] * self.pp
+        dist.all_gather_object(every, found, group=self.group)
+        side = {k: v for d in every for k, v in d.items()}
+        missing = [carrier.slots[k].name for k in range(len(carrier.slots)) if k not in side]
+        if missing:
+            raise PipelineError(
+                f"{missing[0]} did not run when the pipeline measured its side output, but code after the trunk read "
+                "what it returned when the pipeline probed the model; train this model without pipeline parallelism "
+                "(e.g. strategy='moe' or 'zero3')"
+            )
+        return side
+
+    def _scheduled(self, mbs: list[Any], step_fn: Callable[[Any, StageSpec], Any], training: bool) -> Any:
+        sched, side = self._schedule(mbs, step_fn, training)
+        if self.model.sides is not None:  # what this schedule's microbatches must give (eval may differ from train)
+            self.model.sides.meta = side
+        return sched
+
+    def train_step(
+        self, batch: Any, step_fn: Callable[[Any, StageSpec], Optional[Tensor]], loss_fn: Callable[[Tensor], Tensor]
+    ) -> None:
+        """Forward and backward of one batch through the pipeline; gradients accumulate into ``.grad``.
+
+        Args:
+            batch: this data-parallel rank's batch (the same on every rank of the pipeline group).
+            step_fn: ``step_fn(microbatch, spec)`` runs the user's step on a microbatch as stage ``spec``; on
+                the last stage it returns the microbatch's loss.
+            loss_fn: maps a microbatch's loss to what is differentiated (divide by microbatches, scale for fp16).
+        """
+        mbs = split_microbatches(batch, self.microbatches)
+        self.model.step_fn = lambda i, spec: step_fn(mbs[i], spec)
+        self._loss_fn = loss_fn
+        sched = self._scheduled(mbs, step_fn, training=True)
+        device = self.model.device
+        m = len(mbs)
+        with self.trace:  # the actions and waits of this step: `trace.last` (ParallelismMonitor's bubble, timeline)
+            sched.step(target=torch.zeros(m, device=device), mb=torch.arange(m, device=device), return_outputs=False)
+        if self.tied is not None:  # this step's gradients of the two copies, before anything else reads them
+            self.tied.reduce_grads()
+
+    @torch.no_grad()
+    def eval_step(self, batch: Any, step_fn: Callable[[Any, StageSpec], Optional[Tensor]]) -> None:
+        """Forward only (validation / test): the last stage runs ``step_fn`` to the end for every microbatch.
+
+        A batch the training microbatch count does not divide (a short last batch) uses the largest divisor of
+        its size that is <= that count.
+        """
+        leaves, _ = _compat.tree_flatten(batch)
+        size = next((t.shape[0] for t in leaves if isinstance(t, Tensor) and t.dim() > 0), self.microbatches)
+        m = max(d for d in range(1, min(self.microbatches, size) + 1) if size % d == 0)
+        mbs = split_microbatches(batch, m)
+        self.model.step_fn = lambda i, spec: step_fn(mbs[i], spec)
+        device = self.model.device
+        if SCHEDULES[self.schedule_name].style == "v":
+            # torch's V schedules have no forward-only mode (their eval() asserts on the missing backward).
+            self._forward_only(mbs, step_fn)
+            return
+        sched = self._scheduled(mbs, step_fn, training=False)
+        sched.eval(mb=torch.arange(m, device=device), return_outputs=False)
+
+    def _forward_only(self, mbs: list[Any], step_fn: Callable[[Any, StageSpec], Any]) -> None:
+        """Every microbatch through every stage in stage order, activations sent point to point."""
+        key = (_signature(mbs[0]), "forward_only", torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled())
+        if key not in self._cache:
+            shape, dtype = self._hidden_meta(mbs[0], step_fn)
+            shape = self.wire_shape(shape)
+            self.model.hidden_dtype = dtype
+            self._cache[key] = ((shape, dtype), self._side_meta(shape, dtype), self.model.stage_modules())
+        (shape, dtype), side, modules = self._cache[key]
+        self.model.hidden_dtype = dtype
+        if self.model.sides is not None:
+            self.model.sides.meta = side
+        stages = {mod.spec.index: mod for mod in modules}
+        owner = {s: r for r in range(self.pp) for s in local_stages(self.schedule_name, self.pp, r)}
+        me = dist.get_rank(self.group)
+        device = self.model.device
+        sends = []
+        for i in range(len(mbs)):
+            carry: list[Tensor] = []  # the hidden state, then the trunk's side outputs
+            for s in range(self.model.n_stages):
+                if owner[s] != me:
+                    continue
+                if s > 0 and owner[s - 1] != me:
+                    metas = [(shape, dtype)] + [side[k] for k in self._side_slots(self.model.ranges[s][0])]
+                    carry = [torch.empty(sh, dtype=dt, device=device) for sh, dt in metas]
+                    for t in carry:
+                        dist.recv(t, src=dist.get_global_rank(self.group, owner[s - 1]), group=self.group)
+                out = stages[s](*carry, mb=torch.tensor([i], device=device))
+                carry = list(out) if isinstance(out, tuple) else [out]
+                if s + 1 < self.model.n_stages and owner[s + 1] != me:
+                    dst = dist.get_global_rank(self.group, owner[s + 1])
+                    for t in carry:
+                        work = dist.isend(t.contiguous(), dst=dst, group=self.group)
+                        if work is not None:
+                            sends.append(work)
+        for work in sends:
+            work.wait()
+
+
+def _rank_of_last(schedule: str, pp: int) -> int:
+    last = n_stages(schedule, pp) - 1
+    for r in range(pp):
+        if last in local_stages(schedule, pp, r):
+            return r
+    raise AssertionError("no rank runs the last stage")

@@ -1,0 +1,113 @@
+"""Cut a model into this rank's pipeline stages: the first step of `compose.parallelize` under ``pp > 1``.
+
+torchtitan's order: cut the model into stages first, then parallelize each stage like a model of its own. The cut
+balances the trunk's blocks over ``pp x virtual`` stages by cost (`lightning_par.parallel.pipeline.partition`, the
+embedding's
+and head's cost charged to the end stages), removes what other stages own (`pipeline.PipelineModel`), and gives
+the rest as `ModelPart`s. Its own hooks (the stage dispatch around each owned block's forward and the probe that
+stops at the trunk's entry) go on last, `PipelineSplit.install`, outside every wrapping the other techniques add:
+activation checkpointing's recomputed region and FSDP2's pre-forward hooks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_par.blocks.trunk import Trunk
+from lightning_par.parallel.parts import ModelPart
+from lightning_par.parallel.pipeline.cuts import no_split_possible
+from lightning_par.parallel.pipeline.owners import find_ownership
+from lightning_par.parallel.pipeline.partition import param_costs, partition
+from lightning_par.parallel.pipeline.schedule import PipelineRunner, check_schedule, local_stages, n_stages
+from lightning_par.parallel.pipeline.stages import PipelineError, PipelineModel
+from lightning_par.parallel.pipeline.tied import TiedWeights, tie_group
+
+
+@dataclasses.dataclass
+class PipelineSplit:
+    """This rank's stages of a cut model.
+
+    Args:
+        runner: runs a training or evaluation step through the schedule.
+        parts: one `ModelPart` per stage this rank runs, in stage order.
+    """
+
+    runner: PipelineRunner
+    parts: list[ModelPart]
+
+    def install(self) -> None:
+        """Put the stage dispatch and the trunk-entry probe on the owned blocks; after every other wrapping."""
+        self.runner.model.install()
+        self.runner.model.install_probe_hooks()
+
+
+def _outer_cost(modules: Sequence[nn.Module]) -> float:
+    # An embedding lookup costs no FLOPs; a head's matmul costs as much as its parameter count says.
+    return float(
+        sum(p.numel() for m in modules for sub in m.modules() if not isinstance(sub, nn.Embedding)
+            for p in sub.parameters(recurse=False))
+    )  # fmt: skip
+
+
+def split_pipeline(
+    module: nn.Module,
+    trunk: Trunk,
+    *,
+    schedule: str,
+    pp: int,
+    pp_rank: int,
+    group: dist.ProcessGroup,
+    microbatches: int,
+    device: torch.device,
+    split: Optional[Sequence[int]] = None,
+    costs: Optional[Sequence[float]] = None,
+    timeout: Optional[timedelta] = None,
+) -> PipelineSplit:
+    """Cut ``module`` in place for pipeline rank ``pp_rank``; return its stages and the runner of its steps.
+
+    Args:
+        module: the user's module (on ``device``); blocks and outer modules of other stages are removed.
+        trunk: its trunk.
+        schedule: a key of `lightning_par.parallel.pipeline.schedule.SCHEDULES`.
+        pp: pipeline ranks; ``pp_rank``: this rank's index among them; ``group``: their process group.
+        microbatches: microbatches per training step.
+        device: this rank's device.
+        split: blocks per stage, by hand (``pp x virtual`` counts); overrides ``costs``.
+        costs: one cost per block (default: parameter counts;
+        `lightning_par.parallel.pipeline.partition.measure_block_times`
+            measures times).
+        timeout: collective timeout of the group that sums tied weights' gradients (default: the backend's).
+    """
+    check_schedule(schedule, pp, microbatches, len(trunk.blocks))
+    # Decided on the whole model, before the cut: who runs before and after the trunk.
+    own = find_ownership(module, trunk)
+    block_costs = list(costs) if costs is not None else param_costs(trunk.blocks)
+    if len(block_costs) != len(trunk.blocks):
+        raise PipelineError(f"pp_costs has {len(block_costs)} entries but the trunk has {len(trunk.blocks)} blocks")
+    stages = n_stages(schedule, pp)
+    if (why := no_split_possible(own.cut_conflicts, trunk.names, stages)) is not None:
+        raise PipelineError(why)
+    ranges = partition(
+        block_costs, stages, first_extra=_outer_cost([m for _, m in own.pre]),
+        last_extra=_outer_cost([m for _, m in own.post]), split=split, forbidden=own.cut_conflicts,
+    )  # fmt: skip
+    model = PipelineModel(module, trunk, ranges, local_stages(schedule, pp, pp_rank), device, own)
+    runner = PipelineRunner(model, schedule, group, microbatches)
+    if own.tied and runner.first_stage_rank != runner.last_stage_rank:
+        tied = tie_group(runner.first_stage_rank, runner.last_stage_rank, timeout)
+        if tied is not None:  # this rank runs an end stage
+            runner.tied = TiedWeights(module, own.tied, tied, runner.first_stage_rank, not model.owns_first)
+            runner.tied.sync_values()
+    parts = [
+        ModelPart(stage, tuple((trunk.names[i], model.blocks[i]) for i in range(stage.spec.start, stage.spec.end)),
+                  whole_trunk=False)
+        for stage in model.stage_modules()
+    ]  # fmt: skip
+    return PipelineSplit(runner, parts)

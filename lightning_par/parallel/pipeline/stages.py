@@ -1,0 +1,327 @@
+"""Pipeline parallelism around code we did not write: cut the user's model at stage boundaries.
+
+The route (docs/design.md, "Pipeline: run the user's code, cut at the stage boundary"): every rank of a pipeline
+group loads the same batch, and a stage runs the user's own step function (``training_step``, ...) on a
+microbatch with the model cut down to what the stage owns:
+
+- trunk blocks another stage owns are pass-throughs (they hand their first argument on unchanged);
+- the first block the stage owns swaps in the activation received from the previous stage;
+- the last block it owns ends the stage by raising `_StageEnd` with its output, which the stage module returns
+  to the schedule; only the last stage runs on to the head and the loss, as the user wrote them;
+- modules that run before the trunk (embeddings) are owned by the first stage, those that run after it (final
+  norm, head) by the last (`pipeline.owners.find_ownership` probes the forward to tell); elsewhere a meta-device
+  copy stands in (`pipeline.shadow.shadow`): before the trunk it returns zeros of the right shape (the value is
+  discarded by the swap), so side inputs computed before the trunk (rotary tables, masks) are recomputed locally
+  instead of sent;
+- a parameter used on both sides (a tied embedding and head) lives on both end stages
+  (`pipeline.tied.TiedWeights` sums its gradients).
+
+Modules other stages own are replaced by their shadows, so a rank holds only its stages' parameters, under their
+original names (checkpoints move between layouts). Nothing here imports Lightning: the step function is
+any callable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+
+from lightning_par import _compat
+from lightning_par.blocks.trunk import Trunk
+from lightning_par.parallel.pipeline.cuts import refused_split
+from lightning_par.parallel.pipeline.owners import Ownership, PipelineError, find_ownership
+from lightning_par.parallel.pipeline.shadow import shadow
+from lightning_par.parallel.pipeline.sides import SideCarrier
+
+__all__ = ["PipelineError", "PipelineModel", "StageModule", "StageSpec"]
+
+
+class _StageEnd(BaseException):
+    """Raised by a stage's last block to end the stage's run of the user's code.
+
+    A `BaseException` so that a broad ``except Exception`` in user code does not swallow it.
+    """
+
+    def __init__(self, output: Any) -> None:
+        super().__init__()
+        self.output = output
+
+
+@dataclasses.dataclass(frozen=True)
+class StageSpec:
+    """One pipeline stage.
+
+    Args:
+        index: stage index in the whole pipeline (``0 .. n_stages - 1``).
+        start, end: its trunk blocks, ``range(start, end)``.
+        is_first, is_last: whether it runs the code before / after the trunk.
+    """
+
+    index: int
+    start: int
+    end: int
+    is_first: bool
+    is_last: bool
+
+
+@dataclasses.dataclass
+class _Active:
+    spec: Optional[StageSpec]  # None while probing the trunk's input
+    incoming: Optional[Tensor]
+    trunk_started: bool = False
+    measuring: bool = False  # a shape pass: the stage ends at its last block, even the last stage
+
+
+def _outside(name: str) -> RuntimeError:
+    return RuntimeError(
+        f"{name} was called outside the pipeline: under pipeline parallelism the model runs only inside "
+        "training_step / validation_step / test_step, which the strategy drives through the schedule"
+    )
+
+
+class _PassThrough(nn.Module):
+    """Stands in for a trunk block that another rank owns."""
+
+    _owner: PipelineModel
+
+    def __init__(self, owner: PipelineModel, index: int, name: str) -> None:
+        super().__init__()
+        object.__setattr__(self, "_owner", owner)
+        self.index, self.block_name = index, name
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._owner._block_call(self.index, None, args, kwargs)
+
+
+class StageModule(nn.Module):
+    """The module `torch.distributed.pipelining.PipelineStage` drives for one stage.
+
+    Its registered parameters are exactly the stage's own (the schedule's weight-gradient pass of the zero-bubble
+    schedules walks them); the user's module is held unregistered.
+
+    Args:
+        owner: the cut model.
+        spec: the stage.
+        owned: the modules whose parameters this stage owns.
+    """
+
+    _owner: PipelineModel
+
+    def __init__(self, owner: PipelineModel, spec: StageSpec, owned: Sequence[nn.Module]) -> None:
+        super().__init__()
+        self.owned = nn.ModuleList(owned)
+        object.__setattr__(self, "_owner", owner)
+        self.spec = spec
+
+    def forward(self, *args: Tensor, mb: Tensor) -> Any:
+        # args: the hidden state, then the trunk's side outputs made before this stage (pipeline_sides).
+        owner = self._owner
+        return owner.run_stage(self.spec, args[0] if args else None, int(mb.reshape(-1)[0]), args[1:],
+                               measure=owner.measuring)  # fmt: skip
+
+
+StepFn = Callable[[int, StageSpec], Optional[Tensor]]
+
+
+class PipelineModel:
+    """The user's module cut for the stages one rank runs (see the module docstring).
+
+    Args:
+        module: the user's module; changed in place.
+        trunk: its trunk (`lightning_par.blocks.trunk.find_trunk`).
+        ranges: block range of every stage of the pipeline (`lightning_par.parallel.pipeline.partition.partition`).
+        local_stages: indices of the stages this rank runs.
+        device: the rank's device.
+        ownership: which stage owns each module outside the trunk (default: `find_ownership` probes the forward).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        trunk: Trunk,
+        ranges: Sequence[tuple[int, int]],
+        local_stages: Sequence[int],
+        device: torch.device,
+        ownership: Optional[Ownership] = None,
+    ) -> None:
+        own = ownership if ownership is not None else find_ownership(module, trunk)
+        if (why := refused_split(own.cut_conflicts, trunk.names, ranges)) is not None:
+            raise PipelineError(why)
+        self.module, self.trunk, self.device, self.ownership = module, trunk, device, own
+        n = len(ranges)
+        self.n_stages, self.ranges = n, list(ranges)
+        self.specs = [StageSpec(s, *ranges[s], is_first=s == 0, is_last=s == n - 1) for s in sorted(local_stages)]
+        self._active: Optional[_Active] = None
+        self.step_fn: Optional[StepFn] = None
+        self.hidden_dtype: Optional[torch.dtype] = None
+        self.measuring = False  # stage calls are shape passes (`pipeline.schedule.PipelineRunner._side_meta`)
+        self._stage_modules: Optional[list[StageModule]] = None
+        self.pre_names, self.post_names = [n for n, _ in own.pre], [n for n, _ in own.post]
+        self.owns_first = any(s.is_first for s in self.specs)
+        self.owns_last = any(s.is_last for s in self.specs)
+        owned_idx = {i for s in self.specs for i in range(s.start, s.end)}
+        self.blocks: dict[int, nn.Module] = {}
+        passthroughs: dict[int, nn.Module] = {}
+        for i, (name, block) in enumerate(zip(trunk.names, trunk.blocks)):
+            if i in owned_idx:
+                self.blocks[i] = block
+            else:
+                passthroughs[i] = _PassThrough(self, i, name)
+                _replace(module, name, passthroughs[i])
+        # Tensors modules inside the trunk return and code after it reads travel with the hidden state.
+        self.sides = SideCarrier(own.sides, trunk, owned_idx, passthroughs) if own.sides else None
+        self.pre = dict(own.pre) if self.owns_first else {}
+        self.post = dict(own.post) if self.owns_last else {}
+        # A unit of both ends (an embedding used as the head) stays whole wherever either end runs.
+        kept = set(self.pre) | set(self.post)
+        for units, before in ((own.pre, True), (own.post, False)):
+            for name, m in units:
+                if name not in kept:
+                    kept.add(name)
+                    stand_in = shadow(m, name, before=before, device=device, why=own.why(before),
+                                      in_trunk=self._in_trunk)  # fmt: skip
+                    _replace(module, name, stand_in)
+
+    def running_span(self) -> Optional[tuple[int, int]]:
+        """The trunk blocks ``range(start, end)`` the stage now running computes (``None`` outside a stage run):
+        context parallelism cuts the sequence at ``start``, where the stage's received activation comes in."""
+        active = self._active
+        return (active.spec.start, active.spec.end) if active is not None and active.spec is not None else None
+
+    def _in_trunk(self) -> bool:
+        return self._active is not None and self._active.trunk_started
+
+    @property
+    def owned_blocks(self) -> list[nn.Module]:
+        """The trunk blocks this rank owns, in order (activation checkpointing and tensor parallelism go here)."""
+        return [self.blocks[i] for i in sorted(self.blocks)]
+
+    def stage_modules(self) -> list[StageModule]:
+        """One `StageModule` per local stage, in stage order (the same objects on every call: ZeRO-3 shards them)."""
+        if self._stage_modules is not None:
+            return self._stage_modules
+        out = []
+        for spec in self.specs:
+            owned: list[nn.Module] = [self.blocks[i] for i in range(spec.start, spec.end)]
+            owned += list(self.pre.values()) if spec.is_first else []
+            owned += list(self.post.values()) if spec.is_last else []
+            out.append(StageModule(self, spec, owned))
+        self._stage_modules = out
+        return out
+
+    def install(self) -> None:
+        """Route the owned blocks' forwards through the stage dispatch (after activation checkpointing wrapped
+        them, so the swap and the stage end happen outside any recomputed region)."""
+        for i, block in self.blocks.items():
+            forward = block.forward
+            block.forward = (  # type: ignore[method-assign]
+                lambda *a, _i=i, _f=forward, **k: self._block_call(_i, _f, a, k)
+            )
+
+    def install_probe_hooks(self) -> None:
+        """Stop a probe at the trunk's entry before any other forward pre-hook of the block runs.
+
+        Call after every wrapping that adds pre-hooks (FSDP2 prepends its unshard hook): a probe must not
+        gather a block's parameters it will never use.
+        """
+        for block in self.blocks.values():
+            block.register_forward_pre_hook(self._probe_hook, prepend=True)
+
+    def _probe_hook(self, module: nn.Module, args: tuple) -> None:
+        active = self._active
+        if active is not None and active.spec is None and args:
+            raise _StageEnd(args[0])
+
+    # ---- running ---------------------------------------------------------------------------------------------
+    def _block_call(self, i: int, forward: Optional[Callable[..., Any]], args: tuple, kwargs: dict) -> Any:
+        name = self.trunk.names[i]
+        active = self._active
+        if active is None:
+            raise _outside(name)
+        if not args:
+            raise PipelineError(f"{name} was called without positional arguments; pass the hidden state first")
+        if active.spec is None:  # probing: the hidden state entering the trunk
+            raise _StageEnd(args[0])
+        active.trunk_started = True
+        spec = active.spec
+        if i < spec.start:
+            if self.sides is not None:
+                self.sides.replay(i)  # the recorder's hooks see this block's side outputs, in the block's place
+            return args[0]
+        if i >= spec.end or forward is None:
+            raise PipelineError(f"{name} ran after stage {spec.index} ended; the trunk's blocks must run in order")
+        if i == spec.start and active.incoming is not None:
+            args = (active.incoming, *args[1:])
+        out = forward(*args, **kwargs)
+        if i == spec.end - 1 and (not spec.is_last or active.measuring):
+            raise _StageEnd(out)
+        return out
+
+    def run_stage(
+        self, spec: StageSpec, incoming: Optional[Tensor], mb: int, sides: Sequence[Tensor] = (), measure: bool = False
+    ) -> Any:
+        """Run the step function for microbatch ``mb`` as stage ``spec``; the stage's output (activation or loss).
+
+        Args:
+            spec: one of this rank's stages.
+            incoming: the activation received from the previous stage (``None`` on the first stage).
+            mb: microbatch index.
+            sides: the trunk's side outputs received with it (`pipeline.sides`).
+            measure: a shape pass: end at the stage's last block and return what `SideCarrier.measured` gives.
+        """
+        if self.step_fn is None:
+            raise RuntimeError("run_stage needs step_fn (set by the pipeline runner for each step)")
+        self._active = _Active(spec, incoming, measuring=measure)
+        carrying = self.sides.running(spec.start, spec.end, sides) if self.sides else contextlib.nullcontext()
+        try:
+            with carrying:
+                try:
+                    out = self.step_fn(mb, spec)
+                except _StageEnd as end:
+                    return self._stage_output(spec, end.output, measure)
+        finally:
+            self._active = None
+        if not spec.is_last:
+            raise PipelineError(
+                f"stage {spec.index} finished without running block {self.trunk.names[spec.end - 1]}; the model's "
+                "forward must call every trunk block, in order"
+            )
+        if out is None:  # evaluation steps may return nothing: the schedule still wants a tensor
+            return torch.zeros((), device=self.device)
+        return out
+
+    def _stage_output(self, spec: StageSpec, output: Any, measure: bool) -> Any:
+        hidden = output[0] if isinstance(output, (tuple, list)) else output
+        if not isinstance(hidden, Tensor):
+            raise PipelineError(
+                f"block {self.trunk.names[spec.end - 1]} returned {type(hidden).__name__}; trunk blocks must "
+                "return the hidden state (alone or first in a tuple)"
+            )
+        if measure:
+            return self.sides.measured() if self.sides is not None else {}
+        # One dtype on the wire: the receiving stage allocated its buffer from the probed trunk input.
+        hidden = hidden.to(self.hidden_dtype) if self.hidden_dtype is not None else hidden
+        sides = self.sides.outputs(spec.end, check=True) if self.sides is not None else []
+        return (hidden, *sides) if sides else hidden
+
+    def probe(self, fn: Callable[[], Any]) -> Tensor:
+        """Run ``fn`` (the step function on a microbatch) up to the trunk and return the trunk's input."""
+        self._active = _Active(None, None)
+        try:
+            fn()
+        except _StageEnd as end:
+            return end.output
+        finally:
+            self._active = None
+        raise PipelineError(f"the step never called the trunk {self.trunk.path}; nothing to pipeline")
+
+
+def _replace(root: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, leaf = name.rpartition(".")
+    parent = root.get_submodule(parent_name) if parent_name else root
+    _compat.set_child_module(parent, leaf, new)

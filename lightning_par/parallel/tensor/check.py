@@ -1,0 +1,168 @@
+"""Run block 0 (the first block of each structure) once on the shapes tensor parallelism gives each rank, before
+any weight is split.
+
+A plan can be right about widths and still meet code that assumes the full width: nanoGPT-style
+``q, k, v = qkv.split(C, dim=2)`` with ``C = x.size(-1)``, or ``y.view(B, T, C)``, read sizes from the input, which
+tp does not change, instead of from a head-count attribute tp rewrites. Under tp that fails inside forward with an
+unrelated error (``not enough values to unpack``). Here a copy of block 0 gets rank 0's slices of its split
+projections and the per-rank head counts and runs on the input the real block 0 receives (the plan probe's input,
+in eval mode, no gradients, on the model's device: meta works); a failure is reported before training, naming the
+module, the error and the ``tp_plan`` that keeps that region whole.
+"""
+
+from __future__ import annotations
+
+import copy
+import types
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_par.blocks._probe import probe_call
+from lightning_par.blocks.trunk import find_trunk
+from lightning_par.parallel.tensor.apply import _head_params, _set_local_head_counts
+from lightning_par.parallel.tensor.plan_affine import affine
+from lightning_par.parallel.tensor.plan_types import _SHARDED, TPPlan, TPPlanError
+
+
+class _Reached(Exception):
+    """Raised by the hook that captured block 0's input: the rest of the model need not run."""
+
+
+def _block_input(model: nn.Module, block: nn.Module) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    got: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+    def grab(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        got.append((args, kwargs))
+        raise _Reached
+
+    handle = block.register_forward_pre_hook(grab, with_kwargs=True)
+    modes = {m: m.training for m in model.modules()}
+    try:
+        model.eval()  # no dropout: no draw from the user's RNG streams
+        with torch.no_grad():
+            probe_call(model)  # the input the plan probe used
+    except _Reached:
+        pass
+    except Exception:  # the plan probe could not run the model either (its notes say so): nothing to check
+        return None
+    finally:
+        handle.remove()
+        for m, mode in modes.items():
+            m.training = mode
+    return got[0] if got else None
+
+
+def _shrink(mod: nn.Module, style: str, tp: int) -> None:
+    """Rank 0's shapes: a column split keeps out/tp outputs, a row split in/tp inputs; forward = the affine map."""
+    layout = affine(mod)
+    assert layout is not None
+    out_dim, in_dim = (1, 0) if layout.transposed else (0, 1)
+    w: Any = mod.weight
+    b: Any = getattr(mod, "bias", None)
+    dim = in_dim if style == "rowwise" else out_dim
+    mod.weight = nn.Parameter(w.detach().narrow(dim, 0, w.shape[dim] // tp), requires_grad=False)
+    if b is not None and style != "rowwise":
+        mod.bias = nn.Parameter(b.detach().narrow(0, 0, b.shape[0] // tp), requires_grad=False)
+    transposed = layout.transposed
+
+    def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        p: Any = self
+        return F.linear(x, p.weight.t() if transposed else p.weight, getattr(p, "bias", None))
+
+    mod.forward = types.MethodType(forward, mod)  # type: ignore[method-assign]
+
+
+def check_local_shapes(model: nn.Module, plan: TPPlan, tp: int) -> None:
+    """Raise before training when block 0's code (that of the first block of each structure, when blocks differ)
+    does not run on the per-rank shapes of ``plan`` at ``tp``.
+
+    Raises:
+        TPPlanError: naming the module that failed, its error, and a ``tp_plan`` keeping that region replicated.
+    """
+    trunk = find_trunk(model)
+    if tp == 1 or trunk is None or trunk.path != plan.trunk:
+        return
+    # Blocks that differ: the first block of each structure, on that structure's plan.
+    for sub in plan.group_plans():
+        _check_block(model, sub, trunk.blocks[trunk.names.index(sub.first_block)], sub.first_block, tp)
+
+
+def _check_block(model: nn.Module, plan: TPPlan, block: nn.Module, block_name: str, tp: int) -> None:
+    captured = _block_input(model, block)
+    if captured is None:
+        return
+    try:
+        # Copies of the block and of its input (a cache object in it would otherwise see two runs); the unsplit
+        # copy must run, or a failure below would say nothing about tp.
+        whole, local = copy.deepcopy(block).eval(), copy.deepcopy(block).eval()
+        with torch.no_grad():
+            args, kwargs = copy.deepcopy(captured)
+            whole(*args, **kwargs)
+        args, kwargs = copy.deepcopy(captured)
+    except Exception:
+        return
+    prefix = f"{plan.trunk}.*" if plan.trunk else "*"
+    split = {k: s for k, s in plan.styles.items() if s in _SHARDED and k.startswith(prefix + ".")}
+    for key, style in split.items():
+        _shrink(local.get_submodule(key[len(prefix) + 1 :]), style, tp)
+    # A norm split like its projection's output and the per-head parameters hold this rank's rows only.
+    narrow = [f"{k}.weight" for k, s in plan.styles.items() if s == "colwise_norm" and k.startswith(prefix + ".")]
+    narrow += [p for rel, names in _head_params(plan, prefix).items() for p in _names(prefix, rel, names)]
+    for pattern in narrow:
+        owner, _, leaf = pattern[len(prefix) + 1 :].rpartition(".")
+        mod = local.get_submodule(owner)
+        if isinstance(w := getattr(mod, leaf, None), torch.Tensor):
+            setattr(mod, leaf, nn.Parameter(w.detach().narrow(0, 0, w.shape[0] // tp), requires_grad=False))
+    _set_local_head_counts([local], plan, prefix, tp)
+    stack: list[str] = []  # the modules running: on an error, the last one is where it was raised
+
+    def enter(name: str, mod: nn.Module, args: Any) -> None:
+        stack.append(name)
+
+    def leave(mod: nn.Module, args: Any, out: Any) -> None:
+        stack.pop()
+
+    handles = []
+    for name, mod in local.named_modules():
+        handles += [mod.register_forward_pre_hook(partial(enter, name)), mod.register_forward_hook(leave)]
+    try:
+        with torch.no_grad():
+            local(*args, **kwargs)
+    except Exception as err:
+        where = stack[-1] if stack else ""
+        pattern = f"{prefix}.{where}" if where else prefix
+        region = [k for k in split if k.startswith(pattern + ".")] or list(split)
+        hint = ", ".join(f'"{k}": "replicate"' for k in region)
+        name = f"{block_name}.{where}" if where else block_name
+        failing = block.get_submodule(where)
+        cause = _per_head_params(failing, plan) or (
+            "its code sizes a split, view or reshape from the full width (e.g. x.size(-1)) rather than from its "
+            "weights or a head-count attribute"
+        )
+        raise TPPlanError(
+            f"tp={tp}: {name} ({type(failing).__name__}) fails on the shapes each rank gets ({type(err).__name__}: "
+            f"{err}); {cause}. Keep that region whole with tp_plan={{{hint}}}, or choose tp=1"
+        ) from err
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _names(prefix: str, rel: str, names: tuple[str, ...]) -> list[str]:
+    return [f"{prefix}.{rel}.{n}" if rel else f"{prefix}.{n}" for n in names]
+
+
+def _per_head_params(mod: nn.Module, plan: TPPlan) -> str:
+    """Parameters of the failing module itself with one entry per head that the plan leaves whole (it splits an
+    attention's own per-query-head ones, GPT-OSS's ``sinks``, not others), so the local heads meet all entries."""
+    counts = {h.n_heads for h in plan.heads.values()} | {h.n_kv_heads for h in plan.heads.values()}
+    split = {p.rpartition(".")[2] for h in plan.heads.values() for p in h.head_params}
+    own = mod.named_parameters(recurse=False)
+    found = [f"{n} {list(p.shape)}" for n, p in own if p.dim() >= 1 and p.shape[0] in counts and n not in split]
+    if not found:
+        return ""
+    return f"it owns per-head parameters ({', '.join(found)}) that tensor parallelism does not split"
