@@ -44,14 +44,14 @@ class _Kept(L.Callback):
         self.steps += 1
 
 
-def _new_tensors(before: weakref.WeakSet) -> list[torch.Tensor]:
+def _new_tensors(before: dict[int, torch.Tensor]) -> list[torch.Tensor]:
     """Live floating-point tensors with a storage (a DTensor's local tensor, not the DTensor) not in ``before``:
     parameters, gradients, optimizer state. Integer ones are left out: torch's process-wide DTensor sharding cache
     keeps the device mesh's rank table (``tensor([0], dtype=int32)``) of the first FSDP2 fit, a few bytes."""
     gc.collect()
     out = []
     for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and obj not in before and not obj.is_meta and obj.is_floating_point():
+        if isinstance(obj, torch.Tensor) and id(obj) not in before and not obj.is_meta and obj.is_floating_point():
             try:
                 nbytes = obj.untyped_storage().nbytes()
             except (RuntimeError, NotImplementedError):  # a wrapper subclass: no storage (its local tensor counts)
@@ -67,7 +67,8 @@ def test_a_finished_fit_leaves_no_parameter_alive(name):
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     L.seed_everything(0, verbose=False)
     gc.collect()
-    before = weakref.WeakSet(o for o in gc.get_objects() if isinstance(o, torch.Tensor))
+    # By id, holding them (a WeakSet compares tensors with == on a hash collision; held, no id is reused).
+    before = {id(o): o for o in gc.get_objects() if isinstance(o, torch.Tensor)}
     kept = _Kept()
     model = Llama(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=16)
     data = TensorDataset(torch.randint(0, 64, (8, 16)), torch.randint(0, 64, (8, 16)))

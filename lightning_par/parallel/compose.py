@@ -23,10 +23,10 @@ from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel.activation_checkpointing import apply_activation_checkpointing
 from lightning_par.parallel.compile import apply_compile
 from lightning_par.parallel.context.apply import apply_context_parallel
-from lightning_par.parallel.experts.apply import apply_expert_parallel
+from lightning_par.parallel.experts.apply import ExpertParallel, apply_expert_parallel
 from lightning_par.parallel.experts.finder import find_moe_layers
 from lightning_par.parallel.local_sgd.outer import LocalSGD
-from lightning_par.parallel.materialize import base_seed, capture_init, has_meta, materialize
+from lightning_par.parallel.materialize import InitTemplates, base_seed, capture_init, has_meta, materialize
 from lightning_par.parallel.parts import ModelPart
 from lightning_par.parallel.pipeline.split import PipelineSplit, split_pipeline
 from lightning_par.parallel.run import ParallelRun
@@ -66,111 +66,135 @@ def parallelize(
         pretrained: a checkpoint whose weights replace the model's (`lightning_par.checkpoint.pretrained.load`): each
             rank reads its own part, once the model is laid out; a meta-built model is then never initialised.
     """
+    # Read on the whole model, before a pipeline cut leaves a stage unable to run it: the trunk, the initialisers of
+    # a meta-built model (values come in step 7, parallel/materialize.py), tied names (each end stage gets a copy),
+    # the tensor-parallel plan (one small forward) and whether there are MoE layers (a stage may hold none).
     trunk = _trunk(module, config)
-    # Built on the meta device: every transform below runs on the empty model, then each rank creates and
-    # initialises only what it holds (step 6), the same values on every layout (parallel/materialize.py).
     templates = capture_init(module, trunk) if has_meta(module) else None
-    ties = tied_names(module)  # before a pipeline cut gives each end stage its own copy
-    device = device or _device(module)
-    # Inferred on the whole model (one small forward), before a pipeline cut leaves a stage unable to run it.
+    ties, device = tied_names(module), device or _device(module)
     plan = _tp_plan(module, config, tp_plan)
-    moe_layers = bool(find_moe_layers(module))  # on the whole model: a pipeline stage may hold none of them
-
-    # 1. Pipeline first: it removes other stages' modules, so every later step sees only this rank's parameters.
+    moe_layers = bool(find_moe_layers(module))
+    # 1. The pipeline first: it removes other stages' modules, so every later step sees only this rank's parameters.
     cut = _split(module, trunk, mesh, config, timeout, device) if config.pp > 1 else None
     parts = cut.parts if cut is not None else [_whole(module, trunk)]
-
-    # 2. Replicas start equal (ranks may have initialised differently): over data-parallel ranks, and over tp for
-    #    the weights tensor parallelism keeps whole (embedding, head), before anything is sliced. A meta-built model
-    #    needs none of it: its initialisation does not depend on the rank.
+    # 2. Replicas start equal, before anything is sliced (a meta-built model's values do not depend on the rank).
     if templates is None:
-        sync_module_states(module, mesh.dp)
-        if mesh.cp is not None and mesh.cp.size() > 1:
-            sync_module_states(module, mesh.cp)  # cp ranks average gradients too: they must start equal
-        if plan is not None:
-            sync_module_states(module, mesh.tp)
-
-    # 3. Tensor parallelism decides which slice of each weight a rank holds. Sequence parallelism needs the trunk's
-    #    two ends in one part; a stage's boundary activations travel whole.
-    for part in parts:
-        if plan is not None:
-            blocks = None if part.whole_trunk else list(part.blocks)
-            sp = config.sequence_parallel if part.whole_trunk else False
-            apply_tensor_parallel(module, mesh.tp, plan, sequence_parallel=sp, blocks=blocks)
-
-    # 3b. Context parallelism: hooks on the trunk blocks, after tensor parallelism's, so that its pre-hooks run first
-    #     (the sequence is cut to this rank's chunks before sequence parallelism splits it further over tp) and its
-    #     exit hook last (gathered over tp before cp). Its attention mode wraps each block's forward before
-    #     activation checkpointing (step 5) wraps it, so that recomputation runs under the mode too. Under a
-    #     pipeline each stage cuts at its first block and only the trunk's last block gathers: stages exchange
-    #     this rank's chunks (the schedule's buffers take the local length).
+        _sync_replicas(module, mesh, plan is not None)
+    # 3. Tensor parallelism: which slice of each weight a rank holds.
+    if plan is not None:
+        _tensor_parallel(module, parts, mesh, plan, config.sequence_parallel)
+    # 4. Context parallelism: hooks after tensor parallelism's, attention modes before recomputation wraps them.
     if config.cp > 1:
-        if trunk is None:
-            raise ValueError(
-                f"cp={config.cp} needs a trunk of repeated blocks (an nn.ModuleList / Sequential / ModuleDict) to "
-                f"split the sequence inside; none was found in {type(module).__name__}; set cp=1"
-            )
-        assert mesh.cp is not None
-        cp_args = (config.cp, mesh.cp.get_local_rank(), mesh.cp.get_group(), config.cp_uneven, config.cp_mode)
-        if cut is None:
-            apply_context_parallel(list(zip(trunk.names, trunk.blocks)), *cp_args)
-        else:
-            _cp_under_pipeline(cut, trunk, cp_args)
-
-    # 4. Expert parallelism keeps E/ep experts per rank. Also at ep=1: capacity and balancing statistics then span
-    #    the data-parallel batch, as on one process. Its dispatch hooks sit on the experts module, inside any
-    #    recomputed block, so recomputation replays the same all-to-alls on every rank. Under a pipeline each stage
-    #    shards its own layers; its ep group lies inside the stage (mesh.ExpertMesh) and runs the same schedule, so
-    #    each microbatch's all-to-alls line up.
-    experts = None
-    if config.ep > 1 or moe_layers:
-        tokens = mesh.token_mesh  # dp, times cp: under cp each rank's layers see a chunk of its samples' tokens
-        group = tokens.get_group() if tokens.size() > 1 else None
-        tp_group = mesh.tp.get_group() if config.tp > 1 else None  # tp x ep: who computes which token (expert_tp)
-        cp_group = mesh.cp.get_group() if mesh.cp is not None and mesh.cp.size() > 1 else None
-        experts = apply_expert_parallel(module, mesh.experts, group, tp_group, config.etp, cp_group,
-                                        require_layers=cut is None or not moe_layers)  # fmt: skip
-
-    # 5. Activation checkpointing wraps each block's forward; FSDP2's hooks (next) stay outside the recomputed
-    #    region, so a block is gathered once for its backward, recomputation included (torchtitan's order).
+        _context_parallel(module, trunk, cut, mesh, config)
+    # 5. Expert parallelism: dispatch hooks on the experts module, inside any recomputed block.
+    experts = _expert_parallel(module, mesh, config, cut, moe_layers) if config.ep > 1 or moe_layers else None
+    # 6. Activation checkpointing, then torch.compile per block, then FSDP2 (ZeRO-3) outside both.
     for part in parts:
         apply_activation_checkpointing(part.block_modules, config.activation_checkpointing, config.ac_every, module,
                                        compiled=config.compile)  # fmt: skip
-
-    # 5b. torch.compile per block (torchtitan's order): after activation checkpointing, so that the recomputation is
-    #     compiled too, and after tensor parallelism, so that dynamo traces the DTensor redistributions; before FSDP2
-    #     and the pipeline's hooks, which stay on the block, outside the compiled forward (parallel/compile.py).
-    if config.compile:
-        for part in parts:
+        if config.compile:
             apply_compile(part.block_modules)
-
-    # 6. ZeRO shards what is left. ZeRO-3: FSDP2 per part, each block a unit inside the part's root (it shards each
-    #    tp-local tensor over dp, the 2-D layout DTensor composes); expert shards are left to expert parallelism
-    #    (sharding them again over dp would reduce their gradients over every dp rank, not the ranks holding the
-    #    same experts). ZeRO 0-2: our bucketed engine over this rank's parameters, tp-local tensors included.
-    #    Under a pipeline the blocks stay gathered from their first forward to the step's end (torchtitan's choice
-    #    with pp): torch's schedules keep them gathered from the first backward on anyway, and reduce-scatter and
-    #    reshard each stage once per step (docs/pipeline.md, "ZeRO-3 inside stages").
-    zero = None
     exclude = experts.params if experts is not None else []
     if config.zero_stage == 3:
-        for part in parts:
-            apply_fsdp(part.root, part.block_modules, mesh.dp_2d, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                       offload=config.offload, ignored_params=set(exclude) or None,
-                       reshard_after_forward=cut is None)  # fmt: skip
-    # A meta-built model now gets storage for what this rank holds, and its values (initialised, or read from the
-    # pretrained checkpoint): after FSDP2 sharded it, so that each rank allocates its shards only; before the ZeRO
-    # 0-2 engine takes its masters as views of this rank's rows.
+        _fsdp(parts, mesh, config, exclude, param_dtype, reduce_dtype, pipelined=cut is not None)
+    # 7. A meta-built model gets storage for what this rank holds, and values: initialised, or read from `pretrained`.
+    notes = _values(module, experts, templates, pretrained, ties, device)
+    # 8. ZeRO 0-2: the bucketed engine, whose masters are views of the values just set.
+    zero = None if config.zero_stage == 3 else _replicated_zero(module, parts, mesh, config, exclude, cut, timeout)
+    # 9. The pipeline's own hooks last, outside every wrapping above; a tied weight's second copy marked after ZeRO.
+    if cut is not None:
+        cut.install()
+        if cut.runner.tied is not None:
+            cut.runner.tied.mark_replicas(zero.masters if zero is not None else None)
+    # Under ZeRO-3 without a pipeline the trainer calls the StepRoot, so that FSDP2's root hooks fire.
+    model = parts[0].root if config.zero_stage == 3 and cut is None else module
+    norm_groups = (mesh.root.get_group("pp"),) if cut is not None else ()
+    return ParallelRun(model=model, module=module, zero=zero, experts=experts, norm_groups=norm_groups,
+                       pipeline=cut.runner if cut is not None else None, notes=tuple(notes))  # fmt: skip
+
+
+def _sync_replicas(module: nn.Module, mesh: ParallelMesh, tensor_parallel: bool) -> None:
+    """Step 2: ranks may have initialised differently. Over the data-parallel ranks; over cp, whose ranks average
+    gradients too; and over tp for the weights tensor parallelism keeps whole (embedding, head)."""
+    sync_module_states(module, mesh.dp)
+    if mesh.cp is not None and mesh.cp.size() > 1:
+        sync_module_states(module, mesh.cp)
+    if tensor_parallel:
+        sync_module_states(module, mesh.tp)
+
+
+def _tensor_parallel(module: nn.Module, parts: list[ModelPart], mesh: ParallelMesh, plan: TPPlan,
+                     sp: Optional[bool]) -> None:  # fmt: skip
+    """Step 3. Sequence parallelism needs the trunk's two ends in one part; a stage's boundary activations travel
+    whole."""
+    for part in parts:
+        blocks = None if part.whole_trunk else list(part.blocks)
+        sequence_parallel = sp if part.whole_trunk else False
+        apply_tensor_parallel(module, mesh.tp, plan, sequence_parallel=sequence_parallel, blocks=blocks)
+
+
+def _context_parallel(module: nn.Module, trunk: Optional[Trunk], cut: Optional[PipelineSplit], mesh: ParallelMesh,
+                      config: ParallelConfig) -> None:  # fmt: skip
+    """Step 4: hooks on the trunk blocks, after tensor parallelism's, so that its pre-hooks run first (the sequence
+    is cut to this rank's chunks before sequence parallelism splits it further over tp) and its exit hook last
+    (gathered over tp before cp). Its attention mode wraps each block's forward before activation checkpointing
+    wraps it, so that recomputation runs under the mode too. Under a pipeline each stage cuts at its first block and
+    only the trunk's last block gathers: stages exchange this rank's chunks (the schedule's buffers take the local
+    length)."""
+    if trunk is None:
+        raise ValueError(
+            f"cp={config.cp} needs a trunk of repeated blocks (an nn.ModuleList / Sequential / ModuleDict) to "
+            f"split the sequence inside; none was found in {type(module).__name__}; set cp=1"
+        )
+    assert mesh.cp is not None
+    cp_args = (config.cp, mesh.cp.get_local_rank(), mesh.cp.get_group(), config.cp_uneven, config.cp_mode)
+    if cut is None:
+        apply_context_parallel(list(zip(trunk.names, trunk.blocks)), *cp_args)
+    else:
+        _cp_under_pipeline(cut, trunk, cp_args)
+
+
+def _expert_parallel(module: nn.Module, mesh: ParallelMesh, config: ParallelConfig, cut: Optional[PipelineSplit],
+                     moe_layers: bool) -> ExpertParallel:  # fmt: skip
+    """Step 5: E/ep experts per rank; also at ep=1, where capacity and balancing statistics then span the
+    data-parallel batch, as on one process. Its dispatch hooks sit on the experts module, inside any recomputed
+    block, so recomputation replays the same all-to-alls on every rank. Under a pipeline each stage shards its own
+    layers; its ep group lies inside the stage (mesh.ExpertMesh) and runs the same schedule, so each microbatch's
+    all-to-alls line up."""
+    tokens = mesh.token_mesh  # dp, times cp: under cp each rank's layers see a chunk of its samples' tokens
+    group = tokens.get_group() if tokens.size() > 1 else None
+    tp_group = mesh.tp.get_group() if config.tp > 1 else None  # tp x ep: who computes which token (experts.with_tp)
+    cp_group = mesh.cp.get_group() if mesh.cp is not None and mesh.cp.size() > 1 else None
+    return apply_expert_parallel(module, mesh.experts, group, tp_group, config.etp, cp_group,
+                                 require_layers=cut is None or not moe_layers)  # fmt: skip
+
+
+def _fsdp(parts: list[ModelPart], mesh: ParallelMesh, config: ParallelConfig, exclude: list[nn.Parameter],
+          param_dtype: Optional[torch.dtype], reduce_dtype: Optional[torch.dtype],
+          pipelined: bool) -> None:  # fmt: skip
+    """Step 6, ZeRO-3: FSDP2 per part, each block a unit inside the part's root (it shards each tp-local tensor over
+    dp, the 2-D layout DTensor composes), outside the recomputed region so that a block is gathered once for its
+    backward (torchtitan's order). Expert shards are left to expert parallelism: sharding them again over dp would
+    reduce their gradients over every dp rank, not the ranks holding the same experts. Under a pipeline the blocks
+    stay gathered from their first forward to the step's end (torchtitan's choice with pp): torch's schedules keep
+    them gathered from the first backward on anyway (docs/pipeline.md, "ZeRO-3 inside stages")."""
+    for part in parts:
+        apply_fsdp(part.root, part.block_modules, mesh.dp_2d, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                   offload=config.offload, ignored_params=set(exclude) or None,
+                   reshard_after_forward=not pipelined)  # fmt: skip
+
+
+def _values(module: nn.Module, experts: Optional[ExpertParallel], templates: Optional[InitTemplates],
+            pretrained: Optional[str], ties: dict[str, str], device: torch.device) -> list[str]:  # fmt: skip
+    """Step 7: after FSDP2 sharded the model, so that each rank allocates its shards only; before the ZeRO 0-2
+    engine takes its masters as views of this rank's rows. The pretrained file is checked against the whole model
+    (names, shapes, every rank alike) before any storage exists. Returns start-up notes."""
     distribute = experts.distribute if experts is not None and experts.params else None
     views = functools.partial(model_state, module, distribute)
     notes: list[str] = []
-    # The file is checked against the whole model (names, shapes, every rank alike) before any storage exists.
     shapes = {name: tuple(v.shape) for name, v in views().items()}
-    weights = (
-        prepare_pretrained(pretrained, shapes, module_type=type(module).__name__, tied=ties, hf_model=module)
-        if pretrained
-        else None
-    )
+    weights = (prepare_pretrained(pretrained, shapes, module_type=type(module).__name__, tied=ties, hf_model=module)
+               if pretrained else None)  # fmt: skip
     if templates is not None:
         skip = weights.names if weights is not None else frozenset()  # read from the file, not initialised
         units = materialize(module, templates, views, device, seed=base_seed(), skip=skip)
@@ -178,37 +202,23 @@ def parallelize(
     if weights is not None:
         weights.read_into(views())
         notes.append(str(weights.report()))
-    if config.zero_stage != 3:
-        state_mesh = mesh.dp_tp if config.tp > 1 else None
-        # A schedule runs several backward passes per step, and its zero-bubble weight passes compute gradients
-        # outside autograd's accumulation hooks: stage 2 then reduces after each step's backward. The blocks are the
-        # units of the deferred all-gather after the step; not compiled ones: its first step's stale-read check is a
-        # TorchFunctionMode over the forward, which dynamo would trace (the whole model is then one unit).
-        zero = ReplicatedZero(module, mesh.dp_2d, config.zero_stage, config.bucket_cap_mb, state_mesh=state_mesh,
-                              exclude=exclude, reduce_during_backward=cut is None,
-                              blocks=parts[0].block_modules if cut is None and not config.compile else (),
-                              local_sgd=LocalSGD(config.sync_every, config.outer_lr, config.outer_momentum)
-                              if config.sync_every else None, timeout=timeout)  # fmt: skip
+    return notes
 
-    # 7. The pipeline's own hooks last, outside every wrapping above (the recomputed region, FSDP2's pre-hooks); a
-    #    tied weight's second copy is marked once ZeRO built its masters (and FSDP2 its sharded parameters).
-    if cut is not None:
-        cut.install()
-        if cut.runner.tied is not None:
-            cut.runner.tied.mark_replicas(zero.masters if zero is not None else None)
 
-    # The trainer calls a StepRoot under ZeRO-3 without a pipeline, so that FSDP2's root hooks fire; a pipeline's
-    # schedule calls its stage modules itself.
-    model = parts[0].root if config.zero_stage == 3 and cut is None else module
-    return ParallelRun(
-        model=model,
-        module=module,
-        zero=zero,
-        experts=experts,
-        pipeline=cut.runner if cut is not None else None,
-        norm_groups=(mesh.root.get_group("pp"),) if cut is not None else (),
-        notes=tuple(notes),
-    )
+def _replicated_zero(module: nn.Module, parts: list[ModelPart], mesh: ParallelMesh, config: ParallelConfig,
+                     exclude: list[nn.Parameter], cut: Optional[PipelineSplit],
+                     timeout: Optional[timedelta]) -> ReplicatedZero:  # fmt: skip
+    """Step 8, ZeRO 0-2 over this rank's parameters, tp-local tensors included. A schedule runs several backward
+    passes per step, and its zero-bubble weight passes compute gradients outside autograd's accumulation hooks:
+    stage 2 then reduces after each step's backward. The blocks are the units of the deferred all-gather after the
+    step; not compiled ones: its first step's stale-read check is a TorchFunctionMode over the forward, which dynamo
+    would trace (the whole model is then one unit)."""
+    local_sgd = LocalSGD(config.sync_every, config.outer_lr, config.outer_momentum) if config.sync_every else None
+    return ReplicatedZero(module, mesh.dp_2d, config.zero_stage, config.bucket_cap_mb,
+                          state_mesh=mesh.dp_tp if config.tp > 1 else None, exclude=exclude,
+                          reduce_during_backward=cut is None,
+                          blocks=parts[0].block_modules if cut is None and not config.compile else (),
+                          local_sgd=local_sgd, timeout=timeout)  # fmt: skip
 
 
 def _trunk(module: nn.Module, config: ParallelConfig) -> Optional[Trunk]:
