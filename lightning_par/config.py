@@ -15,12 +15,14 @@ import math
 import warnings
 from typing import Literal, Optional, Union
 
-AXES = ("pp", "dp_replicate", "dp_shard", "cp", "ep", "tp")
+from lightning_par.axes import AXIS_NAMES, SCHEDULES, choices
+
+AXES = AXIS_NAMES  # lightning_par.axes defines them, with their properties
 ZERO_STAGES = (0, 1, 2, 3)
 AC_MODES = (None, "full", "selective", "selective_op", "offload")
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev")
+PP_SCHEDULES = tuple(SCHEDULES)
 # Schedules that run input and weight gradients as separate backward passes (zero bubble).
-_SPLIT_BACKWARD = ("interleaved_zb", "zbv", "dualpipev")
+_SPLIT_BACKWARD = tuple(name for name, s in SCHEDULES.items() if s.split_backward)
 # The dimensions a registered name can leave to `resolve` (docs/strategies.md, "Names and the degree rule").
 AUTO_DIMS = ("pp", "tp", "cp", "dp", "ep")
 CP_MODES = ("allgather", "ulysses")  # and why not "ring" (torch's): docs/context_parallel.md, "Modes"
@@ -32,10 +34,6 @@ ACMode = Optional[Literal["full", "selective", "selective_op", "offload"]]
 
 class ParallelConfigError(ValueError):
     """A parallel layout that cannot run; the message names the fix."""
-
-
-def _choices(n: int) -> str:
-    return "{" + ", ".join(str(d) for d in range(1, n + 1) if n % d == 0) + "}"
 
 
 @dataclasses.dataclass
@@ -309,16 +307,16 @@ class ParallelConfig:
                 )
         if dp % ep:
             raise ParallelConfigError(
-                f"ep={ep} does not divide the data-parallel size {dp}; choose ep in {_choices(dp)}"
+                f"ep={ep} does not divide the data-parallel size {dp}; choose ep in {choices(dp)}"
             )
         if devices_per_node is not None and tp > devices_per_node:
             raise ParallelConfigError(
-                f"tp={tp} spans nodes ({devices_per_node} devices per node); choose tp in {_choices(devices_per_node)}"
+                f"tp={tp} spans nodes ({devices_per_node} devices per node); choose tp in {choices(devices_per_node)}"
             )
         if devices_per_node is not None and devices_per_node % tp:
             raise ParallelConfigError(
                 f"tp={tp} does not divide the {devices_per_node} devices per node, so some tensor-parallel groups "
-                f"would straddle two nodes; choose tp in {_choices(devices_per_node)}"
+                f"would straddle two nodes; choose tp in {choices(devices_per_node)}"
             )
         if self.zero_stage == 0 and self.dp_shard not in (AUTO, 1) and dp_shard > 1 and self.dp_replicate > 1:
             raise ParallelConfigError(

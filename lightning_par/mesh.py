@@ -18,9 +18,8 @@ from typing import Optional
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_par import _compat
+from lightning_par.axes import MESH_AXES
 from lightning_par.config import ParallelConfig
-
-MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 @dataclasses.dataclass(frozen=True)

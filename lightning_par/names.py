@@ -12,7 +12,9 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+# The name part of each model dimension, in the order names list them, and the axis it stands for (lightning_par.axes).
 _MODEL_DIMS = (("pipe", "pp"), ("tp", "tp"), ("cp", "cp"), ("moe", "ep"))
+_AXIS_OF = dict(_MODEL_DIMS)
 _ZERO = ("", "zero1", "zero2", "zero3")
 ALIASES = {"3d": "pipe_tp_zero1"}
 DEEPSPEED_STRATEGY_NAMES = (
@@ -45,14 +47,22 @@ def strategy_kwargs(name: str) -> dict[str, Any]:
         if part.startswith("zero") and part[4:].isdigit():
             kwargs["zero_stage"] = int(part[4:])
             dims.append("dp")
-        elif part in ("pipe", "tp", "cp"):
-            dims.append({"pipe": "pp", "tp": "tp", "cp": "cp"}[part])
-        elif part == "moe":
-            dims.append("ep")  # ep = every data-parallel rank, at start-up (docs/strategies.md: moe on 2 = ep 2 / dp 2)
+        elif part in _AXIS_OF:
+            # moe: ep = every data-parallel rank, at start-up (docs/strategies.md: moe on 2 = ep 2 / dp 2)
+            dims.append(_AXIS_OF[part])
         else:
             raise ValueError(f"unknown strategy part {part!r} in {name!r}; see lightning_par.STRATEGY_NAMES")
     kwargs["auto_dims"] = tuple(dims)
     return kwargs
+
+
+def name_of(degrees: dict[str, int], zero_stage: int, offload: bool = False) -> str:
+    """The registered name for a layout: each model dimension whose degree (``degrees[axis]``) is above 1, in the
+    grammar's order, then the ZeRO stage (the inverse of `strategy_kwargs` up to degrees; ``""`` for plain data
+    parallel)."""
+    parts = [part for part, axis in _MODEL_DIMS if degrees.get(axis, 1) > 1]
+    parts += [f"zero{zero_stage}"] if zero_stage else []
+    return "_".join(parts) + ("_offload" if offload and parts else "")
 
 
 def deepspeed_strategy_kwargs(name: str) -> dict[str, Any]:

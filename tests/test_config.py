@@ -189,3 +189,24 @@ def test_one_function_resolves_names_and_degrees_and_validates_once(monkeypatch)
     assert len(calls) == 1
     resolved = strategy.config.resolve(8, devices_per_node=8)
     assert len(calls) == 1 and (resolved.pp, resolved.tp, resolved.dp_shard) == (2, 2, 2)
+
+
+def test_the_vocabulary_is_defined_once():
+    # Config, mesh, names and the planner read lightning_par.axes; a restated tuple would drift from it.
+    from lightning_par import axes, mesh
+    from lightning_par import config as config_module
+    from lightning_par.names import name_of
+    from lightning_par.parallel.pipeline.schedule import SCHEDULES as TORCH_SCHEDULES
+    from lightning_par.planner.layout import SCHEDULES as PLANNED
+
+    assert config_module.AXES == axes.AXIS_NAMES and mesh.MESH_AXES == tuple(a for a in axes.AXIS_NAMES if a != "ep")
+    assert config_module.PP_SCHEDULES == tuple(axes.SCHEDULES) == tuple(TORCH_SCHEDULES) == tuple(PLANNED)
+    assert all(TORCH_SCHEDULES[n].virtual == s.virtual == PLANNED[n] for n, s in axes.SCHEDULES.items())
+    assert axes.does_not_divide("tp", 4, "n_heads", 6, "blocks.0.attn") == (
+        "tp=4 does not divide n_heads=6 in blocks.0.attn; choose tp in {1, 2, 3, 6}"
+    )
+    # The name grammar read both ways: a layout's name parses back to the same dimensions and stage.
+    for name in STRATEGY_NAMES:
+        kwargs = strategy_kwargs(name)
+        degrees = {a: 2 for a in kwargs["auto_dims"] if a != "dp"}
+        assert strategy_kwargs(name_of(degrees, kwargs["zero_stage"], kwargs["offload"])) == kwargs, name

@@ -23,7 +23,7 @@ import import_graph as ig
 LEVELS = [
     "_compat",
     "utils",
-    "config names mesh",
+    "config names mesh axes",
     "nn blocks checkpoint",
     "parallel",
     "streams precision",

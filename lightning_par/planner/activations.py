@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
+from lightning_par import axes
 from lightning_par.planner.inflight import inflight_microbatches, rank_blocks
 from lightning_par.planner.layout import Layout, compute_bytes, stored_bytes
 from lightning_par.planner.model import ModelDesc
@@ -303,7 +304,7 @@ def _rank(
     inflight = inflight_microbatches(layout.pp_schedule, pp, m, rank, v) if pp > 1 else 1.0
     # The head's micro-batches run their backward right after their forward except under GPipe and looped BFS; the
     # embedding's first stage holds its warm-up's worth (Korthikanti et al. count p for the dropout mask).
-    ends_in = inflight if pp > 1 and layout.pp_schedule in ("gpipe", "looped_bfs") else 1.0
+    ends_in = inflight if pp > 1 and axes.SCHEDULES[layout.pp_schedule].all_forwards_first else 1.0
     emb_in = ends_in if ends_in > 1 else float(min(m or pp, pp))
     ends = {e: sum(x.nbytes for x in ends_tensors(desc, layout, seq_len, profile, embedding=e, head=not e,
                                                    dropout=dropout)) for e in (True, False)}  # fmt: skip

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
+from lightning_par import axes
 from lightning_par.planner.layout import SCHEDULES, Layout
 
 _V_STYLE = ("zbv", "dualpipev")  # rank r runs stages r and 2 pp - 1 - r (parallel/pipeline/schedule.py)
@@ -39,14 +40,14 @@ def inflight_microbatches(
         return 1.0
     v = virtual or SCHEDULES[schedule]
     if microbatches is None:
-        if schedule in ("gpipe", "looped_bfs"):
+        if axes.SCHEDULES[schedule].all_forwards_first:
             raise ValueError(
                 f"{schedule} holds every micro-batch of the step: pass microbatches (or set Layout.microbatches)"
             )
         m, per_round = float("inf"), pp
     else:
         m, per_round = microbatches, microbatches // max(1, microbatches // pp)
-    if schedule in ("gpipe", "looped_bfs"):
+    if axes.SCHEDULES[schedule].all_forwards_first:
         return float(m)
     if schedule == "1f1b":
         return float(min(m, pp - rank))

@@ -14,14 +14,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
+from lightning_par import axes
 from lightning_par.config import ParallelConfig, ParallelConfigError
 from lightning_par.planner.model import ModelDesc
 
 RECOMPUTE = ("none", "selective", "full")
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
 # Pipeline schedules and the virtual stages per rank each runs in this suite (parallel/pipeline/schedule.py).
-SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "looped_bfs": 2, "interleaved_zb": 2, "zbv": 2,
-             "dualpipev": 2}  # fmt: skip
+SCHEDULES = {name: s.virtual for name, s in axes.SCHEDULES.items()}
 
 
 def compute_bytes(precision: str) -> int:

@@ -40,14 +40,14 @@ import dataclasses
 import functools
 import math
 
-from lightning_par import _compat
+from lightning_par import _compat, axes
 from lightning_par.analysis.pipeline_timeline import replay
 from lightning_par.planner import compute
 from lightning_par.planner.devices import Device
 from lightning_par.planner.layout import SCHEDULES, Layout, compute_bytes, stored_bytes
 from lightning_par.planner.model import ModelDesc
 
-_ZERO_BUBBLE = ("interleaved_zb", "zbv", "dualpipev")
+_ZERO_BUBBLE = tuple(name for name, s in axes.SCHEDULES.items() if s.split_backward)
 # Bytes the optimizer step streams per parameter on this rank (reads + writes): "megatron": apex's fused Adam on
 # fp32 master weights (read master, grad, two moments: 16; write master, moments and the half-precision copy: 14),
 # the gradient-norm read (4) and zeroing of the fp32 main gradients (4). "torch": torch's foreach AdamW on fp32

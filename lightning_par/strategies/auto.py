@@ -24,6 +24,7 @@ from typing_extensions import override
 from lightning_par.analysis.compatibility import check_model, first_optimizer
 from lightning_par.config import ParallelConfig
 from lightning_par.mesh import build_mesh
+from lightning_par.names import name_of
 from lightning_par.parallel.tensor import infer_tp_plan
 from lightning_par.parallel.tensor.plan_types import TPPlanError
 from lightning_par.parallel.tensor.plan_validate import validate_tp
@@ -44,10 +45,7 @@ _PRECISION = {"32-true": "32-true", "32": "32-true", "bf16-mixed": "bf16-mixed",
 
 def layout_name(layout: Layout) -> str:
     """The registered strategy name with the same dimensions (what `check_model` gives a verdict on)."""
-    parts = [p for p, on in (("pipe", layout.pp > 1), ("tp", layout.tp > 1), ("cp", layout.cp > 1),
-                             ("moe", layout.ep > 1)) if on]  # fmt: skip
-    parts += [f"zero{layout.zero_stage}"] if layout.zero_stage else []
-    return "_".join(parts)
+    return name_of({"pp": layout.pp, "tp": layout.tp, "cp": layout.cp, "ep": layout.ep}, layout.zero_stage)
 
 
 def explain(ranking: Ranking, top: int = 3) -> list[str]:

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
 
+from lightning_par.axes import does_not_divide
 from lightning_par.mesh import ExpertMesh
 from lightning_par.parallel.experts.dispatch import ExpertDispatch
 from lightning_par.parallel.experts.finder import MoELayer, find_moe_layers, unrecognised_experts
@@ -184,10 +185,9 @@ def apply_expert_parallel(
         _check_etp(layers, etp, dist.get_world_size(tp_group) if tp_group is not None else 1)
     for layer in layers:
         if layer.n_experts % ep:
-            choices = "{" + ", ".join(str(d) for d in range(1, layer.n_experts + 1) if layer.n_experts % d == 0) + "}"
             raise ValueError(
-                f"ep={ep} does not divide n_experts={layer.n_experts} in {layer.name}; choose ep in {choices} "
-                "(and dividing the data-parallel size)"
+                does_not_divide("ep", ep, "n_experts", layer.n_experts, layer.name)
+                + " (and dividing the data-parallel size)"
             )
         layer.set_token_group(token_group, cp_group)
         if layer.kind == "stacked" and layer.router is not None and token_group is not None:

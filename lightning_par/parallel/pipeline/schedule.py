@@ -40,7 +40,7 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
-from lightning_par import _compat
+from lightning_par import _compat, axes
 from lightning_par.parallel.pipeline.stages import PipelineError, PipelineModel, StageSpec
 from lightning_par.parallel.pipeline.tied import TiedWeights
 from lightning_par.parallel.pipeline.trace import StepTrace
@@ -61,14 +61,12 @@ class ScheduleInfo:
     style: str
 
 
+_TORCH = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
+          "looped_bfs": ScheduleLoopedBFS, "interleaved_zb": ScheduleInterleavedZeroBubble,
+          "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}  # fmt: skip
+# The suite's schedules (lightning_par.axes.SCHEDULES: stages per rank, placement) with the torch class of each.
 SCHEDULES: dict[str, ScheduleInfo] = {
-    "gpipe": ScheduleInfo(ScheduleGPipe, 1, "loop"),
-    "1f1b": ScheduleInfo(Schedule1F1B, 1, "loop"),
-    "interleaved_1f1b": ScheduleInfo(ScheduleInterleaved1F1B, 2, "loop"),
-    "looped_bfs": ScheduleInfo(ScheduleLoopedBFS, 2, "loop"),
-    "interleaved_zb": ScheduleInfo(ScheduleInterleavedZeroBubble, 2, "loop"),
-    "zbv": ScheduleInfo(ScheduleZBVZeroBubble, 2, "v"),
-    "dualpipev": ScheduleInfo(ScheduleDualPipeV, 2, "v"),
+    name: ScheduleInfo(_TORCH[name], s.virtual, s.style) for name, s in axes.SCHEDULES.items()
 }
 
 
@@ -83,10 +81,6 @@ def local_stages(schedule: str, pp: int, pp_rank: int) -> list[int]:
     if info.style == "v":
         return sorted({pp_rank, 2 * pp - 1 - pp_rank})
     return [pp_rank + k * pp for k in range(info.virtual)]
-
-
-def _divisors(n: int) -> str:
-    return "{" + ", ".join(str(d) for d in range(1, n + 1) if n % d == 0) + "}"
 
 
 def check_schedule(schedule: str, pp: int, microbatches: int, n_blocks: int) -> None:
@@ -141,7 +135,7 @@ def split_microbatches(batch: Any, m: int) -> list[Any]:
     if size % m:
         raise PipelineError(
             f"the batch size per data-parallel rank ({size}) is not divisible by microbatches={m}; choose "
-            f"microbatches in {_divisors(size)} or a batch size that is a multiple of {m} (drop_last=True avoids a "
+            f"microbatches in {axes.choices(size)} or a batch size that is a multiple of {m} (drop_last=True avoids a "
             "short last batch)"
         )
     chunks = [t.chunk(m) if isinstance(t, Tensor) and t.dim() > 0 else [t] * m for t in leaves]
