@@ -27,8 +27,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "lightning_par"
 # The layers (subpackages and top modules) in the order they are printed; the root package comes last.
-LAYERS = ("axes config mesh names blocks parallel streams planner nn precision checkpoint strategies callbacks cli models "
-          "data utils analysis tuning")
+LAYERS = ("axes config mesh names blocks parallel streams planner nn precision checkpoint strategies callbacks cli "
+          "models data utils analysis tuning")
 TOP = "lightning_par"
 _FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
 

@@ -32,7 +32,6 @@ from lightning_par.checkpoint.dcp import (
 from lightning_par.checkpoint.resume_state import KEY
 from lightning_par.parallel.local_sgd import state as local_sgd_state
 from lightning_par.parallel.run import ParallelRun
-from lightning_par.parallel.zero.replicated import ReplicatedZero
 from lightning_par.strategies._resume import ResumeState
 
 
@@ -98,14 +97,20 @@ class ShardedCheckpoints:
 
     # ---- save ----------------------------------------------------------------------------------------------------
     def save(
-        self, checkpoint: dict[str, Any], filepath: Path, where: Where, module: nn.Module, entries: list[OptimizerEntry]
+        self,
+        checkpoint: dict[str, Any],
+        filepath: Path,
+        where: Where,
+        module: nn.Module,
+        entries: list[OptimizerEntry],
+        run: Optional[ParallelRun],
     ) -> None:
         """Write Lightning's ``checkpoint`` dict (its tensors already name-keyed and sharded) as a folder."""
         tensors: dict[str, Any] = {"state_dict": checkpoint.pop("state_dict")}
         for i, state in enumerate(checkpoint.pop("optimizer_states", [])):
             tensors[f"optimizer_{i}"] = state
         checkpoint[KEY] = self.resume.checkpoint_state(where.trainer, where.world_size)
-        zero = _local_sgd(where.trainer)
+        zero = run.zero if run is not None and local_sgd_state.active(run.zero) else None
         if zero is not None:  # the replicas' own state under keys of their own (local_sgd_state)
             tensors = local_sgd_state.save_layout(zero, tensors)
             checkpoint[KEY][LOCAL_SGD] = local_sgd_state.describe(zero)
@@ -208,9 +213,3 @@ class ShardedCheckpoints:
         if self.saver is not None:
             self.saver.release()
 
-
-def _local_sgd(trainer: Any) -> Optional[ReplicatedZero]:
-    """The ZeRO 0-2 engine of a run that trains its replicas apart (``sync_every``), else ``None``."""
-    run = getattr(getattr(trainer, "strategy", None), "parallel_run", None)
-    zero = getattr(run, "zero", None)
-    return zero if local_sgd_state.active(zero) else None

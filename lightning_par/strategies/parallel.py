@@ -346,7 +346,7 @@ class ParallelStrategy(ProcessGroupStrategy):
         assert self.lightning_module is not None
         self.wait_for_params()
         self._checkpoints.save(checkpoint, Path(filepath), self._where(), self.lightning_module,
-                               self._optimizer_entries())  # fmt: skip
+                               self._optimizer_entries(), self._run)  # fmt: skip
 
     @override
     def load_checkpoint(self, checkpoint_path: Union[str, Path], weights_only: Optional[bool] = None) -> dict[str, Any]:
