@@ -3,7 +3,8 @@
 Lightning's loop calls ``strategy.training_step`` and then ``strategy.backward``. Under a pipeline the schedule
 does both forward and backward for all microbatches, so `PipelineSteps.training_step` runs the whole schedule
 (the user's ``training_step`` once per microbatch, as each stage's step function) and returns the batch loss, and
-`PipelineSteps.backward` runs Lightning's backward hooks without a second backward.
+the strategy's ``backward`` runs Lightning's backward hooks without a second backward, handing over the gradients
+the schedule computed (`PipelineSteps.hand_gradients`) between them.
 
 Only the last stage computes the loss and reaches the user's ``self.log`` calls after the trunk. Those calls are
 captured per microbatch, reduced over microbatches with their ``reduce_fx`` (the mean of equal-size
@@ -110,18 +111,13 @@ class PipelineSteps:
         result = self._publish(module, result)
         return {"loss": result["loss"], **result["extra"]} if result["extra"] else result["loss"]
 
-    def backward(self, strategy: Any, closure_loss: Tensor) -> Tensor:
-        """Lightning's backward hooks around the backward the schedule already ran."""
-        module = strategy.lightning_module
-        strategy.pre_backward(closure_loss)
-        closure_loss = strategy.precision_plugin.pre_backward(closure_loss, module)
+    def hand_gradients(self) -> None:
+        """Add the gradients the schedule's backward computed (kept apart in `training_step`) to the parameters': the
+        strategy calls it where Lightning's loop runs the backward, between its hooks."""
         for p, g in self._fresh:
             if g is not None:
                 p.grad = g if p.grad is None else p.grad.add_(g)
         self._fresh = []
-        closure_loss = strategy.precision_plugin.post_backward(closure_loss, module)
-        strategy.post_backward(closure_loss)
-        return closure_loss
 
     # ---- evaluation ------------------------------------------------------------------------------------------
     def eval_step(self, module: pl.LightningModule, hook: str, *args: Any, **kwargs: Any) -> Any:

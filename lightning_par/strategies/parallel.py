@@ -14,7 +14,7 @@ from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional, Union, cast
 
 import lightning.pytorch as pl
 import torch
@@ -277,25 +277,28 @@ class ParallelStrategy(ProcessGroupStrategy):
             if self._run is not None:  # ZeRO 0-1 reduce during the backward that ends an accumulation
                 self._run.before_backward(self._accumulating)
             return super().backward(closure_loss, optimizer, *args, **kwargs)
-        return self._pipeline.backward(self, closure_loss)
+        module = cast(pl.LightningModule, self.lightning_module)
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        self._pipeline.hand_gradients()  # the schedule ran the backward already: Lightning's hooks around it
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline is None:
-            return super().validation_step(*args, **kwargs)
-        return self._eval_step("validation_step", self.precision_plugin.val_step_context(), args, kwargs)
+        return (super().validation_step(*args, **kwargs) if self._pipeline is None
+                else self._eval_step("validation_step", self.precision_plugin.val_step_context(), args, kwargs))
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline is None:
-            return super().test_step(*args, **kwargs)
-        return self._eval_step("test_step", self.precision_plugin.test_step_context(), args, kwargs)
+        return (super().test_step(*args, **kwargs) if self._pipeline is None
+                else self._eval_step("test_step", self.precision_plugin.test_step_context(), args, kwargs))
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline is None:
-            return super().predict_step(*args, **kwargs)
-        return self._eval_step("predict_step", self.precision_plugin.predict_step_context(), args, kwargs)
+        return (super().predict_step(*args, **kwargs) if self._pipeline is None
+                else self._eval_step("predict_step", self.precision_plugin.predict_step_context(), args, kwargs))
 
     def _eval_step(self, hook: str, context: Any, args: tuple, kwargs: dict) -> Any:
         assert self.lightning_module is not None and self._pipeline is not None
