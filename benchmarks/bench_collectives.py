@@ -15,7 +15,7 @@ median ms per call over rounds with the range, and the ratio to torch's own coll
 - all-gather into ``world x n``: torch's ``all_gather_into_tensor`` and `collectives.all_gather_single` with
   ``skip_own`` (ZeRO's call: the own rows are already in place).
 
-A hand-run benchmark: it asserts nothing. Results: docs/benchmarks.md ("ZeRO-1/2's collectives on gloo").
+A hand-run benchmark: it asserts nothing. Results: docs/benchmarks_history.md ("Direct sends on gloo").
 """
 
 from __future__ import annotations

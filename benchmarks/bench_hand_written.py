@@ -25,7 +25,7 @@ Pairs on 4 ranks (ours vs theirs):
 Both hand-written plans keep the GPT's fused ``c_attn``: its rows are reordered once so a contiguous tp split holds
 this rank's heads of q, k and v (Megatron's per-rank ``[q | k | v]``), where ours uses a strided DTensor split of the
 unchanged weight. Every config runs once per round with a fresh Trainer, in one process group; the order reverses
-every other round (ABBA). A hand-run benchmark, not a test. Results and their interpretation: docs/benchmarks.md.
+every other round (ABBA). A hand-run benchmark, not a test. Results and their reading: docs/benchmarks_history.md.
 """
 
 from __future__ import annotations

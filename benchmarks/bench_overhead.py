@@ -25,7 +25,7 @@ Every config runs once per round in one process group with a fresh Trainer (or F
 other round (ABBA) so drift hits both sides alike. Reported per config: median over rounds of the per-run median
 step time, the per-round difference to its baseline with its range, and the difference of the fastest steps. Times
 are at 1-min load < 2 on the 2-core machine (`uptime`); above that, other tenants dominate. A hand-run benchmark: it
-asserts nothing. Results: docs/benchmarks.md, "Per-step overhead on a tiny model".
+asserts nothing. Results: docs/benchmarks_history.md, "Per-step overhead on a tiny model".
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Pipeline throughput on real models: samples/s of the Trainer-driven ``pipe`` strategy against one rank.
 
 Reproduce (one driver launches every run itself, one torch thread per process; 23 min on the 2-core machine on
-2026-12-02, ~2 min with ``--quick``; results and reading: docs/benchmarks.md, "Pipeline throughput on real models"):
+2026-12-02, ~2 min with ``--quick``; results and reading: docs/benchmarks_history.md, "Pipeline throughput"):
 
     python benchmarks/bench_pipeline_throughput.py                 # GPT and HF Llama, pp 2 and 4, 4 rounds
     python benchmarks/bench_pipeline_throughput.py --quick         # smoke: tiny models, 1 round, pp 2

@@ -15,8 +15,8 @@ The model is `bench_overhead.py`'s tiny GPT (2 layers, n_embd 64, 29 parameters)
 - ``views_foreach``: the same with ``foreach=True`` (torch's CUDA default, which ``dtensor`` cannot run).
 
 Rounds alternate the order (ABBA); per round the mean ms of ``--steps`` steps after 3 warm-up steps; reported: the
-median over rounds with the range. A hand-run benchmark: it asserts nothing. Results: docs/benchmarks.md (per-step
-overhead).
+median over rounds with the range. A hand-run benchmark: it asserts nothing. Results: docs/benchmarks_history.md
+(per-step overhead).
 """
 
 from __future__ import annotations

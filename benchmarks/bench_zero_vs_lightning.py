@@ -7,13 +7,13 @@ Launch (2 ranks on 2 CPU cores, one thread each so the ranks do not fight over c
 Pairs (ours vs theirs):
 - ``zero1`` vs ``ddp``: ZeRO-1 moves DDP's bytes (reduce-scatter + all-gather = one all-reduce) and adds a sharded
   optimizer, so DDP is the bar.
-- ``zero2`` vs ``ddp``: Lightning's ``deepspeed_stage_2`` refuses a CPU accelerator (docs/benchmarks.md).
+- ``zero2`` vs ``ddp``: Lightning's ``deepspeed_stage_2`` refuses a CPU accelerator (docs/benchmarks_history.md).
 - ``zero3`` vs ``ModelParallelStrategy`` + the standard FSDP2 recipe (`FSDP2GPT.configure_model`).
 - ``zero0`` vs ``ddp``, a diagnostic: our engine without sharding, to tell engine cost from ZeRO's.
 
 Every config runs once per round, in one process group, with a fresh Trainer; the order reverses every other round
 (ABBA) so drift (thermal, page cache, other tenants) hits both sides of a pair alike. A hand-run benchmark, not a
-test: it asserts nothing about time. Results and their interpretation: docs/benchmarks.md.
+test: it asserts nothing about time. Results and their interpretation: docs/benchmarks_history.md.
 """
 
 from __future__ import annotations

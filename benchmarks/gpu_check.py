@@ -27,7 +27,7 @@ and on any machine, in seconds, with tiny sizes (the suite runs this: tests/test
 
     python benchmarks/gpu_check.py --smoke --out /tmp/gpu_smoke
 
-Figures from a run go to docs/benchmarks.md with the date and the GPU.
+Figures from a run go to docs/benchmarks_history.md with the date and the GPU, the current ones to docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -137,7 +137,7 @@ def prefer_foreach_on_dtensors(optimizer: torch.optim.Optimizer) -> int:
     Why: on CPU torch picks the single-tensor loop when ``foreach`` is unset (on CUDA it already picks foreach), and
     each of that loop's ~10 ops per parameter dispatches through DTensor. On a 29-parameter GPT under FSDP2 AdamW took
     13.9 ms per step that way against 1.8 ms with ``foreach=True``, with bitwise the same parameters after 30 steps
-    (docs/benchmarks.md, per-step overhead). A group that mixes DTensors with plain tensors, or DTensors of several
+    (docs/benchmarks_history.md, overhead). A group that mixes DTensors with plain tensors, or DTensors of several
     meshes, stays as it is: torch's foreach ops refuse such lists. An explicit ``foreach=False`` or ``fused=True`` is
     the user's choice and is kept.
     """

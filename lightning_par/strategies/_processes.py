@@ -204,7 +204,7 @@ def all_reduce_logged(tensor: Tensor, group: Optional[Any], reduce_op: Optional[
 
     The barrier orders nothing the all-reduce does not (every rank waits inside the all-reduce anyway), and costs a
     collective's latency per ``self.log(sync_dist=True)`` call and step: ~0.3 ms on 2 CPU ranks over gloo
-    (docs/benchmarks.md, "Per-step overhead on a tiny model"), where Lightning's ``ddp`` pays it.
+    (docs/benchmarks_history.md, "Per-step overhead on a tiny model"), where Lightning's ``ddp`` pays it.
 
     Args:
         tensor: the value; returned unchanged when no process group exists or ``group`` is one rank (a layout

@@ -5,7 +5,7 @@ torch's schedules run every action through the stage's ``forward_one_chunk`` / `
 ``pipeline_p2p_wait``). `StepTrace` times both: the stage methods are wrapped on our own stage objects, the wait is
 wrapped once per process and records only while a trace is active. The bubble of a step is then measured from the
 schedule's own waits: time inside them over the step's time on this rank (the bubble benchmark's definition,
-docs/benchmarks.md, "Pipeline bubble", without the edges before the first and after the last action, which a rank
+docs/benchmarks_history.md "Pipeline bubble", without the edges before the first and after the last action, which a rank
 spends in the data-parallel collectives that follow).
 
 Cost: two ``perf_counter`` calls per action and per wait. No Lightning here.

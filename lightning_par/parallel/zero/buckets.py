@@ -36,7 +36,7 @@ def settle_grads(params: Sequence[torch.Tensor]) -> None:
     gradients that are sums over that group (Partial) of a replicated parameter.
 
     Why: a sequence-parallel model has such a gradient for every norm weight and bias (9 in a 2-block GPT), and one
-    collective each costs ~0.4 ms of latency per step on gloo (docs/benchmarks.md, per-step overhead). Any other
+    collective each costs ~0.4 ms of latency per step on gloo (docs/benchmarks_history.md, per-step overhead). Any other
     placement change goes through `settle_grad` alone.
     """
     batches: dict[tuple[Any, torch.dtype], list[torch.Tensor]] = {}
@@ -176,7 +176,7 @@ def hand_over(bucket: Any, masters: dict[nn.Parameter, nn.Parameter], dtype: tor
     """One data-parallel rank: give each parameter's (settled, local) gradient to its master as it is, and free it.
 
     What packing, a reduce-scatter over one rank and dividing by one would give, without the three passes over
-    every gradient (the ZeRO-1/2 engine's per-step overhead against ``ddp`` on one H200: docs/benchmarks.md). At
+    every gradient (the ZeRO-1/2 engine's per-step overhead against ``ddp`` on one H200: docs/benchmarks_history.md). At
     world 1 a master is the whole (tp-local) parameter. A gradient left from before adds up, as in the packed path;
     an unused parameter keeps no gradient, as in one process (the packed path, which cannot know that no other rank
     used it, gives zeros).
