@@ -43,7 +43,7 @@ class LM(L.LightningModule):
     def __init__(self, kind: str = "llama") -> None:
         super().__init__()
         from _hf_models import _llama
-        from _worker import HFMixtralLM
+        from _job_models import HFMixtralLM
 
         self.model = _llama(2) if kind == "llama" else HFMixtralLM.build()
 

@@ -1,7 +1,7 @@
 """LightningModules around model families lightning_par did not write, as a user would write them.
 
 Plain user code: nothing here knows about the strategies. Each family is one self-contained class named after its
-family (the tests register them in `_worker.MODELS` with lazy imports); models are built from tiny configs, nothing
+family (the tests register them in `_job_models.MODELS` with lazy imports); models are built from tiny configs, nothing
 is downloaded. Every class trains with SGD + momentum, whose update is linear in the gradient, so parameters can be
 compared to 1e-5 across layouts. Batches are the byte-text pairs ``(x, y)`` of `lightning_par.data`.
 """

@@ -15,18 +15,19 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
+from jobs import Job
 
 from lightning_par.data import ByteTextDataModule
 
 
-def simulate(job: dict[str, Any], make_model: Callable[[], Any]) -> dict[str, Any]:
-    """Train as ``job["simulate"]`` = {replicas, shards, every, lr, momentum} says; returns losses and replica 0's
+def simulate(job: Job, make_model: Callable[[], Any]) -> dict[str, Any]:
+    """Train as ``job.simulate`` = {replicas, shards, every, lr, momentum} says; returns losses and replica 0's
     parameters."""
-    sim = job["simulate"]
+    sim = job.simulate
     replicas, shards, every = sim["replicas"], sim["shards"], sim["every"]
     dp = replicas * shards
-    steps, global_batch, seq_len = job.get("steps", 4), job.get("global_batch", 8), job.get("seq_len", 32)
-    L.seed_everything(job.get("seed", 0), verbose=False)
+    steps, global_batch, seq_len = job.steps, job.global_batch, job.seq_len
+    L.seed_everything(job.seed, verbose=False)
     base = make_model()
     models = [copy.deepcopy(base) for _ in range(replicas)]
     optimizers, schedulers = [], []

@@ -20,7 +20,7 @@ torch.set_num_threads(1)
 
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from _worker import MODELS  # noqa: E402
+from _job_models import MODELS  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 from lightning_par.config import ParallelConfig  # noqa: E402

@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 import torch
 from forked import Launched, launch
+from jobs import check
 
 WORKER = Path(__file__).with_name("_worker.py")
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,9 +94,11 @@ def kill_session(proc: subprocess.Popen) -> None:
 def run_jobs(tmp: Path, jobs: list[dict[str, Any]], nproc: int = 1, timeout: float = 240) -> list[dict[str, Any]]:
     """Run ``jobs`` on ``nproc`` ranks forked from the test forkserver (tests/forked.py; a torchrun-style job) and
     return rank 0's results; raise with the ranks' output on failure. One-process jobs that an earlier test of the
-    session ran with the same description are not run again (`references.cached`)."""
+    session ran with the same description are not run again (`references.cached`). A job key that is no `jobs.Job`
+    field fails here, before any rank starts."""
     from references import cached
 
+    check(jobs)
     tmp.mkdir(parents=True, exist_ok=True)
     if nproc == 1:
         return cached(jobs, lambda todo: _run_jobs(tmp, todo, 1, timeout))
@@ -105,12 +108,19 @@ def run_jobs(tmp: Path, jobs: list[dict[str, Any]], nproc: int = 1, timeout: flo
 def _run_jobs(tmp: Path, jobs: list[dict[str, Any]], nproc: int, timeout: float) -> list[dict[str, Any]]:
     out = tmp / f"result_{nproc}_{abs(hash(json.dumps(jobs, sort_keys=True)))}.pt"
     spec = tmp / (out.stem + ".json")
-    spec.write_text(json.dumps({"out": str(out), "jobs": jobs}))
+    write_spec(spec, out, jobs)
     done = launch("_worker:main", [str(spec)], nproc, env=worker_env(), cwd=tmp, timeout=capped(timeout))
     if done.returncode != 0 or not out.exists():
         why = f"ran past {capped(timeout):.0f} s" if done.timed_out else f"failed ({done.returncode})"
         raise AssertionError(f"worker {why}:\n{done.stdout[-10000:]}")
     return torch.load(out, weights_only=False)
+
+
+def write_spec(spec: Path, out: Path, jobs: list[dict[str, Any]]) -> None:
+    """Write the file tests/_worker.py reads: where rank 0 saves the results, and ``jobs``, each checked first (a key
+    that is no `jobs.Job` field fails here)."""
+    check(jobs)
+    spec.write_text(json.dumps({"out": str(out), "jobs": jobs}))
 
 
 def run_forked(script: Path, argv: list[str], nproc: int, *, cwd: Path, timeout: float,

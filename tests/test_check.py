@@ -4,7 +4,7 @@ under, decided by the same checks set-up runs, with the reason for each refusal.
 from __future__ import annotations
 
 import torch
-from _worker import MODELS
+from _job_models import MODELS
 
 from lightning_par.analysis.compatibility import check_model, format_verdicts
 from lightning_par.cli import check_recipe

@@ -31,7 +31,7 @@ from parity import rel
 
 pytestmark = pytest.mark.slow  # multi-process: the slow tier (docs/testing.md, "Tiers")
 
-LR = 3e-3  # the AdamW GPT's learning rate in _worker.MODELS
+LR = 3e-3  # the AdamW GPT's learning rate in _job_models.MODELS
 GPT_KWARGS = {"vocab_size": 256, "block_size": 32, "n_layer": 2, "n_head": 4, "n_embd": 32, "lr": LR}
 
 # ---- the resharding matrix ------------------------------------------------------------------------------------

@@ -16,7 +16,6 @@ previous attempt's addresses on restart and fails to connect (pytorch/pytorch#13
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -28,7 +27,7 @@ from typing import Any
 
 import pytest
 import torch
-from launch import WORKER, capped, run_jobs, worker_env
+from launch import WORKER, capped, run_jobs, worker_env, write_spec
 from parity import rel
 
 LR = 3e-3
@@ -154,7 +153,7 @@ def _tensors(tree: Any, prefix: str = "") -> dict[str, torch.Tensor]:
 def _torchrun_with_restart(tmp: Path, job: dict[str, Any], timeout: float = 150) -> tuple[dict[str, Any], str]:
     tmp.mkdir(parents=True, exist_ok=True)
     out, spec = tmp / "out.pt", tmp / "spec.json"
-    spec.write_text(json.dumps({"out": str(out), "jobs": [job]}))
+    write_spec(spec, out, [job])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
            str(WORKER), str(spec)]  # fmt: skip
     env = {**worker_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}

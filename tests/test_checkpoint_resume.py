@@ -1,15 +1,15 @@
 """Deterministic resume: N steps, save, resume, the rest == the uninterrupted run, bit for bit (fp32, CPU).
 
-Design: a GPT with dropout 0.1 whose training_step also draws from Python's `random` and NumPy (`_worker.DropoutGPT`),
-every rank seeded differently (``rank_seed``), 3 steps per epoch over a 24-sample set (Lightning's shuffling
-DistributedSampler: every epoch has its own order), 8 steps (``max_steps``), a checkpoint after every step and one
-at every epoch's end. Each resume starts from one of them and must reproduce the uninterrupted run's remaining
-losses, parameters, rank 0's batches and its Python / NumPy draws exactly: the data position, each rank's RNG
-states, the model and the optimizer state are all restored, and the resumed run does the same operations in the
-same order. Save points: mid-epoch (after batch 1 or 2 of epoch 1), at the last batch of an epoch
-(``on_train_batch_end``), and at an epoch's end (``on_train_epoch_end``; Lightning's own resume from there shuffles
-the next epoch one epoch ahead). ZeRO-2 with synchronous saves, ZeRO-3 with asynchronous ones, a run by max_epochs
-without validation, and one with gradient accumulation (2 micro-batches per step).
+Design: a GPT with dropout 0.1 whose training_step also draws from Python's `random` and NumPy
+(`_job_models.DropoutGPT`), every rank seeded differently (``rank_seed``), 3 steps per epoch over a 24-sample set
+(Lightning's shuffling DistributedSampler: every epoch has its own order), 8 steps (``max_steps``), a checkpoint after
+every step and one at every epoch's end. Each resume starts from one of them and must reproduce the uninterrupted run's
+remaining losses, parameters, rank 0's batches and its Python / NumPy draws exactly: the data position, each rank's RNG
+states, the model and the optimizer state are all restored, and the resumed run does the same operations in the same
+order. Save points: mid-epoch (after batch 1 or 2 of epoch 1), at the last batch of an epoch (``on_train_batch_end``),
+and at an epoch's end (``on_train_epoch_end``; Lightning's own resume from there shuffles the next epoch one epoch
+ahead). ZeRO-2 with synchronous saves, ZeRO-3 with asynchronous ones, a run by max_epochs without validation, and one
+with gradient accumulation (2 micro-batches per step).
 
 On another world size (2 -> 4 ranks, same global batch) the data order carries over; the model without dropout must
 continue the 2-rank loss curve to fp32 tolerance (1e-5 relative, as tests/test_zero.py: a different summation

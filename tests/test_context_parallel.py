@@ -25,7 +25,7 @@ from lightning_par.config import ParallelConfig, ParallelConfigError, split_worl
 from lightning_par.names import STRATEGY_NAMES, strategy_kwargs
 from lightning_par.parallel.context.apply import apply_context_parallel, layout
 
-LR = 3e-3  # the AdamW models' learning rate (tests/_worker.py)
+LR = 3e-3  # the AdamW models' learning rate (tests/_job_models.py)
 UNEVEN = {"cp_uneven": True}
 OP_AC = {"activation_checkpointing": "selective_op"}
 ULYSSES = {"cp_mode": "ulysses"}

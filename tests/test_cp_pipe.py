@@ -22,7 +22,7 @@ from parity import params_close, rel
 from lightning_par.config import ParallelConfig
 from lightning_par.names import strategy_kwargs
 
-LR = 3e-3  # the AdamW models' learning rate (tests/_worker.py)
+LR = 3e-3  # the AdamW models' learning rate (tests/_job_models.py)
 
 JOBS_4: dict[str, dict[str, Any]] = {
     "gpt4_sgd_pipe_cp": {"model": "gpt4_sgd", "strategy": "pipe_cp", "dp": 1},

@@ -3,7 +3,6 @@ failing rank that must end the whole job with its own error instead of hanging."
 
 from __future__ import annotations
 
-import json
 import socket
 import subprocess
 import sys
@@ -11,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import WORKER, capped, kill_session, launcher_keys, run_session, worker_env
+from launch import WORKER, capped, kill_session, launcher_keys, run_session, worker_env, write_spec
 from parity import rel
 
 
@@ -29,7 +28,7 @@ def _port_clash(logs: list[str]) -> bool:
 
 def _spec(tmp: Path, jobs: list[dict]) -> tuple[Path, Path]:
     out, spec = tmp / "out.pt", tmp / "spec.json"
-    spec.write_text(json.dumps({"out": str(out), "jobs": jobs}))
+    write_spec(spec, out, jobs)
     return out, spec
 
 

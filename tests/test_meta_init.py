@@ -97,7 +97,7 @@ def _save_folders(tmp: Path) -> dict[str, Path]:
 
     sys.path.insert(0, str(Path(__file__).parent))
     from _hf_models import HFLlama
-    from _worker import HFMixtralLM
+    from _job_models import HFMixtralLM
 
     folders = {}
     for name, build in (("hf_llama_deferred", lambda: HFLlama().model), ("hf_mixtral_deferred", HFMixtralLM.build)):

@@ -203,7 +203,7 @@ def test_moe_layers_are_found_in_our_model_and_in_hugging_face_mixtral():
      ("hf_deepseek_v3", [1], 4), ("hf_gpt_oss", [0, 1], 4)],
 )  # fmt: skip
 def test_moe_families_are_recognised_by_structure(model, layers, n_experts):
-    from _worker import MODELS
+    from _job_models import MODELS
 
     from lightning_par.parallel.experts.finder import find_moe_layers, unrecognised_experts
 
@@ -220,7 +220,7 @@ def test_moe_families_are_recognised_by_structure(model, layers, n_experts):
 
 
 def test_module_list_experts_are_recognised_and_mismatched_ones_refused():
-    from _worker import MODELS
+    from _job_models import MODELS
 
     from lightning_par.parallel.experts.finder import find_moe_layers, unrecognised_experts
 
@@ -250,7 +250,7 @@ def test_a_module_list_holding_none_is_a_dense_model_not_a_crash():
 
 
 def test_unrecognised_experts_are_refused_before_any_exchange():
-    from _worker import MODELS
+    from _job_models import MODELS
 
     from lightning_par.parallel.experts.apply import apply_expert_parallel
 

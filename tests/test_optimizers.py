@@ -38,7 +38,7 @@ from lightning_par.parallel.zero.whole import assign_owners, check_not_tp_sharde
 def _initial_params(model: str) -> dict[str, torch.Tensor]:
     # The weights every job starts from: the worker seeds with 0 and builds the model the same way.
     import lightning as L
-    from _worker import MODELS as BUILD
+    from _job_models import MODELS as BUILD
 
     L.seed_everything(0, verbose=False)
     return {n: p.detach().clone() for n, p in BUILD[model]().named_parameters()}

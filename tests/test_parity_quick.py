@@ -21,7 +21,7 @@ from parity import params_close, rel
 
 pytestmark = pytest.mark.timeout(300)
 
-LR = 3e-3  # the AdamW models' learning rate (tests/_worker.py)
+LR = 3e-3  # the AdamW models' learning rate (tests/_job_models.py)
 
 JOBS: dict[str, dict[str, Any]] = {
     "ddp": {"model": "gpt_sgd", "strategy": {"zero_stage": 0}},

@@ -36,7 +36,7 @@ JOBS_2: dict[str, dict[str, Any]] = {
     # zbv: rank 0 runs stage 0 and the last stage, so the tied weight is one parameter there.
     "qwen2_tied_zbv": {"model": "hf_qwen2_tied", "strategy": {"pp": 2, "pp_schedule": "zbv"}},
     "gpt_tied_dualpipev": {"model": "gpt4_tied_sgd", "strategy": {"pp": 2, "pp_schedule": "dualpipev"}},
-    # Skip connections inside groups of three blocks (tests/_worker.py's SkipLM): the split keeps to the one cut
+    # Skip connections inside groups of three blocks (tests/_job_models.py's SkipLM): the split keeps to the one cut
     # they do not cross, before block 3, whatever balances best.
     "skip_groups": {"model": "skip_groups", "strategy": {"pp": 2}},
 }
@@ -163,9 +163,9 @@ def test_skip_connections_keep_to_the_cut_they_do_not_cross_or_are_refused(resul
 
 
 def _worker_model(name: str) -> Any:
-    import _worker
+    from _job_models import MODELS
 
-    return _worker.MODELS[name]()
+    return MODELS[name]()
 
 
 def test_tied_checkpoints_resume_across_pipeline_and_data_parallel_layouts(spawns):

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from _worker import DictTrunkLM, SeqTrunkLM, _Residual
+from _job_models import DictTrunkLM, SeqTrunkLM, _Residual
 from torch import nn
 
 from lightning_par.analysis.pipeline_timeline import Action, one_f_one_b_order, replay
@@ -350,13 +350,13 @@ def test_a_tensor_made_inside_the_trunk_and_read_after_it_rules_out_every_cut_be
 
 
 def _skip_lm(mode: str) -> Any:
-    from _worker import SkipLM
+    from _job_models import SkipLM
 
     torch.manual_seed(0)
     return SkipLM(mode)
 
 
-# mode -> the cuts that keep the one-process values (tests/_worker.py's SkipLM)
+# mode -> the cuts that keep the one-process values (tests/_job_models.py's SkipLM)
 SKIP_CUTS = {"unet": [], "groups": [3], "x0": [], "outside": [], "late_read": [1, 2, 3]}
 
 

@@ -24,7 +24,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 def _family(name: str) -> nn.Module:
     """The LightningModule of ``name`` (the Hugging Face model under ``self.model``), every tensor made distinct."""
     import _families_moe
-    from _worker import HFMixtralLM
+    from _job_models import HFMixtralLM
 
     build = {"mixtral": HFMixtralLM, "qwen2_moe": _families_moe.HFQwen2MoE, "deepseek_v3": _families_moe.HFDeepseekV3,
              "olmoe": _families_moe.HFOlmoe}[name]  # fmt: skip

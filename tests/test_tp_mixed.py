@@ -41,10 +41,10 @@ ALL = {**JOBS_2, **JOBS_4}
 
 
 def _model(key: str) -> Any:
-    import _worker
+    from _job_models import MODELS
 
     torch.manual_seed(0)
-    return _worker.MODELS[key]()
+    return MODELS[key]()
 
 
 def test_alternating_blocks_get_one_plan_per_structure() -> None:

@@ -130,12 +130,12 @@ def test_bad_etp_is_refused_at_construction(kwargs: dict[str, Any], message: str
 
 
 def test_etp_not_dividing_the_expert_hidden_size_is_refused_before_training() -> None:
-    import _worker
+    import _job_models
 
     from lightning_par.parallel.experts.apply import _check_etp
     from lightning_par.parallel.experts.finder import find_moe_layers
 
-    model = _worker.MoEGPT(**{**_worker._MOE, "expert_hidden": 6})
+    model = _job_models.MoEGPT(**{**_job_models._MOE, "expert_hidden": 6})
     message = r"etp=4 does not divide the expert hidden size d_ff=6 in .*choose etp=1 .*\{1, 2, 3, 6\}"
     with pytest.raises(ValueError, match=message):
         _check_etp(find_moe_layers(model), 4, 4)
@@ -143,7 +143,7 @@ def test_etp_not_dividing_the_expert_hidden_size_is_refused_before_training() ->
     with pytest.raises(ValueError, match=r"etp=2 splits each expert over the tensor-parallel group.*tp group of 1"):
         _check_etp(find_moe_layers(model), 2, 1)
     with pytest.raises(ValueError, match=r"etp=2: .* is a stacked MoE block.*set etp=1"):
-        _check_etp(find_moe_layers(_worker.HFMixtralLM()), 2, 2)
+        _check_etp(find_moe_layers(_job_models.HFMixtralLM()), 2, 2)
 
 
 def test_tp_moe_resolves_etp_against_the_world_size() -> None:
