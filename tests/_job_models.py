@@ -261,6 +261,31 @@ class SkipLM(_TinyLM):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
+class _Permuted(_Residual):
+    """A residual block that returns its output as a permuted view, as channels-last code does (ConvNeXt's blocks
+    compute in (B, T, C) and permute back): the same values, not contiguous."""
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        return super().forward(x, scale).transpose(1, 2).contiguous().transpose(1, 2)
+
+
+class PermutedLM(_TinyLM):
+    """Four `_Permuted` blocks: the activation a pipeline stage hands on is a non-contiguous view."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(256, 32)
+        self.blocks = torch.nn.ModuleList([_Permuted(32) for _ in range(4)])
+        self.head = torch.nn.Linear(32, 256)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        for block in self.blocks:
+            h = block(h)
+        assert not h.is_contiguous()
+        return self.head(h)
+
+
 class ProbeGPT(GPT):
     """A GPT whose code reads weights where ZeRO-1/2's deferred all-gather may still be running
     (tests/test_zero_prefetch.py): ``training_step`` reads the last block's weight before the forward, and a step
@@ -360,6 +385,7 @@ MODELS = {
     "seq_trunk": lambda: SeqTrunkLM(),
     "skip_groups": lambda: SkipLM("groups"),  # skip connections inside groups of blocks: one cut keeps the values
     "skip_unet": lambda: SkipLM("unet"),  # skip connections across every cut: pipelines refuse it
+    "permuted_views": PermutedLM,  # blocks return non-contiguous views: a pipeline's wire must be dense
     "dict_trunk": lambda: DictTrunkLM(),
     "gpt4_tied_sgd": lambda: SGDGPT(vocab_size=256, block_size=32, n_layer=4, n_head=4, n_embd=32, tie_weights=True),
     # Families we did not write (tests/_families.py), each a plain user LightningModule with SGD + momentum.

@@ -39,6 +39,8 @@ JOBS_2: dict[str, dict[str, Any]] = {
     # Skip connections inside groups of three blocks (tests/_job_models.py's SkipLM): the split keeps to the one cut
     # they do not cross, before block 3, whatever balances best.
     "skip_groups": {"model": "skip_groups", "strategy": {"pp": 2}},
+    # Blocks that return a permuted (non-contiguous) view, as ConvNeXt's do: what a stage sends is made dense.
+    "permuted_views": {"model": "permuted_views", "strategy": {"pp": 2}},
 }
 
 # 3 ranks, pp 3: 4 blocks split unevenly.

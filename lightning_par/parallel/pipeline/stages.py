@@ -304,10 +304,13 @@ class PipelineModel:
             )
         if measure:
             return self.sides.measured() if self.sides is not None else {}
-        # One dtype on the wire: the receiving stage allocated its buffer from the probed trunk input.
+        # One dtype on the wire: the receiving stage allocated its buffer from the probed trunk input. Contiguous: a
+        # send takes a dense buffer, and a block may return a permuted view (ConvNeXt's channels-last blocks);
+        # `contiguous` is free for a tensor that already is, and a copy autograd follows otherwise.
         hidden = hidden.to(self.hidden_dtype) if self.hidden_dtype is not None else hidden
         sides = self.sides.outputs(spec.end, check=True) if self.sides is not None else []
-        return (hidden, *sides) if sides else hidden
+        wire = [t.contiguous() if isinstance(t, Tensor) else t for t in (hidden, *sides)]
+        return tuple(wire) if sides else wire[0]
 
     def probe(self, fn: Callable[[], Any]) -> Tensor:
         """Run ``fn`` (the step function on a microbatch) up to the trunk and return the trunk's input."""
