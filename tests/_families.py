@@ -174,6 +174,20 @@ class HFViT(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
+class HFConvNext(HFViT):
+    """Hugging Face ``ConvNextForImageClassification`` on the same 1 x 8 x 8 images: its blocks compute channels-last
+    and return a permuted view (the first pipeline crash of the any-model issue)."""
+
+    def __init__(self) -> None:
+        L.LightningModule.__init__(self)
+        from transformers import ConvNextConfig, ConvNextForImageClassification
+
+        config = ConvNextConfig(num_channels=1, patch_size=2, num_stages=2, hidden_sizes=[16, 32], depths=[1, 4],
+                                num_labels=16, drop_path_rate=0.0)  # fmt: skip
+        self.model = ConvNextForImageClassification(config)
+        self.example_input_array = torch.zeros(1, 1, 8, 8)
+
+
 # ---- user-style attention variants (code as users write it) ------------------------------------------
 
 

@@ -395,6 +395,7 @@ MODELS = {
     "hf_gpt2": lambda: _families().HFGPT2(),
     "hf_qwen2_tied": lambda: _families().HFQwen2Tied(),
     "hf_vit": lambda: _families().HFViT(),
+    "hf_convnext": lambda: _families().HFConvNext(),
     "hf_bert": lambda: _families().HFBert(),
     "grouped_lm": lambda: _families().GroupedLM(),  # fused qkv interleaved per k/v group
     "nano_lm": lambda: _families().NanoLM(),  # sizes its split by x.size(-1): refused under tp

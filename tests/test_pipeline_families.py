@@ -41,6 +41,7 @@ JOBS_2: dict[str, dict[str, Any]] = {
     "skip_groups": {"model": "skip_groups", "strategy": {"pp": 2}},
     # Blocks that return a permuted (non-contiguous) view, as ConvNeXt's do: what a stage sends is made dense.
     "permuted_views": {"model": "permuted_views", "strategy": {"pp": 2}},
+    "hf_convnext": {"model": "hf_convnext", "strategy": {"pp": 2}},
 }
 
 # 3 ranks, pp 3: 4 blocks split unevenly.
