@@ -286,6 +286,21 @@ class PermutedLM(_TinyLM):
         return self.head(h)
 
 
+class TorchEncoderLM(_TinyLM):
+    """torch's own ``nn.TransformerEncoder`` as users write it: its forward reads ``self.layers[0].self_attn`` (the
+    fast-path check) whichever stage runs it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(256, 32)
+        layer = torch.nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, dropout=0.0, batch_first=True)
+        self.encoder = torch.nn.TransformerEncoder(layer, num_layers=4, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(32, 256)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.emb(x)))
+
+
 class ProbeGPT(GPT):
     """A GPT whose code reads weights where ZeRO-1/2's deferred all-gather may still be running
     (tests/test_zero_prefetch.py): ``training_step`` reads the last block's weight before the forward, and a step
@@ -385,6 +400,7 @@ MODELS = {
     "seq_trunk": lambda: SeqTrunkLM(),
     "skip_groups": lambda: SkipLM("groups"),  # skip connections inside groups of blocks: one cut keeps the values
     "skip_unet": lambda: SkipLM("unet"),  # skip connections across every cut: pipelines refuse it
+    "torch_encoder": TorchEncoderLM,  # nn.TransformerEncoder: its forward reads the first layer's attributes
     "permuted_views": PermutedLM,  # blocks return non-contiguous views: a pipeline's wire must be dense
     "dict_trunk": lambda: DictTrunkLM(),
     "gpt4_tied_sgd": lambda: SGDGPT(vocab_size=256, block_size=32, n_layer=4, n_head=4, n_embd=32, tie_weights=True),

@@ -42,6 +42,8 @@ JOBS_2: dict[str, dict[str, Any]] = {
     # Blocks that return a permuted (non-contiguous) view, as ConvNeXt's do: what a stage sends is made dense.
     "permuted_views": {"model": "permuted_views", "strategy": {"pp": 2}},
     "hf_convnext": {"model": "hf_convnext", "strategy": {"pp": 2}},
+    # torch's nn.TransformerEncoder: its forward reads the first layer's attributes on every stage.
+    "torch_encoder": {"model": "torch_encoder", "strategy": {"pp": 2}},
 }
 
 # 3 ranks, pp 3: 4 blocks split unevenly.

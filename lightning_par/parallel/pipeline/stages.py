@@ -35,7 +35,7 @@ from lightning_par import _compat
 from lightning_par.blocks.trunk import Trunk
 from lightning_par.parallel.pipeline.cuts import refused_split
 from lightning_par.parallel.pipeline.owners import Ownership, PipelineError, find_ownership
-from lightning_par.parallel.pipeline.shadow import shadow
+from lightning_par.parallel.pipeline.shadow import meta_copy, shadow
 from lightning_par.parallel.pipeline.sides import SideCarrier
 
 __all__ = ["PipelineError", "PipelineModel", "StageModule", "StageSpec"]
@@ -85,14 +85,27 @@ def _outside(name: str) -> RuntimeError:
 
 
 class _PassThrough(nn.Module):
-    """Stands in for a trunk block that another rank owns."""
+    """Stands in for a trunk block that another rank owns. Code around the trunk may read the block's attributes
+    (torch's ``nn.TransformerEncoder.forward`` reads ``self.layers[0].self_attn.batch_first`` for its fast path):
+    what the stand-in lacks is read from a meta-device copy of the block (`shadow.meta_copy`: no storage, not
+    registered, so no optimizer, checkpoint or ZeRO sees it)."""
 
     _owner: PipelineModel
 
-    def __init__(self, owner: PipelineModel, index: int, name: str) -> None:
+    def __init__(self, owner: PipelineModel, index: int, name: str, block: nn.Module) -> None:
         super().__init__()
         object.__setattr__(self, "_owner", owner)
+        object.__setattr__(self, "_original", meta_copy(block))
         self.index, self.block_name = index, name
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            original = self.__dict__.get("_original")
+            if original is None or name.startswith("__"):
+                raise
+            return getattr(original, name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._owner._block_call(self.index, None, args, kwargs)
@@ -171,7 +184,7 @@ class PipelineModel:
             if i in owned_idx:
                 self.blocks[i] = block
             else:
-                passthroughs[i] = _PassThrough(self, i, name)
+                passthroughs[i] = _PassThrough(self, i, name, block)
                 _replace(module, name, passthroughs[i])
         # Tensors modules inside the trunk return and code after it reads travel with the hidden state.
         self.sides = SideCarrier(own.sides, trunk, owned_idx, passthroughs) if own.sides else None
