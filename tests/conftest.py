@@ -50,6 +50,19 @@ def _restore_environment() -> Any:
         os.environ.update(saved)
 
 
+@pytest.fixture(autouse=True)
+def _no_process_group_left() -> Any:
+    """End the default process group a test started: an in-process fit (devices=1) leaves Lightning's, and a later
+    test in the same worker that starts its own failed with "trying to initialize the default process group twice"
+    (tests/test_moe_syncs.py after tests/test_released.py, CI 2026-12-04). A group a wider fixture started stays."""
+    import torch.distributed as dist
+
+    started = dist.is_available() and dist.is_initialized()
+    yield
+    if not started and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 LOW_PRECISION = ("bf16-mixed", "16-mixed", "bf16-true")
 
 
