@@ -112,47 +112,11 @@ MEMORY = Chart(
         "1.65 B, zero3, meta",
     ],
     series=[
-        Series(
-            "own share after set-up",
-            values=[
-                415,  # 0.43 B | zero3 | eager: own share after set-up
-                415,  # 0.43 B | zero3 | meta
-                897,  # 0.94 B | zero3 | meta
-                1215,  # 0.94 B | pipe | meta, rank 0
-                1272,  # 0.94 B | tp | meta
-                1576,  # 1.65 B (vocab 8192) | zero3 | meta
-            ],
-        ),
-        Series(
-            "set-up peak",
-            values=[
-                1730,  # 0.43 B | zero3 | eager: set-up peak
-                752,  # 0.43 B | zero3 | meta
-                1236,  # 0.94 B | zero3 | meta
-                1433,  # 0.94 B | pipe | meta, rank 0
-                1551,  # 0.94 B | tp | meta
-                1793,  # 1.65 B (vocab 8192) | zero3 | meta
-            ],
-            refs=[
-                None,  # eager: the prediction (665) is for meta construction only
-                665,  # 0.43 B | zero3 | meta: predicted set-up (share + largest unit)
-                1147,  # 0.94 B | zero3 | meta
-                1465,  # 0.94 B | pipe | meta, rank 0
-                1522,  # 0.94 B | tp | meta
-                1769,  # 1.65 B (vocab 8192) | zero3 | meta
-            ],
-        ),
-        Series(
-            "first-step peak",
-            values=[
-                2184,  # 0.43 B | zero3 | eager: first-step peak
-                2185,  # 0.43 B | zero3 | meta
-                3155,  # 0.94 B | zero3 | meta
-                2777,  # 0.94 B | pipe | meta, rank 0
-                2613,  # 0.94 B | tp | meta
-                4046,  # 1.65 B (vocab 8192) | zero3 | meta
-            ],
-        ),
+        # MiB per rank, in the categories' order; refs: the predicted set-up peak (share + largest unit), for meta
+        # construction only (none for eager).
+        Series("own share after set-up", values=[415, 415, 897, 1215, 1272, 1576]),
+        Series("set-up peak", values=[1730, 752, 1236, 1433, 1551, 1793], refs=[None, 665, 1147, 1465, 1522, 1769]),
+        Series("first-step peak", values=[2184, 2185, 3155, 2777, 2613, 4046]),
     ],
     fmt="{:.0f}",
     ref_name="predicted set-up peak (own share + largest unit)",
