@@ -111,7 +111,7 @@ def imports(node: ast.AST, top_level: bool = True) -> Iterator[tuple[ast.Import 
 
 
 def layer(module: str) -> str:
-    """`lightning_par.parallel.tensor.plan` -> `plans`; the root package is its own layer."""
+    """`lightning_par.parallel.tensor.plan` -> `parallel`; the root package is its own layer."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else TOP
 

@@ -55,7 +55,7 @@ class ExpertLoad:
             self._dropped[layer.name] = 0.0
             target = layer.module if isinstance(layer.module, MoE) else layer.router
             assert target is not None  # `_countable`
-            # First, before hooks that change the output (moe_router_stats gathers the logits over the batch).
+            # First, before hooks that change the output (experts.router_stats gathers the logits over the batch).
             self._handles.append(target.register_forward_hook(self._hook(layer), prepend=True))
 
     def _hook(self, layer: MoELayer) -> Any:

@@ -271,10 +271,10 @@ def _device(module: nn.Module) -> torch.device:
 
 def _cp_under_pipeline(cut: PipelineSplit, trunk: Trunk, cp_args: tuple) -> None:
     model = cut.runner.model
-    # The trunk's side outputs (pipeline_sides) travel as the code after the trunk would read them under cp without
+    # The trunk's side outputs (pipeline.sides) travel as the code after the trunk would read them under cp without
     # a pipeline, so nothing here changes them: `lightning_par.nn.MoE` slots carry losses already reduced over the
     # cp ranks (MoE.sample_group), and a Hugging Face router's logits are gathered over the token group dp x cp
-    # (moe_router_stats, a hook prepended in step 4) before the stage's capture hook sees them, so every cp rank
+    # (experts.router_stats, a hook prepended in step 5) before the stage's capture hook sees them, so every cp rank
     # carries the same whole-microbatch tensor and the gather's backward sums its gradient over dp x cp.
     owned = sorted(model.blocks)
     cpar = apply_context_parallel(

@@ -111,7 +111,7 @@ class ShardedCheckpoints:
             tensors[f"optimizer_{i}"] = state
         checkpoint[KEY] = self.resume.checkpoint_state(where.trainer, where.world_size)
         zero = run.zero if run is not None and local_sgd_state.active(run.zero) else None
-        if zero is not None:  # the replicas' own state under keys of their own (local_sgd_state)
+        if zero is not None:  # the replicas' own state under keys of their own (parallel.local_sgd.state)
             tensors = local_sgd_state.save_layout(zero, tensors)
             checkpoint[KEY][LOCAL_SGD] = local_sgd_state.describe(zero)
         local = self.resume.rank_state(where.trainer, where.device)

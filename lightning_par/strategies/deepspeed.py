@@ -255,7 +255,7 @@ class DeepSpeedParallelStrategy(ParallelStrategy):
             )
         if has_meta(module):
             # Built on the meta device: storage and the native backend's initial values (or the file's), before
-            # the optimizer is built over the parameters (ZeRO-3: partitioned unit by unit, deepspeed_init.py).
+            # the optimizer is built over the parameters (ZeRO-3: partitioned unit by unit, deepspeed/meta_init.py).
             init_comm()
             self.meta_init = materialize_for_deepspeed(
                 module, self.root_device, ds_config, seed=base_seed(), pretrained=plan

@@ -194,7 +194,7 @@ def _layout(values: list[int], names: tuple[str, ...]) -> str:
 
 _READ_AS = {
     "whole": "whole by every rank",
-    "sharded": "shard by shard with known lengths (stream_shards)",
+    "sharded": "shard by shard with known lengths (streams.shards)",
     "counted": "shard by shard with lengths learnt while reading (stream_counted)",
 }
 

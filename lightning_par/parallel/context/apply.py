@@ -7,7 +7,7 @@ this rank's rows of every sequence-shaped argument (the hidden state entering th
 and ``2 * cp - 1 - r``, so that every rank does the same causal work. Inside the blocks a `TorchFunctionMode`
 replaces ``scaled_dot_product_attention``: keys and values are all-gathered over cp (mode ``"allgather"``, as in the
 Llama 3 paper), back in sequence order, and the local queries attend to them under the mask of their global
-positions; or (mode ``"ulysses"``, cp_ulysses.py) an all-to-all gives each rank every position of ``1/cp`` of the
+positions; or (mode ``"ulysses"``, ulysses.py) an all-to-all gives each rank every position of ``1/cp`` of the
 heads, for which masks stay whole. The last block's output is gathered back in order; its backward keeps this
 rank's rows of the upstream gradient (the same on every cp rank: the head runs on the whole sequence everywhere)
 times cp, so that averaging gradients over dp x cp, as ZeRO does (mesh.py, ``dp_shard_cp``), gives the one-process
@@ -76,7 +76,7 @@ class ContextParallel:
         uneven: accept lengths that ``2 * cp`` does not divide.
         names: qualified names of the trunk blocks (for messages).
         mode: how attention sees the whole sequence: ``"allgather"`` (keys and values gathered) or ``"ulysses"``
-            (heads <-> sequence all-to-all, cp_ulysses.py).
+            (heads <-> sequence all-to-all, ulysses.py).
     """
 
     cp: int

@@ -132,7 +132,7 @@ class StageModule(nn.Module):
         self.spec = spec
 
     def forward(self, *args: Tensor, mb: Tensor) -> Any:
-        # args: the hidden state, then the trunk's side outputs made before this stage (pipeline_sides).
+        # args: the hidden state, then the trunk's side outputs made before this stage (pipeline.sides).
         owner = self._owner
         return owner.run_stage(self.spec, args[0] if args else None, int(mb.reshape(-1)[0]), args[1:],
                                measure=owner.measuring)  # fmt: skip
