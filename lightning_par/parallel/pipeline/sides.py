@@ -210,10 +210,12 @@ def _n_leaves(spec: Any) -> int:
 def _attach(root: nn.Module, path: str, module: nn.Module) -> None:
     """Put ``module`` under ``root`` at ``path``, creating empty containers on the way."""
     *parents, leaf = path.split(".")
+    # By the registry, not getattr: a stand-in reads attributes it lacks from a meta copy of its block
+    # (stages._PassThrough), which must not count as a module already there.
     for name in parents:
-        child = getattr(root, name, None)
-        if not isinstance(child, nn.Module):
+        child = root._modules.get(name)
+        if child is None:
             child = nn.Module()
-            root.add_module(name, child)
+            setattr(root, name, child)
         root = child
-    root.add_module(leaf, module)
+    setattr(root, leaf, module)
