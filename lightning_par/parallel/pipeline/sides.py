@@ -213,7 +213,7 @@ def _attach(root: nn.Module, path: str, module: nn.Module) -> None:
     # By the registry, not getattr: a stand-in reads attributes it lacks from a meta copy of its block
     # (stages._PassThrough), which must not count as a module already there.
     for name in parents:
-        child = root._modules.get(name)
+        child = dict(root.named_children()).get(name)
         if child is None:
             child = nn.Module()
             setattr(root, name, child)
