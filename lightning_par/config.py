@@ -21,8 +21,6 @@ AXES = AXIS_NAMES  # lightning_par.axes defines them, with their properties
 ZERO_STAGES = (0, 1, 2, 3)
 AC_MODES = (None, "full", "selective", "selective_op", "offload")
 PP_SCHEDULES = tuple(SCHEDULES)
-# Schedules that run input and weight gradients as separate backward passes (zero bubble).
-_SPLIT_BACKWARD = tuple(name for name, s in SCHEDULES.items() if s.split_backward)
 # The dimensions a registered name can leave to `resolve` (docs/strategies.md, "Names and the degree rule").
 AUTO_DIMS = ("pp", "tp", "cp", "dp", "ep")
 CP_MODES = ("allgather", "ulysses")  # and why not "ring" (torch's): docs/context_parallel.md, "Modes"
@@ -173,7 +171,8 @@ class ParallelConfig:
             )
         if self.pp_schedule not in PP_SCHEDULES:
             raise ParallelConfigError(f"pp_schedule={self.pp_schedule!r} is unknown; choose one of {PP_SCHEDULES}")
-        if self.pp > 1 and self.activation_checkpointing == "selective_op" and self.pp_schedule in _SPLIT_BACKWARD:
+        split_backward = SCHEDULES[self.pp_schedule].split_backward  # zero bubble: input, weight gradients apart
+        if self.pp > 1 and self.activation_checkpointing == "selective_op" and split_backward:
             raise ParallelConfigError(
                 f"activation_checkpointing='selective_op' cannot run under pp_schedule={self.pp_schedule!r}: "
                 "zero-bubble schedules differentiate each block twice (input, then weight gradients) and torch's "

@@ -47,7 +47,6 @@ from lightning_par.planner.devices import Device
 from lightning_par.planner.layout import SCHEDULES, Layout, compute_bytes, stored_bytes
 from lightning_par.planner.model import ModelDesc
 
-_ZERO_BUBBLE = tuple(name for name, s in axes.SCHEDULES.items() if s.split_backward)
 # Bytes the optimizer step streams per parameter on this rank (reads + writes): "megatron": apex's fused Adam on
 # fp32 master weights (read master, grad, two moments: 16; write master, moments and the half-precision copy: 14),
 # the gradient-norm read (4) and zeroing of the fp32 main gradients (4). "torch": torch's foreach AdamW on fp32
@@ -92,7 +91,7 @@ def idle_stage_times(schedule: str, pp: int, microbatches: int, vpp: int = 1) ->
         order = {r: _compat.schedule_rank_actions(schedule, local, pp, microbatches, r) for r in range(pp)}
         return replay(order, 1.0, 1.0, 1.0).makespan / (3 * local) - microbatches
     except (ValueError, RuntimeError, AssertionError, ZeroDivisionError, KeyError, IndexError):
-        return (pp - 1) / local * (1 / 3 if schedule in _ZERO_BUBBLE else 1)
+        return (pp - 1) / local * (1 / 3 if axes.SCHEDULES[schedule].split_backward else 1)
 
 
 def _link(dev: Device, span: int) -> float:
