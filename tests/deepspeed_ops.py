@@ -2,15 +2,20 @@
 
 DeepSpeed compiles its C++ ops on first use (measured on the 2-core CI machines: ``cpu_adam`` 125 CPU-s, the shared
 memory collectives ``shm_comm`` 65 CPU-s, ``async_io`` where libaio is installed), into ``TORCH_EXTENSIONS_DIR``.
-The tests keep that folder outside the checkout (`extensions_folder`), so a clean clone reuses what an earlier run
-built; `.ci/run` builds the ops before pytest starts (``python tests/deepspeed_ops.py``) and prints how long that
-took. torch guards a build with a ``lock`` file and waits for it with no timeout, so a build killed midway would
-make every later DeepSpeed test wait out its own limit: `remove_stale_locks` deletes locks older than any build.
+The tests keep that folder outside the checkout (`extensions_folder`), one per venv: torch rebuilds an op whenever its
+compile command changes, and DeepSpeed's command names the include folders of the venv it is installed in, so two
+venvs sharing one folder would rebuild each other's ops. `.ci/run` keeps its venv at a fixed path outside the checkout
+(so a clean clone reuses what an earlier run built) and builds the ops before pytest starts
+(``python tests/deepspeed_ops.py``), printing how long that took. torch guards a build with a ``lock`` file and
+waits for it with no timeout, so a build killed midway would make every later DeepSpeed test wait out its own limit:
+`remove_stale_locks` deletes locks older than any build.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -20,12 +25,29 @@ STALE_LOCK_S = 15 * 60
 
 
 def extensions_folder() -> Path:
-    """``TORCH_EXTENSIONS_DIR`` if set, else a cache folder per torch build (outside any checkout)."""
+    """``TORCH_EXTENSIONS_DIR`` if set, else a cache folder per torch build and venv (outside any checkout)."""
     if os.environ.get("TORCH_EXTENSIONS_DIR"):
         return Path(os.environ["TORCH_EXTENSIONS_DIR"])
     import torch
 
-    return Path.home() / ".cache" / "lightning_par" / "torch_extensions" / f"torch-{torch.__version__}"
+    venv = hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]
+    return Path.home() / ".cache" / "lightning_par" / "torch_extensions" / f"torch-{torch.__version__}" / venv
+
+
+def remove_orphans(folder: Path) -> list[Path]:
+    """Delete the sibling op folders of ``folder`` whose venv no longer exists (a deleted clone's); return them.
+
+    Each folder records the venv it was built for in a ``venv`` file (written here for ``folder``).
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "venv").write_text(sys.prefix)
+    removed = []
+    for sibling in folder.parent.iterdir():
+        record = sibling / "venv"
+        if sibling != folder and record.is_file() and not Path(record.read_text()).exists():
+            shutil.rmtree(sibling, ignore_errors=True)
+            removed.append(sibling)
+    return removed
 
 
 def remove_stale_locks(folder: Path, older_than_s: float = STALE_LOCK_S) -> list[Path]:
@@ -62,6 +84,8 @@ if __name__ == "__main__":
     os.environ["TORCH_EXTENSIONS_DIR"] = str(folder)
     for lock in remove_stale_locks(folder):
         print(f"removed a stale build lock: {lock}")
+    for orphan in remove_orphans(folder):
+        print(f"removed the ops of a venv that no longer exists: {orphan}")
     start = time.perf_counter()
     try:
         built = build()
