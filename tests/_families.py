@@ -191,6 +191,23 @@ class HFConvNext(HFViT):
 # ---- user-style attention variants (code as users write it) ------------------------------------------
 
 
+class HFPhi3(_CausalLM):
+    """Hugging Face ``Phi3ForCausalLM``: one fused ``qkv_proj`` (GQA, sliced by width) and one fused ``gate_up_proj``
+    (``chunk(2)`` into gate and up)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import Phi3Config, Phi3ForCausalLM
+
+        config = Phi3Config(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                            pad_token_id=0, eos_token_id=1, bos_token_id=1, attn_implementation="eager")  # fmt: skip
+        self.model = Phi3ForCausalLM(config)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        return self.model(input_ids=idx).logits
+
+
 class NanoAttn(nn.Module):
     """nanoGPT's attention, sizing its split and view from the input width C = x.size(-1)."""
 
@@ -268,3 +285,32 @@ class GroupedLM(_BlocksLM):
 
     def __init__(self) -> None:
         super().__init__(GroupedAttn)
+
+
+class _GluBlock(nn.Module):
+    """Pre-norm block whose MLP is one fused ``[gate | up]`` Linear, chunked in two: SiLU(gate) * up."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln_1, self.attn, self.ln_2 = nn.LayerNorm(32), GroupedAttn(), nn.LayerNorm(32)
+        self.gate_up, self.down = nn.Linear(32, 128), nn.Linear(64, 32)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln_1(x))
+        gate, up = self.gate_up(self.ln_2(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+class GluLM(_CausalLM):
+    """A user LM with fused GLU MLPs (`_GluBlock`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte, self.head = nn.Embedding(256, 32), nn.Linear(32, 256)
+        self.h = nn.ModuleList([_GluBlock() for _ in range(2)])
+
+    def forward(self, idx: Tensor) -> Tensor:
+        x = self.wte(idx)
+        for block in self.h:
+            x = block(x)
+        return self.head(x)

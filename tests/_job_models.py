@@ -414,6 +414,8 @@ MODELS = {
     "hf_convnext": lambda: _families().HFConvNext(),
     "hf_bert": lambda: _families().HFBert(),
     "grouped_lm": lambda: _families().GroupedLM(),  # fused qkv interleaved per k/v group
+    "hf_phi3": lambda: _families().HFPhi3(),  # fused qkv_proj and gate_up_proj
+    "glu_lm": lambda: _families().GluLM(),  # a user's fused [gate | up] MLP
     "nano_lm": lambda: _families().NanoLM(),  # sizes its split by x.size(-1): refused under tp
 }  # fmt: skip
 

@@ -4,7 +4,8 @@ One 2-rank spawn (`tp`: tp=2), SGD + momentum: losses to 1e-5 relative, paramete
 under their original names and shapes. Hugging Face GPT-2 (Conv1D projections, weight ``[in, out]``, a fused
 ``c_attn``), litgpt's Llama (one fused grouped-query ``qkv`` of unequal parts, head counts on a shared config),
 Hugging Face ViT (17 tokens: sequence parallelism pads the stream), BERT (q/k/v and the output projection in sibling
-modules, post-norm), our GPT on a 17-token sequence, and a fused qkv laid out per k/v group. Checkpoints written
+modules, post-norm), our GPT on a 17-token sequence, a fused qkv laid out per k/v group, and fused ``[gate | up]`` MLPs
+(Hugging Face Phi-3, a user's GLU block). Checkpoints written
 under tp resume under zero2; a nanoGPT-style attention sizing its split by the input width is refused at setup.
 """
 
@@ -27,6 +28,8 @@ FAMILIES = {
     "hf_bert": {"model": "hf_bert"},
     "gpt_sgd_17": {"model": "gpt_sgd", "seq_len": 17, "record_warnings": True},
     "grouped_lm": {"model": "grouped_lm"},  # fused qkv interleaved per k/v group: a plain column split
+    "hf_phi3": {"model": "hf_phi3"},  # fused [gate | up]: each rank its slice of both halves
+    "glu_lm": {"model": "glu_lm"},
 }
 # Parameters tp=2 splits (the rest, row-split biases included, stay whole on every rank).
 SPLIT = {
@@ -35,6 +38,8 @@ SPLIT = {
     "hf_vit": r"\.layers\.\d+\.(attention\.[qkvo]_proj|mlp\.fc[12])\.weight$|\.layers\.\d+\.(attention\.[qkv]_proj|"
     r"mlp\.fc1)\.bias$",
     "grouped_lm": r"^h\.\d+\.(attn\.(attn|proj)|fc|proj)\.weight$|^h\.\d+\.(attn\.attn|fc)\.bias$",
+    "hf_phi3": r"\.layers\.\d+\.(self_attn\.(qkv_proj|o_proj)|mlp\.(gate_up_proj|down_proj))\.weight$",
+    "glu_lm": r"^h\.\d+\.(attn\.(attn|proj)|gate_up|down)\.weight$|^h\.\d+\.(attn\.attn|gate_up)\.bias$",
     "hf_bert": r"\.layer\.\d+\.(attention\.self\.(query|key|value)|attention\.output\.dense|intermediate\.dense|"
     r"output\.dense)\.weight$|\.layer\.\d+\.(attention\.self\.(query|key|value)|intermediate\.dense)\.bias$",
 }

@@ -77,7 +77,7 @@ def test_gpt2_conv1d_plan() -> None:
     p = "transformer.h.*."
     assert plan.traced
     assert {k: v for k, v in plan.styles.items() if "attn" in k or "mlp" in k} == {
-        p + "attn.c_attn": "colwise_fused_qkv",
+        p + "attn.c_attn": "colwise_fused",
         p + "attn.c_proj": "rowwise",
         p + "mlp.c_fc": "colwise",
         p + "mlp.c_proj": "rowwise",
@@ -94,7 +94,7 @@ def test_litgpt_grouped_fused_qkv_and_counts_on_the_shared_config() -> None:
     plan = infer_tp_plan(model)
     p = "transformer.h.*."
     head = plan.heads[p + "attn"]
-    assert plan.styles[p + "attn.qkv"] == "colwise_fused_qkv" and plan.styles[p + "attn.proj"] == "rowwise"
+    assert plan.styles[p + "attn.qkv"] == "colwise_fused" and plan.styles[p + "attn.proj"] == "rowwise"
     assert (head.n_heads, head.n_kv_heads, head.head_dim) == (4, 2, 8)
     assert head.fused_split == {p + "attn.qkv": (32, 16, 16)}  # q | k | v of unequal widths
     assert head.local_attrs == {"config.n_head": "n_heads", "config.n_query_groups": "n_kv_heads"}
@@ -136,7 +136,7 @@ def test_part_rows_give_each_rank_its_slice_of_every_part() -> None:
 def test_full_width_split_is_refused_before_training_with_the_override() -> None:
     model = NanoLM()
     plan = infer_tp_plan(model)  # widths alone look fine: fused [q | k | v], split into 3 by the probe
-    assert plan.styles["h.*.attn.c_attn"] == "colwise_fused_qkv"
+    assert plan.styles["h.*.attn.c_attn"] == "colwise_fused"
     with pytest.raises(TPPlanError, match=r"tp=2: h\.0\.attn \(NanoAttn\) fails on the shapes each rank gets "
                        r"\(ValueError: .*\); its code sizes a split.*tp_plan=\{\"h\.\*\.attn\.c_attn\": \"replicate\", "
                        r"\"h\.\*\.attn\.c_proj\": \"replicate\"\}"):  # fmt: skip
@@ -190,7 +190,7 @@ class _ViewedLM(nn.Module):
 @pytest.mark.parametrize(("make", "style", "split"), [
     (GroupedLM, "colwise", {}),  # view(B, T, n_kv, q_per_kv + 2, hd): whole groups per rank
     (lambda: _ViewedLM(per_head=True), "colwise", {}),  # view(B, T, n_heads, 3 * hd): whole heads per rank
-    (lambda: _ViewedLM(per_head=False), "colwise_fused_qkv", {"h.*.query_key_value": (32, 32, 32)}),
+    (lambda: _ViewedLM(per_head=False), "colwise_fused", {"h.*.query_key_value": (32, 32, 32)}),
 ])  # fmt: skip
 def test_fused_layout_read_from_the_view_after_it(make: object, style: str, split: dict) -> None:
     plan = infer_tp_plan(make())  # type: ignore[operator]

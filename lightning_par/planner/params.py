@@ -254,7 +254,7 @@ def _tp_dims(
     for sub, names in zip(plan.group_plans(), groups):
         blocks = names if names is not None else block_names
         split_heads = any(
-            sub.styles.get(p) in ("colwise", "colwise_fused_qkv") for h in sub.heads.values() for p in h.projections
+            sub.styles.get(p) in ("colwise", "colwise_fused") for h in sub.heads.values() for p in h.projections
         )
         head_params = {q for h in sub.heads.values() for q in h.head_params} if split_heads else set()
         for block in blocks:
@@ -279,7 +279,7 @@ def _tp_dims(
 def _style_dim(style: Optional[str], layout: object, leaf: str) -> Optional[int]:
     """The dim a style splits: a projection's output dim (column) or input dim (row), on its weight's layout."""
     transposed = bool(getattr(layout, "transposed", False))  # Conv1D: weight [in, out]
-    if style in ("colwise", "colwise_fused_qkv"):
+    if style in ("colwise", "colwise_fused"):
         return (1 if transposed else 0) if leaf == "weight" else 0
     if style == "rowwise":
         return (0 if transposed else 1) if leaf == "weight" else None  # the bias is added once, after the reduce

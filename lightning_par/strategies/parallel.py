@@ -64,7 +64,7 @@ class ParallelStrategy(ProcessGroupStrategy):
             the end of training waits for the last. Costs a CPU copy of this rank's checkpoint state, kept from the
             first save to the end of ``fit``. See docs/checkpointing.md.
         tp_plan: overrides of the inferred tensor-parallel plan: module-name patterns (``*`` for the block index)
-            to styles (``colwise``, ``rowwise``, ``colwise_fused_qkv``, ``sequence_parallel``, ``replicate``);
+            to styles (``colwise``, ``rowwise``, ``colwise_fused``, ``sequence_parallel``, ``replicate``);
             print the inferred plan with ``lightning-par plan``. See docs/tensor_parallel.md.
         pretrained: start from these weights: a Hugging Face folder (``model.safetensors`` or a sharded index), a
             ``.safetensors`` file, ``lightning-par consolidate`` output or a sharded checkpoint folder of this

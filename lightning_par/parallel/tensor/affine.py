@@ -83,7 +83,7 @@ def apply_affine(
     Args:
         module: a leaf with ``weight`` (2-D) and optional ``bias`` whose forward is ``x @ W + b`` (``transposed``)
             or ``F.linear(x, W, b)``.
-        style: ``"colwise"``, ``"colwise_fused_qkv"`` (with ``parts``) or ``"rowwise"``.
+        style: ``"colwise"``, ``"colwise_fused"`` (with ``parts``) or ``"rowwise"``.
         parts: widths of the fused output's parts, in order (each divisible by tp).
         sequence_parallel: the row split's output is reduce-scattered along the sequence instead of all-reduced.
     """

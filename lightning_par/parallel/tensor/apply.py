@@ -53,12 +53,12 @@ from lightning_par.parallel.tensor.sequence import (
 )
 
 _SEQ = 1  # batch-first models: (batch, sequence, hidden)
-_SPLIT = ("colwise", "colwise_fused_qkv", "rowwise")
+_SPLIT = ("colwise", "colwise_fused", "rowwise")
 
 
 class _FusedColwise(_compat.ColwiseParallelHook):
-    """Column split of a fused projection laid out as ``chunks`` equal parts (``[q | k | v]``): each rank holds its
-    slice of every part, i.e. whole heads of each, as a ``_StridedShard(0, split_factor=chunks)`` DTensor."""
+    """Column split of a fused projection laid out as ``chunks`` equal parts (``[q | k | v]``, ``[gate | up]``): each
+    rank holds its slice of every part (whole heads of each), as a ``_StridedShard(0, split_factor=chunks)`` DTensor."""
 
     def __init__(self, chunks: int) -> None:
         super().__init__(use_local_output=True)
@@ -206,7 +206,7 @@ def _apply_blocks(
     tp, sequence_parallel = mesh.size(), seq is not None
     prefix = f"{plan.trunk}.*" if plan.trunk else "*"
     rel_styles = {k[len(prefix) + 1 :]: s for k, s in plan.styles.items() if k.startswith(prefix + ".")}
-    fused = {k[len(prefix) + 1 :]: w for h in plan.heads.values() for k, w in h.fused_split.items()}
+    fused = {k[len(prefix) + 1 :]: w for k, w in plan.fused_split.items()}
     # Regions whose projections are split (a tp_plan may keep a whole attention or MLP replicated).
     projections = {
         **{h.region or k: h.projections for k, h in plan.heads.items()},
@@ -228,7 +228,7 @@ def _apply_blocks(
                 changed[f"{name}.{rel}"] = style
             elif style == "colwise":
                 styles[rel] = ColwiseParallel(use_local_output=True)
-            elif style == "colwise_fused_qkv":
+            elif style == "colwise_fused":
                 styles[rel] = _FusedColwise(len(fused[rel]))
             elif style == "rowwise":
                 out = Shard(_SEQ) if sequence_parallel else Replicate()
@@ -262,7 +262,7 @@ def _head_params(plan: TPPlan, prefix: str) -> dict[str, tuple[str, ...]]:
     """Block-relative attention module -> its per-head parameters, for the attentions whose heads are split."""
     got: dict[str, tuple[str, ...]] = {}
     for head in plan.heads.values():
-        if any(plan.styles.get(p) in ("colwise", "colwise_fused_qkv") for p in head.projections):
+        if any(plan.styles.get(p) in ("colwise", "colwise_fused") for p in head.projections):
             for pattern in head.head_params:
                 rel, _, leaf = pattern[len(prefix) + 1 :].rpartition(".")
                 got[rel] = (*got.get(rel, ()), leaf)
@@ -275,7 +275,7 @@ def _own_style(mod: nn.Module, parts: tuple[int, ...] | None) -> bool:
 
 def _style_name(style: Any) -> str:
     if isinstance(style, _FusedColwise):
-        return "colwise_fused_qkv"
+        return "colwise_fused"
     names: dict[type, str] = {
         ColwiseParallel: "colwise", RowwiseParallel: "rowwise", SequenceParallel: "sequence_parallel"
     }  # fmt: skip
@@ -305,7 +305,7 @@ def _set_local_head_counts(blocks: Sequence[nn.Module], plan: TPPlan, prefix: st
     # `view(B, T, self.n_heads, head_dim)` must see this rank's heads; attributes the plan found hold global counts.
     for key, head in plan.heads.items():
         rel = key[len(prefix) + 1 :] if key != prefix else ""
-        if not any(plan.styles.get(p) in ("colwise", "colwise_fused_qkv") for p in head.projections):
+        if not any(plan.styles.get(p) in ("colwise", "colwise_fused") for p in head.projections):
             continue
         for block in blocks:
             owner = block.get_submodule(rel) if rel else block

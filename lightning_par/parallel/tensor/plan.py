@@ -22,6 +22,7 @@ from lightning_par.parallel.tensor.plan_pairs import _common_parent, _Inference,
 from lightning_par.parallel.tensor.plan_types import (
     _ALLOWED,
     _SPLIT_NORMS,
+    ALIASES,
     STYLES,
     HeadInfo,
     MLPInfo,
@@ -107,6 +108,7 @@ def infer_tp_plan(model: nn.Module, *, overrides: dict[str, str] | None = None) 
     problems: dict[str, tuple[str, ...]] = {}
     notes: list[str] = []
     fused: set[str] = set()
+    chunked: dict[str, tuple[int, ...]] = {}
     whole: dict[str, None] = {}
     for g in found:
         styles.update(g.styles)
@@ -117,10 +119,12 @@ def infer_tp_plan(model: nn.Module, *, overrides: dict[str, str] | None = None) 
         problems.update(g.problems)
         notes += [n for n in g.notes if n not in notes]
         fused |= {k for h in g.heads.values() for k in h.fused_split}
+        fused |= {k for m in g.mlps.values() for k in m.fused_split}
+        chunked.update(g.chunked)
         whole.update(dict.fromkeys(g.whole))
     shapes.update({n: s for n, m in outer.items() if (s := _shape(m)) is not None})
     inferred = dict(styles)
-    covered = _override(styles, shapes, fused, overrides or {})
+    covered = _override(styles, shapes, fused, chunked, overrides or {})
     _check_split_norms(styles, inferred, split_norms, covered)
     for h in heads.values():
         if any(styles.get(p) != "replicate" for p in h.latent) and any(
@@ -195,6 +199,7 @@ class _Group:
     problems: dict[str, tuple[str, ...]]
     notes: list[str]
     whole: tuple[str, ...]
+    chunked: dict[str, tuple[int, ...]]  # projections whose output the probe saw split into parts -> their widths
 
 
 def _moe_layers(model: nn.Module, block_name: str) -> tuple[str, ...]:
@@ -243,11 +248,13 @@ def _infer_group(
         else:
             projs = tuple(inf.pat(n) for n in (*r.ins, r.out))
             region = inf.pat(_common_parent(list(r.ins)))
-            mlps[key if key not in mlps else inf.pat(r.out)] = MLPInfo(r.hidden, len(r.ins) == 2, projs, region)
+            gated = len(r.ins) == 2 or bool(r.mlp_fused)
+            mlps[key if key not in mlps else inf.pat(r.out)] = MLPInfo(r.hidden, gated, projs, region, r.mlp_fused)
     shapes = {inf.pat(n): s for n, m in kept.items() if (s := _shape(m)) is not None}
     _head_params(inf, regions, heads)
     notes += [f"kept whole (mixture of experts): {inf.pat(w)}" for w in whole]
-    return _Group(got, traced, styles, heads, mlps, shapes, split_norms, inf.problems, notes, whole)
+    chunked = {inf.pat(n): w for n, a in inf.lin.items() if (w := inf.parts(n, a.out_features))}
+    return _Group(got, traced, styles, heads, mlps, shapes, split_norms, inf.problems, notes, whole, chunked)
 
 
 def _split_norm(
@@ -277,7 +284,7 @@ def _check_split_norms(
 ) -> None:
     """After the user's overrides: a norm follows its projections, and keeps the one style exact for them."""
     for norm, src in split_norms.items():
-        split = all(styles.get(p) in ("colwise", "colwise_fused_qkv") for p in src)
+        split = all(styles.get(p) in ("colwise", "colwise_fused") for p in src)
         want = inferred[norm] if split else "replicate"
         if norm not in covered:
             styles[norm] = want  # its projections kept whole by the tp_plan: so is the norm's input
@@ -316,12 +323,12 @@ def _block_styles(
     regions = inf.pair()
     colwise = {p: r for r in regions for p in r.ins}
     rowwise = {r.out for r in regions}
-    fused = {k for r in regions if r.head for k in r.head.fused_split}
+    fused = {k for r in regions for k in r.fused_split}
     styles: dict[str, str] = {}
     split_norms: dict[str, tuple[str, ...]] = {}  # norm reading column-split projections -> those projections
     for n, m in inf.mods.items():
         if n in lin:
-            style = "colwise_fused_qkv" if pat(n) in fused else "colwise" if n in colwise else "replicate"
+            style = "colwise_fused" if pat(n) in fused else "colwise" if n in colwise else "replicate"
             styles[pat(n)] = "rowwise" if n in rowwise else style
         elif n and _is_norm(m):
             size = tr.in_width.get(n) or _norm_size(m)
@@ -346,7 +353,7 @@ def _block_styles(
     if fused & inf.guessed:
         fused = fused & inf.guessed
         notes.append(
-            f"colwise_fused_qkv ({', '.join(sorted(fused))}) assumes a [q | k | v] output; for a head-by-head "
+            f"colwise_fused ({', '.join(sorted(fused))}) assumes a [q | k | v] output; for a head-by-head "
             "interleaved one (GPT-NeoX query_key_value) override it with 'colwise'"
         )
     return styles, regions, split_norms
@@ -366,11 +373,16 @@ def _outer_roles(tr: _Trace, sh: dict[str, ModuleShape]) -> tuple[int | None, st
 
 
 def _override(
-    styles: dict[str, str], shapes: dict[str, ModuleShape], fused: set[str], overrides: dict[str, str]
+    styles: dict[str, str],
+    shapes: dict[str, ModuleShape],
+    fused: set[str],
+    chunked: dict[str, tuple[int, ...]],
+    overrides: dict[str, str],
 ) -> set[str]:
     """Apply the user's ``tp_plan`` to ``styles`` in place; return the patterns it set."""
     covered: set[str] = set()
     for pattern, style in overrides.items():
+        style = ALIASES.get(style, style)
         if style not in STYLES:
             raise TPPlanError(f"tp_plan[{pattern!r}] = {style!r} is not a style; choose one of {', '.join(STYLES)}")
         hits = [k for k in shapes if _glob(k, pattern)]
@@ -385,10 +397,19 @@ def _override(
                     f"tp_plan[{pattern!r}] = {style!r} cannot apply to {kind} {k}; choose one of "
                     f"{', '.join(_ALLOWED[kind])}"
                 )
-            if style == "colwise_fused_qkv" and k not in fused:
+            if style == "colwise" and k in chunked:
+                # Rank r would hold columns [r*w/tp, (r+1)*w/tp) of the output: whole parts on one rank, none on
+                # another, so the code that splits the output would compute something else.
                 raise TPPlanError(
-                    f"tp_plan[{pattern!r}] = 'colwise_fused_qkv' but {k} has no known q/k/v split; use 'colwise' if "
-                    "its output is laid out head by head"
+                    f"tp_plan[{pattern!r}] = 'colwise' splits {k}'s output across its parts: the model splits it "
+                    f"into widths {chunked[k]}, so each rank would hold whole parts of some and none of others and "
+                    "train a different model; map it to 'colwise_fused' (each rank holds its slice of every part) "
+                    "if inference found its split, else to 'replicate' with its output projection"
+                )
+            if style == "colwise_fused" and k not in fused:
+                raise TPPlanError(
+                    f"tp_plan[{pattern!r}] = 'colwise_fused' but {k} has no known split into parts ([q | k | v], "
+                    "[gate | up]); use 'colwise' if its output is laid out head by head"
                 )
             styles[k] = style
             covered.add(k)

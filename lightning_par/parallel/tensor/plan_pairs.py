@@ -55,6 +55,11 @@ class _Region:
     out: str
     hidden: int
     head: HeadInfo | None
+    mlp_fused: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # [gate | up] -> widths
+
+    @property
+    def fused_split(self) -> dict[str, tuple[int, ...]]:
+        return self.head.fused_split if self.head else self.mlp_fused
 
 
 class _Inference:
@@ -125,14 +130,20 @@ class _Inference:
             return None
         if not b and (len(a) == 1 or (len(a) == 2 and not own)):
             return _Region(parent, tuple(ins), o, q, None)
-        parts = self.parts(b[0], bw[0]) if len(b) == 1 else None
+        found = self.parts(b[0], bw[0]) if len(b) == 1 else None
+        if not own and not a and found == (q, q):
+            # One E->2H split in two halves, each as wide as the output projection reads: a fused [gate | up] (Phi-3's
+            # gate_up_proj, GLU MLPs). A plain column split would give rank 0 all of the gate and rank 1 all of the
+            # up half; each rank must hold its slice of both halves (colwise_fused).
+            return _Region(parent, tuple(ins), o, q, None, {self.pat(b[0]): found})
         # A split into (q, k, v) with k == v marks attention: a [gate | up] chunk(2) does not.
-        parts = parts if parts and len(parts) == 3 and parts[0] == q and parts[1] == parts[2] else None
+        parts = found if found and len(found) == 3 and found[0] == q and found[1] == found[2] else None
         # Or a view into (B, T, groups, ...) first: the output is laid out group by group (GPT-NeoX, older litgpt).
         groups = self.groups(b[0], bw[0]) if len(b) == 1 and not parts and bw[0] > q else None
         if (not own and len(b) == 1 and bw[0] != 3 * q and not parts and not groups) or (own and not b and len(a) == 2):
             # E->2H may be a fused gate+up, E->H twice a gate and up; only a head attribute marks attention.
-            self.problem(f"{what}: an MLP or attention with fused projections? ('replicate' is always safe)", pair)
+            # Only 'replicate' is safe to suggest: a plain column split of a fused output splits across its parts.
+            self.problem(f"{what}: an MLP or attention with fused projections?", dict.fromkeys(pair, "replicate"))
             return None
         fused: dict[str, tuple[int, ...]] = {}
         if not b and len(a) == 3:
@@ -189,10 +200,12 @@ class _Inference:
         local = {}
         cfg = getattr(pmod, "config", None)
         for names, kind, value in ((_N_HEADS, "n_heads", n_heads), (_N_KV, "n_kv_heads", n_kv), (_WIDTH, "q_width", q)):
-            local.update({a_: kind for a_ in names if vars(pmod).get(a_) == value})
-            if kind != "q_width" and not own and hasattr(cfg, "__dict__"):
-                # No count of its own: it reads them from the config it keeps (litgpt's self.config.n_head). tp gives
-                # the module its own copy with per-rank counts (the shared original stays global for other readers).
+            mine = {a_: kind for a_ in names if vars(pmod).get(a_) == value}
+            local.update(mine)
+            if kind != "q_width" and not mine and hasattr(cfg, "__dict__"):
+                # No count of this kind of its own: it may read it from the config it keeps (litgpt's
+                # self.config.n_head, Phi-3's self.config.num_attention_heads). tp gives the module its own copy with
+                # per-rank counts (the shared original stays global for other readers).
                 local.update({f"config.{a_}": kind for a_ in names if vars(cfg).get(a_) == value})
         for w in {w for p in qkv if (ws := fused.get(self.pat(p))) and p not in self.guessed for w in ws}:
             # The width a fused output is split by (GPT-2's split_size): rewritten like a head count.

@@ -5,13 +5,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-STYLES = ("colwise", "rowwise", "colwise_fused_qkv", "sequence_parallel", "head_norm", "colwise_norm", "replicate")
+STYLES = ("colwise", "rowwise", "colwise_fused", "sequence_parallel", "head_norm", "colwise_norm", "replicate")
+# Earlier names a tp_plan may still use: "colwise_fused" covers any fused projection ([q | k | v], [gate | up]).
+ALIASES = {"colwise_fused_qkv": "colwise_fused"}
 # Norms that read a column-split projection: per head (each rank normalises its own heads; the weight's gradient is
 # summed over tp), or over the projection's whole output (the weight split like it; the mean of squares over tp).
 _SPLIT_NORMS = ("head_norm", "colwise_norm")
-_SHARDED = ("colwise", "rowwise", "colwise_fused_qkv")
+_SHARDED = ("colwise", "rowwise", "colwise_fused")
 _ALLOWED = {
-    "linear": ("colwise", "rowwise", "colwise_fused_qkv", "replicate"),
+    "linear": ("colwise", "rowwise", "colwise_fused", "replicate"),
     "embedding": ("colwise", "rowwise", "replicate"),
     "norm": ("sequence_parallel", *_SPLIT_NORMS, "replicate"),
 }
@@ -40,7 +42,7 @@ class HeadInfo:
             "q_width", "split_width": a width the fused output is split by): code that uses them in ``view`` or
             ``split`` needs them rewritten to per-rank values. ``config.<name>`` is on the config object the module
             keeps (tp gives the module its own copy).
-        fused_split: fused projection pattern -> widths of its output chunks, ``(q, k, v)`` or ``(k, v)``.
+        fused_split: fused projection pattern -> widths of its output's parts, ``(q, k, v)`` or ``(k, v)``.
         projections: q, k, v (or the fused one), then the output projection.
         region: the smallest module holding the input projections (Hugging Face's BERT keeps q/k/v in
             ``attention.self``, the output one and a residual add in ``attention.output``): its input becomes one
@@ -67,13 +69,15 @@ class HeadInfo:
 
 @dataclasses.dataclass(frozen=True)
 class MLPInfo:
-    """One feed-forward: ``hidden`` inner width, ``gated`` for two input projections, then the output one;
-    ``region`` the smallest module holding the input projections (see `HeadInfo`)."""
+    """One feed-forward: ``hidden`` inner width, ``gated`` for a gate and an up projection (two, or one fused
+    ``[gate | up]``: Phi-3's ``gate_up_proj``, then ``fused_split`` maps it to ``(hidden, hidden)``), then the output
+    one; ``region`` the smallest module holding the input projections (see `HeadInfo`)."""
 
     hidden: int
     gated: bool
     projections: tuple[str, ...]
     region: str = ""
+    fused_split: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +116,12 @@ class TPPlan:
     groups: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
     @property
+    def fused_split(self) -> dict[str, tuple[int, ...]]:
+        """Every fused projection (attention's and MLPs') -> the widths of its output's parts."""
+        infos: list[HeadInfo | MLPInfo] = [*self.heads.values(), *self.mlps.values()]
+        return {k: w for info in infos for k, w in info.fused_split.items()}
+
+    @property
     def mlp_hidden(self) -> dict[str, int]:
         return {k: m.hidden for k, m in self.mlps.items()}
 
@@ -146,14 +156,16 @@ def _regroup(plan: TPPlan, prefix: str, names: tuple[str, ...]) -> TPPlan:
 
     heads = {
         key(k): dataclasses.replace(
-            h, fused_split={key(f): w for f, w in h.fused_split.items()}, projections=keys(h.projections),
+            h, fused_split=_keyed(key, h.fused_split), projections=keys(h.projections),
             region=key(h.region), head_params=keys(h.head_params), latent=keys(h.latent),
             latent_readers=keys(h.latent_readers),
         )
         for k, h in plan.heads.items() if mine(k)
     }  # fmt: skip
     mlps = {
-        key(k): dataclasses.replace(m, projections=keys(m.projections), region=key(m.region))
+        key(k): dataclasses.replace(
+            m, projections=keys(m.projections), region=key(m.region), fused_split=_keyed(key, m.fused_split)
+        )
         for k, m in plan.mlps.items()
         if mine(k)
     }
@@ -161,3 +173,7 @@ def _regroup(plan: TPPlan, prefix: str, names: tuple[str, ...]) -> TPPlan:
         plan, first_block=names[0], n_blocks=len(names), styles={key(k): s for k, s in plan.styles.items() if mine(k)},
         heads=heads, mlps=mlps, shapes={key(k): s for k, s in plan.shapes.items() if mine(k)}, groups={},
     )  # fmt: skip
+
+
+def _keyed(key: Any, fused: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    return {key(f): w for f, w in fused.items()}

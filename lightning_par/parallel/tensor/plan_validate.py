@@ -42,7 +42,7 @@ def validate_tp(plan: TPPlan, tp: int, *, shard_vocab: bool = False, vocab_size:
             checks.append((m.hidden, f"the MLP hidden size {m.hidden} in {_concrete(plan, key)}"))
     for key, style in plan.styles.items():
         s = plan.shapes[key]
-        if style in ("colwise", "colwise_fused_qkv"):
+        if style in ("colwise", "colwise_fused"):
             checks.append((s.out_dim, f"the output width {s.out_dim} of {_concrete(plan, key)}"))
         elif style == "rowwise":
             checks.append((s.in_dim, f"the input width {s.in_dim} of {_concrete(plan, key)}"))
@@ -60,7 +60,7 @@ def validate_tp(plan: TPPlan, tp: int, *, shard_vocab: bool = False, vocab_size:
 
 def format_plan(plan: TPPlan) -> str:
     """Render the plan as a table: one row per module pattern, then head counts, MLP widths and notes."""
-    fused = {k: w for h in plan.heads.values() for k, w in h.fused_split.items()}
+    fused = plan.fused_split
 
     def shape(key: str) -> str:
         s = plan.shapes[key]
