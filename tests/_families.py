@@ -188,6 +188,21 @@ class HFConvNext(HFViT):
         self.example_input_array = torch.zeros(1, 1, 8, 8)
 
 
+class HFSwin(HFViT):
+    """Hugging Face ``SwinForImageClassification`` on 1 x 8 x 8 images: a hierarchical vision transformer whose
+    stages merge patches, changing the sequence length and the width between blocks."""
+
+    def __init__(self) -> None:
+        L.LightningModule.__init__(self)
+        from transformers import SwinConfig, SwinForImageClassification
+
+        config = SwinConfig(image_size=8, patch_size=1, num_channels=1, embed_dim=16, depths=[2, 2], num_heads=[2, 4],
+                            window_size=4, mlp_ratio=2.0, num_labels=16, drop_path_rate=0.0, hidden_dropout_prob=0.0,
+                            attention_probs_dropout_prob=0.0)  # fmt: skip
+        self.model = SwinForImageClassification(config)
+        self.example_input_array = torch.zeros(1, 1, 8, 8)
+
+
 # ---- user-style attention variants (code as users write it) ------------------------------------------
 
 
@@ -206,6 +221,24 @@ class HFPhi3(_CausalLM):
 
     def forward(self, idx: Tensor) -> Tensor:
         return self.model(input_ids=idx).logits
+
+
+class HFT5(_CausalLM):
+    """Hugging Face ``T5ForConditionalGeneration``: an encoder and a decoder stack; the decoder reads the encoder's
+    output (cross-attention) and each stack's first block computes the relative position bias the others reuse.
+    The task: the encoder reads the bytes, the decoder predicts each next byte from the ones before it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import T5Config, T5ForConditionalGeneration
+
+        config = T5Config(vocab_size=256, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+                          num_heads=4, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
+                          relative_attention_num_buckets=8)  # fmt: skip
+        self.model = T5ForConditionalGeneration(config)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        return self.model(input_ids=idx, decoder_input_ids=idx).logits
 
 
 class NanoAttn(nn.Module):
@@ -314,3 +347,39 @@ class GluLM(_CausalLM):
         for block in self.h:
             x = block(x)
         return self.head(x)
+
+
+class _Merge(nn.Module):
+    """A residual MLP, then each two neighbouring tokens merged into one token of width ``out`` (patch merging)."""
+
+    def __init__(self, width: int, out: int) -> None:
+        super().__init__()
+        self.norm, self.fc, self.proj = nn.LayerNorm(width), nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+        self.merge = nn.Linear(2 * width, out)
+
+    def forward(self, x: Tensor, length: int) -> tuple[Tensor, int]:
+        x = x + self.proj(F.gelu(self.fc(self.norm(x))))
+        return self.merge(x.reshape(x.shape[0], length // 2, -1)), length // 2
+
+
+class PyramidLM(_CausalLM):
+    """A hierarchical model as users write one: four `_Merge` blocks halve the sequence and widen the tokens
+    (8 -> 16 -> 16 -> 32 -> 32), each returning the new length, which the loop hands to the next block."""
+
+    def __init__(self, example: bool = True) -> None:
+        super().__init__()
+        self.wte, self.head = nn.Embedding(256, 8), nn.Linear(32, 256)
+        self.blocks = nn.ModuleList([_Merge(a, b) for a, b in ((8, 16), (16, 16), (16, 32), (32, 32))])
+        if example:  # 16 tokens or more: 4 merges (the pipeline's default probe of 8 tokens fails at the last)
+            self.example_input_array = torch.zeros(1, 32, dtype=torch.long)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        x, length = self.wte(idx), idx.shape[1]
+        for block in self.blocks:
+            x, length = block(x, length)
+        return self.head(x)
+
+    def _loss(self, batch: Any) -> Tensor:
+        x, y = batch
+        logits = self(x)  # one token per 16 inputs: predict the byte after each group's last
+        return F.cross_entropy(logits.flatten(0, 1), y[:, 15::16].flatten())

@@ -416,6 +416,10 @@ MODELS = {
     "grouped_lm": lambda: _families().GroupedLM(),  # fused qkv interleaved per k/v group
     "hf_phi3": lambda: _families().HFPhi3(),  # fused qkv_proj and gate_up_proj
     "glu_lm": lambda: _families().GluLM(),  # a user's fused [gate | up] MLP
+    "hf_swin": lambda: _families().HFSwin(),  # hierarchical: length and width change between stages
+    "pyramid_lm": lambda: _families().PyramidLM(),  # a user's hierarchical model: blocks return (hidden, length)
+    "pyramid_unprobed": lambda: _families().PyramidLM(example=False),  # no example_input_array: the probe fails
+    "hf_t5": lambda: _families().HFT5(),  # encoder-decoder: the decoder reads the encoder's output
     "nano_lm": lambda: _families().NanoLM(),  # sizes its split by x.size(-1): refused under tp
 }  # fmt: skip
 

@@ -1,16 +1,16 @@
 """Pipeline parallelism on model code we did not write, on tied weights and on pp 3 / pp 4, against one process.
 
 Families (tests/_families.py, plain user LightningModules): litgpt's GPT (Pythia and Llama configs; litgpt registers
-``lm_head`` before the embedding, so ownership must come from execution order), Hugging Face GPT-2 (Conv1D, head tied
-to the embedding), Qwen2 with ``tie_word_embeddings=True`` and ViT (whose forward reads attributes of the embedding
-on every stage). Tied weights: a copy on each end stage, gradients summed over the two (pp 2, pp 2 x dp 2 under
-ZeRO-1 / ZeRO-2 / ZeRO-3, pp 2 x tp 2), or one shared parameter where one rank runs both ends (zbv, dualpipev);
-the gradient norm counts the weight once (accumulation + clipping at 0.05 with norms > 0.5). pp 3 splits 4 blocks
-unevenly.
+``lm_head`` before the embedding, so ownership must come from execution order), Hugging Face GPT-2 (Conv1D, head tied to
+the embedding), Qwen2 with ``tie_word_embeddings=True`` and ViT (whose forward reads attributes of the embedding on
+every stage), Swin and a user's pyramid (blocks change the hidden state's length and width). Tied weights: a copy on
+each end stage, gradients summed over the two (pp 2, pp 2 x dp 2 under ZeRO-1 / ZeRO-2 / ZeRO-3, pp 2 x tp 2), or one
+shared parameter where one rank runs both ends (zbv, dualpipev); the gradient norm counts the weight once (accumulation
++ clipping at 0.05 with norms > 0.5). pp 3 splits 4 blocks unevenly.
 
-Tolerances as in tests/test_pipeline.py: fp32 losses and gradient norms 1e-5 relative, SGD parameters 1e-5 relative
-/ 1e-7 absolute, AdamW parameters 1% of lr. Every model here trains with SGD + momentum except ``llama4`` (AdamW).
-Three spawns (2, 3 and 4 ranks) and one reference process.
+Tolerances as in tests/test_pipeline.py: fp32 losses and gradient norms 1e-5 relative, SGD parameters 1e-5 relative /
+1e-7 absolute, AdamW parameters 1% of lr. Every model here trains with SGD + momentum except ``llama4`` (AdamW). Three
+spawns (2, 3 and 4 ranks) and one reference process.
 """
 
 from __future__ import annotations
@@ -44,6 +44,11 @@ JOBS_2: dict[str, dict[str, Any]] = {
     "hf_convnext": {"model": "hf_convnext", "strategy": {"pp": 2}},
     # torch's nn.TransformerEncoder: its forward reads the first layer's attributes on every stage.
     "torch_encoder": {"model": "torch_encoder", "strategy": {"pp": 2}},
+    # Hierarchical: blocks change the length and width and return more than the hidden state, which the loop
+    # unpacks on every stage (Swin's stages; a user's pyramid, 4 stages on 2 ranks: a shape at every boundary).
+    "hf_swin": {"model": "hf_swin", "strategy": {"pp": 2}, "validate": True},
+    "pyramid_interleaved": {"model": "pyramid_lm", "strategy": {"pp": 2, "pp_schedule": "interleaved_1f1b"},
+                            "validate": True},
 }
 
 # 3 ranks, pp 3: 4 blocks split unevenly.
@@ -67,6 +72,7 @@ JOBS_4: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 ALL = {**JOBS_2, **JOBS_3, **JOBS_4}
+REFUSED = ("skip_unet", "pyramid_unprobed")
 TIED = {"hf_gpt2", "gpt4_tied_sgd", "hf_qwen2_tied"}
 
 
@@ -89,17 +95,19 @@ def spawns(tmp_path_factory: pytest.TempPathFactory) -> Spawns:
     tmp = tmp_path_factory.mktemp("pipeline_families")
     refs = run_jobs(tmp, [reference_job({k: v for k, v in j.items() if k not in ("strategy", "dp")})
                           for j in ALL.values()], nproc=1, timeout=900)  # fmt: skip
-    # Last on 2 ranks: a U-Net's skip connections cross every cut, refused before the first step.
-    refused = {"model": "skip_unet", "strategy": {"pp": 2}, "dp": 1, "steps": 1, "expect_error": True}
-    got = run_jobs(tmp, [{**j, "dp": 1} for j in JOBS_2.values()] + _checkpoint_jobs(tmp) + [refused], nproc=2,
+    # Last on 2 ranks, refused before the first step: a U-Net's skip connections cross every cut; a pyramid the
+    # ownership probe could not run (8 tokens are too few for its merges), whose stages then fail in the pre-flight.
+    refused = [{"model": m, "strategy": {"pp": 2}, "dp": 1, "steps": 1, "expect_error": True} for m in REFUSED]
+    got = run_jobs(tmp, [{**j, "dp": 1} for j in JOBS_2.values()] + _checkpoint_jobs(tmp) + refused, nproc=2,
                    timeout=900)  # fmt: skip
-    got, checkpoints, unet = got[: len(JOBS_2)], got[len(JOBS_2) : -1], got[-1]
+    n = len(JOBS_2)
+    got, checkpoints, unet = got[:n], got[n : -len(REFUSED)], dict(zip(REFUSED, got[-len(REFUSED) :], strict=True))
     got += run_jobs(tmp, [{**j, "dp": 1} for j in JOBS_3.values()], nproc=3, timeout=900)
     got += run_jobs(tmp, list(JOBS_4.values()), nproc=4, timeout=900)
     return dict(zip(ALL, zip(got, refs, strict=True), strict=True)), checkpoints, unet
 
 
-Spawns = tuple[dict[str, tuple[dict, dict]], list[dict[str, Any]], dict[str, Any]]
+Spawns = tuple[dict[str, tuple[dict, dict]], list[dict[str, Any]], dict[str, dict[str, Any]]]
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +166,7 @@ def test_skip_connections_keep_to_the_cut_they_do_not_cross_or_are_refused(resul
     # rank 0 holds the embedding's tensor and three blocks'.
     per_block = len(list(_worker_model("skip_groups").blocks[0].parameters()))
     assert got["param_counts_all"] == [1 + 3 * per_block, 3 * per_block + 2]
-    unet = spawns[2]
+    unet = spawns[2]["skip_unet"]
     assert unet["losses"] == [] and unet["error"] is not None  # refused before the first step
     assert (
         "cannot cut the trunk before blocks.1: the code between blocks.4 and blocks.5 reads, in add(), a value "
@@ -180,3 +188,14 @@ def test_tied_checkpoints_resume_across_pipeline_and_data_parallel_layouts(spawn
         assert rel(run["losses"], ref["losses"][2:]) < 1e-5
         ref_params = _merge_tied(ref, {"params": zero1_full["params"]})  # one-process names, each tied weight once
         params_close(_merge_tied(run, {"params": ref_params}), ref_params, rtol=1e-5, atol=1e-7)
+
+
+def test_a_stage_that_fails_on_the_shapes_it_receives_is_refused_before_the_first_step(spawns):
+    # Without an example_input_array the probe cannot run this pyramid (8 tokens, 4 merges), so nothing told the
+    # pipeline that its blocks change the shape: stage 1 receives the trunk's input shape. Its pre-flight fails on
+    # every rank alike, before any step, naming the stage, the error and the fix; it no longer crashes mid-step.
+    got = spawns[2]["pyramid_unprobed"]
+    assert got["losses"] == [] and got["error"] is not None
+    assert "the pipeline's pre-flight (each stage once on the shapes it receives) failed: stage 1 (" in got["error"]
+    assert "RuntimeError: Given normalized_shape=[16]" in got["error"]
+    assert "give the LightningModule an example_input_array of a real input" in got["error"]

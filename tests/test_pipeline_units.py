@@ -652,3 +652,69 @@ def test_step_trace_times_actions_and_waits_and_the_timeline_draws_them() -> Non
     assert picture.dtype == np.uint8 and picture.shape[2] == 3
     colours = {tuple(c) for c in picture.reshape(-1, 3).tolist()}
     assert {(66, 133, 244), (52, 168, 83), (251, 140, 0)} <= colours
+
+
+class _Counted(nn.Module):
+    """A block that returns its hidden state and a count read from the values (``.item()``): no meta-device forward
+    can give the count, so a stage that starts after it could not stand in for it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, h: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
+        h = h + self.fc(h)
+        return h, n + int((h > 0).sum().item())
+
+
+class _CountedLM(nn.Module):
+    def __init__(self, counted: bool) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(16, 8), nn.Linear(8, 16)
+        self.blocks = nn.ModuleList(_Counted() if counted else _Merge8() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, n = self.emb(x), 0
+        for block in self.blocks:
+            h, n = block(h, n)
+        return self.head(h)
+
+
+class _Merge8(nn.Module):
+    """Halves the sequence (two tokens into one) and returns the new length: a shape its stand-in must give."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 8)
+
+    def forward(self, h: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
+        return self.fc(h.reshape(h.shape[0], -1, 16)), n + 1
+
+
+def test_a_block_whose_output_no_stand_in_can_give_rules_out_the_cuts_after_it() -> None:
+    from lightning_par.parallel.pipeline.owners import find_ownership
+
+    model = _CountedLM(counted=True)
+    own = find_ownership(model, find_trunk(model))
+    assert own.reshaped == (0, 1)  # the last block needs no stand-in: no stage starts after it
+    assert sorted(own.cut_conflicts) == [1, 2]
+    assert re.match(r"blocks\.0 returns tuple, not a tensor of its input's shape, .*meta-device forward, which fails",
+                    own.cut_conflicts[1])  # fmt: skip
+    with pytest.raises(PipelineError, match=r"cannot cut the trunk before blocks\.1: blocks\.0 returns tuple"):
+        PipelineModel(model, find_trunk(model), [(0, 1), (1, 3)], [1], torch.device("cpu"))
+    merging = _CountedLM(counted=False)
+    own = find_ownership(merging, find_trunk(merging))
+    assert own.reshaped == (0, 1) and own.cut_conflicts == {}
+
+
+def test_a_stand_in_hands_on_the_blocks_structure_shapes_and_plain_values() -> None:
+    # A stage starting at block 2 runs blocks 0 and 1 as stand-ins: the loop unpacks (hidden, length) from each, and
+    # the walk gives the shape entering every block (what a stage starting there receives).
+    torch.manual_seed(0)
+    model = _CountedLM(counted=False)
+    trunk = find_trunk(model)
+    cut = PipelineModel(model, trunk, [(0, 2), (2, 3)], [1], torch.device("cpu"))
+    cut.install()
+    x = torch.zeros(2, 8, dtype=torch.long)
+    seen = cut.walk(lambda: model(x))
+    assert [tuple(t.shape) for t in seen] == [(2, 8, 8), (2, 4, 8), (2, 2, 8)]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from functools import partial
 from typing import Any, Optional
 
 import torch
@@ -32,6 +33,7 @@ from lightning_par.blocks._probe import eval_mode, probe_call
 from lightning_par.blocks.trunk import Trunk
 from lightning_par.nn.moe import MoE
 from lightning_par.parallel.pipeline.cuts import CutRule, writes_in_place
+from lightning_par.parallel.pipeline.meta import check_stand_ins
 
 Units = list[tuple[str, nn.Module]]
 
@@ -79,6 +81,9 @@ class Ownership:
             (`lightning_par.parallel.pipeline.sides`).
         cut_conflicts: the blocks a stage may not start at, each with the first read that a cut there would get
             wrong (`lightning_par.parallel.pipeline.cuts`); empty when the probe could not run.
+        reshaped: the blocks that return more than a hidden state of their input's shape (Swin's stages return
+            ``(hidden, hidden before merging, dimensions)`` at a new length and width): a stage they run before
+            hands on what their meta-device forward returns, not their first argument (`pipeline.meta.check_stand_ins`).
     """
 
     pre: Units
@@ -88,6 +93,7 @@ class Ownership:
     reason: str = ""
     sides: tuple[SideSlot, ...] = ()
     cut_conflicts: dict[int, str] = dataclasses.field(default_factory=dict)
+    reshaped: tuple[int, ...] = ()
 
     def why(self, before: bool) -> str:
         """How a unit of the first (``before``) or last stage got there, for error messages."""
@@ -148,6 +154,7 @@ class _Uses(TorchFunctionMode):
         self.side: list[tuple[int, str, str]] = []  # (tensor id, producer, consumer)
         # The innermost module inside a block that returned each tensor: (block, path in it, leaf, output spec).
         self.returned_by: dict[int, tuple[int, str, int, Any]] = {}
+        self.calls: dict[int, tuple[tuple, dict, Any]] = {}  # block -> its first call's (args, kwargs, output)
 
     def mark(self, unit: str) -> None:
         self.seen.setdefault(unit, set()).add(self.phase)
@@ -219,6 +226,12 @@ def _leaver(uses: _Uses, block: int, path: str) -> Callable[..., None]:
     return leave
 
 
+def _record_call(
+    calls: dict[int, tuple[tuple, dict, Any]], i: int, _m: nn.Module, args: tuple, kwargs: dict, out: Any
+) -> None:
+    calls.setdefault(i, (args, kwargs, out))  # returns nothing: a forward hook's result would replace the output
+
+
 def _probe(module: nn.Module, trunk: Trunk, units: Units, run: Callable[[], Any]) -> _Uses | str:
     unit_of: dict[int, set[str]] = {}
     for name, m in units:
@@ -238,6 +251,8 @@ def _probe(module: nn.Module, trunk: Trunk, units: Units, run: Callable[[], Any]
     for i, block in enumerate(trunk.blocks):  # where each torch call runs, for the cut rule
         handles.append(block.register_forward_pre_hook(lambda _m, a, i=i: uses.cuts.enter(i, a)))
         handles.append(block.register_forward_hook(lambda _m, _a, out, i=i: uses.cuts.leave(i, out)))
+        # What each block was called with and returned: what a stage that does not run it must hand on.
+        handles.append(block.register_forward_hook(partial(_record_call, uses.calls, i), with_kwargs=True))
     for i, (prefix, block) in enumerate(zip(trunk.names, trunk.blocks)):  # which module inside made each tensor
         for sub_name, sub in block.named_modules():
             where = f"{prefix}.{sub_name}" if sub_name else prefix
@@ -304,8 +319,10 @@ def find_ownership(module: nn.Module, trunk: Trunk, run: Optional[Callable[[], A
             )
     pre = [(n, m) for n, m in units if "pre" in uses.seen.get(n, {"pre"})]  # never used: the first stage keeps it
     post = [(n, m) for n, m in units if "post" in uses.seen.get(n, set())]
+    conflicts = dict(uses.cuts.conflicts)
+    reshaped = check_stand_ins(trunk, uses.calls, conflicts)
     return Ownership(pre, post, _tied(module, pre, post), "probe", sides=sides + moe_loss_slots(module, trunk),
-                     cut_conflicts=dict(uses.cuts.conflicts))  # fmt: skip
+                     cut_conflicts=conflicts, reshaped=reshaped)  # fmt: skip
 
 
 def moe_loss_slots(module: nn.Module, trunk: Trunk) -> tuple[SideSlot, ...]:

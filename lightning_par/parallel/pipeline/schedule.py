@@ -45,6 +45,8 @@ from lightning_par.parallel.pipeline.stages import PipelineError, PipelineModel,
 from lightning_par.parallel.pipeline.tied import TiedWeights
 from lightning_par.parallel.pipeline.trace import StepTrace
 
+Shape = tuple[int, ...]
+
 
 @dataclasses.dataclass(frozen=True)
 class ScheduleInfo:
@@ -200,32 +202,41 @@ class PipelineRunner:
         """Whether this rank runs the last stage."""
         return any(s.is_last for s in self.model.specs)
 
-    def _hidden_meta(self, mb0: Any, step_fn: Callable[[Any, StageSpec], Any]) -> tuple[tuple[int, ...], torch.dtype]:
-        """Shape and dtype of the hidden state entering the trunk, probed on the first stage's rank."""
+    def _hidden_meta(self, mb0: Any, step_fn: Callable[[Any, StageSpec], Any]) -> tuple[list[Shape], torch.dtype]:
+        """The hidden state's shape entering each trunk block (as sent between stages: through `wire_shape`), and its
+        dtype, probed on the first stage's rank.
+
+        One shape throughout when every block keeps it; a trunk whose blocks change it (`Ownership.reshaped`: Swin's
+        stages merge patches) is walked with stand-ins (`PipelineModel.walk`)."""
         meta: list[Any] = [None]
+        model, n = self.model, len(self.model.trunk.names)
         if dist.get_rank() == self._first_rank:
-            probe_spec = self.model.specs[0]
-            device = self.model.device
-            first = self.model.stage_modules()[0]
+            probe_spec = model.specs[0]
+            device = model.device
+            first = model.stage_modules()[0]
             root = cast(FSDPModule, first) if isinstance(first, FSDPModule) else None
             if root is not None:  # ZeRO-3: the embedding belongs to the stage's root unit; gather it for the probe
                 root.unshard()
             with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                hidden = self.model.probe(lambda: step_fn(mb0, probe_spec))
+                if model.ownership.reshaped:
+                    seen = model.walk(lambda: step_fn(mb0, probe_spec))
+                else:
+                    seen = [model.probe(lambda: step_fn(mb0, probe_spec))] * n
             if root is not None:
                 root.reshard()
-            meta = [(tuple(hidden.shape), hidden.dtype)]
+            meta = [([tuple(t.shape) for t in seen], seen[0].dtype)]
         dist.broadcast_object_list(meta, src=self._first_rank, group=self.group)
-        return meta[0]
+        shapes, dtype = meta[0]
+        return [self.wire_shape(shape) for shape in shapes], dtype
 
     def _schedule(self, mbs: list[Any], step_fn: Callable[[Any, StageSpec], Any], training: bool) -> Any:
         key = (_signature(mbs[0]), len(mbs), training, torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled())
         if key in self._cache:
             return self._cache[key]
-        shape, dtype = self._hidden_meta(mbs[0], step_fn)
-        shape = self.wire_shape(shape)
+        shapes, dtype = self._hidden_meta(mbs[0], step_fn)
         self.model.hidden_dtype = dtype
-        side = self._side_meta(shape, dtype)
+        side = self._preflight(shapes, dtype)
+        n = len(shapes)
 
         def meta(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
             # requires_grad in the metadata is what makes the receiving stage's buffers differentiable.
@@ -235,8 +246,8 @@ class PipelineRunner:
         stages = []
         for mod in self.model.stage_modules():
             spec = mod.spec
-            ins, outs = ([meta(shape, dtype)] + [meta(*side[k]) for k in self._side_slots(at)] for at in
-                         (spec.start, spec.end))  # fmt: skip
+            ins, outs = ([meta(shapes[at], dtype)] + [meta(*side[k]) for k in self._side_slots(at)] if at < n else []
+                         for at in (spec.start, spec.end))  # fmt: skip
             stages.append(
                 PipelineStage(
                     mod,
@@ -267,27 +278,41 @@ class PipelineRunner:
     def _side_slots(self, end: int) -> list[int]:
         return self.model.sides.before(end) if self.model.sides is not None else []
 
-    def _side_meta(self, shape: tuple[int, ...], dtype: torch.dtype) -> dict[int, tuple[tuple[int, ...], torch.dtype]]:
-        """Shape and dtype of every side output of the trunk (`pipeline.sides`) for microbatches like the current
-        ones: each rank runs each of its stages once, without gradients, on zeros of the hidden state's shape, to
-        its last block; the pipeline group gathers what they measured."""
-        carrier = self.model.sides
-        if carrier is None:
-            return {}
-        device = self.model.device
+    def _preflight(self, shapes: list[Shape], dtype: torch.dtype) -> dict[int, tuple[Shape, torch.dtype]]:
+        """Each rank runs each of its stages once, without gradients, on zeros of the shape the stage receives, to its
+        last block, before the schedule's first step: a stage whose code fails on the real shapes is refused here, on
+        every rank of the group, naming the stage and the error (not mid-step, with the other ranks left waiting);
+        what the stages measured gives the shape and dtype of each side output of the trunk (`pipeline.sides`)."""
+        device, model = self.model.device, self.model
         found: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
-        self.model.measuring = True
+        failed = ""
+        model.measuring = True
         try:
             with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                for mod in self.model.stage_modules():
-                    args = () if mod.spec.is_first else (torch.zeros(shape, dtype=dtype, device=device),)
-                    found.update(mod(*args, mb=torch.zeros(1, dtype=torch.long, device=device)))
+                for mod in model.stage_modules():
+                    received = torch.zeros(shapes[mod.spec.start], dtype=dtype, device=device)
+                    try:
+                        mb = torch.zeros(1, dtype=torch.long, device=device)
+                        found.update(mod(*(() if mod.spec.is_first else (received,)), mb=mb))
+                    except Exception as err:  # one message for the whole group, below
+                        names = model.trunk.names
+                        failed = (f"stage {mod.spec.index} ({names[mod.spec.start]} .. {names[mod.spec.end - 1]}, "
+                                  f"receiving {tuple(received.shape)}) fails: {type(err).__name__}: {err}")  # fmt: skip
+                        break
         finally:
-            self.model.measuring = False
+            model.measuring = False
         every: list[Any] = [None] * self.pp
-        dist.all_gather_object(every, found, group=self.group)
-        side = {k: v for d in every for k, v in d.items()}
-        missing = [carrier.slots[k].name for k in range(len(carrier.slots)) if k not in side]
+        dist.all_gather_object(every, (found, failed), group=self.group)
+        if errors := [f for _, f in every if f]:
+            how = model.ownership.reason if model.ownership.source != "probe" else ""
+            fix = (f"the probe of the forward could not run ({how}): give the LightningModule an example_input_array "
+                   "of a real input" if how else "train this model without pipeline parallelism (e.g. "
+                   "strategy='zero3')")  # fmt: skip
+            raise PipelineError(f"the pipeline's pre-flight (each stage once on the shapes it receives) failed: "
+                                f"{errors[0]}; {fix}")  # fmt: skip
+        side = {k: v for d, _ in every for k, v in d.items()}
+        carrier = model.sides
+        missing = [carrier.slots[k].name for k in range(len(carrier.slots)) if k not in side] if carrier else []
         if missing:
             raise PipelineError(
                 f"{missing[0]} did not run when the pipeline measured its side output, but code after the trunk read "
@@ -348,11 +373,10 @@ class PipelineRunner:
         """Every microbatch through every stage in stage order, activations sent point to point."""
         key = (_signature(mbs[0]), "forward_only", torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled())
         if key not in self._cache:
-            shape, dtype = self._hidden_meta(mbs[0], step_fn)
-            shape = self.wire_shape(shape)
+            shapes, dtype = self._hidden_meta(mbs[0], step_fn)
             self.model.hidden_dtype = dtype
-            self._cache[key] = ((shape, dtype), self._side_meta(shape, dtype), self.model.stage_modules())
-        (shape, dtype), side, modules = self._cache[key]
+            self._cache[key] = ((shapes, dtype), self._preflight(shapes, dtype), self.model.stage_modules())
+        (shapes, dtype), side, modules = self._cache[key]
         self.model.hidden_dtype = dtype
         if self.model.sides is not None:
             self.model.sides.meta = side
@@ -367,7 +391,8 @@ class PipelineRunner:
                 if owner[s] != me:
                     continue
                 if s > 0 and owner[s - 1] != me:
-                    metas = [(shape, dtype)] + [side[k] for k in self._side_slots(self.model.ranges[s][0])]
+                    start = self.model.ranges[s][0]
+                    metas = [(shapes[start], dtype)] + [side[k] for k in self._side_slots(start)]
                     carry = [torch.empty(sh, dtype=dt, device=device) for sh, dt in metas]
                     for t in carry:
                         dist.recv(t, src=dist.get_global_rank(self.group, owner[s - 1]), group=self.group)

@@ -11,7 +11,7 @@ the producers (`SideSlot`: a tensor a module inside a block returns and code aft
   received, passed on, then the ones its own blocks made, captured by a forward hook on each producer), and its
   input the same up to its start, so gradients flow back along the same edges as the hidden state's;
 - where a block is a pass-through (another stage runs it), each of its producers is *replayed* at the block's place
-  in the user's forward: a meta-device copy of it made at the cut (`pipeline.shadow.meta_copy`, forward hooks
+  in the user's forward: a meta-device copy of it made at the cut (`pipeline.meta.meta_copy`, forward hooks
   included: transformers installs its recorder on the probe's forward) is called with its forward replaced by one
   that returns the received tensors (the output's other leaves ``None``), so that the hooks (the recorder) fire
   with them, in the one-process order. On a rank that does not hold the block the copy also sits under the
@@ -39,8 +39,8 @@ from torch import Tensor, nn
 from lightning_par import _compat
 from lightning_par.blocks.trunk import Trunk
 from lightning_par.nn.moe import MoE
+from lightning_par.parallel.pipeline.meta import meta_copy
 from lightning_par.parallel.pipeline.owners import PipelineError, SideSlot
-from lightning_par.parallel.pipeline.shadow import meta_copy
 
 Meta = tuple[tuple[int, ...], torch.dtype]
 

@@ -4,7 +4,8 @@ The route (docs/design.md, "Pipeline: run the user's code, cut at the stage boun
 group loads the same batch, and a stage runs the user's own step function (``training_step``, ...) on a
 microbatch with the model cut down to what the stage owns:
 
-- trunk blocks another stage owns are pass-throughs (they hand their first argument on unchanged);
+- trunk blocks another stage owns are pass-throughs (they hand their first argument on unchanged; a block that
+  returns more, or another shape, hands on its meta-device forward's output as zeros: `meta.check_stand_ins`);
 - the first block the stage owns swaps in the activation received from the previous stage;
 - the last block it owns ends the stage by raising `_StageEnd` with its output, which the stage module returns
   to the schedule; only the last stage runs on to the head and the loss, as the user wrote them;
@@ -34,8 +35,9 @@ from torch import Tensor, nn
 from lightning_par import _compat
 from lightning_par.blocks.trunk import Trunk
 from lightning_par.parallel.pipeline.cuts import refused_split
+from lightning_par.parallel.pipeline.meta import MetaOutputs, meta_copy
 from lightning_par.parallel.pipeline.owners import Ownership, PipelineError, find_ownership
-from lightning_par.parallel.pipeline.shadow import meta_copy, shadow
+from lightning_par.parallel.pipeline.shadow import shadow
 from lightning_par.parallel.pipeline.sides import SideCarrier
 
 __all__ = ["PipelineError", "PipelineModel", "StageModule", "StageSpec"]
@@ -75,6 +77,7 @@ class _Active:
     incoming: Optional[Tensor]
     trunk_started: bool = False
     measuring: bool = False  # a shape pass: the stage ends at its last block, even the last stage
+    walk: Optional[list[Tensor]] = None  # a walk (`PipelineModel.walk`): the hidden state entering each block
 
 
 def _outside(name: str) -> RuntimeError:
@@ -87,7 +90,7 @@ def _outside(name: str) -> RuntimeError:
 class _PassThrough(nn.Module):
     """Stands in for a trunk block that another rank owns. Code around the trunk may read the block's attributes
     (torch's ``nn.TransformerEncoder.forward`` reads ``self.layers[0].self_attn.batch_first`` for its fast path):
-    what the stand-in lacks is read from a meta-device copy of the block (`shadow.meta_copy`: no storage, not
+    what the stand-in lacks is read from a meta-device copy of the block (`meta.meta_copy`: no storage, not
     registered, so no optimizer, checkpoint or ZeRO sees it)."""
 
     _owner: PipelineModel
@@ -172,7 +175,7 @@ class PipelineModel:
         self._active: Optional[_Active] = None
         self.step_fn: Optional[StepFn] = None
         self.hidden_dtype: Optional[torch.dtype] = None
-        self.measuring = False  # stage calls are shape passes (`pipeline.schedule.PipelineRunner._side_meta`)
+        self.measuring = False  # stage calls are shape passes (`pipeline.schedule.PipelineRunner._preflight`)
         self._stage_modules: Optional[list[StageModule]] = None
         self.pre_names, self.post_names = [n for n, _ in own.pre], [n for n, _ in own.post]
         self.owns_first = any(s.is_first for s in self.specs)
@@ -180,6 +183,9 @@ class PipelineModel:
         owned_idx = {i for s in self.specs for i in range(s.start, s.end)}
         self.blocks: dict[int, nn.Module] = {}
         passthroughs: dict[int, nn.Module] = {}
+        # Blocks that return more than a hidden state of their input's shape: a stage they run before hands on
+        # what their meta-device forward returns (`meta.check_stand_ins`), made once per input signature.
+        self._stand_ins = {i: MetaOutputs(meta_copy(trunk.blocks[i]), device) for i in own.reshaped}
         for i, (name, block) in enumerate(zip(trunk.names, trunk.blocks)):
             if i in owned_idx:
                 self.blocks[i] = block
@@ -247,7 +253,7 @@ class PipelineModel:
 
     def _probe_hook(self, module: nn.Module, args: tuple) -> None:
         active = self._active
-        if active is not None and active.spec is None and args:
+        if active is not None and active.spec is None and active.walk is None and args:
             raise _StageEnd(args[0])
 
     # ---- running ---------------------------------------------------------------------------------------------
@@ -258,14 +264,19 @@ class PipelineModel:
             raise _outside(name)
         if not args:
             raise PipelineError(f"{name} was called without positional arguments; pass the hidden state first")
-        if active.spec is None:  # probing: the hidden state entering the trunk
-            raise _StageEnd(args[0])
+        if active.spec is None:
+            if active.walk is None:  # probing: the hidden state entering the trunk
+                raise _StageEnd(args[0])
+            return self._walk_step(i, args, kwargs, active.walk)
         active.trunk_started = True
         spec = active.spec
         if i < spec.start:
             if self.sides is not None:
                 self.sides.replay(i)  # the recorder's hooks see this block's side outputs, in the block's place
-            return args[0]
+            # Its values are never read (the cut rule), only its structure, shapes and plain values (Swin's next
+            # input dimensions); the hidden state is handed on as it is until the stage's first block swaps it.
+            stand_in = self._stand_ins.get(i)
+            return args[0] if stand_in is None else stand_in(args, kwargs, keep=args[0])
         if i >= spec.end or forward is None:
             raise PipelineError(f"{name} ran after stage {spec.index} ended; the trunk's blocks must run in order")
         if i == spec.start and active.incoming is not None:
@@ -324,6 +335,29 @@ class PipelineModel:
         sides = self.sides.outputs(spec.end, check=True) if self.sides is not None else []
         wire = [t.contiguous() if isinstance(t, Tensor) else t for t in (hidden, *sides)]
         return tuple(wire) if sides else wire[0]
+
+    def walk(self, fn: Callable[[], Any]) -> list[Tensor]:
+        """Run ``fn`` (the step function on a microbatch) with every trunk block stood in: the hidden state entering
+        each block (zeros where a stand-in made them).
+
+        Only for a trunk with blocks that change the hidden state's shape (`Ownership.reshaped`): what crosses each
+        stage boundary then has a shape of its own. No block computes; stand-ins give the shapes."""
+        seen: list[Tensor] = []
+        self._active = _Active(None, None, walk=seen)
+        try:
+            fn()
+        except _StageEnd:
+            return seen
+        finally:
+            self._active = None
+        raise PipelineError(f"the step never ran the trunk {self.trunk.path} to its last block; nothing to pipeline")
+
+    def _walk_step(self, i: int, args: tuple, kwargs: dict, seen: list[Tensor]) -> Any:
+        seen.append(args[0])
+        if i == len(self.trunk.names) - 1:
+            raise _StageEnd(None)  # no stage boundary after the last block (the last stage sends its loss)
+        stand_in = self._stand_ins.get(i)
+        return args[0] if stand_in is None else stand_in(args, kwargs, keep=args[0])
 
     def probe(self, fn: Callable[[], Any]) -> Tensor:
         """Run ``fn`` (the step function on a microbatch) up to the trunk and return the trunk's input."""

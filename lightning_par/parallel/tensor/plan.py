@@ -400,11 +400,11 @@ def _override(
             if style == "colwise" and k in chunked:
                 # Rank r would hold columns [r*w/tp, (r+1)*w/tp) of the output: whole parts on one rank, none on
                 # another, so the code that splits the output would compute something else.
+                fix = "'colwise_fused' (each rank holds its slice of every part)" if k in fused else "'replicate'"
                 raise TPPlanError(
                     f"tp_plan[{pattern!r}] = 'colwise' splits {k}'s output across its parts: the model splits it "
                     f"into widths {chunked[k]}, so each rank would hold whole parts of some and none of others and "
-                    "train a different model; map it to 'colwise_fused' (each rank holds its slice of every part) "
-                    "if inference found its split, else to 'replicate' with its output projection"
+                    f"train a different model; map it to {fix}"
                 )
             if style == "colwise_fused" and k not in fused:
                 raise TPPlanError(
