@@ -72,7 +72,7 @@ JOBS_4: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 ALL = {**JOBS_2, **JOBS_3, **JOBS_4}
-REFUSED = ("skip_unet", "pyramid_unprobed")
+REFUSED = ("skip_unet", "pyramid_unprobed", "hf_t5")
 TIED = {"hf_gpt2", "gpt4_tied_sgd", "hf_qwen2_tied"}
 
 
@@ -96,7 +96,8 @@ def spawns(tmp_path_factory: pytest.TempPathFactory) -> Spawns:
     refs = run_jobs(tmp, [reference_job({k: v for k, v in j.items() if k not in ("strategy", "dp")})
                           for j in ALL.values()], nproc=1, timeout=900)  # fmt: skip
     # Last on 2 ranks, refused before the first step: a U-Net's skip connections cross every cut; a pyramid the
-    # ownership probe could not run (8 tokens are too few for its merges), whose stages then fail in the pre-flight.
+    # ownership probe could not run (8 tokens are too few for its merges), whose stages then fail in the pre-flight;
+    # T5, whose decoder blocks all read the position bias its first block computes.
     refused = [{"model": m, "strategy": {"pp": 2}, "dp": 1, "steps": 1, "expect_error": True} for m in REFUSED]
     got = run_jobs(tmp, [{**j, "dp": 1} for j in JOBS_2.values()] + _checkpoint_jobs(tmp) + refused, nproc=2,
                    timeout=900)  # fmt: skip
@@ -199,3 +200,13 @@ def test_a_stage_that_fails_on_the_shapes_it_receives_is_refused_before_the_firs
     assert "the pipeline's pre-flight (each stage once on the shapes it receives) failed: stage 1 (" in got["error"]
     assert "RuntimeError: Given normalized_shape=[16]" in got["error"]
     assert "give the LightningModule an example_input_array of a real input" in got["error"]
+
+
+def test_an_encoder_decoder_whose_blocks_share_a_computed_bias_is_refused(spawns):
+    # T5's trunk is its decoder stack; its first block computes the relative position bias every later block adds.
+    got = spawns[2]["hf_t5"]
+    assert got["losses"] == [] and got["error"] is not None
+    assert "cannot cut the trunk before model.decoder.block.1: model.decoder.block.1.layer.0.SelfAttention reads" in (
+        got["error"]
+    )
+    assert "No cut of this trunk keeps the values: train without pipeline parallelism" in got["error"]
