@@ -138,6 +138,21 @@ class HFGptOss(_HFMoELM):
         super().__init__(model)
 
 
+class HFLlama4(_HFMoELM):
+    """Llama-4 (text): a sigmoid router whose top-1 scores weight the input of a dense routed layout (every token
+    repeated to every expert, ``[E*T, d]``, scaled by its score: zero where not chosen), stacked experts that take
+    only that input, and a shared expert."""
+
+    def __init__(self) -> None:
+        from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+        tiny = {**_TINY, "output_router_logits": False}
+        config = Llama4TextConfig(**tiny, intermediate_size=24, intermediate_size_mlp=48, num_local_experts=4,
+                                  num_experts_per_tok=1, head_dim=8, interleave_moe_layer_step=1,
+                                  use_qk_norm=False, no_rope_layers=[1, 1], attention_chunk_size=64)  # fmt: skip
+        super().__init__(Llama4ForCausalLM(config))
+
+
 class _ExpertMLP(nn.Module):
     def __init__(self, d: int, f: int) -> None:
         super().__init__()

@@ -374,6 +374,7 @@ MODELS = {
     "hf_mixtral_aux": lambda: _families_moe().HFMixtralAux(),  # output_router_logits=True, aux term in the loss
     "hf_deepseek_v3": lambda: _families_moe().HFDeepseekV3(),
     "hf_gpt_oss": lambda: _families_moe().HFGptOss(),
+    "hf_llama4": lambda: _families_moe().HFLlama4(),  # experts called on a dense [E*T, d] routed input
     "hf_mixtral_sdpa_aux": lambda: _families_moe().HFMixtralSdpaAux(),  # SDPA + its aux loss (cp x ep)
     "user_moe_list": lambda: _families_moe().UserMoEList(),
     "user_moe_uneven": lambda: _families_moe().UserMoEList(uneven=True),  # refused under ep > 1

@@ -53,11 +53,12 @@ JOBS: dict[str, dict[str, Any]] = {
     "hf_olmoe": {"model": "hf_olmoe", "strategy": "moe"},
     "hf_deepseek_v3": {"model": "hf_deepseek_v3", "strategy": "moe"},  # dense layer 0, grouped routing, shared
     "hf_gpt_oss": {"model": "hf_gpt_oss", "strategy": "moe"},  # router bias, expert biases, interleaved gate_up
+    "hf_llama4": {"model": "hf_llama4", "strategy": "moe"},  # experts take a dense [E*T, d] routed input alone
     "user_moe_list": {"model": "user_moe_list", "strategy": "moe"},  # experts in an nn.ModuleList
     "hf_qwen2_moe_zero3": {"model": "hf_qwen2_moe", "strategy": "moe_zero3"},
     "user_moe_list_zero3": {"model": "user_moe_list", "strategy": "moe_zero3"},
 }
-SGD_MODELS = ("sgd", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss", "moe_list")
+SGD_MODELS = ("sgd", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss", "moe_list", "hf_llama4")
 LOW_PRECISION_JOBS: dict[str, dict[str, Any]] = {
     "bf16_mixed": {"model": "moe_gpt_sgd", "strategy": "moe", "precision": "bf16-mixed"},
     "bf16_true": {"model": "moe_gpt_sgd", "strategy": "moe_zero2", "precision": "bf16-true"},

@@ -10,10 +10,17 @@ other expert math runs unchanged, through whatever experts implementation the mo
 back, weight and sum per token on the token's own rank (the gates' gradient never crosses ranks).
 
 These families are dropless, so the result equals the original forward whatever the split of tokens over ranks.
+
+Some experts take only a *dense routed* input (Llama-4: ``experts(x [E*T, d])``, every token repeated to every
+expert and scaled by its router score, zero where not chosen, the module's forward viewing it as ``[E, T, d]``).
+That is the same exchange with ``T`` rows for each expert: each rank sends every other the rows of its experts,
+runs the model's own forward on the ``[E/ep, sum of T, d]`` it received, and gets its rows back in order, so the
+layer's sum over experts happens on the token's own rank as before.
 """
 
 from __future__ import annotations
 
+import inspect
 import types
 from collections.abc import Callable
 from typing import Any
@@ -58,19 +65,22 @@ def shard_stacked_experts(experts: nn.Module, dispatch: ExpertDispatch, n_expert
     own_forward: Callable[..., Tensor] = experts.forward  # the class's (or the model's chosen implementation's)
     state = {"local": False}
 
-    def run_local(module: nn.Module, rows: Tensor, counts: list[int]) -> Tensor:
-        # Each received row goes to one local expert with weight 1: the model's forward returns expert(row).
-        index = expert_index(counts, rows.device).unsqueeze(1)
-        ones = torch.ones(index.shape, dtype=rows.dtype, device=rows.device)
+    def run_local(module: nn.Module, rows: Tensor, counts: list[int], dense: bool = False) -> Tensor:
+        # Each received row goes to one local expert with weight 1: the model's forward returns expert(row). The
+        # dense layout needs no routing: its rows come expert-major, the same number for each local expert.
+        args: tuple[Tensor, ...] = (rows,)
+        if not dense:
+            index = expert_index(counts, rows.device).unsqueeze(1)
+            args = (rows, index, torch.ones(index.shape, dtype=rows.dtype, device=rows.device))
         params = dict(module.named_parameters(recurse=False))
         state["local"] = True
         try:
             if any(p.dtype != rows.dtype for p in params.values()):
                 # In the tokens' dtype, as lightning_par.nn.Experts: FSDP2 leaves the ignored expert shards fp32.
                 cast = {k: p.to(rows.dtype) for k, p in params.items()}
-                out = functional_call(module, cast, (rows, index, ones))
+                out = functional_call(module, cast, args)
             else:
-                out = own_forward(rows, index, ones)
+                out = own_forward(*args)
         finally:
             state["local"] = False
         # Every local expert joins the graph (a rank may receive no rows for one): its gradient is then a tensor on
@@ -91,4 +101,30 @@ def shard_stacked_experts(experts: nn.Module, dispatch: ExpertDispatch, n_expert
         weighted = out * top_k_weights.reshape(-1)[order].unsqueeze(1).to(out.dtype)
         return torch.zeros_like(hidden).index_add_(0, token, weighted.to(hidden.dtype))
 
-    experts.forward = types.MethodType(forward, experts)
+    def dense_forward(self: nn.Module, hidden: Tensor) -> Any:
+        if state["local"]:
+            return own_forward(hidden)
+        if not isinstance(hidden, Tensor) or hidden.dim() != 2 or hidden.shape[0] % n_experts:
+            got = tuple(hidden.shape) if isinstance(hidden, Tensor) else type(hidden).__name__
+            raise TypeError(
+                f"{name}: experts called with one input are expected to take the dense routed layout, x [E*T, d] "
+                f"with E={n_experts}; got {got}. Train this model with a data-parallel strategy (e.g. 'zero3')"
+            )
+        counts = torch.full((n_experts,), hidden.shape[0] // n_experts, dtype=torch.int64, device=hidden.device)
+        rows, local_counts = dispatch.dispatch(self, (hidden, counts))
+        return dispatch.combine(self, None, run_local(self, rows, local_counts, dense=True))
+
+    experts.forward = types.MethodType(dense_forward if _dense(own_forward) else forward, experts)
+
+
+def _dense(forward: Callable[..., Tensor]) -> bool:
+    """Whether an experts forward takes the dense routed input alone: one positional parameter, none optional (GPT-OSS
+    declares its routing arguments with defaults) and no ``*args``."""
+    try:
+        params = list(inspect.signature(forward).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if any(p.kind == inspect.Parameter.VAR_POSITIONAL for p in params):
+        return False
+    return sum(1 for p in params if p.kind in positional) == 1
