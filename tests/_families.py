@@ -241,6 +241,40 @@ class HFT5(_CausalLM):
         return self.model(input_ids=idx, decoder_input_ids=idx).logits
 
 
+class HFFalconMQA(_CausalLM):
+    """Hugging Face ``FalconForCausalLM``, multi-query: one fused ``query_key_value`` of 4 query heads then one key and
+    one value head, viewed as ``(B, T, n_heads + 2, head_dim)``; parallel attention and MLP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import FalconConfig, FalconForCausalLM
+
+        config = FalconConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                              multi_query=True, new_decoder_architecture=False, parallel_attn=True, bias=False,
+                              attn_implementation="eager", hidden_dropout=0.0, attention_dropout=0.0)  # fmt: skip
+        self.model = FalconForCausalLM(config)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        return self.model(input_ids=idx).logits
+
+
+class HFLlamaMQA(_CausalLM):
+    """Hugging Face ``LlamaForCausalLM`` with one key/value head for its 4 query heads (``num_key_value_groups``
+    4: each rank's query heads read the one head, repeated)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=64,
+                             attn_implementation="eager")  # fmt: skip
+        self.model = LlamaForCausalLM(config)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        return self.model(input_ids=idx).logits
+
+
 class NanoAttn(nn.Module):
     """nanoGPT's attention, sizing its split and view from the input width C = x.size(-1)."""
 
@@ -311,6 +345,30 @@ class GroupedAttn(nn.Module):
                 .transpose(1, 2) for t in (k, v))  # fmt: skip
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MQAAttn(nn.Module):
+    """Multi-query attention as users write it: 4 query heads, one key/value head in its own projections."""
+
+    def __init__(self, e: int = 32, n_head: int = 4) -> None:
+        super().__init__()
+        self.n_head, self.head_dim = n_head, e // n_head
+        self.q, self.k, self.v = nn.Linear(e, e), nn.Linear(e, self.head_dim), nn.Linear(e, self.head_dim)
+        self.proj = nn.Linear(e, e)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, _ = x.size()
+        q = self.q(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        k, v = (p(x).view(B, T, 1, self.head_dim).transpose(1, 2) for p in (self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k.expand_as(q), v.expand_as(q), is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
+
+
+class MQALM(_BlocksLM):
+    """A user LM with multi-query attention (`MQAAttn`): fewer key/value heads than tp ranks."""
+
+    def __init__(self) -> None:
+        super().__init__(MQAAttn)
 
 
 class GroupedLM(_BlocksLM):

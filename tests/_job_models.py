@@ -416,6 +416,9 @@ MODELS = {
     "hf_bert": lambda: _families().HFBert(),
     "grouped_lm": lambda: _families().GroupedLM(),  # fused qkv interleaved per k/v group
     "hf_phi3": lambda: _families().HFPhi3(),  # fused qkv_proj and gate_up_proj
+    "hf_falcon_mqa": lambda: _families().HFFalconMQA(),  # one k/v head in a fused qkv: replicated under tp
+    "hf_llama_mqa": lambda: _families().HFLlamaMQA(),  # one k/v head in separate projections
+    "mqa_lm": lambda: _families().MQALM(),  # a user's multi-query attention
     "glu_lm": lambda: _families().GluLM(),  # a user's fused [gate | up] MLP
     "hf_swin": lambda: _families().HFSwin(),  # hierarchical: length and width change between stages
     "pyramid_lm": lambda: _families().PyramidLM(),  # a user's hierarchical model: blocks return (hidden, length)

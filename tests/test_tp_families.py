@@ -5,7 +5,8 @@ under their original names and shapes. Hugging Face GPT-2 (Conv1D projections, w
 ``c_attn``), litgpt's Llama (one fused grouped-query ``qkv`` of unequal parts, head counts on a shared config),
 Hugging Face ViT (17 tokens: sequence parallelism pads the stream), BERT (q/k/v and the output projection in sibling
 modules, post-norm), our GPT on a 17-token sequence, a fused qkv laid out per k/v group, and fused ``[gate | up]`` MLPs
-(Hugging Face Phi-3, a user's GLU block). Checkpoints written
+(Hugging Face Phi-3, a user's GLU block), and one key/value head for 4 query heads, replicated over the tp ranks
+(Hugging Face Llama and Falcon, a user's multi-query attention). Checkpoints written
 under tp resume under zero2; a nanoGPT-style attention sizing its split by the input width is refused at setup.
 """
 
@@ -30,6 +31,10 @@ FAMILIES = {
     "grouped_lm": {"model": "grouped_lm"},  # fused qkv interleaved per k/v group: a plain column split
     "hf_phi3": {"model": "hf_phi3"},  # fused [gate | up]: each rank its slice of both halves
     "glu_lm": {"model": "glu_lm"},
+    # One key/value head for 4 query heads: replicated on both ranks (tp=4 with 2 of them: tests/test_tp_heads.py).
+    "hf_llama_mqa": {"model": "hf_llama_mqa"},
+    "hf_falcon_mqa": {"model": "hf_falcon_mqa"},  # fused [q | k | v], viewed as (B, T, n_heads + 2, head_dim)
+    "mqa_lm": {"model": "mqa_lm"},
 }
 # Parameters tp=2 splits (the rest, row-split biases included, stay whole on every rank).
 SPLIT = {
@@ -40,6 +45,9 @@ SPLIT = {
     "grouped_lm": r"^h\.\d+\.(attn\.(attn|proj)|fc|proj)\.weight$|^h\.\d+\.(attn\.attn|fc)\.bias$",
     "hf_phi3": r"\.layers\.\d+\.(self_attn\.(qkv_proj|o_proj)|mlp\.(gate_up_proj|down_proj))\.weight$",
     "glu_lm": r"^h\.\d+\.(attn\.(attn|proj)|gate_up|down)\.weight$|^h\.\d+\.(attn\.attn|gate_up)\.bias$",
+    "hf_llama_mqa": r"\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$",
+    "hf_falcon_mqa": r"\.h\.\d+\.(self_attention\.(query_key_value|dense)|mlp\.dense_(h_to_4h|4h_to_h))\.weight$",
+    "mqa_lm": r"^h\.\d+\.(attn\.[qkv]|attn\.proj|fc|proj)\.weight$|^h\.\d+\.(attn\.[qkv]|fc)\.bias$",
     "hf_bert": r"\.layer\.\d+\.(attention\.self\.(query|key|value)|attention\.output\.dense|intermediate\.dense|"
     r"output\.dense)\.weight$|\.layer\.\d+\.(attention\.self\.(query|key|value)|intermediate\.dense)\.bias$",
 }

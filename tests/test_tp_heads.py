@@ -1,14 +1,14 @@
 """Tensor parallelism of what an attention holds per head besides its projections, against one process.
 
-Three things the column split of q/k/v leaves to do (lightning_par/parallel/tensor/heads.py): Qwen3's per-head q/k
-norms (``head_norm``: the weight's gradient summed over tp), GPT-OSS's per-head ``sinks`` (split with the heads)
-and OLMoE's q/k norms over the whole width (``colwise_norm``: weight split, mean of squares over tp). First the
-gradients themselves after one backward on 2 ranks (`tests/_tp_heads_worker.py`), then training: the families
-under ``tp`` (2 ranks; the MoE layers kept whole), dense Qwen3 with accumulation and clipping, GPT-OSS with
-activation checkpointing, a GPT-OSS
-checkpoint written under ``tp`` resumed under ``zero2``, and on 4 ranks ``pipe_tp`` (pp 2 x tp 2) and
-``tp_zero3`` (tp 2 x dp 2, FSDP2 sharding the tp-local tensors over dp). Tolerances as everywhere: fp32 losses and
-gradient norms 1e-5 relative, SGD + momentum parameters 1e-5 relative / 1e-7 absolute.
+Three things the column split of q/k/v leaves to do (lightning_par/parallel/tensor/heads.py): Qwen3's per-head q/k norms
+(``head_norm``: the weight's gradient summed over tp), GPT-OSS's per-head ``sinks`` (split with the heads) and OLMoE's
+q/k norms over the whole width (``colwise_norm``: weight split, mean of squares over tp). First the gradients themselves
+after one backward on 2 ranks (`tests/_tp_heads_worker.py`), then training: the families under ``tp`` (2 ranks; the MoE
+layers kept whole), dense Qwen3 with accumulation and clipping, GPT-OSS with activation checkpointing, a GPT-OSS
+checkpoint written under ``tp`` resumed under ``zero2``, and on 4 ranks ``pipe_tp`` (pp 2 x tp 2) and ``tp_zero3`` (tp 2
+x dp 2, FSDP2 sharding the tp-local tensors over dp), and tp 4 with fewer key/value heads than ranks (Hugging Face
+Llama's 2, Falcon's multi-query 1: each replicated over the ranks that read it). Tolerances as everywhere: fp32 losses
+and gradient norms 1e-5 relative, SGD + momentum parameters 1e-5 relative / 1e-7 absolute.
 """
 
 from __future__ import annotations
@@ -46,6 +46,9 @@ JOBS_4: dict[str, dict[str, Any]] = {
     "hf_qwen3_tp_zero3": {"model": "hf_qwen3", **TP_ZERO3},
     "hf_gpt_oss_tp_zero3": {"model": "hf_gpt_oss", **TP_ZERO3},  # the sinks' swap under FSDP2's unsharded params
     "hf_olmoe_tp_zero3": {"model": "hf_olmoe", **TP_ZERO3},
+    # Fewer key/value heads than tp ranks: each replicated over the ranks whose query heads read it (kv_heads.py).
+    "hf_llama_gqa_tp4": {"model": "hf_llama", "strategy": {"tp": 4}, "dp": 1},  # 2 k/v heads: ranks 0-1, 2-3
+    "hf_falcon_mqa_tp4": {"model": "hf_falcon_mqa", "strategy": {"tp": 4}, "dp": 1},  # 1 k/v head in a fused qkv
 }
 ALL = {**JOBS_2, **JOBS_4}
 

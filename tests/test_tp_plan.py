@@ -286,7 +286,8 @@ def test_hf_llama_lookalike_records_count_attributes() -> None:
     head = plan.heads["model.layers.*.self_attn"]
     assert (head.n_heads, head.n_kv_heads, head.head_dim) == (4, 2, 16)
     # These attributes feed view()/reshape() in forward, so tp must rewrite them to per-rank counts.
-    assert head.local_attrs == {"num_heads": "n_heads", "num_key_value_heads": "n_kv_heads", "hidden_size": "q_width"}
+    assert head.local_attrs == {"num_heads": "n_heads", "num_key_value_heads": "n_kv_heads", "hidden_size": "q_width",
+                                "num_key_value_groups": "kv_groups"}  # fmt: skip
     assert plan.mlp_hidden == {"model.layers.*.mlp": 96}
     assert (plan.embedding, plan.final_norm, plan.output, plan.vocab_size) == (
         "model.embed_tokens",
@@ -645,10 +646,14 @@ def test_validate_tp_lists_the_valid_degrees() -> None:
 def test_validate_tp_kv_heads_and_mlp_hidden() -> None:
     llama = infer_tp_plan(Llama(dim=64, n_heads=4, n_kv_heads=2, ffn_hidden=172))
     validate_tp(llama, 2)
-    with pytest.raises(
-        TPPlanError, match=re.escape("tp=4 does not divide n_kv_heads=2 in layers.0.attention; choose tp in {1, 2}")
-    ):
-        validate_tp(llama, 4)
+    validate_tp(llama, 4)  # fewer k/v heads than ranks: each replicated over the 2 ranks that read it
+    with pytest.raises(TPPlanError, match=re.escape("tp=8 does not divide n_heads=4 in layers.0.attention")):
+        validate_tp(llama, 8)
+    # 12 query heads over 4 ranks, 3 query heads each, but 3 k/v heads: no rank's heads all read one of them.
+    odd = infer_tp_plan(Llama(dim=96, n_heads=12, n_kv_heads=3, ffn_hidden=172))
+    with pytest.raises(TPPlanError, match=r"layers\.0\.attention: tp=4 with n_heads=12, n_kv_heads=3: .*choose tp "
+                       r"in \{1, 3, 6, 12\}"):  # fmt: skip
+        validate_tp(odd, 4)
     plan = infer_tp_plan(six_heads(mlp_hidden=100))
     msg = "tp=6 does not divide the MLP hidden size 100 in blocks.0.mlp; choose tp in {1, 2}"
     with pytest.raises(TPPlanError, match=re.escape(msg)):

@@ -13,9 +13,9 @@ from torch import Tensor, nn
 
 from lightning_par.models.gpt import GPT
 from lightning_par.parallel.tensor import TPPlanError, infer_tp_plan
-from lightning_par.parallel.tensor.affine import _part_rows
 from lightning_par.parallel.tensor.apply import _set_local_head_counts, sequence_parallel_blocker
 from lightning_par.parallel.tensor.check import check_local_shapes
+from lightning_par.parallel.tensor.kv_heads import part_rows
 from lightning_par.parallel.tensor.plan_affine import Affine, affine
 
 transformers = pytest.importorskip("transformers")
@@ -129,8 +129,15 @@ def test_replicated_attention_turns_sequence_parallelism_off() -> None:
 
 def test_part_rows_give_each_rank_its_slice_of_every_part() -> None:
     # q of 4 heads, k and v of 2 (head size 1): rank 0 gets q heads 0-1, k head 0, v head 0.
-    assert _part_rows((4, 2, 2), 2, 0).tolist() == [0, 1, 4, 6]
-    assert _part_rows((4, 2, 2), 2, 1).tolist() == [2, 3, 5, 7]
+    qkv = (False, True, True)
+    assert part_rows((4, 2, 2), qkv, 2, 1, 0).tolist() == [0, 1, 4, 6]
+    assert part_rows((4, 2, 2), qkv, 2, 1, 1).tolist() == [2, 3, 5, 7]
+    # tp 4 over 2 k/v heads: ranks 0-1 read k/v head 0, ranks 2-3 head 1 (each k/v head on 2 ranks).
+    assert [part_rows((4, 2, 2), qkv, 4, 2, r).tolist() for r in range(4)] == [
+        [0, 4, 6], [1, 4, 6], [2, 5, 7], [3, 5, 7]
+    ]  # fmt: skip
+    # A separate k projection of one head (multi-query), tp 2: both ranks compute all of it.
+    assert part_rows((8,), (True,), 2, 2, 1).tolist() == list(range(8))
 
 
 def test_full_width_split_is_refused_before_training_with_the_override() -> None:

@@ -29,9 +29,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 
 from lightning_par import _compat
+from lightning_par.parallel.tensor.kv_heads import part_rows
 
 _SEQ = 1
 
@@ -57,12 +58,6 @@ class _GatherParts(torch.autograd.Function):
         return out, None, None
 
 
-def _part_rows(parts: tuple[int, ...], tp: int, rank: int) -> torch.Tensor:
-    """Indices, in the full output dim, of this rank's slice of each part."""
-    offsets = [sum(parts[:i]) for i in range(len(parts))]
-    return torch.cat([torch.arange(o + rank * (w // tp), o + (rank + 1) * (w // tp)) for o, w in zip(offsets, parts)])
-
-
 def _distribute(module: nn.Module, name: str, mesh: DeviceMesh, placement: Placement) -> None:
     p = getattr(module, name)
     module.register_parameter(name, nn.Parameter(distribute_tensor(p, mesh, [placement]), p.requires_grad))
@@ -75,6 +70,7 @@ def apply_affine(
     *,
     transposed: bool,
     parts: tuple[int, ...] | None = None,
+    rows: torch.Tensor | None = None,
     sequence_parallel: bool = False,
 ) -> None:
     """Split one projection over the 1-D tp ``mesh`` in place: its parameters become DTensors, its forward the
@@ -85,6 +81,8 @@ def apply_affine(
             or ``F.linear(x, W, b)``.
         style: ``"colwise"``, ``"colwise_fused"`` (with ``parts``) or ``"rowwise"``.
         parts: widths of the fused output's parts, in order (each divisible by tp).
+        rows: the rows of the full output this rank computes, when they are not its slice of each part (key/value
+            heads replicated over ranks: `kv_heads.part_rows`); the weight is then gathered for them.
         sequence_parallel: the row split's output is reduce-scattered along the sequence instead of all-reduced.
     """
     out_dim, in_dim = (1, 0) if transposed else (0, 1)
@@ -96,14 +94,14 @@ def apply_affine(
         if has_bias:
             _distribute(module, "bias", mesh, Replicate())
     else:
-        equal = parts is None or len(set(parts)) == 1
+        equal = rows is None and (parts is None or len(set(parts)) == 1)
         sf = len(parts) if parts is not None and len(parts) > 1 and equal else 1
         for name, dim in (("weight", out_dim), ("bias", 0)):
             if name == "weight" or has_bias:
                 _distribute(module, name, mesh, _compat.StridedShard(dim, split_factor=sf) if sf > 1 else Shard(dim))
         if not equal:
-            assert parts is not None
-            gather = _part_rows(parts, tp, rank)
+            assert parts is not None or rows is not None
+            gather = rows if rows is not None else part_rows(parts or (), (False,) * len(parts or ()), tp, 1, rank)
     group = mesh.get_group()
 
     def local(t: Any, dim: int) -> torch.Tensor:
@@ -118,6 +116,12 @@ def apply_affine(
         # This rank's columns as a Shard of the output dim: what it holds (strided or gathered) is this rank's
         # slice of each part, laid out as the local forward expects it.
         p: Any = self  # weight and bias are DTensors now
+        if rows is not None:
+            # Replicated k/v heads: the rows are no Shard of anything, so the product is local; the ranks sharing a
+            # head each send back a share of the input's gradient (Partial), summed once at the region's input.
+            w_local, b_local = local(p.weight, out_dim), local(p.bias, 0) if has_bias else None
+            x_local = x.to_local(grad_placements=[Partial()])
+            return F.linear(x_local, w_local.t() if transposed else w_local, b_local)
         w = DTensor.from_local(local(p.weight, out_dim), mesh, [Shard(out_dim)], run_check=False)
         b = DTensor.from_local(local(p.bias, 0), mesh, [Shard(0)], run_check=False) if has_bias else None
         y: Any = F.linear(x, w.t() if transposed else w, b)

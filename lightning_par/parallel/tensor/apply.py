@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
@@ -41,6 +41,7 @@ from lightning_par import _compat
 from lightning_par.blocks.trunk import find_trunk
 from lightning_par.parallel.tensor.affine import apply_affine
 from lightning_par.parallel.tensor.heads import apply_colwise_norm, apply_head_norm, apply_head_params, local_output
+from lightning_par.parallel.tensor.kv_heads import kv_parts, kv_replicas, local_count, part_rows
 from lightning_par.parallel.tensor.latent import apply_latents
 from lightning_par.parallel.tensor.plan_affine import affine
 from lightning_par.parallel.tensor.plan_types import HeadInfo, MLPInfo, TPPlan, TPPlanError
@@ -214,16 +215,18 @@ def _apply_blocks(
     }
     split = {k for k, projs in projections.items() if any(plan.styles.get(p) in _SPLIT for p in projs)}
     regions = sorted(k[len(prefix) + 1 :] for k in split if k != prefix)
+    kv = _replicated_kv(plan, prefix, tp, mesh.get_local_rank())
     for name, block in blocks:
         styles: dict[str, Any] = {}
         for rel, style in rel_styles.items():
-            if style in _SPLIT and _own_style(block.get_submodule(rel), fused.get(rel) if style != "rowwise" else None):
-                # Not an nn.Linear (Conv1D), or fused parts of unequal widths: our own split
-                # (parallel/tensor/affine.py).
+            own = _own_style(block.get_submodule(rel), fused.get(rel) if style != "rowwise" else None)
+            if style in _SPLIT and (own or (rel in kv and style != "rowwise")):
+                # Not an nn.Linear (Conv1D), fused parts of unequal widths, or key/value heads replicated over
+                # ranks (parallel/tensor/kv_heads.py): our own split (parallel/tensor/affine.py).
                 mod = block.get_submodule(rel)
                 layout = affine(mod)
                 assert layout is not None  # the plan styled it as a projection
-                apply_affine(mod, mesh, style, transposed=layout.transposed, parts=fused.get(rel),
+                apply_affine(mod, mesh, style, transposed=layout.transposed, parts=fused.get(rel), rows=kv.get(rel),
                              sequence_parallel=sequence_parallel)  # fmt: skip
                 changed[f"{name}.{rel}"] = style
             elif style == "colwise":
@@ -245,6 +248,10 @@ def _apply_blocks(
         if sequence_parallel:
             styles.update(_stream_modules(block, rel_styles, regions))
         parallelize_module(block, mesh, styles)  # type: ignore[arg-type]
+        for rel in (k[len(prefix) + 1 :] for k in plan.inplace if rel_styles.get(k[len(prefix) + 1 :]) in _SPLIT):
+            # The code changes this output in place (Falcon's mlp_output += attention_output), which autograd forbids
+            # on the view a DTensor style hands out: a copy of its own, for these projections only.
+            block.get_submodule(rel).register_forward_hook(lambda _m, _a, out: out.clone())
         changed.update({f"{name}.{rel}": _style_name(s) for rel, s in styles.items()})
         for rel in regions:
             block.get_submodule(rel).register_forward_pre_hook(
@@ -267,6 +274,21 @@ def _head_params(plan: TPPlan, prefix: str) -> dict[str, tuple[str, ...]]:
                 rel, _, leaf = pattern[len(prefix) + 1 :].rpartition(".")
                 got[rel] = (*got.get(rel, ()), leaf)
     return got
+
+
+def _replicated_kv(plan: TPPlan, prefix: str, tp: int, rank: int) -> dict[str, Tensor]:
+    """Block-relative projection -> the output rows this rank computes, for the projections holding key/value heads
+    of attentions with fewer of them than tp ranks (`kv_heads`)."""
+    rows: dict[str, Tensor] = {}
+    for head in plan.heads.values():
+        replicas = kv_replicas(head, tp)
+        if replicas == 1 or not any(plan.styles.get(p) in ("colwise", "colwise_fused") for p in head.projections):
+            continue
+        for key in head.projections[:-1]:
+            if (parts := kv_parts(head, key)) is not None:
+                widths = head.fused_split.get(key) or (plan.shapes[key].out_dim,)
+                rows[key[len(prefix) + 1 :]] = part_rows(widths, parts, tp, replicas, rank)
+    return rows
 
 
 def _own_style(mod: nn.Module, parts: tuple[int, ...] | None) -> bool:
@@ -310,7 +332,7 @@ def _set_local_head_counts(blocks: Sequence[nn.Module], plan: TPPlan, prefix: st
         for block in blocks:
             owner = block.get_submodule(rel) if rel else block
             copied: set[str] = set()
-            for attr in head.local_attrs:
+            for attr, kind in head.local_attrs.items():
                 obj, _, leaf = attr.rpartition(".")
                 target = owner
                 if obj:
@@ -320,4 +342,4 @@ def _set_local_head_counts(blocks: Sequence[nn.Module], plan: TPPlan, prefix: st
                         setattr(owner, obj, copy.copy(getattr(owner, obj)))
                         copied.add(obj)
                     target = getattr(owner, obj)
-                setattr(target, leaf, getattr(target, leaf) // tp)
+                setattr(target, leaf, local_count(kind, getattr(target, leaf), head, tp))

@@ -24,6 +24,7 @@ from torch import nn
 from lightning_par.blocks._probe import probe_call
 from lightning_par.blocks.trunk import find_trunk
 from lightning_par.parallel.tensor.apply import _head_params, _set_local_head_counts
+from lightning_par.parallel.tensor.kv_heads import kv_parts, kv_replicas, local_width
 from lightning_par.parallel.tensor.plan_affine import affine
 from lightning_par.parallel.tensor.plan_types import _SHARDED, TPPlan, TPPlanError
 
@@ -56,17 +57,19 @@ def _block_input(model: nn.Module, block: nn.Module) -> tuple[tuple[Any, ...], d
     return got[0] if got else None
 
 
-def _shrink(mod: nn.Module, style: str, tp: int) -> None:
-    """Rank 0's shapes: a column split keeps out/tp outputs, a row split in/tp inputs; forward = the affine map."""
+def _shrink(mod: nn.Module, style: str, tp: int, width: int | None = None) -> None:
+    """Rank 0's shapes: a column split keeps out/tp outputs (``width`` where key/value heads are replicated), a row
+    split in/tp inputs; forward = the affine map."""
     layout = affine(mod)
     assert layout is not None
     out_dim, in_dim = (1, 0) if layout.transposed else (0, 1)
     w: Any = mod.weight
     b: Any = getattr(mod, "bias", None)
     dim = in_dim if style == "rowwise" else out_dim
-    mod.weight = nn.Parameter(w.detach().narrow(dim, 0, w.shape[dim] // tp), requires_grad=False)
+    keep = width if width is not None else w.shape[dim] // tp
+    mod.weight = nn.Parameter(w.detach().narrow(dim, 0, keep), requires_grad=False)
     if b is not None and style != "rowwise":
-        mod.bias = nn.Parameter(b.detach().narrow(0, 0, b.shape[0] // tp), requires_grad=False)
+        mod.bias = nn.Parameter(b.detach().narrow(0, 0, keep), requires_grad=False)
     transposed = layout.transposed
 
     def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -107,8 +110,9 @@ def _check_block(model: nn.Module, plan: TPPlan, block: nn.Module, block_name: s
         return
     prefix = f"{plan.trunk}.*" if plan.trunk else "*"
     split = {k: s for k, s in plan.styles.items() if s in _SHARDED and k.startswith(prefix + ".")}
+    widths = _kv_widths(plan, tp)
     for key, style in split.items():
-        _shrink(local.get_submodule(key[len(prefix) + 1 :]), style, tp)
+        _shrink(local.get_submodule(key[len(prefix) + 1 :]), style, tp, widths.get(key) if style != "rowwise" else None)
     # A norm split like its projection's output and the per-head parameters hold this rank's rows only.
     narrow = [f"{k}.weight" for k, s in plan.styles.items() if s == "colwise_norm" and k.startswith(prefix + ".")]
     narrow += [p for rel, names in _head_params(plan, prefix).items() for p in _names(prefix, rel, names)]
@@ -150,6 +154,18 @@ def _check_block(model: nn.Module, plan: TPPlan, block: nn.Module, block_name: s
     finally:
         for h in handles:
             h.remove()
+
+
+def _kv_widths(plan: TPPlan, tp: int) -> dict[str, int]:
+    """Output width on one rank of each projection holding key/value heads replicated over ranks (`kv_heads`)."""
+    got = {}
+    for head in plan.heads.values():
+        replicas = kv_replicas(head, tp)
+        for key in head.projections[:-1] if replicas > 1 else ():
+            if (parts := kv_parts(head, key)) is not None:
+                widths = head.fused_split.get(key) or (plan.shapes[key].out_dim,)
+                got[key] = local_width(plan.shapes[key].out_dim, parts, widths, tp, replicas)
+    return got
 
 
 def _names(prefix: str, rel: str, names: tuple[str, ...]) -> list[str]:

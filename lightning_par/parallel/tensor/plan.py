@@ -109,6 +109,7 @@ def infer_tp_plan(model: nn.Module, *, overrides: dict[str, str] | None = None) 
     notes: list[str] = []
     fused: set[str] = set()
     chunked: dict[str, tuple[int, ...]] = {}
+    inplace: tuple[str, ...] = ()
     whole: dict[str, None] = {}
     for g in found:
         styles.update(g.styles)
@@ -121,6 +122,7 @@ def infer_tp_plan(model: nn.Module, *, overrides: dict[str, str] | None = None) 
         fused |= {k for h in g.heads.values() for k in h.fused_split}
         fused |= {k for m in g.mlps.values() for k in m.fused_split}
         chunked.update(g.chunked)
+        inplace += g.inplace
         whole.update(dict.fromkeys(g.whole))
     shapes.update({n: s for n, m in outer.items() if (s := _shape(m)) is not None})
     inferred = dict(styles)
@@ -162,6 +164,7 @@ def infer_tp_plan(model: nn.Module, *, overrides: dict[str, str] | None = None) 
         notes=tuple(notes),
         whole=tuple(whole),
         groups={p: tuple(trunk.names[i] for i in idx) for p, idx in groups.items()} if len(groups) > 1 else {},
+        inplace=inplace,
     )
 
 
@@ -200,6 +203,7 @@ class _Group:
     notes: list[str]
     whole: tuple[str, ...]
     chunked: dict[str, tuple[int, ...]]  # projections whose output the probe saw split into parts -> their widths
+    inplace: tuple[str, ...]  # projections whose output the code changes in place
 
 
 def _moe_layers(model: nn.Module, block_name: str) -> tuple[str, ...]:
@@ -253,8 +257,7 @@ def _infer_group(
     shapes = {inf.pat(n): s for n, m in kept.items() if (s := _shape(m)) is not None}
     _head_params(inf, regions, heads)
     notes += [f"kept whole (mixture of experts): {inf.pat(w)}" for w in whole]
-    chunked = {inf.pat(n): w for n, a in inf.lin.items() if (w := inf.parts(n, a.out_features))}
-    return _Group(got, traced, styles, heads, mlps, shapes, split_norms, inf.problems, notes, whole, chunked)
+    return _Group(got, traced, styles, heads, mlps, shapes, split_norms, inf.problems, notes, whole, *inf.output_uses())
 
 
 def _split_norm(

@@ -26,6 +26,10 @@ _N_HEADS = ("n_heads", "n_head", "num_heads", "num_attention_heads")
 _N_KV = ("n_kv_heads", "num_key_value_heads", "n_kv_head", "num_kv_heads", "n_head_kv", "n_query_groups")
 _SPLITS = ("split", "split_with_sizes", "chunk", "tensor_split", "unsafe_split")
 _WIDTH = ("n_embd", "hidden_size", "embed_dim", "all_head_size")
+_INPLACE = frozenset(f"__i{op}__" for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul",
+                                              "and", "or", "xor", "lshift", "rshift")) | {"__setitem__"}  # fmt: skip
+# Query heads per key/value head (Hugging Face's num_key_value_groups): changes only when k/v heads are replicated.
+_GROUPS = ("num_key_value_groups", "n_rep", "num_queries_per_kv", "q_per_kv")
 _QKV_HINTS = (("q", "wq", "q_proj", "query"), ("k", "wk", "k_proj", "key"), ("v", "wv", "v_proj", "value"))
 
 
@@ -184,7 +188,9 @@ class _Inference:
         if groups and not parts:
             if groups == n_kv:  # whole k/v groups, each with its q heads: a plain column split gives each rank some
                 del fused[self.pat(qkv[0])]
-            elif not (groups == 3 and q == kw):  # view(B, T, 3, n_heads, head_dim) is [q | k | v] again
+            elif not (groups == 3 and q == kw) and not (n_kv < n_heads and groups == n_heads + 2 * n_kv):
+                # view(B, T, 3, n_heads, head_dim) is [q | k | v] again, and so is a view into its heads (Falcon's
+                # multi-query view(B, T, n_heads + 2, head_dim): n_heads query heads, then the k and the v head)
                 self.problem(
                     f"{where}: its output is viewed as {groups} groups, neither its {n_kv} k/v heads nor [q | k | v]",
                     dict.fromkeys(pair, "replicate"),
@@ -199,10 +205,12 @@ class _Inference:
                 return None
         local = {}
         cfg = getattr(pmod, "config", None)
-        for names, kind, value in ((_N_HEADS, "n_heads", n_heads), (_N_KV, "n_kv_heads", n_kv), (_WIDTH, "q_width", q)):
+        counts = ((_N_HEADS, "n_heads", n_heads), (_N_KV, "n_kv_heads", n_kv), (_WIDTH, "q_width", q),
+                  (_GROUPS, "kv_groups", n_heads // n_kv))  # fmt: skip
+        for names, kind, value in counts:
             mine = {a_: kind for a_ in names if vars(pmod).get(a_) == value}
             local.update(mine)
-            if kind != "q_width" and not mine and hasattr(cfg, "__dict__"):
+            if kind in ("n_heads", "n_kv_heads") and not mine and hasattr(cfg, "__dict__"):
                 # No count of this kind of its own: it may read it from the config it keeps (litgpt's
                 # self.config.n_head, Phi-3's self.config.num_attention_heads). tp gives the module its own copy with
                 # per-rank counts (the shared original stays global for other readers).
@@ -210,7 +218,7 @@ class _Inference:
         for w in {w for p in qkv if (ws := fused.get(self.pat(p))) and p not in self.guessed for w in ws}:
             # The width a fused output is split by (GPT-2's split_size): rewritten like a head count.
             for a_, v in vars(pmod).items():
-                if type(v) is int and v == w and v > 1:
+                if type(v) is int and v == w and v > 1 and a_ not in _HEAD_DIM:  # a head's width stays
                     local.setdefault(a_, "split_width")
         projs = tuple(self.pat(n) for n in (*qkv, o))
         head = HeadInfo(n_heads, n_kv, hd, src, local, fused, projs, self.pat(_common_parent(list(ins))))
@@ -261,6 +269,16 @@ class _Inference:
             return None
         widths = tuple(s[-1] for s in shapes)
         return widths if sum(widths) == width else None
+
+    def output_uses(self) -> tuple[dict[str, tuple[int, ...]], tuple[str, ...]]:
+        """Projections whose output the probe saw split into parts (-> their widths), and those whose output the
+        code then changes in place (Falcon's ``mlp_output += attention_output``): a split projection's local output
+        is a view autograd forbids changing in place, so those get a copy of their own (`apply`)."""
+        chunked = {self.pat(n): w for n, a in self.lin.items() if (w := self.parts(n, a.out_features))}
+        first = {n: self.tr.consumers.get(n, ("", []))[0] for n in self.lin}
+        inplace = tuple(self.pat(n) for n, op in first.items() if op in _INPLACE or (op.endswith("_") and
+                        not op.endswith("__")))  # fmt: skip
+        return chunked, inplace
 
     def groups(self, name: str, width: int) -> int | None:
         """The leading group count of a (B, T, groups, ...) view that first reads a fused output, if any."""

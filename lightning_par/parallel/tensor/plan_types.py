@@ -96,6 +96,7 @@ class TPPlan:
         groups: for a trunk whose blocks differ (DeepSeek-V3's dense first block), each structure's pattern prefix
             (``model.layers.0``, ``model.layers.{1,2,3}``: the block index explicit where ``*`` would be wrong) ->
             the names of the blocks it covers; empty when all blocks share one structure (patterns use ``*``).
+        inplace: projections whose output the model changes in place (``+=``): split, they hand on a copy.
     """
 
     trunk: str
@@ -114,6 +115,7 @@ class TPPlan:
     notes: tuple[str, ...]
     whole: tuple[str, ...] = ()
     groups: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    inplace: tuple[str, ...] = ()
 
     @property
     def fused_split(self) -> dict[str, tuple[int, ...]]:
@@ -172,6 +174,7 @@ def _regroup(plan: TPPlan, prefix: str, names: tuple[str, ...]) -> TPPlan:
     return dataclasses.replace(
         plan, first_block=names[0], n_blocks=len(names), styles={key(k): s for k, s in plan.styles.items() if mine(k)},
         heads=heads, mlps=mlps, shapes={key(k): s for k, s in plan.shapes.items() if mine(k)}, groups={},
+        inplace=tuple(key(k) for k in plan.inplace if mine(k)),
     )  # fmt: skip
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from lightning_par.parallel.tensor.kv_heads import kv_replicas
 from lightning_par.parallel.tensor.plan_types import _SHARDED, TPPlan, TPPlanError
 
 
@@ -33,10 +34,12 @@ def validate_tp(plan: TPPlan, tp: int, *, shard_vocab: bool = False, vocab_size:
     for key, h in plan.heads.items():
         if any(plan.styles.get(p) in _SHARDED for p in h.projections):
             where = _concrete(plan, key)
-            checks += [
-                (h.n_heads, f"n_heads={h.n_heads} in {where}"),
-                (h.n_kv_heads, f"n_kv_heads={h.n_kv_heads} in {where}"),
-            ]
+            checks.append((h.n_heads, f"n_heads={h.n_heads} in {where}"))
+            if h.n_heads % tp == 0:  # fewer k/v heads than ranks: each replicated over the ranks that read it
+                try:
+                    kv_replicas(h, tp)
+                except TPPlanError as err:
+                    raise TPPlanError(f"{where}: {err}") from None
     for key, m in plan.mlps.items():
         if any(plan.styles.get(p) in _SHARDED for p in m.projections):
             checks.append((m.hidden, f"the MLP hidden size {m.hidden} in {_concrete(plan, key)}"))
