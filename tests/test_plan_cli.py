@@ -136,7 +136,7 @@ def test_tp_plan_printing_is_still_reachable(capsys: Any, monkeypatch: Any) -> N
     ("extra", "message"),
     [
         (["--gpu", "Z9000"], "known: A100-SXM4-40GB"),
-        (["--gpu", "H100", "--tp", "3", "--dp", "1"], "pick tp among the divisors of the key/value head count"),
+        (["--gpu", "H100", "--tp", "3", "--dp", "1"], "that divide or are multiples of the key/value head count"),
         (["--gpu", "H100", "--dp", "3"], "multiple of 3"),
         (["--gpu", "H100", "--pp", "16", "--dp", "1"], "lower pp or vpp"),
     ],

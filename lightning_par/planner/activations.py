@@ -140,7 +140,7 @@ def _megatron_block(desc: ModelDesc, d: _Dims, p: bool) -> list[Saved]:
     # Section 4.1 of the paper, term by term; "selective" recomputes the attention core (softmax, its dropout).
     T, Tg, Tt, t = d.T, d.Tg, d.Tt, d.t
     h, f = desc.hidden, desc.ffn / t
-    q, kv, a = desc.heads * desc.head_dim / t, desc.kv_heads * desc.head_dim / t, desc.heads / t
+    q, kv, a = desc.heads * desc.head_dim / t, max(desc.kv_heads / t, 1) * desc.head_dim, desc.heads / t
     core = d.b * a * d.sq * d.sk
     out = [Saved("norm 1 input", 2 * T * h, selective=True, input=True), Saved("qkv input", 2 * Tg * h, selective=True),
            Saved("q", 2 * Tt * q, selective=True), Saved("k", 2 * Tt * kv, selective=True),
@@ -169,7 +169,7 @@ def _torch_block(desc: ModelDesc, layout: Layout, d: _Dims, attention: str, p: b
     ec, es, mixed = _prec(layout, "torch")
     T, Tg, Tt, t = d.T, d.Tg, d.Tt, d.t
     h, f, a = desc.hidden, desc.ffn / t, desc.heads / t
-    q, kv = desc.heads * desc.head_dim / t, desc.kv_heads * desc.head_dim / t
+    q, kv = desc.heads * desc.head_dim / t, max(desc.kv_heads / t, 1) * desc.head_dim
     gpt2 = desc.layernorm
     stat = 2 if layout.precision == "bf16-true" else 4  # norm statistics / normalized values (fp32 unless bf16)
     core = d.b * a * d.sq * d.sk

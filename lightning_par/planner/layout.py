@@ -136,10 +136,12 @@ class Layout:
                 f"tp x pp x cp x dp = {self.tp} x {self.pp} x {self.cp} x {self.dp} = {self.world} ranks, but the "
                 f"world has {world}; change a degree so that the product is {world}"
             )
-        if model.heads % self.tp or model.kv_heads % self.tp:
+        if model.heads % self.tp or (model.kv_heads % self.tp and self.tp % model.kv_heads):
+            # Fewer key/value heads than tp: each replicated over tp / kv_heads ranks (parallel/tensor/kv_heads.py).
             raise LayoutError(
-                f"tp={self.tp} must divide the {model.heads} query heads and the {model.kv_heads} key/value heads; "
-                "pick tp among the divisors of the key/value head count"
+                f"tp={self.tp} must divide the {model.heads} query heads, and divide or be a multiple of the "
+                f"{model.kv_heads} key/value heads; pick tp among the divisors of the query head count that divide "
+                "or are multiples of the key/value head count"
             )
         if model.learned_positions and seq_len > model.learned_positions:
             raise LayoutError(
