@@ -329,7 +329,18 @@ def _weight_sum(module: torch.nn.Module) -> float:
 
 
 _PROBE = {"vocab_size": 258, "block_size": 34, "n_layer": 3, "n_head": 4, "n_embd": 36, "lr": 3e-3}
-MODELS = {
+class _Models(dict):
+    """The registry, and ``zoo:<model_type>``: any causal LM of the installed transformers, shrunk (tests/_zoo.py;
+    ``zoo:<model_type>:sdpa`` with SDPA attention)."""
+
+    def __missing__(self, key: str) -> Any:
+        if not key.startswith("zoo:"):
+            raise KeyError(key)
+        _, model_type, *attn = key.split(":")
+        return lambda: importlib.import_module("_zoo").ZooLM(model_type, *attn)
+
+
+MODELS: dict[str, Any] = _Models({
     # Uneven shards, a tied head: the deferred all-gather (tests/test_zero_prefetch.py).
     "gpt_quiet": lambda: ProbeGPT(**_PROBE, tie_weights=True),
     "gpt_read_early": lambda: ProbeGPT(read_early=True, **_PROBE, tie_weights=True),
@@ -425,7 +436,7 @@ MODELS = {
     "pyramid_unprobed": lambda: _families().PyramidLM(example=False),  # no example_input_array: the probe fails
     "hf_t5": lambda: _families().HFT5(),  # encoder-decoder: the decoder reads the encoder's output
     "nano_lm": lambda: _families().NanoLM(),  # sizes its split by x.size(-1): refused under tp
-}  # fmt: skip
+})  # fmt: skip
 
 
 # Test-only model modules, imported when a job first builds one of their models (_families needs litgpt and

@@ -199,7 +199,10 @@ def run_job(job: Job) -> dict[str, Any]:
                             ckpt_path=resume)  # fmt: skip
         except Exception as err:
             return {"error": f"{type(err).__name__}: {err}", "losses": recorder.losses}
-        return {"error": None, "losses": recorder.losses}
+        params = full_params(model)  # it trained after all: what a parity check needs (tools/zoo.py)
+        gather_experts(trainer, model, params)
+        params, _, tied = _stage_params(trainer, params)
+        return {"error": None, "losses": recorder.losses, "params": params, "tied": tied}
     caught: list[Any] = []
     # record_warnings: what the strategy warned about during fit (tensor-parallel fallbacks).
     scatters: list[int] = []  # count_reduce_scatter: how often FSDP2 reduced gradients during fit, on each rank
@@ -290,20 +293,13 @@ def run_job(job: Job) -> dict[str, Any]:
         )
         result["offload_policies"] = sorted({type(g.offload_policy).__name__ for g in groups if g is not None})
     if getattr(getattr(trainer.strategy, "config", None), "pp", 1) > 1:
-        # Each rank holds its stages' parameters only: merge every rank's (data-parallel replicas agree).
-        every: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(every, result["params"])
-        result["params"] = {k: v for d in every for k, v in d.items()}
-        result["param_counts_all"] = [len(d) for d in every]
+        result["params"], result["param_counts_all"], result["tied"] = _stage_params(trainer, result["params"])
         states: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(states, result["optim_at_start"])
         result["optim_at_start"] = {k: v for d in states for k, v in d.items()}
         local: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(local, recorder.local_losses)
         result["local_losses_all"] = local
-        # Tied weights have a copy on each end stage, each under its rank's name for it (tests/test_pipeline_tied.py).
-        pipeline = trainer.strategy.parallel_run.pipeline
-        result["tied"] = pipeline.model.ownership.tied if pipeline is not None else []
     if job.validate:
         result["val"] = {k: float(v) for k, v in trainer.validate(model, datamodule=data, verbose=False)[0].items()}
     if job.test:
@@ -312,6 +308,19 @@ def run_job(job: Job) -> dict[str, Any]:
         preds = trainer.predict(model, datamodule=data)
         result["predict"] = [p.cpu() for p in preds] if preds is not None else None
     return result
+
+
+def _stage_params(trainer: L.Trainer, params: dict[str, Any]) -> tuple[dict[str, Any], list[int], list[Any]]:
+    """Under a pipeline each rank holds its stages' parameters only: every rank's merged (data-parallel replicas
+    agree), how many each held, and the tied weights, which have a copy on each end stage, each under its rank's
+    name for it (tests/test_pipeline_tied.py). Other layouts: ``params`` as they are."""
+    if getattr(getattr(trainer.strategy, "config", None), "pp", 1) <= 1:
+        return params, [len(params)], []
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, params)
+    pipeline = trainer.strategy.parallel_run.pipeline
+    tied = pipeline.model.ownership.tied if pipeline is not None else []
+    return {k: v for d in every for k, v in d.items()}, [len(d) for d in every], tied
 
 
 def main() -> None:

@@ -216,3 +216,48 @@ def test_vit_is_probed_with_its_example_input_array() -> None:
     assert plan.styles[p + "attention.q_proj"] == "colwise" and plan.styles[p + "mlp.fc2"] == "rowwise"
     assert sequence_parallel_blocker(plan, model.model.vit.layers[0]) is None  # SP on, with 17 tokens padded
     check_local_shapes(model, plan, 2)
+
+
+class _PReLUMLP(nn.Module):
+    """An MLP whose activation learns its slope (``nn.PReLU``): a parameter no tp style covers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.act, self.proj = nn.Linear(32, 64), nn.PReLU(), nn.Linear(64, 32)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.proj(self.act(self.fc(x)))
+
+
+class _PReLUBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.mlp = nn.LayerNorm(32), _PReLUMLP()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.mlp(self.norm(x))
+
+
+class _PReLULM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte, self.head = nn.Embedding(256, 32), nn.Linear(32, 256)
+        self.h = nn.ModuleList(_PReLUBlock() for _ in range(2))
+
+    def forward(self, idx: Tensor) -> Tensor:
+        x = self.wte(idx)
+        for block in self.h:
+            x = block(x)
+        return self.head(x)
+
+
+def test_parameters_no_style_covers_inside_a_split_region_are_refused() -> None:
+    # Each rank would train the PReLU slope on its own half of the hidden units (Apertus's xIELU: the zoo sweep found
+    # its loss drifting from one process under tp): refused before training, with the plan that keeps it exact.
+    model = _PReLULM()
+    plan = infer_tp_plan(model)
+    with pytest.raises(TPPlanError, match=r"h\.0\.mlp\.act \(PReLU\) owns parameters \(weight\) inside a region .*"
+                       r'tp_plan=\{"h\.\*\.mlp\.fc": "replicate", "h\.\*\.mlp\.proj": "replicate"\}'):  # fmt: skip
+        check_local_shapes(model, plan, 2)
+    whole = infer_tp_plan(model, overrides={"h.*.mlp.fc": "replicate", "h.*.mlp.proj": "replicate"})
+    check_local_shapes(model, whole, 2)

@@ -91,7 +91,33 @@ def check_local_shapes(model: nn.Module, plan: TPPlan, tp: int) -> None:
         return
     # Blocks that differ: the first block of each structure, on that structure's plan.
     for sub in plan.group_plans():
-        _check_block(model, sub, trunk.blocks[trunk.names.index(sub.first_block)], sub.first_block, tp)
+        block = trunk.blocks[trunk.names.index(sub.first_block)]
+        _check_region_params(sub, block, sub.first_block)
+        _check_block(model, sub, block, sub.first_block, tp)
+
+
+def _check_region_params(plan: TPPlan, block: nn.Module, block_name: str) -> None:
+    """Refuse a split attention or MLP holding parameters of a module the plan does not style (Apertus's xIELU
+    activation, ``alpha_p`` / ``alpha_n``): each rank would train them on its own shard of the hidden units, so they
+    would drift apart from one process without an error."""
+    prefix = f"{plan.trunk}.*" if plan.trunk else "*"
+    handled = set(plan.shapes) | {p.rpartition(".")[0] for h in plan.heads.values() for p in h.head_params}
+    infos: list[Any] = [*plan.heads.values(), *plan.mlps.values()]
+    for info in infos:
+        if not any(plan.styles.get(p) in _SHARDED for p in info.projections) or info.region == prefix:
+            continue
+        rel = info.region[len(prefix) + 1 :]
+        for name, mod in block.get_submodule(rel).named_modules():
+            own = [n for n, _ in mod.named_parameters(recurse=False)]
+            if own and (f"{info.region}.{name}" if name else info.region) not in handled:
+                keep = ", ".join(f'"{p}": "replicate"' for p in info.projections)
+                where = f"{block_name}.{rel}.{name}" if name else f"{block_name}.{rel}"
+                raise TPPlanError(
+                    f"{where} ({type(mod).__name__}) owns parameters ({', '.join(own)}) inside "
+                    f"a region tensor parallelism splits, but no tp style covers them: each rank would train them on "
+                    f"its own shard only and the model would drift from one process; keep that region whole with "
+                    f"tp_plan={{{keep}}}"
+                )
 
 
 def _check_block(model: nn.Module, plan: TPPlan, block: nn.Module, block_name: str, tp: int) -> None:
