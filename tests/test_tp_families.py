@@ -35,6 +35,9 @@ FAMILIES = {
     "hf_llama_mqa": {"model": "hf_llama_mqa"},
     "hf_falcon_mqa": {"model": "hf_falcon_mqa"},  # fused [q | k | v], viewed as (B, T, n_heads + 2, head_dim)
     "mqa_lm": {"model": "mqa_lm"},
+    # Hugging Face CTRL, shrunk by the zoo's rule (tests/_zoo.py): its attention takes the hidden state three times
+    # (v, k, q); under sequence parallelism each is the gathered input.
+    "hf_ctrl": {"model": "zoo:ctrl"},
 }
 # Parameters tp=2 splits (the rest, row-split biases included, stay whole on every rank).
 SPLIT = {

@@ -64,7 +64,9 @@ def region_input(
             full = full.narrow(_SEQ, 0, state.length)  # drop the stream's padding: the region sees the true length
     else:
         full = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-    return _replace(args, kwargs, where, full)
+    args, kwargs = _replace(args, kwargs, where, full)
+    # The same hidden state passed again (CTRL's attention(v, k, q), one tensor three times) is the same input.
+    return tuple(full if a is x else a for a in args), {k: full if v is x else v for k, v in kwargs.items()}
 
 
 def pad_region_output(mesh: DeviceMesh, state: SequenceState, mod: nn.Module, args: Any, out: Any) -> Any:
