@@ -39,7 +39,10 @@ def shrink(config: Any, attn: str = "eager") -> Any:
     for names, value in _SIZES:
         for name in names:
             if isinstance(getattr(config, name, None), int) and not isinstance(getattr(config, name), bool):
-                setattr(config, name, value)
+                try:
+                    setattr(config, name, value)
+                except AttributeError:  # a property derived from the others (Falcon's head_dim)
+                    pass
     for name, value in list(vars(config).items()):
         if isinstance(value, list) and layers and len(value) == layers:  # one entry per layer (layer_types)
             setattr(config, name, value[:LAYERS])

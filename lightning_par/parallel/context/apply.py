@@ -88,6 +88,8 @@ class ContextParallel:
     current: Optional[Layout] = None
     handles: list[Any] = dataclasses.field(default_factory=list)
     forwards: list[tuple[nn.Module, Any]] = dataclasses.field(default_factory=list)  # (block, its forward before)
+    entered: list[int] = dataclasses.field(default_factory=list)  # the trunk positions run in this forward so far
+    gathered: Any = None  # the autograd node of the trunk's gathered output in the forward under way
 
     def start(self, length: int, device: torch.device) -> Layout:
         """A new forward pass enters the trunk: check ``length`` and lay it out."""
@@ -295,6 +297,7 @@ def apply_context_parallel(
     end = last if last is not None else where[-1]
     span = running if running is not None else (lambda: (0, len(blocks)))
     cpar = ContextParallel(cp, rank, group, uneven, tuple(n for n, _ in blocks), mode)
+    names_at = dict(zip(where, (n for n, _ in blocks)))
 
     def enter(i: int, name: str, mod: nn.Module, args: Any, kwargs: Any) -> Any:
         now = span()
@@ -303,8 +306,27 @@ def apply_context_parallel(
         hidden: Any = 0 if args else next(iter(kwargs))  # where the hidden state is: first positional, or kwarg
         x = args[0] if args else kwargs[hidden]
         first = i == now[0]
+        if first and _reaches(x, cpar.gathered):
+            raise NotImplementedError(
+                f"{name} runs again in one forward on what the trunk's last block returned (a loop over the whole "
+                "trunk): context parallelism gathers the sequence after the last block for code that runs alike on "
+                "every rank, which a second pass is not; train this model without it (e.g. strategy='zero3')"
+            )
         if first:  # the trunk's (or this stage's) first block: the hidden state is whole, the layout starts
+            cpar.entered.clear()  # (a pipeline's stage runs and probes end early, leaving their blocks here)
+            cpar.gathered = None
             cpar.start(int(x.shape[_SEQ]), x.device)
+        elif cpar.entered and i <= cpar.entered[-1]:
+            # A block run again, or out of order (weights reused at several depths: a looped section): the sequence
+            # was cut where the trunk starts and is gathered after its last block, once each per forward.
+            order = [names_at[j] for j in [*cpar.entered, i]]
+            cpar.entered.clear()
+            raise NotImplementedError(
+                f"{name} runs again in one forward, after {order[-2] if len(order) > 1 else 'no block'} (blocks run "
+                f"{' -> '.join(order)}): context parallelism needs each trunk block once per forward, in order; train "
+                "this model without it (e.g. strategy='zero3')"
+            )
+        cpar.entered.append(i)
         batch = int(x.shape[0])
 
         def cut(at: Any, value: Any) -> Any:
@@ -323,9 +345,9 @@ def apply_context_parallel(
         now = span()
         if now is None or not now[0] <= i < now[1]:
             return None
-        if isinstance(out, Tensor):
-            return cpar.gather(out, _SEQ, False)
-        return (cpar.gather(out[0], _SEQ, False), *out[1:])
+        full = cpar.gather(out if isinstance(out, Tensor) else out[0], _SEQ, False)
+        cpar.gathered = full.grad_fn  # a first block that reads it again is a loop (`enter`)
+        return full if isinstance(out, Tensor) else (full, *out[1:])
 
     for i, (name, block) in zip(where, blocks):
         # The attention mode is entered inside the block's forward, not in its pre-hook: activation checkpointing
@@ -342,6 +364,22 @@ def apply_context_parallel(
             block.register_forward_hook(lambda m, a, kw, o, i=i: leave(i, m, a, kw, o), with_kwargs=True)
         )
     return cpar
+
+
+def _reaches(x: Any, node: Any, limit: int = 256) -> bool:
+    """Whether ``x`` was computed from the autograd ``node`` (searching at most ``limit`` nodes back)."""
+    if node is None or not isinstance(x, Tensor) or x.grad_fn is None:
+        return False
+    stack: list[Any] = [x.grad_fn]
+    seen: set[int] = set()
+    while stack and len(seen) < limit:
+        fn = stack.pop()
+        if fn is node:
+            return True
+        if fn is not None and id(fn) not in seen:
+            seen.add(id(fn))
+            stack.extend(f for f, _ in fn.next_functions)
+    return False
 
 
 def _in_mode(cpar: ContextParallel, name: str, forward: Any, *args: Any, **kwargs: Any) -> Any:
