@@ -73,6 +73,8 @@ REFUSED: dict[str, tuple[dict[str, Any], str]] = {
     # Hugging Face Dory (shrunk, tests/_zoo.py) loops over its layers again on what the trunk returned: the zoo sweep
     # found it training silently wrong under cp.
     "loop": ({"model": "zoo:dory:sdpa", "strategy": {"cp": 2}, "dp": 1}, "a loop over the whole trunk"),
+    # LFM-3's short causal convolutions mix neighbouring positions outside attention (found silently wrong too).
+    "conv": ({"model": "zoo:lfm3:sdpa", "strategy": {"cp": 2}, "dp": 1}, "mixes positions with conv1d()"),
 }
 
 

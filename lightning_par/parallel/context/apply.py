@@ -38,6 +38,9 @@ from lightning_par.parallel.context.ulysses import ulysses_attention
 _SEQ = 1  # batch-first models: the hidden state is (batch, sequence, hidden)
 _SOFTMAX = (F.softmax, torch.softmax, Tensor.softmax, torch.special.softmax)
 _SCORES = (*_SOFTMAX, torch.matmul, Tensor.matmul, Tensor.__matmul__, torch.bmm)
+# Ops that mix neighbouring positions outside attention: a block of a sequence model that calls them convolves over
+# time (a causal conv1d, a token shift by roll), which a rank's own chunk of the sequence cannot do alone.
+_MIXING = (F.conv1d, torch.conv1d, torch.roll, Tensor.roll)
 
 
 class _Gather(torch.autograd.Function):
@@ -201,6 +204,12 @@ class _AttentionMode(TorchFunctionMode):
                 "cp each rank holds only part of the sequence, so it would attend within its part; make the model "
                 "call torch.nn.functional.scaled_dot_product_attention (Hugging Face: attn_implementation='sdpa'), "
                 "or train without cp"
+            )
+        if func in _MIXING:
+            raise NotImplementedError(
+                f"{self.block} mixes positions with {getattr(func, '__name__', func)}() outside attention (a "
+                "convolution over the sequence: Mamba's and LFM's short convolutions): under cp each rank holds only "
+                "part of the sequence, so it would see only its own part's neighbours; train this model without cp"
             )
         return func(*args, **kwargs)
 
