@@ -2,7 +2,7 @@
 
 The rule (`shrink`) is written once for every architecture, no per-model table: each size a config may name is set
 under whichever of its usual names the config has (width 32, 2 layers, 4 query and 2 key/value heads of 8, MLP 64,
-4 experts with 2 per token, vocabulary 256, 64 positions), lists with one entry per layer keep 2, dropout is off.
+4 experts with 2 per token, vocabulary 256, 64 positions), lists with one entry per layer keep 2, dropout and router jitter are off (random draws no two layouts share).
 `ZooLM` trains it on byte tokens with SGD + momentum (parameters comparable to 1e-5). Used by tools/zoo.py (the
 sweep) through the job name ``zoo:<model_type>`` (tests/_job_models.py).
 """
@@ -46,7 +46,7 @@ def shrink(config: Any, attn: str = "eager") -> Any:
     for name, value in list(vars(config).items()):
         if isinstance(value, list) and layers and len(value) == layers:  # one entry per layer (layer_types)
             setattr(config, name, value[:LAYERS])
-        elif isinstance(value, float) and ("dropout" in name or "pdrop" in name):
+        elif isinstance(value, float) and ("dropout" in name or "pdrop" in name or "jitter" in name):
             setattr(config, name, 0.0)
         elif name in _TOKENS and isinstance(value, int) and value >= VOCAB:
             setattr(config, name, 0)

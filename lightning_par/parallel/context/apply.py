@@ -349,14 +349,14 @@ def apply_context_parallel(
         return args, kwargs
 
     def leave(i: int, mod: nn.Module, args: Any, kwargs: Any, out: Any) -> Any:
-        if i != end or not isinstance(out, (Tensor, tuple)):
+        if i != end or not isinstance(out, (Tensor, tuple, list)):
             return None
         now = span()
         if now is None or not now[0] <= i < now[1]:
             return None
         full = cpar.gather(out if isinstance(out, Tensor) else out[0], _SEQ, False)
         cpar.gathered = full.grad_fn  # a first block that reads it again is a loop (`enter`)
-        return full if isinstance(out, Tensor) else (full, *out[1:])
+        return full if isinstance(out, Tensor) else type(out)([full, *out[1:]])
 
     for i, (name, block) in zip(where, blocks):
         # The attention mode is entered inside the block's forward, not in its pre-hook: activation checkpointing

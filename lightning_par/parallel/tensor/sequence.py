@@ -113,6 +113,6 @@ def gather_sequence(mesh: DeviceMesh, state: SequenceState, mod: nn.Module, args
 
     if isinstance(out, torch.Tensor):
         return gather(out)
-    if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
-        return (gather(out[0]), *out[1:])
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return type(out)([gather(out[0]), *out[1:]])  # a list too (OpenAI GPT's blocks return [hidden, ...])
     raise RuntimeError("the last block returned no tensor (or tuple starting with one) to gather along the sequence")
