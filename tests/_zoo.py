@@ -2,7 +2,8 @@
 
 The rule (`shrink`) is written once for every architecture, no per-model table: each size a config may name is set
 under whichever of its usual names the config has (width 32, 2 layers, 4 query and 2 key/value heads of 8, MLP 64,
-4 experts with 2 per token, vocabulary 256, 64 positions), lists with one entry per layer keep 2, dropout and router jitter are off (random draws no two layouts share).
+4 experts with 2 per token, rotary parts of 4 within a head, vocabulary 256, 64 positions), no KV cache, lists
+with one entry per layer keep 2, dropout and router jitter are off (random draws no two layouts share).
 `ZooLM` trains it on byte tokens with SGD + momentum (parameters comparable to 1e-5). Used by tools/zoo.py (the
 sweep) through the job name ``zoo:<model_type>`` (tests/_job_models.py).
 """
@@ -27,6 +28,7 @@ _SIZES: tuple[tuple[tuple[str, ...], int], ...] = (
     (("moe_intermediate_size", "expert_intermediate_size", "shared_expert_intermediate_size"), FFN // 2),
     (("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"), 4),
     (("num_experts_per_tok", "moe_topk", "num_experts_per_token"), 2),
+    (("rotary_dim", "rotary_emb_dim"), HEAD_DIM // 2),  # a rotary part within each head (GPT-J, CodeGen)
     (("vocab_size",), VOCAB),
     (("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len"), 64),
 )
@@ -51,10 +53,11 @@ def shrink(config: Any, attn: str = "eager") -> Any:
         elif name in _TOKENS and isinstance(value, int) and value >= VOCAB:
             setattr(config, name, 0)
     config._attn_implementation = attn
+    config.use_cache = False  # training: no KV cache (hybrid models' caches need attention layers the 2 may lack)
     return config
 
 
-MAX_PARAMS = 2_000_000  # a shrunk model is ~0.1 M; more means the rule missed a size (a sub-config's)
+MAX_PARAMS = 20_000_000  # a shrunk model is ~0.1 M; far more means the rule missed a size (a sub-config's)
 
 
 def build(model_type: str, attn: str = "eager") -> Any:
