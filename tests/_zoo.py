@@ -12,9 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import lightning as L
 import torch
-import torch.nn.functional as F
+from _families import _CausalLM
 from torch import Tensor
 
 WIDTH, LAYERS, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB = 32, 2, 4, 2, 8, 64, 256
@@ -77,8 +76,9 @@ def build(model_type: str, attn: str = "eager") -> Any:
     return AutoModelForCausalLM.from_config(config, attn_implementation=attn)
 
 
-class ZooLM(L.LightningModule):
-    """A user's LightningModule around `build`: next-byte loss on the model's logits, SGD + momentum."""
+class ZooLM(_CausalLM):
+    """A user's LightningModule around `build`: next-byte loss on the model's logits, SGD + momentum (the families'
+    `_families._CausalLM`)."""
 
     def __init__(self, model_type: str, attn: str = "eager") -> None:
         super().__init__()
@@ -86,15 +86,3 @@ class ZooLM(L.LightningModule):
 
     def forward(self, idx: Tensor) -> Tensor:
         return self.model(input_ids=idx).logits
-
-    def _loss(self, batch: Any) -> Tensor:
-        x, y = batch
-        return F.cross_entropy(self(x).flatten(0, 1).float(), y.flatten())
-
-    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        loss = self._loss(batch)
-        self.log("train_loss", loss, sync_dist=True)
-        return loss
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
