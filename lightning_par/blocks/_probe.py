@@ -64,6 +64,18 @@ def _walk(node: Any, outs: dict[Any, str], stop: set[Any]) -> set[str]:
     return found
 
 
+# Python's in-place operators on tensors (``x += y`` calls ``__iadd__``).
+_IN_PLACE_DUNDERS = frozenset(
+    f"__i{op}__" for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or", "xor",
+                            "lshift", "rshift")
+) | {"__setitem__"}  # fmt: skip
+
+
+def writes_in_place(name: str) -> bool:
+    """Whether a torch call named ``name`` changes its first argument (``add_``, ``__setitem__``, ``__iadd__``)."""
+    return (name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_DUNDERS
+
+
 class _FirstUse(TorchFunctionMode):
     """Records the first torch call on each watched tensor (a block projection's output) and what it returned."""
 

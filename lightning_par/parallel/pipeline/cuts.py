@@ -45,11 +45,6 @@ class _Origin:
     maker: str  # what made this very tensor (for messages)
 
 
-def writes_in_place(name: str) -> bool:
-    """Whether a torch call named ``name`` changes its first argument (``add_``, ``__setitem__``, ``__iadd__``)."""
-    return (name.endswith("_") and not name.endswith("__")) or name == "__setitem__" or name.startswith("__i")
-
-
 class CutRule:
     """Follows one forward and collects, for each cut position ``1 .. n-1``, the first reason it is not exact.
 

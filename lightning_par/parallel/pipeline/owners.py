@@ -29,10 +29,10 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_par import _compat
-from lightning_par.blocks._probe import eval_mode, probe_call
+from lightning_par.blocks._probe import eval_mode, probe_call, writes_in_place
 from lightning_par.blocks.trunk import Trunk
 from lightning_par.nn.moe import MoE
-from lightning_par.parallel.pipeline.cuts import CutRule, writes_in_place
+from lightning_par.parallel.pipeline.cuts import CutRule
 from lightning_par.parallel.pipeline.meta import check_stand_ins
 
 Units = list[tuple[str, nn.Module]]

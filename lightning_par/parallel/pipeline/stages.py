@@ -94,6 +94,7 @@ class _PassThrough(nn.Module):
     registered, so no optimizer, checkpoint or ZeRO sees it)."""
 
     _owner: PipelineModel
+    _original: nn.Module
 
     def __init__(self, owner: PipelineModel, index: int, name: str, block: nn.Module) -> None:
         super().__init__()
@@ -182,18 +183,22 @@ class PipelineModel:
         self.owns_last = any(s.is_last for s in self.specs)
         owned_idx = {i for s in self.specs for i in range(s.start, s.end)}
         self.blocks: dict[int, nn.Module] = {}
-        passthroughs: dict[int, nn.Module] = {}
-        # Blocks that return more than a hidden state of their input's shape: a stage they run before hands on
-        # what their meta-device forward returns (`meta.check_stand_ins`), made once per input signature.
-        self._stand_ins = {i: MetaOutputs(meta_copy(trunk.blocks[i]), device) for i in own.reshaped}
+        passthroughs: dict[int, _PassThrough] = {}
         for i, (name, block) in enumerate(zip(trunk.names, trunk.blocks)):
             if i in owned_idx:
                 self.blocks[i] = block
             else:
                 passthroughs[i] = _PassThrough(self, i, name, block)
                 _replace(module, name, passthroughs[i])
+        # Blocks that return more than a hidden state of their input's shape: a stage they run before hands on
+        # what their meta-device forward returns (`meta.check_stand_ins`), made once per input signature; a
+        # pass-through's own meta copy serves, else (a block of another of this rank's stages) one is made.
+        self._stand_ins = {
+            i: MetaOutputs(passthroughs[i]._original if i in passthroughs else meta_copy(trunk.blocks[i]), device)
+            for i in own.reshaped
+        }
         # Tensors modules inside the trunk return and code after it reads travel with the hidden state.
-        self.sides = SideCarrier(own.sides, trunk, owned_idx, passthroughs) if own.sides else None
+        self.sides = SideCarrier(own.sides, trunk, owned_idx, dict(passthroughs)) if own.sides else None
         self.pre = dict(own.pre) if self.owns_first else {}
         self.post = dict(own.post) if self.owns_last else {}
         # A unit of both ends (an embedding used as the head) stays whole wherever either end runs.

@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_par.blocks._probe import _Trace
+from lightning_par.blocks._probe import _Trace, writes_in_place
 from lightning_par.blocks.trunk import Trunk
 from lightning_par.parallel.tensor.plan_affine import Affine
 from lightning_par.parallel.tensor.plan_types import STYLES, HeadInfo
@@ -26,8 +26,6 @@ _N_HEADS = ("n_heads", "n_head", "num_heads", "num_attention_heads")
 _N_KV = ("n_kv_heads", "num_key_value_heads", "n_kv_head", "num_kv_heads", "n_head_kv", "n_query_groups")
 _SPLITS = ("split", "split_with_sizes", "chunk", "tensor_split", "unsafe_split")
 _WIDTH = ("n_embd", "hidden_size", "embed_dim", "all_head_size")
-_INPLACE = frozenset(f"__i{op}__" for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul",
-                                              "and", "or", "xor", "lshift", "rshift")) | {"__setitem__"}  # fmt: skip
 # Query heads per key/value head (Hugging Face's num_key_value_groups): changes only when k/v heads are replicated.
 _GROUPS = ("num_key_value_groups", "n_rep", "num_queries_per_kv", "q_per_kv")
 _QKV_HINTS = (("q", "wq", "q_proj", "query"), ("k", "wk", "k_proj", "key"), ("v", "wv", "v_proj", "value"))
@@ -276,8 +274,7 @@ class _Inference:
         is a view autograd forbids changing in place, so those get a copy of their own (`apply`)."""
         chunked = {self.pat(n): w for n, a in self.lin.items() if (w := self.parts(n, a.out_features))}
         first = {n: self.tr.consumers.get(n, ("", []))[0] for n in self.lin}
-        inplace = tuple(self.pat(n) for n, op in first.items() if op in _INPLACE or (op.endswith("_") and
-                        not op.endswith("__")))  # fmt: skip
+        inplace = tuple(self.pat(n) for n, op in first.items() if writes_in_place(op))
         return chunked, inplace
 
     def groups(self, name: str, width: int) -> int | None:
