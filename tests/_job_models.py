@@ -402,6 +402,7 @@ MODELS: dict[str, Any] = _Models({
     "hf_deepseek_v3_qlora": lambda: _families_moe().HFDeepseekV3(q_lora_rank=16),
     # Blocks of two structures (attention, feed-forward, ...), as x-transformers lays out its layers.
     "user_alternating": lambda: _tp_mixed_models().AlternatingLM(),
+    "user_inner_norm": lambda: _tp_mixed_models().AlternatingLM(inner=True),  # norms inside the regions
     # Four blocks: room for 2 stages x 2 virtual stages per rank (interleaved and V schedules).
     "gpt4": lambda: GPT(vocab_size=256, block_size=32, n_layer=4, n_head=4, n_embd=32, lr=3e-3),
     "llama4": lambda: Llama(vocab_size=256, max_seq_len=32, dim=32, n_layers=4, n_heads=4, n_kv_heads=2,

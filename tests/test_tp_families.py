@@ -6,7 +6,8 @@ under their original names and shapes. Hugging Face GPT-2 (Conv1D projections, w
 Hugging Face ViT (17 tokens: sequence parallelism pads the stream), BERT (q/k/v and the output projection in sibling
 modules, post-norm), our GPT on a 17-token sequence, a fused qkv laid out per k/v group, and fused ``[gate | up]`` MLPs
 (Hugging Face Phi-3, a user's GLU block), and one key/value head for 4 query heads, replicated over the tp ranks
-(Hugging Face Llama and Falcon, a user's multi-query attention). Checkpoints written
+(Hugging Face Llama and Falcon, a user's multi-query attention), and a norm inside the split attention / MLP module
+(Hugging Face RoBERTa-PreLayerNorm, a user's model, with and without sequence parallelism). Checkpoints written
 under tp resume under zero2; a nanoGPT-style attention sizing its split by the input width is refused at setup.
 """
 
@@ -38,6 +39,11 @@ FAMILIES = {
     # Hugging Face CTRL, shrunk by the zoo's rule (tests/_zoo.py): its attention takes the hidden state three times
     # (v, k, q); under sequence parallelism each is the gathered input.
     "hf_ctrl": {"model": "zoo:ctrl"},
+    # A norm inside the attention / MLP module, before its projections (RoBERTa-PreLayerNorm, a user's model): it
+    # reads the region's gathered input, so it runs whole on every rank, with and without sequence parallelism.
+    "hf_roberta_preln": {"model": "zoo:roberta-prelayernorm"},
+    "user_inner_norm": {"model": "user_inner_norm"},
+    "user_inner_norm_nosp": {"model": "user_inner_norm", "strategy": {"tp": 2, "sequence_parallel": False}},
 }
 # Parameters tp=2 splits (the rest, row-split biases included, stay whole on every rank).
 SPLIT = {
@@ -51,6 +57,7 @@ SPLIT = {
     "hf_llama_mqa": r"\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$",
     "hf_falcon_mqa": r"\.h\.\d+\.(self_attention\.(query_key_value|dense)|mlp\.dense_(h_to_4h|4h_to_h))\.weight$",
     "mqa_lm": r"^h\.\d+\.(attn\.[qkv]|attn\.proj|fc|proj)\.weight$|^h\.\d+\.(attn\.[qkv]|fc)\.bias$",
+    "user_inner_norm": r"^layers\.\d+\.fn\.(q|k|v|out|up|down)\.weight$|^layers\.\d+\.fn\.(q|v|up)\.bias$",
     "hf_bert": r"\.layer\.\d+\.(attention\.self\.(query|key|value)|attention\.output\.dense|intermediate\.dense|"
     r"output\.dense)\.weight$|\.layer\.\d+\.(attention\.self\.(query|key|value)|intermediate\.dense)\.bias$",
 }
@@ -70,7 +77,7 @@ def _resume_jobs(model: str, ckpt_dir: str) -> list[dict[str, Any]]:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp: Path = tmp_path_factory.mktemp("tp_families")
     refs = run_jobs(tmp, [{**j, "strategy": "auto"} for j in FAMILIES.values()], nproc=1, timeout=300)
-    jobs = [{**j, "strategy": "tp", "dp": 1} for j in FAMILIES.values()]
+    jobs = [{"strategy": "tp", **j, "dp": 1} for j in FAMILIES.values()]
     for m in RESUMED:
         jobs += _resume_jobs(m, str(tmp / f"ckpt_{m}"))
     jobs.append({"model": "nano_lm", "strategy": "tp", "dp": 1, "expect_error": True})

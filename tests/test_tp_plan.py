@@ -697,3 +697,19 @@ def test_plain_column_split_of_a_fused_output_is_refused() -> None:
     with pytest.raises(TPPlanError, match=r"'colwise' splits blocks\.\*\.mlp\.gate_up's output across its parts: .*"
                        r"widths \(96, 96\).*map it to 'colwise_fused'"):  # fmt: skip
         infer_tp_plan(model, overrides={"blocks.*.mlp.gate_up": "colwise"})
+
+
+def test_norm_inside_a_region_runs_whole_not_on_the_stream() -> None:
+    # A norm inside the attention / MLP module, before the projections, reads the region's gathered input: not a
+    # sequence shard (parallel/tensor/sequence.py, WholeInRegion). The block's own pre-norm stays on the stream.
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from _tp_mixed_models import AlternatingLM
+
+    inner, outer = infer_tp_plan(AlternatingLM(inner=True)), infer_tp_plan(AlternatingLM())
+    # Attention and feed-forward layers alternate: two structures, planned apart.
+    assert {k: s for k, s in inner.styles.items() if k.endswith("norm")} == {
+        "layers.{0,2}.fn.norm": "replicate", "layers.{1,3}.fn.norm": "replicate"}  # fmt: skip
+    assert {k: s for k, s in outer.styles.items() if k.endswith("norm")} == {
+        "layers.{0,2}.norm": "sequence_parallel", "layers.{1,3}.norm": "sequence_parallel"}  # fmt: skip

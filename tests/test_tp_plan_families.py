@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
-from _families import GroupedLM, HFViT, NanoLM
+from _families import GroupedLM, HFViT, NanoLM, _BlocksLM
 from _hf_models import HFLlama
 from torch import Tensor, nn
 
@@ -261,3 +262,48 @@ def test_parameters_no_style_covers_inside_a_split_region_are_refused() -> None:
         check_local_shapes(model, plan, 2)
     whole = infer_tp_plan(model, overrides={"h.*.mlp.fc": "replicate", "h.*.mlp.proj": "replicate"})
     check_local_shapes(model, whole, 2)
+
+
+class _ConstGroupAttn(nn.Module):
+    """CodeGen's attention as a user might write it: the fused qkv is regrouped by a constant of the code (4 groups,
+    CodeGen's ``mp_num``), which tp cannot rewrite. On each rank's slice the shapes still agree (the head count is
+    rewritten), but the rank reads other columns than its heads': it would train silently wrong."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n_head, self.head_dim = 4, 8
+        self.qkv, self.out = nn.Linear(32, 96, bias=False), nn.Linear(32, 32)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, _ = x.shape
+        qkv = self.qkv(x).reshape(b, t, 4, -1)
+        q, v, k = qkv.split(qkv.shape[-1] // 3, dim=-1)
+        q, k, v = (z.reshape(b, t, self.n_head, self.head_dim).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, t, -1))
+
+
+def _codegen() -> nn.Module:
+    from _zoo import build
+
+    return build("codegen")
+
+
+@pytest.mark.parametrize(("make", "block", "out"), [
+    (lambda: _BlocksLM(_ConstGroupAttn), r"h\.0", r"h\.0\.attn\.out"),
+    (_codegen, r"transformer\.h\.0", r"transformer\.h\.0\.attn\.out_proj"),
+])  # fmt: skip
+def test_ranks_computing_other_values_than_the_whole_are_refused(make: Any, block: str, out: str) -> None:
+    # Shapes agree on every rank, values do not: the ranks' copies of block 0, run on its real input and summed at
+    # the row-split projection, differ from the whole block (parallel/tensor/simulate.py).
+    model = make()
+    plan = infer_tp_plan(model)
+    attn = next(k for k in plan.heads)
+    with pytest.raises(TPPlanError, match=rf"tp=2: the ranks' slices of {block} do not compute what the whole block "
+                       rf"computes \(at {out}'s output \(summed over the ranks\): relative error .*silently wrong\. "
+                       r"Keep that region whole with tp_plan=\{.*\"replicate\"\}"):  # fmt: skip
+        check_local_shapes(model, plan, 2)
+    # The region named in the message, kept whole: the check passes (the rest of the block is still split).
+    whole = infer_tp_plan(model, overrides=dict.fromkeys(plan.heads[attn].projections, "replicate"))
+    check_local_shapes(model, whole, 2)
+    assert any(s == "colwise" for s in whole.styles.values())

@@ -47,6 +47,7 @@ from lightning_par.parallel.tensor.plan_affine import affine
 from lightning_par.parallel.tensor.plan_types import HeadInfo, MLPInfo, TPPlan, TPPlanError
 from lightning_par.parallel.tensor.sequence import (
     SequenceState,
+    WholeInRegion,
     gather_sequence,
     pad_region_output,
     region_input,
@@ -216,6 +217,10 @@ def _apply_blocks(
     split = {k for k, projs in projections.items() if any(plan.styles.get(p) in _SPLIT for p in projs)}
     regions = sorted(k[len(prefix) + 1 :] for k in split if k != prefix)
     kv = _replicated_kv(plan, prefix, tp, mesh.get_local_rank())
+    latent = {k[len(prefix) + 1 :] for h in plan.heads.values() for k in h.latent}
+    # Replicated modules inside a split region, reading its gathered input (`WholeInRegion`), not the stream.
+    inside = [r for r, s in rel_styles.items() if s in ("replicate", "sequence_parallel") and r not in latent
+              and any(r.startswith(f"{g}.") for g in regions)]  # fmt: skip
     for name, block in blocks:
         styles: dict[str, Any] = {}
         for rel, style in rel_styles.items():
@@ -236,7 +241,7 @@ def _apply_blocks(
             elif style == "rowwise":
                 out = Shard(_SEQ) if sequence_parallel else Replicate()
                 styles[rel] = RowwiseParallel(output_layouts=out, use_local_output=True)
-            elif style == "sequence_parallel" and sequence_parallel:
+            elif style == "sequence_parallel" and sequence_parallel and rel not in inside:
                 styles[rel] = SequenceParallel(sequence_dim=_SEQ, use_local_output=True)
             elif style in ("head_norm", "colwise_norm"):  # q/k norms of split heads (parallel/tensor/heads.py)
                 norm = block.get_submodule(rel)
@@ -257,6 +262,11 @@ def _apply_blocks(
             block.get_submodule(rel).register_forward_pre_hook(
                 partial(region_input, mesh, seq, plan.hidden_size), with_kwargs=True
             )
+        for rel in inside:
+            mod, whole = block.get_submodule(rel), WholeInRegion(mesh)
+            if any(True for _ in mod.parameters(recurse=False)):
+                mod.register_forward_pre_hook(whole.before, with_kwargs=True)
+                mod.register_forward_hook(whole.after)
         if seq is not None:  # after the styles' own output hooks: the padding goes on the local slice
             for rel in (r for r, s in rel_styles.items() if s == "rowwise"):
                 block.get_submodule(rel).register_forward_hook(partial(pad_region_output, mesh, seq))

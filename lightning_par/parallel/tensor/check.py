@@ -7,26 +7,23 @@ tp does not change, instead of from a head-count attribute tp rewrites. Under tp
 unrelated error (``not enough values to unpack``). Here a copy of block 0 gets rank 0's slices of its split
 projections and the per-rank head counts and runs on the input the real block 0 receives (the plan probe's input,
 in eval mode, no gradients, on the model's device: meta works); a failure is reported before training, naming the
-module, the error and the ``tp_plan`` that keeps that region whole.
+module, the error and the ``tp_plan`` that keeps that region whole. Where the shapes agree, the values are checked
+too: every rank's copy against the whole block (`lightning_par.parallel.tensor.simulate`).
 """
 
 from __future__ import annotations
 
 import copy
-import types
 from functools import partial
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lightning_par.blocks._probe import probe_call
 from lightning_par.blocks.trunk import find_trunk
-from lightning_par.parallel.tensor.apply import _head_params, _set_local_head_counts
-from lightning_par.parallel.tensor.kv_heads import kv_parts, kv_replicas, local_width
-from lightning_par.parallel.tensor.plan_affine import affine
 from lightning_par.parallel.tensor.plan_types import _SHARDED, TPPlan, TPPlanError
+from lightning_par.parallel.tensor.simulate import check_values, rank_copy
 
 
 class _Reached(Exception):
@@ -57,28 +54,6 @@ def _block_input(model: nn.Module, block: nn.Module) -> tuple[tuple[Any, ...], d
     return got[0] if got else None
 
 
-def _shrink(mod: nn.Module, style: str, tp: int, width: int | None = None) -> None:
-    """Rank 0's shapes: a column split keeps out/tp outputs (``width`` where key/value heads are replicated), a row
-    split in/tp inputs; forward = the affine map."""
-    layout = affine(mod)
-    assert layout is not None
-    out_dim, in_dim = (1, 0) if layout.transposed else (0, 1)
-    w: Any = mod.weight
-    b: Any = getattr(mod, "bias", None)
-    dim = in_dim if style == "rowwise" else out_dim
-    keep = width if width is not None else w.shape[dim] // tp
-    mod.weight = nn.Parameter(w.detach().narrow(dim, 0, keep), requires_grad=False)
-    if b is not None and style != "rowwise":
-        mod.bias = nn.Parameter(b.detach().narrow(0, 0, keep), requires_grad=False)
-    transposed = layout.transposed
-
-    def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        p: Any = self
-        return F.linear(x, p.weight.t() if transposed else p.weight, getattr(p, "bias", None))
-
-    mod.forward = types.MethodType(forward, mod)  # type: ignore[method-assign]
-
-
 def check_local_shapes(model: nn.Module, plan: TPPlan, tp: int) -> None:
     """Raise before training when block 0's code (that of the first block of each structure, when blocks differ)
     does not run on the per-rank shapes of ``plan`` at ``tp``.
@@ -93,7 +68,10 @@ def check_local_shapes(model: nn.Module, plan: TPPlan, tp: int) -> None:
     for sub in plan.group_plans():
         block = trunk.blocks[trunk.names.index(sub.first_block)]
         _check_region_params(sub, block, sub.first_block)
-        _check_block(model, sub, block, sub.first_block, tp)
+        captured = _block_input(model, block)
+        if captured is not None:
+            _check_block(sub, block, sub.first_block, tp, captured)
+            check_values(sub, block, sub.first_block, tp, captured)  # the values, where shapes agree
 
 
 def _check_region_params(plan: TPPlan, block: nn.Module, block_name: str) -> None:
@@ -120,14 +98,13 @@ def _check_region_params(plan: TPPlan, block: nn.Module, block_name: str) -> Non
                 )
 
 
-def _check_block(model: nn.Module, plan: TPPlan, block: nn.Module, block_name: str, tp: int) -> None:
-    captured = _block_input(model, block)
-    if captured is None:
-        return
+def _check_block(
+    plan: TPPlan, block: nn.Module, block_name: str, tp: int, captured: tuple[tuple[Any, ...], dict[str, Any]]
+) -> None:
     try:
         # Copies of the block and of its input (a cache object in it would otherwise see two runs); the unsplit
         # copy must run, or a failure below would say nothing about tp.
-        whole, local = copy.deepcopy(block).eval(), copy.deepcopy(block).eval()
+        whole = copy.deepcopy(block).eval()
         with torch.no_grad():
             args, kwargs = copy.deepcopy(captured)
             whole(*args, **kwargs)
@@ -136,18 +113,7 @@ def _check_block(model: nn.Module, plan: TPPlan, block: nn.Module, block_name: s
         return
     prefix = f"{plan.trunk}.*" if plan.trunk else "*"
     split = {k: s for k, s in plan.styles.items() if s in _SHARDED and k.startswith(prefix + ".")}
-    widths = _kv_widths(plan, tp)
-    for key, style in split.items():
-        _shrink(local.get_submodule(key[len(prefix) + 1 :]), style, tp, widths.get(key) if style != "rowwise" else None)
-    # A norm split like its projection's output and the per-head parameters hold this rank's rows only.
-    narrow = [f"{k}.weight" for k, s in plan.styles.items() if s == "colwise_norm" and k.startswith(prefix + ".")]
-    narrow += [p for rel, names in _head_params(plan, prefix).items() for p in _names(prefix, rel, names)]
-    for pattern in narrow:
-        owner, _, leaf = pattern[len(prefix) + 1 :].rpartition(".")
-        mod = local.get_submodule(owner)
-        if isinstance(w := getattr(mod, leaf, None), torch.Tensor):
-            setattr(mod, leaf, nn.Parameter(w.detach().narrow(0, 0, w.shape[0] // tp), requires_grad=False))
-    _set_local_head_counts([local], plan, prefix, tp)
+    local = rank_copy(block, plan, tp, 0)
     stack: list[str] = []  # the modules running: on an error, the last one is where it was raised
 
     def enter(name: str, mod: nn.Module, args: Any) -> None:
@@ -180,22 +146,6 @@ def _check_block(model: nn.Module, plan: TPPlan, block: nn.Module, block_name: s
     finally:
         for h in handles:
             h.remove()
-
-
-def _kv_widths(plan: TPPlan, tp: int) -> dict[str, int]:
-    """Output width on one rank of each projection holding key/value heads replicated over ranks (`kv_heads`)."""
-    got = {}
-    for head in plan.heads.values():
-        replicas = kv_replicas(head, tp)
-        for key in head.projections[:-1] if replicas > 1 else ():
-            if (parts := kv_parts(head, key)) is not None:
-                widths = head.fused_split.get(key) or (plan.shapes[key].out_dim,)
-                got[key] = local_width(plan.shapes[key].out_dim, parts, widths, tp, replicas)
-    return got
-
-
-def _names(prefix: str, rel: str, names: tuple[str, ...]) -> list[str]:
-    return [f"{prefix}.{rel}.{n}" if rel else f"{prefix}.{n}" for n in names]
 
 
 def _per_head_params(mod: nn.Module, plan: TPPlan) -> str:

@@ -18,7 +18,7 @@ from lightning_par.blocks._probe import _is_norm, _norm_size, _registration_orde
 from lightning_par.blocks.trunk import Trunk, find_trunk
 from lightning_par.parallel.experts.finder import find_moe_layers
 from lightning_par.parallel.tensor.plan_affine import affine, affine_modules
-from lightning_par.parallel.tensor.plan_pairs import _common_parent, _Inference, _Region
+from lightning_par.parallel.tensor.plan_pairs import _in, _Inference, _Region
 from lightning_par.parallel.tensor.plan_types import (
     _ALLOWED,
     _SPLIT_NORMS,
@@ -251,7 +251,7 @@ def _infer_group(
             heads[key if key not in heads else inf.pat(r.out)] = r.head
         else:
             projs = tuple(inf.pat(n) for n in (*r.ins, r.out))
-            region = inf.pat(_common_parent(list(r.ins)))
+            region = inf.pat(r.module)
             gated = len(r.ins) == 2 or bool(r.mlp_fused)
             mlps[key if key not in mlps else inf.pat(r.out)] = MLPInfo(r.hidden, gated, projs, region, r.mlp_fused)
     shapes = {inf.pat(n): s for n, m in kept.items() if (s := _shape(m)) is not None}
@@ -340,8 +340,8 @@ def _block_styles(
                 styles[pat(n)] = _split_norm(inf, n, size, src, colwise, fused)
                 split_norms[pat(n)] = tuple(pat(p) for p in src)
                 continue
-            # Norms on the residual stream, outside every pair, can run on a sequence shard.
-            on_stream = size == tr.hidden and (n in inf.idx if traced else "." not in n)
+            # Norms on the residual stream, outside every pair and region, can run on a sequence shard.
+            on_stream = size == tr.hidden and (n in inf.idx if traced else "." not in n) and not _in(n, regions)
             styles[pat(n)] = "sequence_parallel" if on_stream else "replicate"
     if not regions and not inf.problems:
         inf.problem(

@@ -63,6 +63,17 @@ class _Region:
     def fused_split(self) -> dict[str, tuple[int, ...]]:
         return self.head.fused_split if self.head else self.mlp_fused
 
+    @property
+    def module(self) -> str:
+        """The block-relative module whose input tp gathers for the region: the deepest one holding the input
+        projections (``""``: the block)."""
+        return _common_parent(list(self.ins))
+
+
+def _in(name: str, regions: list[_Region]) -> bool:
+    """Whether block-relative ``name`` lies inside one of ``regions``' modules (it reads the gathered input)."""
+    return any(r.module and name.startswith(f"{r.module}.") for r in regions)
+
 
 class _Inference:
     def __init__(

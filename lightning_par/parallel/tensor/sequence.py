@@ -116,3 +116,31 @@ def gather_sequence(mesh: DeviceMesh, state: SequenceState, mod: nn.Module, args
     if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
         return type(out)([gather(out[0]), *out[1:]])  # a list too (OpenAI GPT's blocks return [hidden, ...])
     raise RuntimeError("the last block returned no tensor (or tuple starting with one) to gather along the sequence")
+
+
+class WholeInRegion:
+    """Hooks for a replicated module with parameters inside a split region that reads the region's input (Hugging
+    Face RoBERTa-PreLayerNorm's ``intermediate.LayerNorm``, before ``intermediate.dense``): it gets that input as
+    the gathered replicated DTensor, and its parameters are plain tensors. Every tp rank runs it on the whole local
+    input, as one process does, so its parameters' gradients are the same on every rank and need no reduction; its
+    output becomes a replicated DTensor again, whose ``Partial`` gradient from the column-split readers is
+    all-reduced once there (instead of at the region's input)."""
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        self.mesh, self.entered = mesh, False
+
+    def before(self, mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        whole = [a for a in (*args, *kwargs.values()) if isinstance(a, DTensor) and a.placements == (Replicate(),)]
+        self.entered = bool(whole)
+        if not whole:
+            return None
+
+        def local(a: Any) -> Any:
+            return a.to_local() if any(a is w for w in whole) else a
+
+        return tuple(local(a) for a in args), {k: local(v) for k, v in kwargs.items()}
+
+    def after(self, mod: nn.Module, args: Any, out: Any) -> Any:
+        if not self.entered or not isinstance(out, torch.Tensor) or isinstance(out, DTensor):
+            return None
+        return DTensor.from_local(out, self.mesh, [Replicate()], run_check=False)

@@ -1,0 +1,189 @@
+"""Tensor parallelism simulated in one process on block 0: each rank's copy of the block, and a check that the
+ranks' copies together compute what the whole block computes.
+
+`rank_copy` gives a copy of a block holding rank ``r``'s slices of its split projections (the rows `apply` keeps:
+a column split's chunk ``r`` of each fused part, a replicated key/value head's rows, a row split's input columns),
+its split norms' and per-head parameters' rows, and the per-rank head counts. `check_values` runs every rank's copy
+on the real input block 0 receives and compares, at each row-split projection, the sum of the ranks' partial
+outputs with the whole block's output there (each copy continues with the whole's value, as the all-reduce would
+give it), and each copy's block output with the whole's. Shapes can agree while values do not: Hugging Face
+CodeGen regroups its fused ``qkv_proj`` by a constant ``mp_num = 4`` that tp cannot rewrite, so each rank takes the
+wrong columns for its heads and trains silently wrong. Here that becomes a refusal before training.
+"""
+
+from __future__ import annotations
+
+import copy
+import types
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_par import _compat
+from lightning_par.parallel.tensor.apply import _head_params, _set_local_head_counts
+from lightning_par.parallel.tensor.kv_heads import kv_parts, kv_replicas, part_rows
+from lightning_par.parallel.tensor.plan_affine import affine
+from lightning_par.parallel.tensor.plan_types import _SHARDED, TPPlan, TPPlanError
+
+_TOLERANCE = 1e-3  # relative to the largest value; fp32 slices of a correct split agree to ~1e-6, a wrong one O(1)
+
+
+def _rows(plan: TPPlan, key: str, tp: int, rank: int) -> torch.Tensor:
+    """The output rows rank ``rank`` keeps of column-split projection ``key`` (`kv_heads.part_rows`)."""
+    widths = plan.fused_split.get(key) or (plan.shapes[key].out_dim,)
+    head = next((h for h in plan.heads.values() if key in h.projections), None)
+    kv = kv_parts(head, key) if head is not None else None
+    replicas = kv_replicas(head, tp) if head is not None and kv is not None else 1
+    return part_rows(widths, kv or (False,) * len(widths), tp, replicas, rank)
+
+
+def _slice(mod: nn.Module, style: str, rows: torch.Tensor | None, tp: int, rank: int) -> None:
+    layout = affine(mod)
+    assert layout is not None  # the plan styled it as a projection
+    out_dim, in_dim = (1, 0) if layout.transposed else (0, 1)
+    w: Any = cast(Any, mod.weight).detach()
+    b: Any = getattr(mod, "bias", None)
+    if style == "rowwise":
+        per = w.shape[in_dim] // tp
+        mod.weight = nn.Parameter(w.narrow(in_dim, rank * per, per), requires_grad=False)
+        if b is not None and rank != 0:  # added once, after the sum over ranks
+            mod.register_parameter("bias", None)
+    else:
+        assert rows is not None
+        mod.weight = nn.Parameter(w.index_select(out_dim, rows.to(w.device)), requires_grad=False)
+        if b is not None:
+            mod.bias = nn.Parameter(b.detach().index_select(0, rows.to(b.device)), requires_grad=False)
+    transposed = layout.transposed
+
+    def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        p: Any = self
+        return F.linear(x, p.weight.t() if transposed else p.weight, getattr(p, "bias", None))
+
+    mod.forward = types.MethodType(forward, mod)  # type: ignore[method-assign]
+
+
+def rank_copy(block: nn.Module, plan: TPPlan, tp: int, rank: int) -> nn.Module:
+    """A copy of ``block`` (of ``plan``'s structure) holding what rank ``rank`` of ``tp`` holds, in eval mode."""
+    local = copy.deepcopy(block).eval()
+    prefix = f"{plan.trunk}.*" if plan.trunk else "*"
+    for key, style in plan.styles.items():
+        if style in _SHARDED and key.startswith(prefix + "."):
+            rows = _rows(plan, key, tp, rank) if style != "rowwise" else None
+            _slice(local.get_submodule(key[len(prefix) + 1 :]), style, rows, tp, rank)
+    # A norm split like its projection's output and the per-head parameters hold this rank's rows only.
+    narrow = [f"{k}.weight" for k, s in plan.styles.items() if s == "colwise_norm" and k.startswith(prefix + ".")]
+    narrow += [p for rel, names in _head_params(plan, prefix).items() for p in _names(prefix, rel, names)]
+    for pattern in narrow:
+        owner, _, leaf = pattern[len(prefix) + 1 :].rpartition(".")
+        mod = local.get_submodule(owner)
+        if isinstance(w := getattr(mod, leaf, None), torch.Tensor):
+            per = w.shape[0] // tp
+            setattr(mod, leaf, nn.Parameter(w.detach().narrow(0, rank * per, per), requires_grad=False))
+    _set_local_head_counts([local], plan, prefix, tp)
+    return local
+
+
+def _names(prefix: str, rel: str, names: tuple[str, ...]) -> list[str]:
+    return [f"{prefix}.{rel}.{n}" if rel else f"{prefix}.{n}" for n in names]
+
+
+def _error(got: torch.Tensor, want: torch.Tensor) -> float:
+    if got.shape != want.shape:
+        return float("inf")
+    return float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-12))
+
+
+def check_values(
+    plan: TPPlan, block: nn.Module, block_name: str, tp: int, captured: tuple[tuple[Any, ...], dict[str, Any]]
+) -> None:
+    """Raise before training when ``tp`` ranks' copies of ``block`` (of ``plan``'s structure) do not compute what
+    the whole block computes on ``captured``, its real input (fp32, eval mode, no gradients).
+
+    Raises:
+        TPPlanError: naming the first row-split projection (or the block's output) where they differ, the error,
+            and a ``tp_plan`` keeping that region whole.
+    """
+    prefix = f"{plan.trunk}.*" if plan.trunk else "*"
+    outs = [k[len(prefix) + 1 :] for k, s in plan.styles.items() if s == "rowwise" and k.startswith(prefix + ".")]
+    params = [*block.parameters(), *block.buffers()]
+    if not outs or any(p.is_meta for p in params) or any(p.is_complex() for p in params):
+        return  # nothing to sum, or no values to compare (meta-device construction)
+
+    def fp32(x: Any) -> Any:
+        return x.float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+    whole_seen: dict[str, list[torch.Tensor]] = {k: [] for k in outs}
+    try:
+        whole = copy.deepcopy(block).eval().float()
+        hooks = [whole.get_submodule(k).register_forward_hook(
+            lambda m, a, o, k=k: whole_seen[k].append(o.detach().clone())) for k in outs]  # fmt: skip
+        with torch.no_grad():
+            args, kwargs = _compat.tree_map_only(torch.Tensor, fp32, copy.deepcopy(captured))
+            want = whole(*args, **kwargs)
+        for h in hooks:
+            h.remove()
+    except Exception:
+        return  # the block does not run whole in fp32 here (the shape check reports what tp changes)
+    partial: dict[str, list[torch.Tensor]] = {k: [torch.zeros_like(o) for o in v] for k, v in whole_seen.items()}
+    outputs = []
+    for rank in range(tp):
+        local = rank_copy(block, plan, tp, rank).float()
+        for k in outs:
+            local.get_submodule(k).register_forward_hook(_Reduced(partial[k], whole_seen[k], k))
+        try:
+            with torch.no_grad():
+                args, kwargs = _compat.tree_map_only(torch.Tensor, fp32, copy.deepcopy(captured))
+                outputs.append(local(*args, **kwargs))
+        except _Differs as err:
+            _refuse(plan, prefix, block_name, tp, str(err), float("inf"))
+        except Exception:
+            return  # a failure on the local shapes: the shape check names it
+    for k in outs:
+        for got, ref in zip(partial[k], whole_seen[k]):
+            if (error := _error(got, ref)) > _TOLERANCE:
+                _refuse(plan, prefix, block_name, tp, k, error)
+    flat_want = [t for t in _compat.tree_flatten(want)[0] if isinstance(t, torch.Tensor)]
+    for out in outputs:
+        flat = [t for t in _compat.tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        # Per-head outputs (eager attention weights) are the rank's own by design: only same-shaped ones compare.
+        pairs = zip(flat, flat_want) if len(flat) == len(flat_want) else []
+        errs = [_error(g, w) for g, w in pairs if g.shape == w.shape]
+        if max(errs, default=0.0) > _TOLERANCE:
+            _refuse(plan, prefix, block_name, tp, "", max(errs))
+
+
+class _Differs(Exception):
+    """A row-split projection ran more often, or on other shapes, on a rank than in the whole block."""
+
+
+class _Reduced:
+    """Forward hook of a row-split projection in a rank's copy: adds its partial output of each call to ``sums``
+    and hands on the whole block's output of that call (what the all-reduce gives every rank when the split is
+    right)."""
+
+    def __init__(self, sums: list[torch.Tensor], whole: list[torch.Tensor], name: str) -> None:
+        self.sums, self.whole, self.name, self.calls = sums, whole, name, 0
+
+    def __call__(self, mod: nn.Module, args: Any, out: Any) -> torch.Tensor:
+        i, self.calls = self.calls, self.calls + 1
+        if i >= len(self.sums) or not isinstance(out, torch.Tensor) or out.shape != self.sums[i].shape:
+            raise _Differs(self.name)
+        self.sums[i] += out
+        return self.whole[i].clone()  # the code may change it in place (Falcon: mlp_output += attn)
+
+
+def _refuse(plan: TPPlan, prefix: str, block_name: str, tp: int, out: str, err: float) -> None:
+    key = f"{prefix}.{out}"
+    infos: list[Any] = [*plan.heads.values(), *plan.mlps.values()]
+    region = next((i.projections for i in infos if key in i.projections), None)
+    split = region or tuple(k for k, s in plan.styles.items() if s in _SHARDED)
+    hint = ", ".join(f'"{k}": "replicate"' for k in split)
+    where = f"at {block_name}.{out}'s output (summed over the ranks)" if out else f"at {block_name}'s output"
+    raise TPPlanError(
+        f"tp={tp}: the ranks' slices of {block_name} do not compute what the whole block computes ({where}: "
+        f"relative error {err:.2g} on block 0's real input); its code combines the split outputs in a way the "
+        f"plan does not know (e.g. it regroups a fused projection by a constant of its own), so it would train "
+        f"silently wrong. Keep that region whole with tp_plan={{{hint}}}, or choose tp=1"
+    )
