@@ -307,3 +307,31 @@ def test_ranks_computing_other_values_than_the_whole_are_refused(make: Any, bloc
     whole = infer_tp_plan(model, overrides=dict.fromkeys(plan.heads[attn].projections, "replicate"))
     check_local_shapes(model, whole, 2)
     assert any(s == "colwise" for s in whole.styles.values())
+
+
+def test_low_rank_adapters_are_found_by_structure_and_follow_their_base() -> None:
+    # peft's lora.Linear (base_layer, lora_A.default, lora_B.default) and a user's wrapper (base, a, b): the plan
+    # styles the base where the projection would be, the pairs follow it (parallel/tensor/adapters.py), and every
+    # rank's copy of block 0 computes what the whole block computes (the value check runs on the adapters too).
+    from _lora_models import PeftLlama, UserLoRALM
+
+    from lightning_par.parallel.tensor.adapters import adapter_styles, find_adapters
+
+    peft = PeftLlama()
+    layer = peft.model.base_model.model.model.layers[0]
+    found = find_adapters(layer)
+    assert found["self_attn.q_proj.base_layer"] == (
+        ("self_attn.q_proj.lora_A.default", "self_attn.q_proj.lora_B.default"),
+    )
+    assert len(found) == 7 and not find_adapters(_litgpt())  # plain attention and MLP modules are no wrappers
+    plan = infer_tp_plan(peft)
+    styles = {k.rpartition("layers.*.")[2]: s for k, s in plan.styles.items()}
+    assert styles["self_attn.k_proj.base_layer"] == "colwise" and styles["mlp.down_proj.base_layer"] == "rowwise"
+    follows = adapter_styles(styles, found)
+    assert follows["self_attn.k_proj.lora_B.default"] == ("colwise", "self_attn.k_proj.base_layer")
+    assert follows["mlp.down_proj.lora_A.default"] == ("rowwise", "mlp.down_proj.base_layer")
+    assert "self_attn.k_proj.lora_A.default" not in follows  # whole: every rank's heads read all of it
+    check_local_shapes(peft, plan, 2)
+    user = UserLoRALM()
+    check_local_shapes(user, infer_tp_plan(user), 2)
+    assert find_adapters(user.layers[1])["fn.up.base"] == (("fn.up.a", "fn.up.b"),)

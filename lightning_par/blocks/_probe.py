@@ -109,6 +109,20 @@ def eval_mode(model: nn.Module) -> Iterator[None]:
             m.training = mode
 
 
+@contextlib.contextmanager
+def all_trainable(model: nn.Module) -> Iterator[None]:
+    """Every floating-point parameter of ``model`` requiring gradients while a probe traces the autograd graph
+    (frozen weights, as under LoRA fine-tuning, would leave their outputs without one), put back afterwards."""
+    frozen = [p for p in model.parameters() if not p.requires_grad and p.is_floating_point()]
+    for p in frozen:
+        p.requires_grad_(True)
+    try:
+        yield
+    finally:
+        for p in frozen:
+            p.requires_grad_(False)
+
+
 def probe_call(model: nn.Module) -> None:
     """Call ``model`` once on its ``example_input_array`` (the LightningModule convention: a tensor, a tuple of
     positional arguments or a dict of keyword arguments), or else on a (1, 8) batch of token 0."""
@@ -171,7 +185,7 @@ def _trace_blocks(
     handles += [m.register_forward_hook(partial(_post_outer, outer_order, name)) for name, m in outer.items()]
     try:
         # Eval mode: no dropout, so the probe does not draw from the user's RNG streams.
-        with eval_mode(model), torch.enable_grad(), first_use:
+        with eval_mode(model), all_trainable(model), torch.enable_grad(), first_use:
             probe_call(model)
     except Exception as err:
         return [f"{type(err).__name__}: {err}"] * len(blocks)

@@ -39,6 +39,7 @@ from typing_extensions import override
 
 from lightning_par import _compat
 from lightning_par.blocks.trunk import find_trunk
+from lightning_par.parallel.tensor.adapters import adapter_styles, find_adapters, whole_adapters
 from lightning_par.parallel.tensor.affine import apply_affine
 from lightning_par.parallel.tensor.heads import apply_colwise_norm, apply_head_norm, apply_head_params, local_output
 from lightning_par.parallel.tensor.kv_heads import kv_parts, kv_replicas, local_count, part_rows
@@ -182,8 +183,12 @@ def apply_tensor_parallel(
     changed: dict[str, str] = {}
     seq = SequenceState() if sequence_parallel else None
     regions: set[str] = set()
+    # torch's SequenceParallel re-registers parameters as trainable: frozen ones (LoRA's base) must stay frozen.
+    frozen = [(b, n) for _, b in blocks for n, p in b.named_parameters() if not p.requires_grad]
     for sub, own in groups:
         regions.update(_apply_blocks(sub, own, mesh, seq, changed))
+    for block, pname in frozen:
+        block.get_parameter(pname).requires_grad_(False)
     if seq is not None and blocks:
         blocks[0][1].register_forward_pre_hook(partial(scatter_sequence, mesh, seq), with_kwargs=True)
         blocks[-1][1].register_forward_hook(partial(gather_sequence, mesh, seq))
@@ -221,23 +226,28 @@ def _apply_blocks(
     # Replicated modules inside a split region, reading its gathered input (`WholeInRegion`), not the stream.
     inside = [r for r, s in rel_styles.items() if s in ("replicate", "sequence_parallel") and r not in latent
               and any(r.startswith(f"{g}.") for g in regions)]  # fmt: skip
+    # Low-rank adapters split with their base projections (parallel/tensor/adapters.py): the split one of each pair.
+    adapters = find_adapters(blocks[0][1]) if blocks else {}
+    follows = adapter_styles(rel_styles, adapters)
+    base_of = {**{r: r for r in rel_styles}, **{r: base for r, (_, base) in follows.items()}}
     for name, block in blocks:
         styles: dict[str, Any] = {}
-        for rel, style in rel_styles.items():
-            own = _own_style(block.get_submodule(rel), fused.get(rel) if style != "rowwise" else None)
-            if style in _SPLIT and (own or (rel in kv and style != "rowwise")):
+        for rel, style in {**rel_styles, **{r: s for r, (s, _) in follows.items()}}.items():
+            base = base_of[rel]
+            own = _own_style(block.get_submodule(rel), fused.get(base) if style != "rowwise" else None)
+            if style in _SPLIT and (own or (base in kv and style != "rowwise")):
                 # Not an nn.Linear (Conv1D), fused parts of unequal widths, or key/value heads replicated over
                 # ranks (parallel/tensor/kv_heads.py): our own split (parallel/tensor/affine.py).
                 mod = block.get_submodule(rel)
                 layout = affine(mod)
                 assert layout is not None  # the plan styled it as a projection
-                apply_affine(mod, mesh, style, transposed=layout.transposed, parts=fused.get(rel), rows=kv.get(rel),
+                apply_affine(mod, mesh, style, transposed=layout.transposed, parts=fused.get(base), rows=kv.get(base),
                              sequence_parallel=sequence_parallel)  # fmt: skip
                 changed[f"{name}.{rel}"] = style
             elif style == "colwise":
                 styles[rel] = ColwiseParallel(use_local_output=True)
             elif style == "colwise_fused":
-                styles[rel] = _FusedColwise(len(fused[rel]))
+                styles[rel] = _FusedColwise(len(fused[base]))
             elif style == "rowwise":
                 out = Shard(_SEQ) if sequence_parallel else Replicate()
                 styles[rel] = RowwiseParallel(output_layouts=out, use_local_output=True)
@@ -250,8 +260,10 @@ def _apply_blocks(
         for rel, names in _head_params(plan, prefix).items():
             apply_head_params(block.get_submodule(rel) if rel else block, names, mesh)
             changed.update({f"{name}.{rel}.{n}" if rel else f"{name}.{n}": "head_param" for n in names})
+        styles.update(whole_adapters(block, adapters, follows, mesh, sequence_parallel))
         if sequence_parallel:
-            styles.update(_stream_modules(block, rel_styles, regions))
+            stream = _stream_modules(block, rel_styles, regions)
+            styles.update({r: s for r, s in stream.items() if r not in styles and r not in follows})
         parallelize_module(block, mesh, styles)  # type: ignore[arg-type]
         for rel in (k[len(prefix) + 1 :] for k in plan.inplace if rel_styles.get(k[len(prefix) + 1 :]) in _SPLIT):
             # The code changes this output in place (Falcon's mlp_output += attention_output), which autograd forbids
@@ -268,7 +280,8 @@ def _apply_blocks(
                 mod.register_forward_pre_hook(whole.before, with_kwargs=True)
                 mod.register_forward_hook(whole.after)
         if seq is not None:  # after the styles' own output hooks: the padding goes on the local slice
-            for rel in (r for r, s in rel_styles.items() if s == "rowwise"):
+            for rel in [*(r for r, s in rel_styles.items() if s == "rowwise"), *(r for r, (s, _) in follows.items()
+                                                                               if s == "rowwise")]:
                 block.get_submodule(rel).register_forward_hook(partial(pad_region_output, mesh, seq))
         apply_latents(block, plan, prefix, mesh)
     _set_local_head_counts([b for _, b in blocks], plan, prefix, tp)

@@ -22,6 +22,7 @@ from torch import nn
 
 from lightning_par.blocks._probe import probe_call
 from lightning_par.blocks.trunk import find_trunk
+from lightning_par.parallel.tensor.adapters import adapter_leaves
 from lightning_par.parallel.tensor.plan_types import _SHARDED, TPPlan, TPPlanError
 from lightning_par.parallel.tensor.simulate import check_values, rank_copy
 
@@ -80,6 +81,7 @@ def _check_region_params(plan: TPPlan, block: nn.Module, block_name: str) -> Non
     would drift apart from one process without an error."""
     prefix = f"{plan.trunk}.*" if plan.trunk else "*"
     handled = set(plan.shapes) | {p.rpartition(".")[0] for h in plan.heads.values() for p in h.head_params}
+    handled |= {f"{prefix}.{n}" for n in adapter_leaves(block)}  # low-rank adapters follow their base
     infos: list[Any] = [*plan.heads.values(), *plan.mlps.values()]
     for info in infos:
         if not any(plan.styles.get(p) in _SHARDED for p in info.projections) or info.region == prefix:

@@ -90,7 +90,7 @@ def infer_tp_plan(model: nn.Module, *, overrides: dict[str, str] | None = None) 
         block = trunk.blocks[idx[0]]
         moe = _moe_layers(model, trunk.names[idx[0]])
         kept = {n: m for n, m in block.named_modules() if n and not _inside(n, moe)}
-        projections = affine_modules(kept)
+        projections = affine_modules(kept)  # adapters too: their outputs end the probe's walks (plan_pairs)
         inner = {n: m for n, m in kept.items() if n in projections or _is_norm(m)}
         probed.append((moe, kept, projections, inner))
     outer_proj = {n for n, m in outer.items() if affine(m) is not None}

@@ -60,8 +60,10 @@ def affine(m: nn.Module) -> Affine | None:
     with torch.no_grad():
         for transposed, width in ((True, rows), (False, cols)):
             x = torch.randn(2, width, generator=gen, device=w.device, dtype=w.dtype)
-            want = x @ w + (b if b is not None else 0) if transposed else F.linear(x, w, b)
             try:
+                # A bias of the other width (a router's [n_experts, hidden] weight with an [n_experts] bias) fails
+                # the transposed reading.
+                want = x @ w + (b if b is not None else 0) if transposed else F.linear(x, w, b)
                 y = m(x)
             except Exception:  # not callable on a plain 2-D tensor: not a projection we can split
                 continue

@@ -18,6 +18,7 @@ from torch import nn
 
 from lightning_par.blocks._probe import _Trace, writes_in_place
 from lightning_par.blocks.trunk import Trunk
+from lightning_par.parallel.tensor.adapters import adapter_leaves, find_adapters
 from lightning_par.parallel.tensor.plan_affine import Affine
 from lightning_par.parallel.tensor.plan_types import STYLES, HeadInfo
 
@@ -87,13 +88,24 @@ class _Inference:
         prefix: str | None = None,
     ) -> None:
         self.model, self.trunk, self.tr, self.mods = model, trunk, tr, mods
-        self.lin = lin  # block projections (Linears and affine leaves), by widths
+        # Low-rank adapters (peft's lora_A / lora_B) follow their base projection (parallel/tensor/adapters.py): the
+        # probe traced them, so that no walk back from a projection's input passes through them, but they pair with
+        # nothing.
+        leaves = adapter_leaves(trunk.blocks[block])
+        tr.producers = {n: found - leaves for n, found in tr.producers.items() if n not in leaves}
+        self.lin = {n: a for n, a in lin.items() if n not in leaves}  # block projections (Linears, affine leaves)
         self.idx = {n: i for i, n in enumerate(tr.order)}
         # The probed block (the first of its structure) and the pattern prefix naming that structure's blocks.
         self.block_name, self.block = trunk.names[block], trunk.blocks[block]
         self.prefix = prefix if prefix is not None else f"{trunk.path}.*" if trunk.path else "*"
         self.guessed: set[str] = set()  # fused projections whose [q | k | v] layout no split confirmed
+        # A projection wrapped by a low-rank adapter (peft's lora.Linear): the wrapper stands where it would.
+        self.wrappers = {base: base.rpartition(".")[0] for base in find_adapters(self.block)}
         self.problems: dict[str, tuple[str, ...]] = {}  # message -> patterns an override must cover to silence it
+
+    def parent(self, name: str) -> str:
+        """The module holding projection ``name`` in the block's code: its parent, or its adapter wrapper's."""
+        return self.wrappers.get(name, name).rpartition(".")[0]
 
     def pat(self, rel: str) -> str:
         return f"{self.prefix}.{rel}" if rel else self.prefix
@@ -119,7 +131,7 @@ class _Inference:
         ``attention.self``), each one's config, the block, the model, its config and hparams."""
         block, model = self.block_name, self.model
         got: list[tuple[str, Any]] = []
-        for rel in dict.fromkeys([parent, *(p.rpartition(".")[0] for p in ins)]):
+        for rel in dict.fromkeys([parent, *(self.parent(p) for p in ins)]):
             here, mod = (f"{block}.{rel}" if rel else block), self.mods[rel]
             got += [(here, mod), (f"{here}.config", getattr(mod, "config", None))]
         got.append((block, self.block))
@@ -130,7 +142,7 @@ class _Inference:
         lin, e = self.lin, self.tr.hidden
         if latent:
             return self.latent_attention(o, ins, latent)
-        q, parent = lin[o].in_features, o.rpartition(".")[0]
+        q, parent = lin[o].in_features, self.parent(o)
         pmod = self.mods[parent]
         own = _lookup(vars(pmod), _HEAD_DIM + _N_HEADS) is not None
         pair = {**dict.fromkeys(ins, "colwise"), o: "rowwise"}
@@ -238,7 +250,7 @@ class _Inference:
         column-split by heads, ``o`` row-split. Heads come from the module's head count; every split output must
         be viewed head-major, (B, T, n_heads, ...), as the probe saw it."""
         lin, e, tr = self.lin, self.tr.hidden, self.tr
-        q, parent = lin[o].in_features, o.rpartition(".")[0]
+        q, parent = lin[o].in_features, self.parent(o)
         # Without a head count (or views that show heads) the latent split cannot be made: whole is always safe.
         pair = dict.fromkeys([*ins, *latent, o], "replicate")
         where = f"latent attention {self.pat(parent)} ({self.desc(ins)} into {self.pat(o)}"

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_par import _compat
+from lightning_par.parallel.tensor.adapters import adapter_styles, find_adapters
 from lightning_par.parallel.tensor.apply import _head_params, _set_local_head_counts
 from lightning_par.parallel.tensor.kv_heads import kv_parts, kv_replicas, part_rows
 from lightning_par.parallel.tensor.plan_affine import affine
@@ -68,10 +69,9 @@ def rank_copy(block: nn.Module, plan: TPPlan, tp: int, rank: int) -> nn.Module:
     """A copy of ``block`` (of ``plan``'s structure) holding what rank ``rank`` of ``tp`` holds, in eval mode."""
     local = copy.deepcopy(block).eval()
     prefix = f"{plan.trunk}.*" if plan.trunk else "*"
-    for key, style in plan.styles.items():
-        if style in _SHARDED and key.startswith(prefix + "."):
-            rows = _rows(plan, key, tp, rank) if style != "rowwise" else None
-            _slice(local.get_submodule(key[len(prefix) + 1 :]), style, rows, tp, rank)
+    for rel, (style, base) in _split(plan, block).items():
+        rows = _rows(plan, f"{prefix}.{base}", tp, rank) if style != "rowwise" else None
+        _slice(local.get_submodule(rel), style, rows, tp, rank)
     # A norm split like its projection's output and the per-head parameters hold this rank's rows only.
     narrow = [f"{k}.weight" for k, s in plan.styles.items() if s == "colwise_norm" and k.startswith(prefix + ".")]
     narrow += [p for rel, names in _head_params(plan, prefix).items() for p in _names(prefix, rel, names)]
@@ -83,6 +83,15 @@ def rank_copy(block: nn.Module, plan: TPPlan, tp: int, rank: int) -> nn.Module:
             setattr(mod, leaf, nn.Parameter(w.detach().narrow(0, rank * per, per), requires_grad=False))
     _set_local_head_counts([local], plan, prefix, tp)
     return local
+
+
+def _split(plan: TPPlan, block: nn.Module) -> dict[str, tuple[str, str]]:
+    """Block-relative split projection -> (its style, the projection whose split it follows): the plan's, and
+    the low-rank adapters that follow their base (`adapters.adapter_styles`)."""
+    prefix = f"{plan.trunk}.*" if plan.trunk else "*"
+    own = {k[len(prefix) + 1 :]: s for k, s in plan.styles.items() if k.startswith(prefix + ".")}
+    split = {rel: (s, rel) for rel, s in own.items() if s in _SHARDED}
+    return {**split, **adapter_styles(own, find_adapters(block))}
 
 
 def _names(prefix: str, rel: str, names: tuple[str, ...]) -> list[str]:
@@ -106,7 +115,7 @@ def check_values(
             and a ``tp_plan`` keeping that region whole.
     """
     prefix = f"{plan.trunk}.*" if plan.trunk else "*"
-    outs = [k[len(prefix) + 1 :] for k, s in plan.styles.items() if s == "rowwise" and k.startswith(prefix + ".")]
+    outs = [rel for rel, (style, _) in _split(plan, block).items() if style == "rowwise"]
     params = [*block.parameters(), *block.buffers()]
     if not outs or any(p.is_meta for p in params) or any(p.is_complex() for p in params):
         return  # nothing to sum, or no values to compare (meta-device construction)

@@ -1,0 +1,59 @@
+"""Low-rank adapters (LoRA, Hu et al., arXiv 2106.09685) as users add them, for the tp tests: a user's own wrapper
+(a frozen ``nn.Linear`` plus two small trainable ones) and peft's ``get_peft_model`` on Hugging Face Llama. B is
+initialised random, not zero, so that the adapters' gradients reach both of them from the first step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from _hf_models import HFLlama
+from _tp_mixed_models import AlternatingLM
+from torch import Tensor, nn
+
+
+class LoRA(nn.Module):
+    """``base(x) + b(a(x)) * alpha / r`` with ``base`` frozen."""
+
+    def __init__(self, base: nn.Linear, r: int = 4, alpha: float = 8.0) -> None:
+        super().__init__()
+        self.base, self.scale = base.requires_grad_(False), alpha / r
+        self.a, self.b = nn.Linear(base.in_features, r, bias=False), nn.Linear(r, base.out_features, bias=False)
+        nn.init.normal_(self.b.weight, std=0.1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.base(x) + self.b(self.a(x)) * self.scale
+
+
+def add_lora(model: nn.Module, targets: tuple[str, ...]) -> nn.Module:
+    """Wrap every Linear named one of ``targets`` in `LoRA`; everything else is frozen but the adapters."""
+    model.requires_grad_(False)
+    for mod in list(model.modules()):
+        for name, child in list(mod.named_children()):
+            if isinstance(child, nn.Linear) and name in targets:
+                setattr(mod, name, LoRA(child))
+    return model
+
+
+class UserLoRALM(AlternatingLM):
+    """`AlternatingLM` (attention and feed-forward layers) with LoRA on q, k, v, out, up and down."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        add_lora(self, ("q", "k", "v", "out", "up", "down"))
+
+
+class PeftLlama(HFLlama):
+    """Hugging Face Llama wrapped by ``peft.get_peft_model``: LoRA (r 4) on every attention and MLP projection."""
+
+    def __init__(self, dora: bool = False) -> None:
+        super().__init__()
+        from peft import LoraConfig, get_peft_model
+
+        config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False, use_dora=dora,
+                            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                            "down_proj"])  # fmt: skip
+        self.model: Any = get_peft_model(self.model, config)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1, momentum=0.9)

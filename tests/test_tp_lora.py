@@ -1,0 +1,92 @@
+"""Low-rank adapters under tensor parallelism, against the same adapted model in one process (same seed, batches).
+
+A user's LoRA wrappers (`tests/_lora_models.py`: a frozen ``nn.Linear`` plus two trainable ones, on every projection)
+and peft's ``get_peft_model`` on Hugging Face Llama (LoRA r 4 on q/k/v/o/gate/up/down, B initialised random). Each
+adapter pair follows its base projection (lightning_par/parallel/tensor/adapters.py): ``b`` split like a column-split
+base, ``a`` like a row-split one. 2 ranks: ``tp`` with and without sequence parallelism; 4 ranks: tp 4 (Llama's 2
+key/value heads replicated over 2 ranks each, so ``b`` of k and v takes the replicated rows), ``tp_zero3`` and
+``tp_zero1`` (tp 2 x dp 2) and ``pipe_tp`` (pp 2 x tp 2). fp32 losses and gradient norms 1e-5 relative, SGD parameters
+1e-5 relative / 1e-7 absolute; the frozen base weights must come out as they went in.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import reference_job
+from launch import run_jobs
+from parity import params_close, rel
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+pytest.importorskip("peft")
+
+TP = {"tp": 2}
+JOBS_2: dict[str, dict[str, Any]] = {
+    "user_lora_tp": {"model": "user_lora", "strategy": TP, "dp": 1},
+    "user_lora_tp_nosp": {"model": "user_lora", "strategy": {**TP, "sequence_parallel": False}, "dp": 1},
+    "peft_llama_tp": {"model": "peft_llama", "strategy": TP, "dp": 1},
+}
+JOBS_4: dict[str, dict[str, Any]] = {
+    "peft_llama_tp4": {"model": "peft_llama", "strategy": {"tp": 4}, "dp": 1},
+    "peft_llama_tp_zero3": {"model": "peft_llama", "strategy": {**TP, "zero_stage": 3}, "dp": 2},
+    "user_lora_tp_zero1": {"model": "user_lora", "strategy": {**TP, "zero_stage": 1}, "dp": 2},
+    "peft_llama_pipe_tp": {"model": "peft_llama", "strategy": {"pp": 2, **TP}, "dp": 1},
+}
+ALL = {**JOBS_2, **JOBS_4}
+# The parameters tp=2 splits: the bases, their row-split biases excepted, and the split adapter of each pair.
+SPLIT = {
+    "user_lora_tp": r"\.(q|k|v|out|up|down)\.base\.weight$|\.(q|k|v|up)\.(base\.bias|b\.weight)$|"
+    r"\.(out|down)\.a\.weight$",
+    "peft_llama_tp": r"_proj\.base_layer\.weight$|\.(q|k|v|gate|up)_proj\.lora_B\.default\.weight$|"
+    r"\.(o|down)_proj\.lora_A\.default\.weight$",
+}
+FROZEN = r"\.base(_layer)?\.(weight|bias)$"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp: Path = tmp_path_factory.mktemp("tp_lora")
+    models = sorted({j["model"] for j in ALL.values()})
+    jobs = [{**reference_job({"model": m}), "record_init": True} for m in models]  # the parameters before any step
+    refs = dict(zip(models, run_jobs(tmp, jobs, nproc=1, timeout=300), strict=True))
+    got = dict(zip(JOBS_2, run_jobs(tmp, list(JOBS_2.values()), nproc=2, timeout=600), strict=True))
+    got.update(zip(JOBS_4, run_jobs(tmp, list(JOBS_4.values()), nproc=4, timeout=600), strict=True))
+    return {"ref": refs, "got": got}
+
+
+@pytest.mark.parametrize("name", list(ALL))
+def test_adapted_model_matches_one_process(runs: dict[str, Any], name: str) -> None:
+    job, got = ALL[name], runs["got"][name]
+    ref = runs["ref"][job["model"]]
+    assert got["layout"]["tp"] == job["strategy"]["tp"]
+    assert len(got["losses"]) == len(ref["losses"]) == 3
+    assert rel(got["losses"], ref["losses"]) < 1e-5
+    assert rel(got["grad_norms"], ref["grad_norms"]) < 1e-5
+    # Whole tensors under their original names (merged over the pipeline's stages).
+    assert {k: tuple(v.shape) for k, v in got["params"].items()} == ref["param_shapes"]
+    params_close(got["params"], ref["params"], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("model", ["user_lora", "peft_llama"])
+def test_frozen_base_weights_do_not_move_and_adapters_do(runs: dict[str, Any], model: str) -> None:
+    # Not vacuous: the adapters trained (they differ from their initial values), the bases did not.
+    start, end = runs["ref"][model]["init_state"], runs["got"][f"{model}_tp"]["params"]
+    frozen = [k for k in end if re.search(FROZEN, k)]
+    adapters = [k for k in end if re.search(r"\.(a|b|lora_A\.default|lora_B\.default)\.weight$", k)]
+    assert len(frozen) >= 8 and len(adapters) >= 16
+    params_close({k: end[k] for k in frozen}, {k: start[k] for k in frozen}, rtol=0, atol=0)
+    assert all(not torch.allclose(end[k], start[k], rtol=1e-4, atol=0) for k in adapters)
+
+
+@pytest.mark.parametrize("name", list(SPLIT))
+def test_each_rank_holds_half_of_every_split_projection_and_adapter(runs: dict[str, Any], name: str) -> None:
+    got = runs["got"][name]
+    split = [k for k in got["params"] if re.search(SPLIT[name], k)]
+    assert len(split) >= 16
+    expected = sum(t.numel() * 4 // (2 if k in split else 1) for k, t in got["params"].items())
+    assert got["mem"]["params"] == expected
