@@ -66,13 +66,15 @@ JOBS_4: dict[str, dict[str, Any]] = {
     "gpt_sgd_cp_ulysses_zero3": {"model": "gpt_sgd", "strategy": {"cp": 2, "zero_stage": 3, **ULYSSES}, "dp": 2},
 }  # fmt: skip
 ALL = {**JOBS_2, **JOBS_4}
-# Refused at the first batch, before any optimizer step, on every rank alike.
+# Refused at set-up or at the first batch, before any optimizer step, on every rank alike.
 REFUSED: dict[str, tuple[dict[str, Any], str]] = {
     "length": ({"model": "gpt_sgd", "seq_len": 30, "strategy": {"cp": 2}, "dp": 1}, "cp_uneven=True"),
     "eager": ({"model": "hf_llama", "strategy": {"cp": 2}, "dp": 1}, "attn_implementation='sdpa'"),
     # Hugging Face Dory (shrunk, tests/_zoo.py) loops over its layers again on what the trunk returned: the zoo sweep
-    # found it training silently wrong under cp.
-    "loop": ({"model": "zoo:dory:sdpa", "strategy": {"cp": 2}, "dp": 1}, "a loop over the whole trunk"),
+    # found it training silently wrong under cp. HRM runs its whole trunk (L_module) six times, the first ones under
+    # torch.no_grad, where no autograd graph shows the loop: both refused at set-up, from the blocks' call order.
+    "loop": ({"model": "zoo:dory:sdpa", "strategy": {"cp": 2}, "dp": 1}, "in the order [0, 1, 0, 1]"),
+    "recurrent": ({"model": "zoo:hrm_text:sdpa", "strategy": {"cp": 2}, "dp": 1}, "a block runs again"),
     # LFM-3's short causal convolutions mix neighbouring positions outside attention (found silently wrong too).
     "conv": ({"model": "zoo:lfm3:sdpa", "strategy": {"cp": 2}, "dp": 1}, "mixes positions with conv1d()"),
 }

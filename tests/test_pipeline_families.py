@@ -72,7 +72,7 @@ JOBS_4: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 ALL = {**JOBS_2, **JOBS_3, **JOBS_4}
-REFUSED = ("skip_unet", "pyramid_unprobed", "hf_t5")
+REFUSED = ("skip_unet", "pyramid_unprobed", "hf_t5", "zoo:dory")
 TIED = {"hf_gpt2", "gpt4_tied_sgd", "hf_qwen2_tied"}
 
 
@@ -210,3 +210,14 @@ def test_an_encoder_decoder_whose_blocks_share_a_computed_bias_is_refused(spawns
         got["error"]
     )
     assert "No cut of this trunk keeps the values: train without pipeline parallelism" in got["error"]
+
+
+def test_a_trunk_run_again_in_one_forward_is_refused(spawns):
+    # Hugging Face Dory (shrunk, tests/_zoo.py) runs its layers again in a recurrent loop: the zoo sweep found it
+    # training silently wrong under pipe (each stage ran its blocks once). The ownership probe sees the call order.
+    got = spawns[2]["zoo:dory"]
+    assert got["losses"] == [] and got["error"] is not None
+    assert "the forward calls the blocks of model.model.layers in the order [0, 1, 0, 1]: a block runs again" in (
+        got["error"]
+    )
+    assert "train this model without pipeline parallelism (e.g. strategy='zero3')" in got["error"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from functools import partial
 from typing import Any
 
@@ -247,3 +247,20 @@ def _registration_order(inner: dict[str, nn.Module], outer: list[str], marker: i
         for o in strict or outs[-1:]:
             producers[o] = {n for n in members[: members.index(o)] if lin[n].in_features == hidden}
     return _Trace(list(inner), producers, {}, hidden, outer, marker)
+
+
+def block_order(model: nn.Module, blocks: Sequence[nn.Module]) -> list[int] | None:
+    """The positions of ``blocks`` in the order one probe forward of ``model`` (`probe_call`, eval mode, no
+    gradients) calls them, or ``None`` when that forward fails. A recurrent-depth model (Hugging Face HRM's
+    ``L_module`` run six times, some under ``torch.no_grad``) shows a position again."""
+    order: list[int] = []
+    handles = [b.register_forward_pre_hook(lambda *_, i=i: order.append(i)) for i, b in enumerate(blocks)]
+    try:
+        with eval_mode(model), torch.no_grad():
+            probe_call(model)
+    except Exception:
+        return None
+    finally:
+        for h in handles:
+            h.remove()
+    return order

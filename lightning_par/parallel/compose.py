@@ -23,6 +23,7 @@ from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel.activation_checkpointing import apply_activation_checkpointing
 from lightning_par.parallel.compile import apply_compile
 from lightning_par.parallel.context.apply import apply_context_parallel
+from lightning_par.parallel.context.check import check_blocks_run_once
 from lightning_par.parallel.experts.apply import ExpertParallel, apply_expert_parallel
 from lightning_par.parallel.experts.finder import find_moe_layers
 from lightning_par.parallel.local_sgd.outer import LocalSGD
@@ -73,6 +74,8 @@ def parallelize(
     templates = capture_init(module, trunk) if has_meta(module) else None
     ties, device = tied_names(module), device or _device(module)
     plan = _tp_plan(module, config, tp_plan)
+    if config.cp > 1 and trunk is not None:
+        check_blocks_run_once(module, trunk)  # a recurrent-depth loop, even one run without gradients
     moe_layers = bool(find_moe_layers(module))
     # 1. The pipeline first: it removes other stages' modules, so every later step sees only this rank's parameters.
     cut = _split(module, trunk, mesh, config, timeout, device) if config.pp > 1 else None

@@ -20,6 +20,7 @@ eval mode (no dropout) and with the RNG state restored.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable
 from functools import partial
 from typing import Any, Optional
@@ -155,6 +156,7 @@ class _Uses(TorchFunctionMode):
         # The innermost module inside a block that returned each tensor: (block, path in it, leaf, output spec).
         self.returned_by: dict[int, tuple[int, str, int, Any]] = {}
         self.calls: dict[int, tuple[tuple, dict, Any]] = {}  # block -> its first call's (args, kwargs, output)
+        self.order: list[int] = []  # the blocks, in the order the forward calls them
 
     def mark(self, unit: str) -> None:
         self.seen.setdefault(unit, set()).add(self.phase)
@@ -250,6 +252,7 @@ def _probe(module: nn.Module, trunk: Trunk, units: Units, run: Callable[[], Any]
     handles = [trunk.blocks[0].register_forward_pre_hook(enter), trunk.blocks[-1].register_forward_hook(leave)]
     for i, block in enumerate(trunk.blocks):  # where each torch call runs, for the cut rule
         handles.append(block.register_forward_pre_hook(lambda _m, a, i=i: uses.cuts.enter(i, a)))
+        handles.append(block.register_forward_pre_hook(lambda *_, i=i: uses.order.append(i)))  # type: ignore[func-returns-value]
         handles.append(block.register_forward_hook(lambda _m, _a, out, i=i: uses.cuts.leave(i, out)))
         # What each block was called with and returned: what a stage that does not run it must hand on.
         handles.append(block.register_forward_hook(partial(_record_call, uses.calls, i), with_kwargs=True))
@@ -309,6 +312,13 @@ def find_ownership(module: nn.Module, trunk: Trunk, run: Optional[Callable[[], A
         uses = _probe_holder(module, trunk, units, uses)
     if isinstance(uses, str):
         return dataclasses.replace(_by_registration(module, trunk, units, uses), sides=moe_loss_slots(module, trunk))
+    if any(b <= a for a, b in itertools.pairwise(uses.order)):
+        shown = ", ".join(map(str, uses.order[:12])) + (", ..." if len(uses.order) > 12 else "")
+        raise PipelineError(
+            f"the forward calls the blocks of {trunk.path} in the order [{shown}]: a block runs again (a loop over "
+            "part of the trunk, as in recurrent-depth models) or out of order, while a pipeline runs each block once, "
+            "in order, on its stage; train this model without pipeline parallelism (e.g. strategy='zero3')"
+        )
     sides = _side_slots(uses, trunk)
     for name, phases in uses.seen.items():
         if "trunk" in phases:
