@@ -244,6 +244,8 @@ def run_job(job: Job) -> dict[str, Any]:
         # DeepSpeed backend, meta-built model: what materialising it cost each rank (parallel/deepspeed/meta_init.py).
         "meta_init_all": gathered_objects(as_dict(getattr(trainer.strategy, "meta_init", None))),
         "layout": getattr(trainer.strategy, "parallel_layout", None),
+        # The strategy's start-up lines (the pipeline's stages, tp's split and kept-whole report, ...).
+        "startup": run.describe() if (run := getattr(trainer.strategy, "parallel_run", None)) is not None else [],
         # auto_parallel: the layout the planner chose and its printed top three.
         "auto": auto_choice(trainer.strategy),
         "per_rank_batch": data.batch_size,

@@ -44,6 +44,8 @@ FAMILIES = {
     "hf_roberta_preln": {"model": "zoo:roberta-prelayernorm"},
     "user_inner_norm": {"model": "user_inner_norm"},
     "user_inner_norm_nosp": {"model": "user_inner_norm", "strategy": {"tp": 2, "sequence_parallel": False}},
+    # torch's nn.TransformerEncoder: its nn.MultiheadAttention (packed in_proj_weight) is kept whole, and said so.
+    "torch_encoder": {"model": "torch_encoder"},
 }
 # Parameters tp=2 splits (the rest, row-split biases included, stay whole on every rank).
 SPLIT = {
@@ -131,3 +133,18 @@ def test_code_assuming_full_widths_is_refused_at_setup(runs: dict[str, Any]) -> 
     assert refused["losses"] == []
     assert "tp=2: h.0.attn (NanoAttn) fails on the shapes each rank gets (ValueError" in refused["error"]
     assert 'tp_plan={"h.*.attn.c_attn": "replicate", "h.*.attn.c_proj": "replicate"}' in refused["error"]
+
+
+def test_the_start_up_report_says_what_is_split_and_what_is_kept_whole(runs: dict[str, Any]) -> None:
+    # A partial plan is never a surprise: torch's nn.MultiheadAttention is kept whole (only the MLP is split), and
+    # the line says how much of the blocks each rank holds, computed here from the parameters themselves.
+    got = runs["tp"]["torch_encoder"]
+    blocks = {k: t.numel() for k, t in got["params"].items() if ".layers." in k}
+    split = sum(n for k, n in blocks.items() if re.search(r"\.linear1\.(weight|bias)$|\.linear2\.weight$", k))
+    share = (sum(blocks.values()) - split / 2) / sum(blocks.values())
+    (line,) = [x for x in got["startup"] if x.startswith("tensor parallel tp=2")]
+    assert f"each rank holds {share:.2f} of the blocks' parameters (1/tp = 0.50)" in line
+    assert "kept whole: encoder.layers.*.self_attn (torch's packed q/k/v attention, not split)" in line
+    assert "linear1" not in line and "linear2" not in line  # split (linear2's bias stays whole with it)
+    (llama,) = [x for x in runs["tp"]["hf_llama_mqa"]["startup"] if x.startswith("tensor parallel")]
+    assert "each rank holds 0.50 of the blocks' parameters" in llama and "(norm, on the sequence shard)" in llama

@@ -35,6 +35,7 @@ from lightning_par.parallel.tensor.apply import apply_tensor_parallel
 from lightning_par.parallel.tensor.check import check_local_shapes
 from lightning_par.parallel.tensor.plan import TPPlan, infer_tp_plan
 from lightning_par.parallel.tensor.plan_validate import validate_tp
+from lightning_par.parallel.tensor.report import tp_report
 from lightning_par.parallel.zero.fsdp import StepRoot, apply_fsdp, sync_module_states
 from lightning_par.parallel.zero.replicated import ReplicatedZero
 
@@ -84,8 +85,7 @@ def parallelize(
     if templates is None:
         _sync_replicas(module, mesh, plan is not None)
     # 3. Tensor parallelism: which slice of each weight a rank holds.
-    if plan is not None:
-        _tensor_parallel(module, parts, mesh, plan, config.sequence_parallel)
+    tp_notes = [_tensor_parallel(module, parts, mesh, plan, config.sequence_parallel)] if plan is not None else []
     # 4. Context parallelism: hooks after tensor parallelism's, attention modes before recomputation wraps them.
     if config.cp > 1:
         _context_parallel(module, trunk, cut, mesh, config)
@@ -101,7 +101,7 @@ def parallelize(
     if config.zero_stage == 3:
         _fsdp(parts, mesh, config, exclude, param_dtype, reduce_dtype, pipelined=cut is not None)
     # 7. A meta-built model gets storage for what this rank holds, and values: initialised, or read from `pretrained`.
-    notes = _values(module, experts, templates, pretrained, ties, device)
+    notes = tp_notes + _values(module, experts, templates, pretrained, ties, device)
     # 8. ZeRO 0-2: the bucketed engine, whose masters are views of the values just set.
     zero = None if config.zero_stage == 3 else _replicated_zero(module, parts, mesh, config, exclude, cut, timeout)
     # 9. The pipeline's own hooks last, outside every wrapping above; a tied weight's second copy marked after ZeRO.
@@ -127,13 +127,14 @@ def _sync_replicas(module: nn.Module, mesh: ParallelMesh, tensor_parallel: bool)
 
 
 def _tensor_parallel(module: nn.Module, parts: list[ModelPart], mesh: ParallelMesh, plan: TPPlan,
-                     sp: Optional[bool]) -> None:  # fmt: skip
+                     sp: Optional[bool]) -> str:  # fmt: skip
     """Step 3. Sequence parallelism needs the trunk's two ends in one part; a stage's boundary activations travel
-    whole."""
+    whole. Returns the start-up line saying what was split and what kept whole."""
     for part in parts:
         blocks = None if part.whole_trunk else list(part.blocks)
         sequence_parallel = sp if part.whole_trunk else False
         apply_tensor_parallel(module, mesh.tp, plan, sequence_parallel=sequence_parallel, blocks=blocks)
+    return tp_report([b for part in parts for b in part.blocks], mesh.tp.size())
 
 
 def _context_parallel(module: nn.Module, trunk: Optional[Trunk], cut: Optional[PipelineSplit], mesh: ParallelMesh,
