@@ -198,7 +198,10 @@ def run_job(job: Job) -> dict[str, Any]:
                 trainer.fit(torch.compile(model) if job.torch_compile else model, datamodule=data,
                             ckpt_path=resume)  # fmt: skip
         except Exception as err:
-            return {"error": f"{type(err).__name__}: {err}", "losses": recorder.losses}
+            import traceback
+
+            where = "".join(traceback.format_tb(err.__traceback__)[-6:])
+            return {"error": f"{type(err).__name__}: {err}", "losses": recorder.losses, "where": where}
         params = full_params(model)  # it trained after all: what a parity check needs (tools/zoo.py)
         gather_experts(trainer, model, params)
         params, _, tied = _stage_params(trainer, params)

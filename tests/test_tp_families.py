@@ -83,12 +83,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     for m in RESUMED:
         jobs += _resume_jobs(m, str(tmp / f"ckpt_{m}"))
     jobs.append({"model": "nano_lm", "strategy": "tp", "dp": 1, "expect_error": True})
+    jobs.append({"model": "zoo:qwen4_exp_text", "strategy": "tp", "dp": 1, "expect_error": True})
     got = run_jobs(tmp, jobs, nproc=2, timeout=600)
     n = len(FAMILIES)
     resumed = {m: (got[n + 2 * i], got[n + 2 * i + 1]) for i, m in enumerate(RESUMED)}
     out = {"ref": dict(zip(FAMILIES, refs, strict=True)), "tp": dict(zip(FAMILIES, got[:n], strict=True))}
     out["resumed"] = resumed
-    return {**out, "refused": got[-1]}
+    return {**out, "refused": got[-2], "preflight": got[-1]}
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -148,3 +149,14 @@ def test_the_start_up_report_says_what_is_split_and_what_is_kept_whole(runs: dic
     assert "linear1" not in line and "linear2" not in line  # split (linear2's bias stays whole with it)
     (llama,) = [x for x in runs["tp"]["hf_llama_mqa"]["startup"] if x.startswith("tensor parallel")]
     assert "each rank holds 0.50 of the blocks' parameters" in llama and "(norm, on the sequence shard)" in llama
+
+
+def test_a_split_model_whose_forward_fails_is_refused_before_the_first_step(runs: dict[str, Any]) -> None:
+    # Hugging Face Qwen4-Exp (shrunk by the zoo's rule): its hyper-connections mix the hidden state with weights of
+    # their own around the split attention; the zoo sweep found it crashing in the first step. The pre-flight runs
+    # the split model once before training (parallel/tensor/startup.py) and names the module and a correct fix.
+    got = runs["preflight"]
+    assert got["losses"] == []
+    assert got["error"].startswith("TPPlanError: tp=2: the split model's forward fails before training in model.model.")
+    assert "attn_hyper_connection (Qwen4ExpTextGatedResidual): RuntimeError: aten.mul.Tensor got mixed" in got["error"]
+    assert got["error"].endswith("Train it without tensor parallelism (tp=1)")

@@ -35,7 +35,7 @@ from lightning_par.parallel.tensor.apply import apply_tensor_parallel
 from lightning_par.parallel.tensor.check import check_local_shapes
 from lightning_par.parallel.tensor.plan import TPPlan, infer_tp_plan
 from lightning_par.parallel.tensor.plan_validate import validate_tp
-from lightning_par.parallel.tensor.report import tp_report
+from lightning_par.parallel.tensor.startup import preflight, tp_report
 from lightning_par.parallel.zero.fsdp import StepRoot, apply_fsdp, sync_module_states
 from lightning_par.parallel.zero.replicated import ReplicatedZero
 
@@ -133,7 +133,10 @@ def _tensor_parallel(module: nn.Module, parts: list[ModelPart], mesh: ParallelMe
     for part in parts:
         blocks = None if part.whole_trunk else list(part.blocks)
         sequence_parallel = sp if part.whole_trunk else False
-        apply_tensor_parallel(module, mesh.tp, plan, sequence_parallel=sequence_parallel, blocks=blocks)
+        info = apply_tensor_parallel(module, mesh.tp, plan, sequence_parallel=sequence_parallel, blocks=blocks)
+        # Where the plan's probe ran the whole model (a pipeline stage cannot run it alone: its own pre-flight does).
+        if part.whole_trunk and plan.traced:
+            preflight(module, mesh.tp.size(), info.sequence_parallel)
     return tp_report([b for part in parts for b in part.blocks], mesh.tp.size())
 
 
