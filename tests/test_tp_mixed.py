@@ -7,7 +7,8 @@ blocks. Its multi-head latent attention keeps the low-rank projections whole and
 (`lightning_par.parallel.tensor.latent`). Unit tests pin the plans (a user model whose blocks alternate attention and
 feed-forward, as x-transformers lays out its layers; DeepSeek-V3 with and without a low-rank query); the spawned
 jobs train under ``tp`` (2 ranks) and ``pipe_tp`` (pp 2 x tp 2, a stage holding blocks of both structures or part
-of one) against one process. Tolerances as everywhere: fp32 losses and gradient norms 1e-5 relative, SGD +
+of one) against one process, and norms inside split regions (a user model, RoBERTa-PreLayerNorm) under ``tp_zero3``
+and ``tp_zero1`` (tp 2 x dp 2). Tolerances as everywhere: fp32 losses and gradient norms 1e-5 relative, SGD +
 momentum parameters 1e-5 relative / 1e-7 absolute.
 """
 
@@ -36,6 +37,11 @@ JOBS_2: dict[str, dict[str, Any]] = {
 JOBS_4: dict[str, dict[str, Any]] = {
     # Four blocks (dense, MoE, MoE, MoE): stage 0 holds blocks of both structures, stage 1 two of the MoE ones.
     "hf_deepseek_v3_pipe_tp": {"model": "hf_deepseek_v3_4", "strategy": {"pp": 2, "tp": 2}, "dp": 1},
+    # Norms inside the split regions (run whole on every rank, parameters plain): FSDP2 shards them over dp only,
+    # the ZeRO-1 engine reduces them over dp only (their gradients are equal on the tp ranks).
+    "user_inner_norm_tp_zero3": {"model": "user_inner_norm", "strategy": {"tp": 2, "zero_stage": 3}, "dp": 2},
+    "hf_roberta_preln_tp_zero1": {"model": "zoo:roberta-prelayernorm", "strategy": {"tp": 2, "zero_stage": 1},
+                                  "dp": 2},
 }
 ALL = {**JOBS_2, **JOBS_4}
 
