@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from functools import partial
@@ -264,3 +265,31 @@ def block_order(model: nn.Module, blocks: Sequence[nn.Module]) -> list[int] | No
         for h in handles:
             h.remove()
     return order
+
+
+def out_of_order(order: Sequence[int]) -> str:
+    """``""`` when the blocks ran once each, in order; else the order, shown as ``[0, 1, 0, 1]`` for a message (a
+    block run again, a recurrent-depth loop, or out of order: what neither a pipeline nor context parallelism
+    can lay out)."""
+    if all(a < b for a, b in itertools.pairwise(order)):
+        return ""
+    return "[" + ", ".join(map(str, order[:12])) + (", ...]" if len(order) > 12 else "]")
+
+
+@contextlib.contextmanager
+def running_modules(model: nn.Module) -> Iterator[list[str]]:
+    """The names of ``model``'s modules whose forward is in progress, innermost last: after an exception inside
+    the ``with``, the last one is where it was raised (the hooks come off on leaving)."""
+    stack: list[str] = []
+
+    def leave(*_: Any) -> None:
+        stack.pop()
+
+    handles = []
+    for name, mod in model.named_modules():
+        handles += [mod.register_forward_pre_hook(lambda *_, n=name: stack.append(n)), mod.register_forward_hook(leave)]
+    try:
+        yield stack
+    finally:
+        for h in handles:
+            h.remove()

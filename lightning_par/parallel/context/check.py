@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import itertools
-
 from torch import nn
 
-from lightning_par.blocks._probe import block_order
+from lightning_par.blocks._probe import block_order, out_of_order
 from lightning_par.blocks.trunk import Trunk
 
 
@@ -19,10 +17,9 @@ def check_blocks_run_once(module: nn.Module, trunk: Trunk) -> None:
         NotImplementedError: naming the order the probe saw and the fix.
     """
     order = block_order(module, trunk.blocks)
-    if order and any(b <= a for a, b in itertools.pairwise(order)):
-        shown = ", ".join(map(str, order[:12])) + (", ..." if len(order) > 12 else "")
+    if order and (shown := out_of_order(order)):
         raise NotImplementedError(
-            f"the forward calls the blocks of {trunk.path} in the order [{shown}]: a block runs again (a loop over "
+            f"the forward calls the blocks of {trunk.path} in the order {shown}: a block runs again (a loop over "
             "part or all of the trunk) or out of order; context parallelism cuts the sequence where the trunk starts "
             "and gathers it after its last block, once per forward; train this model without it (e.g. "
             "strategy='zero3')"

@@ -20,7 +20,6 @@ eval mode (no dropout) and with the RNG state restored.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Callable
 from functools import partial
 from typing import Any, Optional
@@ -30,7 +29,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_par import _compat
-from lightning_par.blocks._probe import eval_mode, probe_call, writes_in_place
+from lightning_par.blocks._probe import eval_mode, out_of_order, probe_call, writes_in_place
 from lightning_par.blocks.trunk import Trunk
 from lightning_par.nn.moe import MoE
 from lightning_par.parallel.pipeline.cuts import CutRule
@@ -312,10 +311,9 @@ def find_ownership(module: nn.Module, trunk: Trunk, run: Optional[Callable[[], A
         uses = _probe_holder(module, trunk, units, uses)
     if isinstance(uses, str):
         return dataclasses.replace(_by_registration(module, trunk, units, uses), sides=moe_loss_slots(module, trunk))
-    if any(b <= a for a, b in itertools.pairwise(uses.order)):
-        shown = ", ".join(map(str, uses.order[:12])) + (", ..." if len(uses.order) > 12 else "")
+    if shown := out_of_order(uses.order):
         raise PipelineError(
-            f"the forward calls the blocks of {trunk.path} in the order [{shown}]: a block runs again (a loop over "
+            f"the forward calls the blocks of {trunk.path} in the order {shown}: a block runs again (a loop over "
             "part of the trunk, as in recurrent-depth models) or out of order, while a pipeline runs each block once, "
             "in order, on its stage; train this model without pipeline parallelism (e.g. strategy='zero3')"
         )

@@ -14,13 +14,12 @@ too: every rank's copy against the whole block (`lightning_par.parallel.tensor.s
 from __future__ import annotations
 
 import copy
-from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_par.blocks._probe import probe_call
+from lightning_par.blocks._probe import probe_call, running_modules
 from lightning_par.blocks.trunk import find_trunk
 from lightning_par.parallel.tensor.adapters import adapter_leaves
 from lightning_par.parallel.tensor.plan_types import _SHARDED, TPPlan, TPPlanError
@@ -116,38 +115,26 @@ def _check_block(
     prefix = f"{plan.trunk}.*" if plan.trunk else "*"
     split = {k: s for k, s in plan.styles.items() if s in _SHARDED and k.startswith(prefix + ".")}
     local = rank_copy(block, plan, tp, 0)
-    stack: list[str] = []  # the modules running: on an error, the last one is where it was raised
-
-    def enter(name: str, mod: nn.Module, args: Any) -> None:
-        stack.append(name)
-
-    def leave(mod: nn.Module, args: Any, out: Any) -> None:
-        stack.pop()
-
-    handles = []
-    for name, mod in local.named_modules():
-        handles += [mod.register_forward_pre_hook(partial(enter, name)), mod.register_forward_hook(leave)]
-    try:
-        with torch.no_grad():
-            local(*args, **kwargs)
-    except Exception as err:
-        where = stack[-1] if stack else ""
-        pattern = f"{prefix}.{where}" if where else prefix
-        region = [k for k in split if k.startswith(pattern + ".")] or list(split)
-        hint = ", ".join(f'"{k}": "replicate"' for k in region)
-        name = f"{block_name}.{where}" if where else block_name
-        failing = block.get_submodule(where)
-        cause = _per_head_params(failing, plan) or (
-            "its code sizes a split, view or reshape from the full width (e.g. x.size(-1)) rather than from its "
-            "weights or a head-count attribute"
-        )
-        raise TPPlanError(
-            f"tp={tp}: {name} ({type(failing).__name__}) fails on the shapes each rank gets ({type(err).__name__}: "
-            f"{err}); {cause}. Keep that region whole with tp_plan={{{hint}}}, or choose tp=1"
-        ) from err
-    finally:
-        for h in handles:
-            h.remove()
+    with running_modules(local) as stack:  # on an error, the innermost running module is where it was raised
+        try:
+            with torch.no_grad():
+                local(*args, **kwargs)
+            return
+        except Exception as err:
+            where, failed = (stack[-1] if stack else ""), err
+    pattern = f"{prefix}.{where}" if where else prefix
+    region = [k for k in split if k.startswith(pattern + ".")] or list(split)
+    hint = ", ".join(f'"{k}": "replicate"' for k in region)
+    name = f"{block_name}.{where}" if where else block_name
+    failing = block.get_submodule(where)
+    cause = _per_head_params(failing, plan) or (
+        "its code sizes a split, view or reshape from the full width (e.g. x.size(-1)) rather than from its "
+        "weights or a head-count attribute"
+    )
+    raise TPPlanError(
+        f"tp={tp}: {name} ({type(failing).__name__}) fails on the shapes each rank gets ({type(failed).__name__}: "
+        f"{failed}); {cause}. Keep that region whole with tp_plan={{{hint}}}, or choose tp=1"
+    ) from failed
 
 
 def _per_head_params(mod: nn.Module, plan: TPPlan) -> str:

@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from functools import partial
-from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lightning_par.blocks._probe import _is_norm, eval_mode, probe_call
+from lightning_par.blocks._probe import _is_norm, eval_mode, probe_call, running_modules
 from lightning_par.parallel.tensor.adapters import adapter_leaves
 from lightning_par.parallel.tensor.plan_types import TPPlanError
 
@@ -38,32 +36,20 @@ def preflight(model: nn.Module, tp: int, sequence_parallel: bool) -> None:
     """
     if any(p.is_meta for p in model.parameters()):
         return  # built on the meta device: no values yet (the checks before the split ran on its shapes)
-    stack: list[str] = []
-
-    def enter(name: str, *_: Any) -> None:
-        stack.append(name)
-
-    def leave(*_: Any) -> None:
-        stack.pop()
-
-    handles = []
-    for name, mod in model.named_modules():
-        handles += [mod.register_forward_pre_hook(partial(enter, name)), mod.register_forward_hook(leave)]
-    try:
-        with eval_mode(model), torch.no_grad():
-            probe_call(model)
-    except Exception as err:
-        where = stack[-1] if stack else ""
-        kind = type(model.get_submodule(where)).__name__
-        sp = " (sequence parallelism on: also try sequence_parallel=False)" if sequence_parallel else ""
-        raise TPPlanError(
-            f"tp={tp}: the split model's forward fails before training in {where or 'the model'} ({kind}): "
-            f"{type(err).__name__}: {err}; its code meets a split tensor it does not expect. Train it without tensor "
-            f"parallelism (tp=1){sp}"
-        ) from err
-    finally:
-        for h in handles:
-            h.remove()
+    with running_modules(model) as stack:
+        try:
+            with eval_mode(model), torch.no_grad():
+                probe_call(model)
+            return
+        except Exception as err:
+            where, failed = (stack[-1] if stack else ""), err
+    kind = type(model.get_submodule(where)).__name__
+    sp = " (sequence parallelism on: also try sequence_parallel=False)" if sequence_parallel else ""
+    raise TPPlanError(
+        f"tp={tp}: the split model's forward fails before training in {where or 'the model'} ({kind}): "
+        f"{type(failed).__name__}: {failed}; its code meets a split tensor it does not expect. Train it without tensor "
+        f"parallelism (tp=1){sp}"
+    ) from failed
 
 
 _WHY = {
