@@ -23,6 +23,7 @@ from lightning_par.checkpoint import export_hf
 from lightning_par.checkpoint.consolidate import main as consolidate_main
 from lightning_par.checkpoint.pretrained.load import PretrainedError, load_pretrained
 from lightning_par.checkpoint.pretrained.names import PrefixRewrite, choose_rewrite
+from lightning_par.utils import clean_exit
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -320,8 +321,7 @@ def _worker(rank: int, world: int, store: str, files: dict[str, Path], out: str)
     except PretrainedError as err:
         result["refused"] = str(err)
     torch.save(result, f"{out}.{rank}")
-    dist.barrier()
-    dist.destroy_process_group()
+    clean_exit()  # barrier, teardown, os._exit: gloo ranks may abort at interpreter exit (docs/testing.md)
 
 
 def _spawn(world: int, files: dict[str, Path], tmp: Path) -> list[dict[str, Any]]:
