@@ -118,8 +118,11 @@ def sweep_main(argv: list[str]) -> None:
     parser.add_argument("--out", type=Path, default=Path("sweeps"), help="trial logs, metrics and results.json")
     parser.add_argument("--study-name", default=None, help="the study and W&B group name")
     parser.add_argument("--storage", default=None, help="Optuna storage URL, e.g. sqlite:///sweep.db (resumable)")
-    parser.add_argument("--ray-address", default=None,
-                        help="backend: ray only: the Ray cluster (auto: the running one; default: start a local one)")
+    parser.add_argument(
+        "--ray-address",
+        default=None,
+        help="backend: ray only: the Ray cluster (auto: the running one; default: start a local one)",
+    )
     args = parser.parse_args(argv)
     try:
         space = load_space(args.space)

@@ -329,6 +329,8 @@ def _weight_sum(module: torch.nn.Module) -> float:
 
 
 _PROBE = {"vocab_size": 258, "block_size": 34, "n_layer": 3, "n_head": 4, "n_embd": 36, "lr": 3e-3}
+
+
 class _Models(dict):
     """The registry, and ``zoo:<model_type>``: any causal LM of the installed transformers, shrunk (tests/_zoo.py;
     ``zoo:<model_type>:sdpa`` with SDPA attention)."""

@@ -212,4 +212,3 @@ class ShardedCheckpoints:
         self.saving_async = False
         if self.saver is not None:
             self.saver.release()
-

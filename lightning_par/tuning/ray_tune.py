@@ -33,7 +33,7 @@ def require_ray() -> None:
         import ray.tune  # noqa: F401
     except ImportError as err:
         raise SpaceError(
-            f"backend: ray needs Ray Tune and Optuna ({err}); install them with: pip install \"lightning-par[tune]\""
+            f'backend: ray needs Ray Tune and Optuna ({err}); install them with: pip install "lightning-par[tune]"'
         ) from err
 
 
@@ -221,14 +221,21 @@ def run_ray_sweep(recipe: Path, space: Space, out: Path, study_name: Optional[st
         tuner = tune.Tuner(
             tune.with_resources(trainable, resources),
             tune_config=tune.TuneConfig(
-                metric=space.metric, mode=mode, search_alg=searcher,
-                scheduler=_scheduler(space), num_samples=space.trials, max_concurrent_trials=space.max_concurrent,
+                metric=space.metric,
+                mode=mode,
+                search_alg=searcher,
+                scheduler=_scheduler(space),
+                num_samples=space.trials,
+                max_concurrent_trials=space.max_concurrent,
                 trial_name_creator=_TrialNames(name),
                 trial_dirname_creator=_trial_dirname,
             ),
             run_config=tune.RunConfig(
-                name=name, storage_path=str(out / "ray"), callbacks=[recorder],
-                failure_config=tune.FailureConfig(max_failures=0), verbose=1,
+                name=name,
+                storage_path=str(out / "ray"),
+                callbacks=[recorder],
+                failure_config=tune.FailureConfig(max_failures=0),
+                verbose=1,
             ),
         )
         tuner.fit()  # a failed trial is recorded (on_trial_error), not raised

@@ -63,8 +63,16 @@ def trial_env(study_name: str, run_name: str) -> dict[str, str]:
     return {**os.environ, "WANDB_RUN_GROUP": study_name, "WANDB_NAME": run_name}
 
 
-def run_trial(recipe: Path, space: Space, out: Path, number: int, values: dict[str, Any], study_name: str,
-              on_report: Callable[[dict[str, Any]], None], cwd: Optional[Path] = None) -> list[dict[str, Any]]:
+def run_trial(
+    recipe: Path,
+    space: Space,
+    out: Path,
+    number: int,
+    values: dict[str, Any],
+    study_name: str,
+    on_report: Callable[[dict[str, Any]], None],
+    cwd: Optional[Path] = None,
+) -> list[dict[str, Any]]:
     """Run trial ``number`` (``out/trial-<number>.log`` and ``.metrics.jsonl``) and return what it reported.
 
     Args:

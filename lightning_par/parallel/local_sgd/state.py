@@ -55,6 +55,7 @@ class ReplicatedZero(Protocol):
 
     def distribute_state(self, name: str, value: Any) -> Any: ...
 
+
 MOMENTUM = "outer_momentum"
 
 

@@ -280,8 +280,10 @@ def _apply_blocks(
                 mod.register_forward_pre_hook(whole.before, with_kwargs=True)
                 mod.register_forward_hook(whole.after)
         if seq is not None:  # after the styles' own output hooks: the padding goes on the local slice
-            for rel in [*(r for r, s in rel_styles.items() if s == "rowwise"), *(r for r, (s, _) in follows.items()
-                                                                               if s == "rowwise")]:
+            for rel in [
+                *(r for r, s in rel_styles.items() if s == "rowwise"),
+                *(r for r, (s, _) in follows.items() if s == "rowwise"),
+            ]:
                 block.get_submodule(rel).register_forward_hook(partial(pad_region_output, mesh, seq))
         apply_latents(block, plan, prefix, mesh)
     _set_local_head_counts([b for _, b in blocks], plan, prefix, tp)
