@@ -418,6 +418,10 @@ MODELS: dict[str, Any] = _Models({
     "skip_groups": lambda: SkipLM("groups"),  # skip connections inside groups of blocks: one cut keeps the values
     "skip_unet": lambda: SkipLM("unet"),  # skip connections across every cut: pipelines refuse it
     "torch_encoder": TorchEncoderLM,  # nn.TransformerEncoder: its forward reads the first layer's attributes
+    "torch_causal_encoder": lambda: _mha_models().CausalEncoderLM(),  # sequence-first, float mask, is_causal
+    "user_mha": lambda: _mha_models().UserMHALM(),  # nn.MultiheadAttention called by the user's blocks
+    "user_mha_block_mask": lambda: _mha_models().UserMHALM(mask_in_block=True),  # mask sized from the block input
+    "torch_decoder": lambda: _mha_models().CrossDecoderLM(),  # cross-attention to a memory every block reads
     "permuted_views": PermutedLM,  # blocks return non-contiguous views: a pipeline's wire must be dense
     "dict_trunk": lambda: DictTrunkLM(),
     "gpt4_tied_sgd": lambda: SGDGPT(vocab_size=256, block_size=32, n_layer=4, n_head=4, n_embd=32, tie_weights=True),
@@ -448,6 +452,7 @@ MODELS: dict[str, Any] = _Models({
 # transformers, _families_moe and _hf_models transformers).
 _families_moe = functools.partial(importlib.import_module, "_families_moe")
 _tp_mixed_models = functools.partial(importlib.import_module, "_tp_mixed_models")
+_mha_models = functools.partial(importlib.import_module, "_mha_models")
 _families = functools.partial(importlib.import_module, "_families")
 _lora_models = functools.partial(importlib.import_module, "_lora_models")
 _hf_models = functools.partial(importlib.import_module, "_hf_models")

@@ -7,7 +7,8 @@ Hugging Face ViT (17 tokens: sequence parallelism pads the stream), BERT (q/k/v 
 modules, post-norm), our GPT on a 17-token sequence, a fused qkv laid out per k/v group, and fused ``[gate | up]`` MLPs
 (Hugging Face Phi-3, a user's GLU block), and one key/value head for 4 query heads, replicated over the tp ranks
 (Hugging Face Llama and Falcon, a user's multi-query attention), and a norm inside the split attention / MLP module
-(Hugging Face RoBERTa-PreLayerNorm, a user's model, with and without sequence parallelism). Checkpoints written
+(Hugging Face RoBERTa-PreLayerNorm, a user's model, with and without sequence parallelism), and torch's own
+``nn.MultiheadAttention`` (``nn.TransformerEncoder`` / ``nn.TransformerDecoder``, a user's blocks). Checkpoints written
 under tp resume under zero2; a nanoGPT-style attention sizing its split by the input width is refused at setup.
 """
 
@@ -44,8 +45,17 @@ FAMILIES = {
     "hf_roberta_preln": {"model": "zoo:roberta-prelayernorm"},
     "user_inner_norm": {"model": "user_inner_norm"},
     "user_inner_norm_nosp": {"model": "user_inner_norm", "strategy": {"tp": 2, "sequence_parallel": False}},
-    # torch's nn.TransformerEncoder: its nn.MultiheadAttention (packed in_proj_weight) is kept whole, and said so.
+    # torch's nn.MultiheadAttention (packed in_proj_weight, called through F.multi_head_attention_forward): split by
+    # heads in nn.TransformerEncoder; in torch's sequence-first layout with a float causal mask; called by a user's
+    # blocks with a boolean mask, using the head-averaged weights it returns; as the cross-attention of
+    # nn.TransformerDecoder, whose memory every block reads.
     "torch_encoder": {"model": "torch_encoder"},
+    "torch_causal_encoder": {"model": "torch_causal_encoder"},
+    "user_mha": {"model": "user_mha"},
+    "user_mha_17": {"model": "user_mha", "seq_len": 17},  # its weights padded on the stream like the hidden state
+    # Its mask sized from the block's input: without sequence parallelism (with it: refused before training, below).
+    "user_mha_block_mask": {"model": "user_mha_block_mask", "strategy": {"tp": 2, "sequence_parallel": False}},
+    "torch_decoder": {"model": "torch_decoder"},
 }
 # Parameters tp=2 splits (the rest, row-split biases included, stay whole on every rank).
 SPLIT = {
@@ -63,6 +73,13 @@ SPLIT = {
     "hf_bert": r"\.layer\.\d+\.(attention\.self\.(query|key|value)|attention\.output\.dense|intermediate\.dense|"
     r"output\.dense)\.weight$|\.layer\.\d+\.(attention\.self\.(query|key|value)|intermediate\.dense)\.bias$",
 }
+_MHA = r"\.(self_attn|multihead_attn|attn)\.(in_proj_weight|in_proj_bias|out_proj\.weight)$"
+SPLIT.update({
+    "torch_encoder": _MHA + r"|\.linear1\.(weight|bias)$|\.linear2\.weight$",
+    "torch_causal_encoder": _MHA + r"|\.linear1\.(weight|bias)$|\.linear2\.weight$",
+    "user_mha": _MHA + r"|\.mlp\.0\.(weight|bias)$|\.mlp\.2\.weight$",
+    "torch_decoder": _MHA + r"|\.linear1\.(weight|bias)$|\.linear2\.weight$",
+})  # fmt: skip
 RESUMED = ("hf_gpt2", "litgpt_llama")  # a checkpoint under tp, resumed under zero2 (fused layouts written whole)
 
 
@@ -84,12 +101,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         jobs += _resume_jobs(m, str(tmp / f"ckpt_{m}"))
     jobs.append({"model": "nano_lm", "strategy": "tp", "dp": 1, "expect_error": True})
     jobs.append({"model": "zoo:qwen4_exp_text", "strategy": "tp", "dp": 1, "expect_error": True})
+    jobs.append({"model": "user_mha_block_mask", "strategy": "tp", "dp": 1, "expect_error": True})
     got = run_jobs(tmp, jobs, nproc=2, timeout=600)
     n = len(FAMILIES)
     resumed = {m: (got[n + 2 * i], got[n + 2 * i + 1]) for i, m in enumerate(RESUMED)}
     out = {"ref": dict(zip(FAMILIES, refs, strict=True)), "tp": dict(zip(FAMILIES, got[:n], strict=True))}
     out["resumed"] = resumed
-    return {**out, "refused": got[-2], "preflight": got[-1]}
+    return {**out, "refused": got[-3], "preflight": got[-2], "preflight_sp": got[-1]}
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -137,16 +155,19 @@ def test_code_assuming_full_widths_is_refused_at_setup(runs: dict[str, Any]) -> 
 
 
 def test_the_start_up_report_says_what_is_split_and_what_is_kept_whole(runs: dict[str, Any]) -> None:
-    # A partial plan is never a surprise: torch's nn.MultiheadAttention is kept whole (only the MLP is split), and
-    # the line says how much of the blocks each rank holds, computed here from the parameters themselves.
+    # A partial plan is never a surprise: the line says how much of the blocks each rank holds (computed here from the
+    # parameters themselves) and what stays whole. torch's nn.MultiheadAttention is split with the MLP: only the
+    # norms and the row-split biases stay whole (the norms on the sequence shard where the MLP is a submodule).
     got = runs["tp"]["torch_encoder"]
     blocks = {k: t.numel() for k, t in got["params"].items() if ".layers." in k}
-    split = sum(n for k, n in blocks.items() if re.search(r"\.linear1\.(weight|bias)$|\.linear2\.weight$", k))
+    split = sum(n for k, n in blocks.items() if re.search(SPLIT["torch_encoder"], k))
     share = (sum(blocks.values()) - split / 2) / sum(blocks.values())
     (line,) = [x for x in got["startup"] if x.startswith("tensor parallel tp=2")]
     assert f"each rank holds {share:.2f} of the blocks' parameters (1/tp = 0.50)" in line
-    assert "kept whole: encoder.layers.*.self_attn (torch's packed q/k/v attention, not split)" in line
-    assert "linear1" not in line and "linear2" not in line  # split (linear2's bias stays whole with it)
+    assert line.endswith("kept whole: encoder.layers.*.norm1 (norm), encoder.layers.*.norm2 (norm)")  # split: the rest
+    (user,) = [x for x in runs["tp"]["user_mha"]["startup"] if x.startswith("tensor parallel")]
+    assert user.endswith("kept whole: blocks.*.ln1 (norm, on the sequence shard), blocks.*.ln2 (norm, on the sequence "
+                         "shard)")  # fmt: skip
     (llama,) = [x for x in runs["tp"]["hf_llama_mqa"]["startup"] if x.startswith("tensor parallel")]
     assert "each rank holds 0.50 of the blocks' parameters" in llama and "(norm, on the sequence shard)" in llama
 
@@ -154,9 +175,19 @@ def test_the_start_up_report_says_what_is_split_and_what_is_kept_whole(runs: dic
 def test_a_split_model_whose_forward_fails_is_refused_before_the_first_step(runs: dict[str, Any]) -> None:
     # Hugging Face Qwen4-Exp (shrunk by the zoo's rule): its hyper-connections mix the hidden state with weights of
     # their own around the split attention; the zoo sweep found it crashing in the first step. The pre-flight runs
-    # the split model once before training (parallel/tensor/startup.py) and names the module and a correct fix.
+    # the split model once before training (parallel/tensor/check.py) and names the module and a correct fix.
     got = runs["preflight"]
     assert got["losses"] == []
     assert got["error"].startswith("TPPlanError: tp=2: the split model's forward fails before training in model.model.")
     assert "attn_hyper_connection (Qwen4ExpTextGatedResidual): RuntimeError: aten.mul.Tensor got mixed" in got["error"]
     assert got["error"].endswith("Train it without tensor parallelism (tp=1)")
+
+
+def test_a_mask_sized_from_the_sequence_shard_is_refused_before_the_first_step(runs: dict[str, Any]) -> None:
+    # Under sequence parallelism a block's input is this rank's part of the sequence: a causal mask sized from it
+    # does not fit the gathered attention. The pre-flight finds it before training and names sequence_parallel=False,
+    # under which the same model trains with parity (user_mha_block_mask, above).
+    got = runs["preflight_sp"]
+    assert got["losses"] == []
+    assert "the split model's forward fails before training in blocks.0.attn (MultiheadAttention)" in got["error"]
+    assert "also try sequence_parallel=False" in got["error"]

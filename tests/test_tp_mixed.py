@@ -7,9 +7,10 @@ blocks. Its multi-head latent attention keeps the low-rank projections whole and
 (`lightning_par.parallel.tensor.latent`). Unit tests pin the plans (a user model whose blocks alternate attention and
 feed-forward, as x-transformers lays out its layers; DeepSeek-V3 with and without a low-rank query); the spawned
 jobs train under ``tp`` (2 ranks) and ``pipe_tp`` (pp 2 x tp 2, a stage holding blocks of both structures or part
-of one) against one process, and norms inside split regions (a user model, RoBERTa-PreLayerNorm) under ``tp_zero3``
-and ``tp_zero1`` (tp 2 x dp 2). Tolerances as everywhere: fp32 losses and gradient norms 1e-5 relative, SGD +
-momentum parameters 1e-5 relative / 1e-7 absolute.
+of one) against one process, norms inside split regions (a user model, RoBERTa-PreLayerNorm) under ``tp_zero3``
+and ``tp_zero1`` (tp 2 x dp 2), and torch's ``nn.MultiheadAttention`` under ``tp_zero3`` and ``pipe_tp``.
+Tolerances as everywhere: fp32 losses and gradient norms 1e-5 relative, SGD + momentum parameters 1e-5 relative /
+1e-7 absolute.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ JOBS_2: dict[str, dict[str, Any]] = {
     "hf_deepseek_v3_qlora_tp": {"model": "hf_deepseek_v3_qlora", "strategy": {"tp": 2}, "dp": 1},
     # Sequence parallelism on (no MoE): one sequence split across blocks of both structures.
     "user_alternating_tp": {"model": "user_alternating", "strategy": {"tp": 2}, "dp": 1},
+    # A user's MoE whose attention is nn.MultiheadAttention: the attention split by heads, the experts kept whole.
+    "user_moe_list_tp": {"model": "user_moe_list", "strategy": {"tp": 2}, "dp": 1},
 }
 JOBS_4: dict[str, dict[str, Any]] = {
     # Four blocks (dense, MoE, MoE, MoE): stage 0 holds blocks of both structures, stage 1 two of the MoE ones.
@@ -40,8 +43,12 @@ JOBS_4: dict[str, dict[str, Any]] = {
     # Norms inside the split regions (run whole on every rank, parameters plain): FSDP2 shards them over dp only,
     # the ZeRO-1 engine reduces them over dp only (their gradients are equal on the tp ranks).
     "user_inner_norm_tp_zero3": {"model": "user_inner_norm", "strategy": {"tp": 2, "zero_stage": 3}, "dp": 2},
-    "hf_roberta_preln_tp_zero1": {"model": "zoo:roberta-prelayernorm", "strategy": {"tp": 2, "zero_stage": 1},
-                                  "dp": 2},
+    "hf_roberta_preln_tp_zero1": {"model": "zoo:roberta-prelayernorm", "strategy": {"tp": 2, "zero_stage": 1}, "dp": 2},
+    # torch's nn.MultiheadAttention split by heads (parallel/tensor/mha.py): its packed q/k/v a _StridedShard that
+    # FSDP2 shards again over dp; and in pipeline stages (pp 2 x tp 2, four nn.TransformerEncoderLayer blocks).
+    "torch_decoder_tp_zero3": {"model": "torch_decoder", "strategy": {"tp": 2, "zero_stage": 3}, "dp": 2},
+    "torch_encoder_pipe_tp": {"model": "torch_encoder", "strategy": {"pp": 2, "tp": 2}, "dp": 1},
+    "user_moe_list_pipe_tp": {"model": "user_moe_list_4", "strategy": {"pp": 2, "tp": 2}, "dp": 1},
 }
 ALL = {**JOBS_2, **JOBS_4}
 

@@ -32,10 +32,9 @@ from lightning_par.parallel.parts import ModelPart
 from lightning_par.parallel.pipeline.split import PipelineSplit, split_pipeline
 from lightning_par.parallel.run import ParallelRun
 from lightning_par.parallel.tensor.apply import apply_tensor_parallel
-from lightning_par.parallel.tensor.check import check_local_shapes
+from lightning_par.parallel.tensor.check import check_local_shapes, preflight, tp_report
 from lightning_par.parallel.tensor.plan import TPPlan, infer_tp_plan
 from lightning_par.parallel.tensor.plan_validate import validate_tp
-from lightning_par.parallel.tensor.startup import preflight, tp_report
 from lightning_par.parallel.zero.fsdp import StepRoot, apply_fsdp, sync_module_states
 from lightning_par.parallel.zero.replicated import ReplicatedZero
 

@@ -44,6 +44,7 @@ from lightning_par.parallel.tensor.affine import apply_affine
 from lightning_par.parallel.tensor.heads import apply_colwise_norm, apply_head_norm, apply_head_params, local_output
 from lightning_par.parallel.tensor.kv_heads import kv_parts, kv_replicas, local_count, part_rows
 from lightning_par.parallel.tensor.latent import apply_latents
+from lightning_par.parallel.tensor.mha import apply_mha
 from lightning_par.parallel.tensor.plan_affine import affine
 from lightning_par.parallel.tensor.plan_types import HeadInfo, MLPInfo, TPPlan, TPPlanError
 from lightning_par.parallel.tensor.sequence import (
@@ -234,6 +235,10 @@ def _apply_blocks(
         styles: dict[str, Any] = {}
         for rel, style in {**rel_styles, **{r: s for r, (s, _) in follows.items()}}.items():
             base = base_of[rel]
+            if style in _SPLIT and isinstance(mha := block.get_submodule(rel), nn.MultiheadAttention):  # tensor/mha.py
+                apply_mha(mha, mesh, seq)
+                changed[f"{name}.{rel}"] = style
+                continue
             own = _own_style(block.get_submodule(rel), fused.get(base) if style != "rowwise" else None)
             if style in _SPLIT and (own or (base in kv and style != "rowwise")):
                 # Not an nn.Linear (Conv1D), fused parts of unequal widths, or key/value heads replicated over

@@ -1,7 +1,7 @@
-"""Run block 0 (the first block of each structure) once on the shapes tensor parallelism gives each rank, before
-any weight is split.
+"""What tensor parallelism checks and reports at set-up, before the first step.
 
-A plan can be right about widths and still meet code that assumes the full width: nanoGPT-style
+**Before the split**, block 0 (the first block of each structure) runs once on the shapes tensor parallelism gives
+each rank. A plan can be right about widths and still meet code that assumes the full width: nanoGPT-style
 ``q, k, v = qkv.split(C, dim=2)`` with ``C = x.size(-1)``, or ``y.view(B, T, C)``, read sizes from the input, which
 tp does not change, instead of from a head-count attribute tp rewrites. Under tp that fails inside forward with an
 unrelated error (``not enough values to unpack``). Here a copy of block 0 gets rank 0's slices of its split
@@ -9,17 +9,30 @@ projections and the per-rank head counts and runs on the input the real block 0 
 in eval mode, no gradients, on the model's device: meta works); a failure is reported before training, naming the
 module, the error and the ``tp_plan`` that keeps that region whole. Where the shapes agree, the values are checked
 too: every rank's copy against the whole block (`lightning_par.parallel.tensor.simulate`).
+
+**After the split**, the pre-flight runs one forward of the whole split model on the probe's input (eval mode, no
+gradients) on every tp rank. Code around and between the regions can still meet a DTensor it does not expect
+(Hugging Face Qwen4-Exp's hyper-connections mix the hidden state with weights of their own before the attention:
+"aten.mul.Tensor got mixed torch.Tensor and DTensor"). That failure stops set-up with the module that raised it and
+a fix that is always correct, instead of the first step crashing; every tp rank runs the same code on the same
+input, so all of them fail alike. Then the start-up report: how much of the blocks' parameters a rank holds, and
+what tp keeps whole inside the blocks and why, so that a partial plan (an attention tp cannot split, a kept-whole
+MLP) is never a surprise.
 """
 
 from __future__ import annotations
 
 import copy
+import re
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-from lightning_par.blocks._probe import probe_call, running_modules
+from lightning_par import _compat
+from lightning_par.blocks._probe import _is_norm, eval_mode, probe_call, running_modules
 from lightning_par.blocks.trunk import find_trunk
 from lightning_par.parallel.tensor.adapters import adapter_leaves
 from lightning_par.parallel.tensor.plan_types import _SHARDED, TPPlan, TPPlanError
@@ -147,3 +160,76 @@ def _per_head_params(mod: nn.Module, plan: TPPlan) -> str:
     if not found:
         return ""
     return f"it owns per-head parameters ({', '.join(found)}) that tensor parallelism does not split"
+
+
+def preflight(model: nn.Module, tp: int, sequence_parallel: bool) -> None:
+    """Run ``model`` (already split over ``tp`` ranks) once on the probe's input; call it only where the same probe
+    ran the whole model (`TPPlan.traced`), so that a failure is the split's.
+
+    Raises:
+        TPPlanError: the forward failed; names the innermost module running, the error and the fix.
+    """
+    if any(p.is_meta for p in model.parameters()):
+        return  # built on the meta device: no values yet (the checks before the split ran on its shapes)
+    with running_modules(model) as stack:
+        try:
+            with eval_mode(model), torch.no_grad():
+                probe_call(model)
+            return
+        except Exception as err:
+            where, failed = (stack[-1] if stack else ""), err
+    kind = type(model.get_submodule(where)).__name__
+    sp = " (sequence parallelism on: also try sequence_parallel=False)" if sequence_parallel else ""
+    raise TPPlanError(
+        f"tp={tp}: the split model's forward fails before training in {where or 'the model'} ({kind}): "
+        f"{type(failed).__name__}: {failed}; its code meets a split tensor it does not expect. Train it without tensor "
+        f"parallelism (tp=1){sp}"
+    ) from failed
+
+
+_WHY = {
+    nn.MultiheadAttention: "nn.MultiheadAttention with kdim/vdim, bias_k/bias_v or add_zero_attn, not split",
+    nn.Linear: "a projection in no column/row pair",
+}
+
+
+def _is_split(placement: Any) -> bool:
+    # A fused projection's chunk-by-chunk split (_StridedShard) is no Shard subclass in torch 2.13.
+    return bool(placement.is_shard()) or isinstance(placement, _compat.StridedShard)
+
+
+def _why(mod: nn.Module, params: list[nn.Parameter]) -> str:
+    if _is_norm(mod):
+        return "norm, on the sequence shard" if any(isinstance(p, DTensor) for p in params) else "norm"
+    return next((why for kind, why in _WHY.items() if isinstance(mod, kind)), type(mod).__name__)
+
+
+def tp_report(blocks: Sequence[tuple[str, nn.Module]], tp: int, shown: int = 6) -> str:
+    """One line for the start-up log, after `apply_tensor_parallel` split ``blocks`` (this rank's: a pipeline
+    stage's under ``pipe_tp``): the share of their parameters one rank holds (``1 / tp`` when all is split) and
+    the modules whose parameters stay whole, by pattern, with the reason."""
+    local = total = 0
+    whole: dict[str, tuple[str, int]] = {}
+    adapters = {name: adapter_leaves(block) for name, block in blocks}
+    for name, block in blocks:
+        for rel, mod in block.named_modules():
+            own = [p for _, p in mod.named_parameters(recurse=False)]
+            if not own:
+                continue
+            total += sum(p.numel() for p in own)
+            local += sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in own)
+            if any(isinstance(p, DTensor) and any(_is_split(pl) for pl in p.placements) for p in own):
+                continue  # split (a row split's bias stays whole with it)
+            key = re.sub(r"\.\d+(?=\.|$)", ".*", f"{name}.{rel}" if rel else name, count=1)
+            why = "low-rank adapter, whole while its pair is split" if rel in adapters.get(name, ()) else _why(mod, own)
+            whole[key] = (why, whole.get(key, (why, 0))[1] + sum(p.numel() for p in own))
+    if not total:
+        return f"tensor parallel tp={tp}: the blocks hold no parameters"
+    big = sorted(whole.items(), key=lambda kv: -kv[1][1])
+    listed = ", ".join(f"{k} ({why})" for k, (why, _) in big[:shown]) + (
+        f", +{len(big) - shown} more" if len(big) > shown else ""
+    )
+    line = (
+        f"tensor parallel tp={tp}: each rank holds {local / total:.2f} of the blocks' parameters (1/tp = {1 / tp:.2f})"
+    )
+    return line + (f"; kept whole: {listed}" if big else "")

@@ -17,10 +17,12 @@ from torch import nn
 from lightning_par.blocks._probe import _is_norm, _norm_size, _registration_order, _Trace, _trace_blocks
 from lightning_par.blocks.trunk import Trunk, find_trunk
 from lightning_par.parallel.experts.finder import find_moe_layers
+from lightning_par.parallel.tensor.mha import add_to_plan, check_pairs, splittable
 from lightning_par.parallel.tensor.plan_affine import affine, affine_modules
-from lightning_par.parallel.tensor.plan_pairs import _in, _Inference, _Region
+from lightning_par.parallel.tensor.plan_pairs import _in, _Inference, _outer_roles, _Region
 from lightning_par.parallel.tensor.plan_types import (
     _ALLOWED,
+    _SPARE,
     _SPLIT_NORMS,
     ALIASES,
     STYLES,
@@ -128,6 +130,7 @@ def infer_tp_plan(model: nn.Module, *, overrides: dict[str, str] | None = None) 
     inferred = dict(styles)
     covered = _override(styles, shapes, fused, chunked, overrides or {})
     _check_split_norms(styles, inferred, split_norms, covered)
+    check_pairs(styles, heads)
     for h in heads.values():
         if any(styles.get(p) != "replicate" for p in h.latent) and any(
             styles.get(p) == "colwise" for p in h.projections
@@ -256,8 +259,11 @@ def _infer_group(
             mlps[key if key not in mlps else inf.pat(r.out)] = MLPInfo(r.hidden, gated, projs, region, r.mlp_fused)
     shapes = {inf.pat(n): s for n, m in kept.items() if (s := _shape(m)) is not None}
     _head_params(inf, regions, heads)
+    chunked, inplace = inf.output_uses()
+    # torch's nn.MultiheadAttention: its packed q/k/v is no Linear the probe sees (parallel/tensor/mha.py).
+    notes = add_to_plan(kept, inf.pat, styles, heads, shapes, notes)
     notes += [f"kept whole (mixture of experts): {inf.pat(w)}" for w in whole]
-    return _Group(got, traced, styles, heads, mlps, shapes, split_norms, inf.problems, notes, whole, *inf.output_uses())
+    return _Group(got, traced, styles, heads, mlps, shapes, split_norms, inf.problems, notes, whole, chunked, inplace)
 
 
 def _split_norm(
@@ -343,7 +349,7 @@ def _block_styles(
             # Norms on the residual stream, outside every pair and region, can run on a sequence shard.
             on_stream = size == tr.hidden and (n in inf.idx if traced else "." not in n) and not _in(n, regions)
             styles[pat(n)] = "sequence_parallel" if on_stream else "replicate"
-    if not regions and not inf.problems:
+    if not regions and not inf.problems and not any(splittable(m) for m in inf.mods.values()):
         inf.problem(
             f"found no attention or MLP in {inf.block_name}: no Linear back to the hidden width {tr.hidden} is "
             f"the only reader of other Linears ({inf.desc(lin)})",
@@ -352,7 +358,7 @@ def _block_styles(
     latent = {k for r in regions if r.head for k in r.head.latent}
     spare = [pat(n) for n in lin if n not in colwise and n not in rowwise and pat(n) not in latent]
     if spare and regions:
-        notes.append(f"replicated, not in a column/row pair: {', '.join(spare)}")
+        notes.append(_SPARE + ", ".join(spare))
     if fused & inf.guessed:
         fused = fused & inf.guessed
         notes.append(
@@ -360,19 +366,6 @@ def _block_styles(
             "interleaved one (GPT-NeoX query_key_value) override it with 'colwise'"
         )
     return styles, regions, split_norms
-
-
-def _outer_roles(tr: _Trace, sh: dict[str, ModuleShape]) -> tuple[int | None, str | None, str | None, str | None]:
-    """Vocabulary size, token embedding, output head and final norm, by their place around the trunk."""
-    before, after = tr.outer[: tr.marker], tr.outer[tr.marker :]
-    heads = [n for n in after if sh[n].kind == "linear" and sh[n].in_dim == tr.hidden]
-    output = heads[-1] if heads else None
-    vocab = sh[output].out_dim if output else None
-    embeds = [n for n in before if sh[n].kind == "embedding" and sh[n].in_dim == (vocab or sh[n].in_dim)]
-    vocab = vocab or (sh[embeds[0]].in_dim if embeds else None)
-    norms = [n for n in after[: after.index(output) if output else None] if sh[n].kind == "norm"]
-    norms = [n for n in norms if sh[n].in_dim == tr.hidden]
-    return vocab, embeds[0] if embeds else None, output, norms[-1] if norms else None
 
 
 def _override(

@@ -20,7 +20,7 @@ from lightning_par.blocks._probe import _Trace, writes_in_place
 from lightning_par.blocks.trunk import Trunk
 from lightning_par.parallel.tensor.adapters import adapter_leaves, find_adapters
 from lightning_par.parallel.tensor.plan_affine import Affine
-from lightning_par.parallel.tensor.plan_types import STYLES, HeadInfo
+from lightning_par.parallel.tensor.plan_types import STYLES, HeadInfo, ModuleShape
 
 _HEAD_DIM = ("head_dim", "head_size", "attention_head_size", "d_head")
 _N_HEADS = ("n_heads", "n_head", "num_heads", "num_attention_heads")
@@ -361,3 +361,16 @@ class _Inference:
             and (r := readers[p] - {o})
             and r.issubset(ins)
         ]
+
+
+def _outer_roles(tr: _Trace, sh: dict[str, ModuleShape]) -> tuple[int | None, str | None, str | None, str | None]:
+    """Vocabulary size, token embedding, output head and final norm, by their place around the trunk."""
+    before, after = tr.outer[: tr.marker], tr.outer[tr.marker :]
+    heads = [n for n in after if sh[n].kind == "linear" and sh[n].in_dim == tr.hidden]
+    output = heads[-1] if heads else None
+    vocab = sh[output].out_dim if output else None
+    embeds = [n for n in before if sh[n].kind == "embedding" and sh[n].in_dim == (vocab or sh[n].in_dim)]
+    vocab = vocab or (sh[embeds[0]].in_dim if embeds else None)
+    norms = [n for n in after[: after.index(output) if output else None] if sh[n].kind == "norm"]
+    norms = [n for n in norms if sh[n].in_dim == tr.hidden]
+    return vocab, embeds[0] if embeds else None, output, norms[-1] if norms else None

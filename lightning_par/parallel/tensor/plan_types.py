@@ -16,7 +16,9 @@ _ALLOWED = {
     "linear": ("colwise", "rowwise", "colwise_fused", "replicate"),
     "embedding": ("colwise", "rowwise", "replicate"),
     "norm": ("sequence_parallel", *_SPLIT_NORMS, "replicate"),
+    "attention": ("colwise_fused", "replicate"),  # torch's nn.MultiheadAttention: its packed q/k/v
 }
+_SPARE = "replicated, not in a column/row pair: "  # the note naming block projections no pair took
 
 
 class TPPlanError(ValueError):

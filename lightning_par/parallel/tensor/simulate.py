@@ -25,6 +25,7 @@ from lightning_par import _compat
 from lightning_par.parallel.tensor.adapters import adapter_styles, find_adapters
 from lightning_par.parallel.tensor.apply import _head_params, _set_local_head_counts
 from lightning_par.parallel.tensor.kv_heads import kv_parts, kv_replicas, part_rows
+from lightning_par.parallel.tensor.mha import slice_for_rank
 from lightning_par.parallel.tensor.plan_affine import affine
 from lightning_par.parallel.tensor.plan_types import _SHARDED, TPPlan, TPPlanError
 
@@ -41,6 +42,10 @@ def _rows(plan: TPPlan, key: str, tp: int, rank: int) -> torch.Tensor:
 
 
 def _slice(mod: nn.Module, style: str, rows: torch.Tensor | None, tp: int, rank: int) -> None:
+    if isinstance(mod, nn.MultiheadAttention):  # torch's packed q/k/v (parallel/tensor/mha.py)
+        assert rows is not None
+        slice_for_rank(mod, rows.to(mod.in_proj_weight.device), tp, rank)
+        return
     layout = affine(mod)
     assert layout is not None  # the plan styled it as a projection
     out_dim, in_dim = (1, 0) if layout.transposed else (0, 1)
@@ -123,11 +128,16 @@ def check_values(
     def fp32(x: Any) -> Any:
         return x.float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
 
-    whole_seen: dict[str, list[torch.Tensor]] = {k: [] for k in outs}
+    # torch's nn.MultiheadAttention also returns attention weights over all heads: on a rank's copy they are its
+    # heads' share (parallel/tensor/mha.py), summed over the ranks like a row-split output.
+    mhas = [rel for rel in _split(plan, block) if isinstance(block.get_submodule(rel), nn.MultiheadAttention)]
+    whole_seen: dict[str, list[torch.Tensor]] = {k: [] for k in [*outs, *mhas]}
     try:
         whole = copy.deepcopy(block).eval().float()
-        hooks = [whole.get_submodule(k).register_forward_hook(
-            lambda m, a, o, k=k: whole_seen[k].append(o.detach().clone())) for k in outs]  # fmt: skip
+        hooks = [_seen(whole, k).register_forward_hook(
+            lambda m, a, o, k=k: whole_seen[k].append(_first(o).detach().clone())) for k in outs]  # fmt: skip
+        hooks += [whole.get_submodule(k).register_forward_hook(
+            lambda m, a, o, k=k: whole_seen[k].extend(o[1:2] if o[1] is not None else ())) for k in mhas]  # fmt: skip
         with torch.no_grad():
             args, kwargs = _compat.tree_map_only(torch.Tensor, fp32, copy.deepcopy(captured))
             want = whole(*args, **kwargs)
@@ -141,6 +151,8 @@ def check_values(
         local = rank_copy(block, plan, tp, rank).float()
         for k in outs:
             local.get_submodule(k).register_forward_hook(_Reduced(partial[k], whole_seen[k], k))
+        for k in mhas:
+            local.get_submodule(k).register_forward_hook(_Reduced(partial[k], whole_seen[k], k, weights=True))
         try:
             with torch.no_grad():
                 args, kwargs = _compat.tree_map_only(torch.Tensor, fp32, copy.deepcopy(captured))
@@ -149,7 +161,7 @@ def check_values(
             _refuse(plan, prefix, block_name, tp, str(err), float("inf"))
         except Exception:
             return  # a failure on the local shapes: the shape check names it
-    for k in outs:
+    for k in [*outs, *mhas]:
         for got, ref in zip(partial[k], whole_seen[k]):
             if (error := _error(got, ref)) > _TOLERANCE:
                 _refuse(plan, prefix, block_name, tp, k, error)
@@ -163,6 +175,19 @@ def check_values(
             _refuse(plan, prefix, block_name, tp, "", max(errs))
 
 
+def _seen(whole: nn.Module, out: str) -> nn.Module:
+    """The module of the whole block whose output is row-split projection ``out``'s: torch's
+    ``nn.MultiheadAttention`` applies its ``out_proj`` weight without calling the module, so there the attention."""
+    parent, _, leaf = out.rpartition(".")
+    if leaf == "out_proj" and isinstance(mha := whole.get_submodule(parent), nn.MultiheadAttention):
+        return mha
+    return whole.get_submodule(out)
+
+
+def _first(out: Any) -> torch.Tensor:
+    return out[0] if isinstance(out, tuple) else out  # type: ignore[no-any-return]
+
+
 class _Differs(Exception):
     """A row-split projection ran more often, or on other shapes, on a rank than in the whole block."""
 
@@ -170,17 +195,21 @@ class _Differs(Exception):
 class _Reduced:
     """Forward hook of a row-split projection in a rank's copy: adds its partial output of each call to ``sums``
     and hands on the whole block's output of that call (what the all-reduce gives every rank when the split is
-    right)."""
+    right). With ``weights``: the same for the attention weights an ``nn.MultiheadAttention`` returns second."""
 
-    def __init__(self, sums: list[torch.Tensor], whole: list[torch.Tensor], name: str) -> None:
-        self.sums, self.whole, self.name, self.calls = sums, whole, name, 0
+    def __init__(self, sums: list[torch.Tensor], whole: list[torch.Tensor], name: str, weights: bool = False) -> None:
+        self.sums, self.whole, self.name, self.calls, self.weights = sums, whole, name, 0, weights
 
-    def __call__(self, mod: nn.Module, args: Any, out: Any) -> torch.Tensor:
+    def __call__(self, mod: nn.Module, args: Any, out: Any) -> Any:
+        if self.weights and out[1] is None:
+            return None
+        part = out[1] if self.weights else out
         i, self.calls = self.calls, self.calls + 1
-        if i >= len(self.sums) or not isinstance(out, torch.Tensor) or out.shape != self.sums[i].shape:
+        if i >= len(self.sums) or not isinstance(part, torch.Tensor) or part.shape != self.sums[i].shape:
             raise _Differs(self.name)
-        self.sums[i] += out
-        return self.whole[i].clone()  # the code may change it in place (Falcon: mlp_output += attn)
+        self.sums[i] += part
+        whole = self.whole[i].clone()  # the code may change it in place (Falcon: mlp_output += attn)
+        return (out[0], whole) if self.weights else whole
 
 
 def _refuse(plan: TPPlan, prefix: str, block_name: str, tp: int, out: str, err: float) -> None:
