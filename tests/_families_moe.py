@@ -242,3 +242,20 @@ class HFMixtralSdpaAux(_HFMoELM):
         tiny = {**_TINY, "attn_implementation": "sdpa", "num_hidden_layers": layers}
         config = MixtralConfig(**tiny, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2)
         super().__init__(MixtralForCausalLM(config))
+
+
+class HFDbrx(_HFMoELM):
+    """DBRX: experts stored flat (``experts.mlp.w1`` / ``v1`` / ``w2`` ``[E * f, d]``, viewed per expert in its
+    forward), a router module around its Linear, experts called with ``[B, T, d]`` hidden states, fused ``Wqkv`` with
+    clipping, aux loss. Its config nests attention and FFN settings, which the zoo's shrinking rule does not reach."""
+
+    def __init__(self, layers: int = 2, aux: bool = False) -> None:
+        from transformers import DbrxConfig, DbrxForCausalLM
+
+        config = DbrxConfig(
+            d_model=32, n_heads=4, n_layers=layers, max_seq_len=64, vocab_size=256, output_router_logits=aux,
+            router_aux_loss_coef=0.1, attn_config={"kv_n_heads": 2, "clip_qkv": 8.0, "rope_theta": 10000.0},
+            ffn_config={"ffn_hidden_size": 48, "moe_num_experts": 4, "moe_top_k": 2},
+        )  # fmt: skip  (clip_qkv=None fails inside transformers 5.25's DbrxAttention)
+        config._attn_implementation = "eager"
+        super().__init__(DbrxForCausalLM(config))

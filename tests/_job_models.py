@@ -402,6 +402,8 @@ MODELS: dict[str, Any] = _Models({
     "user_moe_list_4": lambda: _families_moe().UserMoEList(layers=4),
     # Multi-head latent attention with a low-rank query too (q_a_proj -> q_a_layernorm -> q_b_proj).
     "hf_deepseek_v3_qlora": lambda: _families_moe().HFDeepseekV3(q_lora_rank=16),
+    "hf_dbrx": lambda: _families_moe().HFDbrx(),  # experts stored flat, [E * f, d]
+    "hf_dbrx_aux": lambda: _families_moe().HFDbrx(aux=True),  # its load-balancing loss in the loss
     # Blocks of two structures (attention, feed-forward, ...), as x-transformers lays out its layers.
     "user_alternating": lambda: _tp_mixed_models().AlternatingLM(),
     "user_inner_norm": lambda: _tp_mixed_models().AlternatingLM(inner=True),  # norms inside the regions

@@ -31,10 +31,15 @@ JOBS_2: dict[str, dict[str, Any]] = {
     **{f"{m}_pipe": {"model": m, "strategy": {"pp": 2}, "dp": 1} for m in ("hf_llama", "hf_bert")},
     # MoE families under tp: attention split, the MoE layer kept whole on every tp rank (sequence parallelism off).
     **{f"{m}_tp": {"model": m, "strategy": {"tp": 2}, "dp": 1} for m in ("hf_mixtral", "hf_qwen2_moe")},
+    # DBRX (experts stored flat): its fused, clipped Wqkv split; with its aux loss too (every tp rank holds the same
+    # tokens, so the loss's statistics are the global batch's; data parallelism refuses it: test_moe_parallel.py).
+    "hf_dbrx_tp": {"model": "hf_dbrx", "strategy": {"tp": 2}, "dp": 1},
+    "hf_dbrx_aux_tp": {"model": "hf_dbrx_aux", "strategy": {"tp": 2}, "dp": 1},
+    "hf_dbrx_zero3": {"model": "hf_dbrx", "strategy": "zero3"},
     # MoE families without a load-balancing term in the loss (one with it is refused: tests/test_check.py).
     **{
         f"{m}_pipe": {"model": m, "strategy": {"pp": 2}, "dp": 1}
-        for m in ("hf_mixtral", "hf_deepseek_v3", "user_moe_list")
+        for m in ("hf_mixtral", "hf_deepseek_v3", "user_moe_list", "hf_dbrx")
     },
 }
 JOBS_4: dict[str, dict[str, Any]] = {

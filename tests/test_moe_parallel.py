@@ -55,10 +55,15 @@ JOBS: dict[str, dict[str, Any]] = {
     "hf_gpt_oss": {"model": "hf_gpt_oss", "strategy": "moe"},  # router bias, expert biases, interleaved gate_up
     "hf_llama4": {"model": "hf_llama4", "strategy": "moe"},  # experts take a dense [E*T, d] routed input alone
     "user_moe_list": {"model": "user_moe_list", "strategy": "moe"},  # experts in an nn.ModuleList
+    # Experts stored flat ([E * f, d], viewed per expert in its forward), a router module around its Linear, experts
+    # called with [B, T, d]: each rank keeps its experts' rows; with ZeRO-3 for the rest.
+    "hf_dbrx": {"model": "hf_dbrx", "strategy": "moe"},
+    "hf_dbrx_zero3": {"model": "hf_dbrx", "strategy": "moe_zero3"},
     "hf_qwen2_moe_zero3": {"model": "hf_qwen2_moe", "strategy": "moe_zero3"},
     "user_moe_list_zero3": {"model": "user_moe_list", "strategy": "moe_zero3"},
 }
-SGD_MODELS = ("sgd", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss", "moe_list", "hf_llama4")
+SGD_MODELS = ("sgd", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss", "moe_list", "hf_llama4",
+              "hf_dbrx")  # fmt: skip
 LOW_PRECISION_JOBS: dict[str, dict[str, Any]] = {
     "bf16_mixed": {"model": "moe_gpt_sgd", "strategy": "moe", "precision": "bf16-mixed"},
     "bf16_true": {"model": "moe_gpt_sgd", "strategy": "moe_zero2", "precision": "bf16-true"},
@@ -73,6 +78,8 @@ ERROR_JOBS: dict[str, dict[str, Any]] = {
     "bad_ep": {"model": "moe_gpt_3experts", "strategy": "moe", "expect_error": True},
     "no_moe_layer": {"model": "gpt", "strategy": "moe", "expect_error": True},
     "unrecognised_experts": {"model": "user_moe_uneven", "strategy": "moe", "expect_error": True},
+    # DBRX's router returns its logits alone, which its block routes with and the model records for its aux loss.
+    "dbrx_aux_dp": {"model": "hf_dbrx_aux", "strategy": "moe", "expect_error": True},
 }
 # Sharded checkpoints: written under moe (expert shards as Shard(0) DTensors over ep), resumed in the same layout
 # and in others (moe_zero2; zero1 with ep=1, where every rank loads all experts). One step per epoch, as test_zero.
@@ -256,6 +263,12 @@ def test_bad_layouts_fail_before_training(got2):
     err = got2["unrecognised_experts"]["error"]
     assert err is not None and "has experts that expert parallelism does not recognise, in blocks.0.moe" in err
     assert "expected a router" in err and "'zero3'" in err and got2["unrecognised_experts"]["losses"] == []
+    # Data parallelism would compute DBRX's load-balancing loss on each rank's tokens: refused at the first forward,
+    # before any optimizer step, naming a layout where every rank holds the same tokens (trained in
+    # test_families.py::hf_dbrx_aux_tp).
+    err = got2["dbrx_aux_dp"]["error"]
+    assert err is not None and "DbrxRouter returns its logits alone" in err and "Train it under 'tp'" in err
+    assert got2["dbrx_aux_dp"]["losses"] == []
 
 
 def _check_resume(full: dict[str, Any], resumed: dict[str, Any]) -> None:

@@ -301,7 +301,7 @@ def _expert_axes(module: nn.Module, layers: list) -> tuple[dict[str, tuple[Optio
                 for n, _ in expert.named_parameters():
                     axes[f"{prefix}.{i}.{n}"] = (None, (i, layer.n_experts))
         else:
-            for n, _ in layer.experts.named_parameters(recurse=False):
+            for n, _ in layer.experts.named_parameters():  # flat experts (DBRX) keep theirs one module down
                 axes[f"{prefix}.{n}"] = (0, None)
         if layer.kind == "stacked" and layer.router is not None:
             router = where[id(layer.router)]

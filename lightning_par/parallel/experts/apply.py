@@ -211,8 +211,9 @@ def apply_expert_parallel(
                     mark_sharded(p, (mesh.ep.get_group(),))
                     params[f"{prefix}{rank * n_local + i}.{name}"] = p
             continue
-        for name, p in list(experts.named_parameters(recurse=False)):
-            rows = p.detach()[rank * n_local : (rank + 1) * n_local]
+        for name, p in list(experts.named_parameters()):
+            per = p.shape[0] // layer.n_experts  # rows per expert: 1 stacked [E, ...], f flat [E * f, d] (DBRX)
+            rows = p.detach()[rank * n_local * per : (rank + 1) * n_local * per]
             groups: tuple[dist.ProcessGroup, ...] = (mesh.ep.get_group(),)
             if etp > 1 and tp_group is not None:
                 dim = _ETP_DIMS[name]  # w1, w3 [E, d, f]: columns of f; w2 [E, f, d]: rows of f
@@ -221,7 +222,8 @@ def apply_expert_parallel(
                 groups, tp_dims[prefix + name] = (*groups, tp_group), dim
             shard = nn.Parameter(rows.clone(), p.requires_grad)
             mark_sharded(shard, groups)  # the global gradient norm sums these over ep (and tp when split over it)
-            setattr(experts, name, shard)
+            owner, _, leaf = name.rpartition(".")
+            setattr(experts.get_submodule(owner) if owner else experts, leaf, shard)
             params[prefix + name] = shard
             full_shapes[prefix + name] = p.shape
         if layer.kind == "stacked":

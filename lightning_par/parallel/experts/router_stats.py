@@ -81,7 +81,18 @@ def gather_router_logits(
 
     def hook(module: nn.Module, args: Any, out: Any) -> Any:
         over = group if module.training else eval_group
-        if over is None or not is_top_k_output(out):
+        if over is None:
+            return out
+        if not is_top_k_output(out):
+            if isinstance(out, Tensor) and len(module._forward_hooks) > 1:
+                # Logits alone (Hugging Face DBRX): the block routes with the very tensor the model's recorder (the
+                # other hook) keeps for its load-balancing loss, so it cannot be gathered for one and not the other.
+                raise ValueError(
+                    f"{type(module).__name__} returns its logits alone and the model records them for its "
+                    "load-balancing loss (output_router_logits=True): under data parallelism that loss would see "
+                    "this rank's tokens only and train differently from one process. Train it under 'tp' (every tp "
+                    "rank holds the same tokens; the MoE layer is kept whole), or set output_router_logits=False"
+                )
             return out
         return (_GatherRows.apply(out[0], over), out[1], out[2])
 

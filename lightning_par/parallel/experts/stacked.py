@@ -61,7 +61,7 @@ def shard_stacked_experts(experts: nn.Module, dispatch: ExpertDispatch, n_expert
     """
     if isinstance(getattr(experts, "num_experts", None), int):
         # The model's experts implementations (eager loop, grouped_mm, batched_mm) size their bins by it.
-        experts.num_experts = len(next(experts.parameters(recurse=False)))  # type: ignore[assignment]
+        experts.num_experts = dispatch.n_local  # type: ignore[assignment]
     own_forward: Callable[..., Tensor] = experts.forward  # the class's (or the model's chosen implementation's)
     state = {"local": False}
 
@@ -72,10 +72,15 @@ def shard_stacked_experts(experts: nn.Module, dispatch: ExpertDispatch, n_expert
         if not dense:
             index = expert_index(counts, rows.device).unsqueeze(1)
             args = (rows, index, torch.ones(index.shape, dtype=rows.dtype, device=rows.device))
-        params = dict(module.named_parameters(recurse=False))
+        params = dict(module.named_parameters())  # DBRX keeps its flat expert weights one module down
         state["local"] = True
         try:
-            if any(p.dtype != rows.dtype for p in params.values()):
+            if rows.shape[0] == 0:
+                # No rows for this rank's experts: nothing to compute (DBRX's own forward cannot reshape zero rows).
+                # Still from `rows`, so that the backward all-to-all of the dispatch runs where it does on the other
+                # ranks: collectives in the same order everywhere.
+                out = rows * 0
+            elif any(p.dtype != rows.dtype for p in params.values()):
                 # In the tokens' dtype, as lightning_par.nn.Experts: FSDP2 leaves the ignored expert shards fp32.
                 cast = {k: p.to(rows.dtype) for k, p in params.items()}
                 out = functional_call(module, cast, args)
@@ -84,12 +89,16 @@ def shard_stacked_experts(experts: nn.Module, dispatch: ExpertDispatch, n_expert
         finally:
             state["local"] = False
         # Every local expert joins the graph (a rank may receive no rows for one): its gradient is then a tensor on
-        # every rank, and the expert-data-parallel reduction sums the same list everywhere.
-        return out + sum(p.reshape(-1)[0] * 0 for p in params.values())
+        # every rank, and the expert-data-parallel reduction sums the same list everywhere. DBRX's forward returns
+        # [N, 1, d] for N rows: one row per token, as sent.
+        return out.reshape(rows.shape[0], out.shape[-1]) + sum(p.reshape(-1)[0] * 0 for p in params.values())
 
     def forward(self: nn.Module, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Any:
         if state["local"]:
             return own_forward(hidden, top_k_index, top_k_weights)
+        shape = hidden.shape if isinstance(hidden, Tensor) else None
+        if shape is not None and hidden.dim() > 2:  # DBRX passes [B, T, d] with routing for its B * T tokens
+            hidden = hidden.reshape(-1, shape[-1])
         _check_call(name, hidden, top_k_index, top_k_weights)
         k = top_k_index.shape[1]
         flat = top_k_index.reshape(-1)
@@ -99,7 +108,7 @@ def shard_stacked_experts(experts: nn.Module, dispatch: ExpertDispatch, n_expert
         rows, local_counts = dispatch.dispatch(self, (hidden[token], counts))
         out = dispatch.combine(self, None, run_local(self, rows, local_counts))
         weighted = out * top_k_weights.reshape(-1)[order].unsqueeze(1).to(out.dtype)
-        return torch.zeros_like(hidden).index_add_(0, token, weighted.to(hidden.dtype))
+        return torch.zeros_like(hidden).index_add_(0, token, weighted.to(hidden.dtype)).reshape(shape)
 
     def dense_forward(self: nn.Module, hidden: Tensor) -> Any:
         if state["local"]:

@@ -3,14 +3,17 @@
 A block is a module with two children (or a child and a parameter of its own):
 
 - a **router**: a module whose own ``weight`` is ``[E, d]`` (an ``nn.Linear(d, E)``, or a Hugging Face
-  ``*TopKRouter``), or a parameter ``[E, d]`` of the block itself;
+  ``*TopKRouter``), a module whose only parameter is such a weight (DBRX's router around its Linear), or a
+  parameter ``[E, d]`` of the block itself;
 - an **experts container** holding ``E`` experts of one shape, either
   - *stacked*: a module whose own parameters are all indexed by expert on dim 0 (``[E, ...]``), at least one of
     them 3-D (Hugging Face transformers 5: Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3, GPT-OSS; called as
     ``experts(hidden [N, d], top_k_index [N, k], top_k_weights [N, k])``), or
   - a *module list*: an ``nn.ModuleList`` of ``E`` MLPs with identical parameter shapes, every parameterised
     piece Linear-like (a 2-D weight, optional 1-D bias), few enough (at most 4) that a stack of decoder layers
-    never looks like one.
+    never looks like one, or
+  - *flat*: 2 to 4 weights at any depth of the container, all ``[E * f, d]`` (Hugging Face DBRX), each expert a
+    block of ``f`` consecutive rows; sharded and called as stacked experts.
 
 Shared experts (Qwen2-MoE ``shared_expert``, DeepSeek-V3 ``shared_experts``) are plain MLPs next to the router:
 they are not part of the experts container and stay replicated, as dense MLPs do.
@@ -77,6 +80,19 @@ def stacked_experts_size(m: nn.Module) -> Optional[int]:
     return sizes.pop() if len(sizes) == 1 and min(sizes) >= 2 else None
 
 
+def flat_expert_rows(m: nn.Module) -> Optional[int]:
+    """``R`` if every parameter of ``m`` (at any depth, at most `_MAX_EXPERT_PIECES`) is 2-D with ``R`` rows: experts
+    stored flat, each expert a block of ``R / E`` consecutive rows (Hugging Face DBRX's ``mlp.w1`` / ``v1`` / ``w2``
+    ``[E * f, d]``, viewed as ``[E, f, d]`` in its forward); ``E`` comes from the router next to it."""
+    if isinstance(m, _NOT_EXPERTS):
+        return None
+    params = list(m.parameters())
+    if len(params) < 2 or len(params) > _MAX_EXPERT_PIECES or any(p.dim() != 2 for p in params):
+        return None
+    rows = {int(p.shape[0]) for p in params}
+    return rows.pop() if len(rows) == 1 else None
+
+
 def _is_mlp(m: nn.Module) -> bool:
     pieces = [c for c in m.modules() if any(True for _ in c.parameters(recurse=False))]
     if not pieces or len(pieces) > _MAX_EXPERT_PIECES or any(isinstance(c, nn.ModuleList) for c in m.modules()):
@@ -108,6 +124,8 @@ def _router_candidates(block: nn.Module, experts: str) -> list[tuple[str, int, i
     out = [("", int(p.shape[0]), int(p.shape[1])) for p in block.parameters(recurse=False) if p.dim() == 2]
     for name, child in block.named_children():
         w = getattr(child, "weight", None)
+        if w is None and len(own := list(child.parameters())) == 1:
+            w = own[0]  # a router module wrapping its Linear (DBRX's router.layer)
         if name != experts and isinstance(w, nn.Parameter) and w.dim() == 2:
             out.append((name, int(w.shape[0]), int(w.shape[1])))
     return out
@@ -128,10 +146,13 @@ def match_block(block: nn.Module) -> Optional[ExpertsStructure]:
         layout, n = "stacked", stacked_experts_size(child)
         if n is None:
             layout, n = "module_list", module_list_experts_size(child)
-        if n is None:
+        rows = flat_expert_rows(child) if n is None else None
+        if n is None and rows is None:
             continue
         widths = _expert_widths(child)
         for router, e, d in _router_candidates(block, name):
+            if rows is not None and 2 <= e < rows and rows % e == 0 and d in widths:
+                n, layout = e, "stacked"  # flat rows: sharded and called as stacked experts, R / E rows each
             if e == n and d in widths:
                 parts = [block] + ([block.get_submodule(router)] if router else []) + [child]
                 return ExpertsStructure(router, name, layout, n, _top_k(*parts), d)
@@ -142,7 +163,7 @@ def _expert_widths(experts: nn.Module) -> set[int]:
     """Every size appearing in the experts' weights (per expert): the model width is one of them."""
     if isinstance(experts, nn.ModuleList):
         return {s for p in next(iter(experts)).parameters() for s in p.shape}
-    return {s for p in experts.parameters(recurse=False) for s in p.shape[1:]}
+    return {s for p in experts.parameters() for s in p.shape[1:]}
 
 
 def describe(block: nn.Module) -> str:
