@@ -55,7 +55,7 @@ def _block_input(model: nn.Module, block: nn.Module) -> tuple[tuple[Any, ...], d
     try:
         model.eval()  # no dropout: no draw from the user's RNG streams
         with torch.no_grad():
-            probe_call(model)  # the input the plan probe used
+            _call_on_distinct_tokens(model)
     except _Reached:
         pass
     except Exception:  # the plan probe could not run the model either (its notes say so): nothing to check
@@ -65,6 +65,22 @@ def _block_input(model: nn.Module, block: nn.Module) -> tuple[tuple[Any, ...], d
         for m, mode in modes.items():
             m.training = mode
     return got[0] if got else None
+
+
+def _call_on_distinct_tokens(model: nn.Module) -> None:
+    """The plan probe's call, except that a model without ``example_input_array`` gets tokens 0 and 1 alternating
+    rather than token 0 everywhere: a model without positional information would see identical positions, its
+    attention would be uniform, and a wrong combination of heads would compute the right values there."""
+    if getattr(model, "example_input_array", None) is not None:
+        probe_call(model)
+        return
+    param = next(model.parameters(), None)
+    try:
+        model(torch.arange(8, device=param.device if param is not None else None).remainder(2).unsqueeze(0))
+    except _Reached:
+        raise
+    except Exception:
+        probe_call(model)  # token 0 everywhere, as the plan probe ran it
 
 
 def check_local_shapes(model: nn.Module, plan: TPPlan, tp: int) -> None:

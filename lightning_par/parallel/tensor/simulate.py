@@ -124,6 +124,11 @@ def check_values(
     params = [*block.parameters(), *block.buffers()]
     if not outs or any(p.is_meta for p in params) or any(p.is_complex() for p in params):
         return  # nothing to sum, or no values to compare (meta-device construction)
+    if "colwise_norm" in plan.styles.values():
+        # A norm over a split projection's whole width (OLMoE's q_norm) reduces its statistics over tp, which a
+        # rank's copy alone cannot: its values would differ from the whole block's on any input whose positions
+        # differ. The shape check still runs; the parity tests cover these plans (tests/test_tp_heads.py).
+        return
 
     def fp32(x: Any) -> Any:
         return x.float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
