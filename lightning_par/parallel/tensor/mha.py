@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from lightning_par import _compat
-from lightning_par.parallel.tensor.plan_types import _SPARE, HeadInfo, ModuleShape, TPPlanError
+from lightning_par.parallel.tensor.plan_types import HeadInfo, ModuleShape, TPPlanError
 from lightning_par.parallel.tensor.sequence import SequenceState
 
 _SOURCE = "nn.MultiheadAttention.head_dim"  # where a plan's head counts of this attention come from
@@ -53,11 +53,10 @@ def add_to_plan(
     styles: dict[str, str],
     heads: dict[str, HeadInfo],
     shapes: dict[str, ModuleShape],
-    notes: list[str],
-) -> list[str]:
+) -> None:
     """Add each splittable attention of a block (``mods``: block-relative name -> module; ``pat`` makes the plan's
     pattern) to the plan being inferred, in place: the packed q/k/v split by columns as ``[q | k | v]``, ``out_proj``
-    by rows, the per-rank head count. Returns ``notes`` without the out_projs it pairs."""
+    by rows, the per-rank head count."""
     for rel, mod in mods.items():
         if not splittable(mod):
             continue
@@ -76,17 +75,6 @@ def add_to_plan(
         )
         styles.update({name: "colwise_fused", out: "rowwise"})
         shapes.update({name: ModuleShape("attention", e, 3 * e), out: ModuleShape("linear", e, e)})
-        notes = [_without(note, out) for note in notes]
-    return [note for note in notes if note]
-
-
-def _without(note: str, name: str) -> str:
-    # The probe never sees out_proj called (torch's forward uses its weight directly), so pairing listed it as spare.
-    head, sep, names = note.partition(_SPARE)
-    if head or not sep:
-        return note
-    left = [n for n in names.split(", ") if n != name]
-    return _SPARE + ", ".join(left) if left else ""
 
 
 def check_pairs(styles: dict[str, str], heads: dict[str, HeadInfo]) -> None:

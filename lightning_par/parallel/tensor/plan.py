@@ -261,7 +261,7 @@ def _infer_group(
     _head_params(inf, regions, heads)
     chunked, inplace = inf.output_uses()
     # torch's nn.MultiheadAttention: its packed q/k/v is no Linear the probe sees (parallel/tensor/mha.py).
-    notes = add_to_plan(kept, inf.pat, styles, heads, shapes, notes)
+    add_to_plan(kept, inf.pat, styles, heads, shapes)
     notes += [f"kept whole (mixture of experts): {inf.pat(w)}" for w in whole]
     return _Group(got, traced, styles, heads, mlps, shapes, split_norms, inf.problems, notes, whole, chunked, inplace)
 
@@ -356,7 +356,9 @@ def _block_styles(
             dict.fromkeys(lin, "replicate"),
         )
     latent = {k for r in regions if r.head for k in r.head.latent}
-    spare = [pat(n) for n in lin if n not in colwise and n not in rowwise and pat(n) not in latent]
+    # An attention torch packs (`tensor.mha`) pairs its own out_proj, which the probe never sees called.
+    packed = {f"{n}.out_proj" for n, m in inf.mods.items() if splittable(m)}
+    spare = [pat(n) for n in lin if n not in colwise and n not in rowwise and pat(n) not in latent and n not in packed]
     if spare and regions:
         notes.append(_SPARE + ", ".join(spare))
     if fused & inf.guessed:
