@@ -39,6 +39,9 @@ AXES: tuple[Axis, ...] = (
 AXIS_NAMES: tuple[str, ...] = tuple(a.name for a in AXES)
 MESH_AXES: tuple[str, ...] = tuple(a.name for a in AXES if a.in_mesh)
 DATA_AXES: tuple[str, ...] = tuple(a.name for a in AXES if a.splits_samples)
+# The axes that split the model, not the samples: the degrees a strategy name spells and the monitor logs. ``dp``
+# (the data axes' product) goes beside them where a caller speaks of data parallelism as one degree.
+MODEL_AXES: tuple[str, ...] = tuple(a.name for a in AXES if not a.splits_samples)
 
 
 @dataclasses.dataclass(frozen=True)

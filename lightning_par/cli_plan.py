@@ -16,6 +16,7 @@ import json
 from collections.abc import Sequence
 from typing import Any, Optional
 
+from lightning_par.axes import MODEL_AXES
 from lightning_par.planner import ModelDesc, device, from_hf_config
 from lightning_par.planner.devices import Device
 from lightning_par.planner.estimate import Estimate, estimate
@@ -46,7 +47,7 @@ def estimate_parser() -> argparse.ArgumentParser:
     """The options of ``lightning-par estimate`` (exactly those of issue 17, plus --profile and --schedule)."""
     p = argparse.ArgumentParser(prog="lightning-par estimate", description="Predict memory and step time of a layout.")
     _model_args(p)
-    for name in ("tp", "pp", "vpp", "dp", "ep", "cp"):
+    for name in (*MODEL_AXES, "vpp", "dp"):
         p.add_argument(f"--{name}", type=int, default=1)
     p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage over the dp ranks")
     p.add_argument("--micro-batch-size", type=int, default=1)
@@ -92,7 +93,7 @@ def run_estimate(argv: Sequence[str]) -> str:
         raise SystemExit(f"--ep {args.ep} is carved out of the data-parallel ranks, so it must divide --dp {dp}")
     m = args.global_batch_size // (dp * args.micro_batch_size) if dp * args.micro_batch_size else 0
     layout = Layout(
-        tp=args.tp, pp=args.pp, vpp=args.vpp, dp_shard=dp, zero_stage=args.zero, ep=args.ep, cp=args.cp,
+        **{axis: getattr(args, axis) for axis in MODEL_AXES}, vpp=args.vpp, dp_shard=dp, zero_stage=args.zero,
         pp_schedule=schedule, microbatches=m if args.pp > 1 else None, micro_batch_size=args.micro_batch_size,
         recompute=args.recompute, sequence_parallel=args.sequence_parallel, precision=args.precision,
     )  # fmt: skip

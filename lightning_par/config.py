@@ -15,14 +15,14 @@ import math
 import warnings
 from typing import Literal, Optional, Union
 
-from lightning_par.axes import AXIS_NAMES, SCHEDULES, choices
+from lightning_par.axes import AXIS_NAMES, MODEL_AXES, SCHEDULES, choices
 
 AXES = AXIS_NAMES  # lightning_par.axes defines them, with their properties
 ZERO_STAGES = (0, 1, 2, 3)
 AC_MODES = (None, "full", "selective", "selective_op", "offload")
 PP_SCHEDULES = tuple(SCHEDULES)
 # The dimensions a registered name can leave to `resolve` (docs/strategies.md, "Names and the degree rule").
-AUTO_DIMS = ("pp", "tp", "cp", "dp", "ep")
+AUTO_DIMS = (*MODEL_AXES, "dp")
 CP_MODES = ("allgather", "ulysses")  # and why not "ring" (torch's): docs/context_parallel.md, "Modes"
 
 AUTO = -1  # a degree left for `resolve` to fill from the world size

@@ -32,6 +32,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_par.axes import MODEL_AXES
 from lightning_par.callbacks.expert_load import ExpertLoad, load_metrics
 from lightning_par.callbacks.pictures import MEMORY_KINDS, load_heatmap, log_pictures, memory_bars, pipeline_timeline
 from lightning_par.callbacks.pipeline_view import bubble_metrics, gather_records, step_record
@@ -126,7 +127,7 @@ def _local_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
 
 
 def _degrees(layout: Mapping[str, Any]) -> dict[str, float]:
-    out = {f"parallel/{a}": float(layout[a]) for a in ("pp", "tp", "ep", "cp") if isinstance(layout.get(a), int)}
+    out = {f"parallel/{a}": float(layout[a]) for a in MODEL_AXES if isinstance(layout.get(a), int)}
     if isinstance(layout.get("dp_shard"), int) and isinstance(layout.get("dp_replicate"), int):
         out["parallel/dp"] = float(layout["dp_shard"] * layout["dp_replicate"])
     return out

@@ -80,7 +80,7 @@ class Layout:
     precision: str = "bf16-mixed"
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "vpp", "dp_replicate", "dp_shard", "ep", "cp", "micro_batch_size"):
+        for name in (*axes.AXIS_NAMES, "vpp", "micro_batch_size"):
             if getattr(self, name) < 1:
                 raise LayoutError(f"{name}={getattr(self, name)} must be >= 1")
         if self.zero_stage not in (0, 1, 2, 3):

@@ -22,8 +22,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_par.analysis.compatibility import check_model, first_optimizer
+from lightning_par.axes import AXIS_NAMES, MODEL_AXES
 from lightning_par.config import ParallelConfig
-from lightning_par.mesh import build_mesh
 from lightning_par.names import name_of
 from lightning_par.parallel.tensor import infer_tp_plan
 from lightning_par.parallel.tensor.plan_types import TPPlanError
@@ -37,15 +37,15 @@ from lightning_par.strategies._auto_device import this_device
 from lightning_par.strategies.parallel import ParallelStrategy
 
 # What the planner decides; the rest of ParallelStrategy's arguments pass through.
-_CHOSEN = ("pp", "dp_replicate", "dp_shard", "ep", "tp", "cp", "zero_stage", "activation_checkpointing",
-           "sequence_parallel", "pp_schedule", "microbatches", "auto_dims", "offload")  # fmt: skip
+_CHOSEN = (*AXIS_NAMES, "zero_stage", "activation_checkpointing", "sequence_parallel", "pp_schedule", "microbatches",
+           "auto_dims", "offload")  # fmt: skip
 _PRECISION = {"32-true": "32-true", "32": "32-true", "bf16-mixed": "bf16-mixed", "16-mixed": "16-mixed",
               "bf16-true": "bf16-true"}  # fmt: skip
 
 
 def layout_name(layout: Layout) -> str:
     """The registered strategy name with the same dimensions (what `check_model` gives a verdict on)."""
-    return name_of({"pp": layout.pp, "tp": layout.tp, "cp": layout.cp, "ep": layout.ep}, layout.zero_stage)
+    return name_of({axis: getattr(layout, axis) for axis in MODEL_AXES}, layout.zero_stage)
 
 
 def explain(ranking: Ranking, top: int = 3) -> list[str]:
@@ -140,12 +140,12 @@ class AutoParallelStrategy(ParallelStrategy):
         for line in explain(ranking, self._top):
             rank_zero_info(f"lightning_par auto_parallel {line}")
         self.ranking, self.chosen = ranking, best
-        kwargs = {**dataclasses.asdict(self._config), **best.strategy_kwargs()}
+        kwargs = {**dataclasses.asdict(self.config), **best.strategy_kwargs()}
         kwargs.update(dp_shard=best.dp_shard, auto_dims=None)
         if best.pp == 1:
             kwargs["microbatches"] = None
-        self._config = ParallelConfig(**kwargs).resolve(world, devices_per_node=self.num_processes)
-        self._mesh = build_mesh(self._config, self.root_device.type)
+        config = ParallelConfig(**kwargs).resolve(world, devices_per_node=self.num_processes)
+        self.processes.relayout(config, self.root_device.type)
 
 
 def _tp_degrees(module: torch.nn.Module, world: int) -> dict[int, str]:
