@@ -206,8 +206,7 @@ def throughput(steps: int, rounds: int) -> list[float]:
     assert world is not None
     cut = split_pipeline(model, trunk, schedule="1f1b", pp=2, pp_rank=dist.get_rank(), group=world,
                          microbatches=4, device=torch.device("cpu"))  # fmt: skip
-    cut.install()
-    runner = cut.runner
+    runner = cut.install()
     step_fn = lambda mb, _spec: model._loss(model(mb[0]), mb[1])  # noqa: E731
     ratios = []
     for _ in range(rounds):

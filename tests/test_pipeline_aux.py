@@ -202,7 +202,7 @@ def test_stages_in_one_process_carry_replay_and_backpropagate_the_router_logits(
     for pipe, m in zip(pipes, cuts, strict=True):
         m.zero_grad(set_to_none=True)
         pipe.install()
-        pipe.step_fn = lambda _mb, _spec, m=m: step(m)
+        pipe.begin_step(lambda _mb, _spec, m=m: step(m))
         out = pipe.run_stage(pipe.specs[0], carry[0] if carry else None, 0, carry[1:])
         carry = out if isinstance(out, tuple) else (out,)
         assert len(carry) == (1 if pipe.specs[0].is_last else 1 + pipe.specs[0].end)  # hidden + each block's logits

@@ -185,7 +185,7 @@ def test_stages_chained_by_hand_give_the_full_model_loss_and_gradients(name: str
     hidden = None
     for pipe, m in zip(pipes, cuts, strict=True):
         pipe.install()
-        pipe.step_fn = lambda _mb, _spec, m=m: loss_of(m, batch)
+        pipe.begin_step(lambda _mb, _spec, m=m: loss_of(m, batch))
         hidden = pipe.run_stage(pipe.specs[0], hidden, 0)  # activation, then activation, then the loss
     torch.testing.assert_close(hidden, ref, rtol=1e-6, atol=0)
     # In one process the stages' graphs are chained, so one backward reaches every stage's parameters.
@@ -215,7 +215,7 @@ def test_stage_keeps_only_its_parameters_and_fakes_the_embedding() -> None:
                                                                                             "lm_head"]  # fmt: skip
     pipe.install()
     received = torch.randn(2, 8, 32, requires_grad=True)
-    pipe.step_fn = lambda _mb, _spec: _loss(model, (torch.zeros(2, 8, dtype=torch.long),) * 2)
+    pipe.begin_step(lambda _mb, _spec: _loss(model, (torch.zeros(2, 8, dtype=torch.long),) * 2))
     loss = pipe.run_stage(pipe.specs[0], received, 0)
     loss.backward()
     assert received.grad is not None and received.grad.abs().sum() > 0  # the stage differentiates its input
@@ -413,7 +413,7 @@ def test_the_automatic_split_keeps_to_the_cuts_that_keep_the_values(mode: str) -
     for s, m in enumerate(cuts):
         pipe = PipelineModel(m, find_trunk(m), ranges, [s], torch.device("cpu"))
         pipe.install()
-        pipe.step_fn = lambda _mb, _spec, m=m: m._loss(*batch)
+        pipe.begin_step(lambda _mb, _spec, m=m: m._loss(*batch))
         hidden = pipe.run_stage(pipe.specs[0], hidden, 0)
     torch.testing.assert_close(hidden, ref, rtol=1e-6, atol=0)
     hidden.backward()
@@ -453,7 +453,7 @@ def test_a_stage_reads_the_attribute_tree_of_modules_it_does_not_own() -> None:
     vit.to(torch.float32)
     pipe.install()
     received = torch.randn(2, 17, 32, requires_grad=True)  # 16 patches + the class token
-    pipe.step_fn = lambda _mb, _spec: vit._loss((torch.randint(0, 256, (2, 32)), torch.randint(0, 256, (2, 32))))
+    pipe.begin_step(lambda _mb, _spec: vit._loss((torch.randint(0, 256, (2, 32)), torch.randint(0, 256, (2, 32)))))
     loss = pipe.run_stage(pipe.specs[0], received, 0)  # ViTModel.forward reads the projection's dtype first
     loss.backward()
     assert received.grad is not None and received.grad.abs().sum() > 0
@@ -470,7 +470,7 @@ def test_stage_that_skips_its_last_block_is_reported() -> None:
     model = _models()["gpt"]
     pipe = PipelineModel(model, find_trunk(model), [(0, 2), (2, 4)], [0], torch.device("cpu"))
     pipe.install()
-    pipe.step_fn = lambda _mb, _spec: torch.zeros(())  # never calls the model
+    pipe.begin_step(lambda _mb, _spec: torch.zeros(()))  # never calls the model
     with pytest.raises(PipelineError, match=r"stage 0 finished without running block transformer.h.1"):
         pipe.run_stage(StageSpec(0, 0, 2, True, False), None, 0)
 

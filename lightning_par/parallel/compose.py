@@ -8,6 +8,7 @@ runs on what is left, each stage (`ModelPart`) treated like a whole model. Addin
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Optional
 
@@ -29,6 +30,7 @@ from lightning_par.parallel.experts.finder import find_moe_layers
 from lightning_par.parallel.local_sgd.outer import LocalSGD
 from lightning_par.parallel.materialize import InitTemplates, base_seed, capture_init, has_meta, materialize
 from lightning_par.parallel.parts import ModelPart
+from lightning_par.parallel.pipeline.schedule import Shape
 from lightning_par.parallel.pipeline.split import PipelineSplit, split_pipeline
 from lightning_par.parallel.run import ParallelRun
 from lightning_par.parallel.tensor.apply import apply_tensor_parallel
@@ -86,8 +88,7 @@ def parallelize(
     # 3. Tensor parallelism: which slice of each weight a rank holds.
     tp_notes = [_tensor_parallel(module, parts, mesh, plan, config.sequence_parallel)] if plan is not None else []
     # 4. Context parallelism: hooks after tensor parallelism's, attention modes before recomputation wraps them.
-    if config.cp > 1:
-        _context_parallel(module, trunk, cut, mesh, config)
+    wire_shape = _context_parallel(module, trunk, cut, mesh, config) if config.cp > 1 else None
     # 5. Expert parallelism: dispatch hooks on the experts module, inside any recomputed block.
     experts = _expert_parallel(module, mesh, config, cut, moe_layers) if config.ep > 1 or moe_layers else None
     # 6. Activation checkpointing, then torch.compile per block, then FSDP2 (ZeRO-3) outside both.
@@ -104,15 +105,14 @@ def parallelize(
     # 8. ZeRO 0-2: the bucketed engine, whose masters are views of the values just set.
     zero = None if config.zero_stage == 3 else _replicated_zero(module, parts, mesh, config, exclude, cut, timeout)
     # 9. The pipeline's own hooks last, outside every wrapping above; a tied weight's second copy marked after ZeRO.
-    if cut is not None:
-        cut.install()
-        if cut.runner.tied is not None:
-            cut.runner.tied.mark_replicas(zero.masters if zero is not None else None)
+    runner = cut.install(wire_shape) if cut is not None else None
+    if cut is not None and cut.tied is not None:
+        cut.tied.mark_replicas(zero.masters if zero is not None else None)
     # Under ZeRO-3 without a pipeline the trainer calls the StepRoot, so that FSDP2's root hooks fire.
     model = parts[0].root if config.zero_stage == 3 and cut is None else module
     norm_groups = (mesh.root.get_group("pp"),) if cut is not None else ()
     return ParallelRun(model=model, module=module, zero=zero, experts=experts, norm_groups=norm_groups,
-                       pipeline=cut.runner if cut is not None else None, notes=tuple(notes))  # fmt: skip
+                       pipeline=runner, notes=tuple(notes))  # fmt: skip
 
 
 def _sync_replicas(module: nn.Module, mesh: ParallelMesh, tensor_parallel: bool) -> None:
@@ -140,13 +140,13 @@ def _tensor_parallel(module: nn.Module, parts: list[ModelPart], mesh: ParallelMe
 
 
 def _context_parallel(module: nn.Module, trunk: Optional[Trunk], cut: Optional[PipelineSplit], mesh: ParallelMesh,
-                      config: ParallelConfig) -> None:  # fmt: skip
+                      config: ParallelConfig) -> Optional[Callable[[Shape], Shape]]:  # fmt: skip
     """Step 4: hooks on the trunk blocks, after tensor parallelism's, so that its pre-hooks run first (the sequence
     is cut to this rank's chunks before sequence parallelism splits it further over tp) and its exit hook last
     (gathered over tp before cp). Its attention mode wraps each block's forward before activation checkpointing
     wraps it, so that recomputation runs under the mode too. Under a pipeline each stage cuts at its first block and
     only the trunk's last block gathers: stages exchange this rank's chunks (the schedule's buffers take the local
-    length)."""
+    length): returns the shape they travel in, for the pipeline's runner."""
     if trunk is None:
         raise ValueError(
             f"cp={config.cp} needs a trunk of repeated blocks (an nn.ModuleList / Sequential / ModuleDict) to "
@@ -156,8 +156,8 @@ def _context_parallel(module: nn.Module, trunk: Optional[Trunk], cut: Optional[P
     cp_args = (config.cp, mesh.cp.get_local_rank(), mesh.cp.get_group(), config.cp_uneven, config.cp_mode)
     if cut is None:
         apply_context_parallel(list(zip(trunk.names, trunk.blocks)), *cp_args)
-    else:
-        _cp_under_pipeline(cut, trunk, cp_args)
+        return None
+    return _cp_under_pipeline(cut, trunk, cp_args)
 
 
 def _expert_parallel(module: nn.Module, mesh: ParallelMesh, config: ParallelConfig, cut: Optional[PipelineSplit],
@@ -275,8 +275,8 @@ def _device(module: nn.Module) -> torch.device:
     return param.device if param is not None else torch.device("cpu")
 
 
-def _cp_under_pipeline(cut: PipelineSplit, trunk: Trunk, cp_args: tuple) -> None:
-    model = cut.runner.model
+def _cp_under_pipeline(cut: PipelineSplit, trunk: Trunk, cp_args: tuple) -> Callable[[Shape], Shape]:
+    model = cut.model
     # The trunk's side outputs (pipeline.sides) travel as the code after the trunk would read them under cp without
     # a pipeline, so nothing here changes them: `lightning_par.nn.MoE` slots carry losses already reduced over the
     # cp ranks (MoE.sample_group), and a Hugging Face router's logits are gathered over the token group dp x cp
@@ -287,7 +287,7 @@ def _cp_under_pipeline(cut: PipelineSplit, trunk: Trunk, cp_args: tuple) -> None
         [(trunk.names[i], model.blocks[i]) for i in owned], *cp_args, indices=owned,
         running=model.running_span, last=len(trunk.blocks) - 1,
     )  # fmt: skip
-    cut.runner.wire_shape = cpar.local_shape
+    return cpar.local_shape
 
 
 def _split(

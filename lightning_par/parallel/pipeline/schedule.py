@@ -41,11 +41,10 @@ from torch.distributed.pipelining import (
 )
 
 from lightning_par import _compat, axes
+from lightning_par.parallel.pipeline.preflight import Shape, preflight
 from lightning_par.parallel.pipeline.stages import PipelineError, PipelineModel, StageSpec
 from lightning_par.parallel.pipeline.tied import TiedWeights
 from lightning_par.parallel.pipeline.trace import StepTrace
-
-Shape = tuple[int, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,20 +156,30 @@ class PipelineRunner:
         schedule: a key of `SCHEDULES`.
         group: the pipeline process group (ranks that share data-parallel and tensor-parallel coordinates).
         microbatches: microbatches per training step.
+        tied: on an end stage's rank of a model with a weight used before and after the trunk, the two copies
+            whose gradients each step sums (`pipeline.tied`).
+        wire_shape: the hidden state's shape between stages from its shape entering the trunk (default: the
+            same): context parallelism sends this rank's sequence chunks only.
     """
 
-    def __init__(self, model: PipelineModel, schedule: str, group: dist.ProcessGroup, microbatches: int) -> None:
+    def __init__(
+        self,
+        model: PipelineModel,
+        schedule: str,
+        group: dist.ProcessGroup,
+        microbatches: int,
+        *,
+        tied: Optional[TiedWeights] = None,
+        wire_shape: Optional[Callable[[Shape], Shape]] = None,
+    ) -> None:
         self.model, self.schedule_name, self.group = model, schedule, group
         self.microbatches = microbatches
         self.pp = dist.get_world_size(group)
-        self._first_rank = dist.get_global_rank(group, 0)  # runs stage 0 under every schedule
-        self._last_rank = dist.get_global_rank(group, _rank_of_last(schedule, self.pp))
+        self._first_rank, self._last_rank = end_ranks(schedule, group)
         self._cache: dict[tuple, Any] = {}
-        self.tied: Optional[TiedWeights] = None  # set by `split_pipeline` on end-stage ranks of a tied model
+        self.tied = tied
         self._loss_fn: Callable[[Tensor], Tensor] = lambda t: t
-        # The hidden state's shape between stages from its shape entering the trunk: context parallelism sends
-        # this rank's sequence chunks only (set by `compose.parallelize`).
-        self.wire_shape: Callable[[tuple[int, ...]], tuple[int, ...]] = lambda shape: shape
+        self.wire_shape: Callable[[Shape], Shape] = wire_shape if wire_shape is not None else (lambda shape: shape)
         self.trace = StepTrace()  # this rank's actions and waits in the latest training step
 
     @property
@@ -235,7 +244,7 @@ class PipelineRunner:
             return self._cache[key]
         shapes, dtype = self._hidden_meta(mbs[0], step_fn)
         self.model.hidden_dtype = dtype
-        side = self._preflight(shapes, dtype)
+        side = preflight(self.model, shapes, dtype, self.group)
         n = len(shapes)
 
         def meta(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
@@ -278,49 +287,6 @@ class PipelineRunner:
     def _side_slots(self, end: int) -> list[int]:
         return self.model.sides.before(end) if self.model.sides is not None else []
 
-    def _preflight(self, shapes: list[Shape], dtype: torch.dtype) -> dict[int, tuple[Shape, torch.dtype]]:
-        """Each rank runs each of its stages once, without gradients, on zeros of the shape the stage receives, to its
-        last block, before the schedule's first step: a stage whose code fails on the real shapes is refused here, on
-        every rank of the group, naming the stage and the error (not mid-step, with the other ranks left waiting);
-        what the stages measured gives the shape and dtype of each side output of the trunk (`pipeline.sides`)."""
-        device, model = self.model.device, self.model
-        found: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
-        failed = ""
-        model.measuring = True
-        try:
-            with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                for mod in model.stage_modules():
-                    received = torch.zeros(shapes[mod.spec.start], dtype=dtype, device=device)
-                    try:
-                        mb = torch.zeros(1, dtype=torch.long, device=device)
-                        found.update(mod(*(() if mod.spec.is_first else (received,)), mb=mb))
-                    except Exception as err:  # one message for the whole group, below
-                        names = model.trunk.names
-                        failed = (f"stage {mod.spec.index} ({names[mod.spec.start]} .. {names[mod.spec.end - 1]}, "
-                                  f"receiving {tuple(received.shape)}) fails: {type(err).__name__}: {err}")  # fmt: skip
-                        break
-        finally:
-            model.measuring = False
-        every: list[Any] = [None] * self.pp
-        dist.all_gather_object(every, (found, failed), group=self.group)
-        if errors := [f for _, f in every if f]:
-            how = model.ownership.reason if model.ownership.source != "probe" else ""
-            fix = (f"the probe of the forward could not run ({how}): give the LightningModule an example_input_array "
-                   "of a real input" if how else "train this model without pipeline parallelism (e.g. "
-                   "strategy='zero3')")  # fmt: skip
-            raise PipelineError(f"the pipeline's pre-flight (each stage once on the shapes it receives) failed: "
-                                f"{errors[0]}; {fix}")  # fmt: skip
-        side = {k: v for d, _ in every for k, v in d.items()}
-        carrier = model.sides
-        missing = [carrier.slots[k].name for k in range(len(carrier.slots)) if k not in side] if carrier else []
-        if missing:
-            raise PipelineError(
-                f"{missing[0]} did not run when the pipeline measured its side output, but code after the trunk read "
-                "what it returned when the pipeline probed the model; train this model without pipeline parallelism "
-                "(e.g. strategy='moe' or 'zero3')"
-            )
-        return side
-
     def _scheduled(self, mbs: list[Any], step_fn: Callable[[Any, StageSpec], Any], training: bool) -> Any:
         sched, side = self._schedule(mbs, step_fn, training)
         if self.model.sides is not None:  # what this schedule's microbatches must give (eval may differ from train)
@@ -339,7 +305,7 @@ class PipelineRunner:
             loss_fn: maps a microbatch's loss to what is differentiated (divide by microbatches, scale for fp16).
         """
         mbs = split_microbatches(batch, self.microbatches)
-        self.model.step_fn = lambda i, spec: step_fn(mbs[i], spec)
+        self.model.begin_step(lambda i, spec: step_fn(mbs[i], spec))
         self._loss_fn = loss_fn
         sched = self._scheduled(mbs, step_fn, training=True)
         device = self.model.device
@@ -360,7 +326,7 @@ class PipelineRunner:
         size = next((t.shape[0] for t in leaves if isinstance(t, Tensor) and t.dim() > 0), self.microbatches)
         m = max(d for d in range(1, min(self.microbatches, size) + 1) if size % d == 0)
         mbs = split_microbatches(batch, m)
-        self.model.step_fn = lambda i, spec: step_fn(mbs[i], spec)
+        self.model.begin_step(lambda i, spec: step_fn(mbs[i], spec))
         device = self.model.device
         if SCHEDULES[self.schedule_name].style == "v":
             # torch's V schedules have no forward-only mode (their eval() asserts on the missing backward).
@@ -375,7 +341,8 @@ class PipelineRunner:
         if key not in self._cache:
             shapes, dtype = self._hidden_meta(mbs[0], step_fn)
             self.model.hidden_dtype = dtype
-            self._cache[key] = ((shapes, dtype), self._preflight(shapes, dtype), self.model.stage_modules())
+            side = preflight(self.model, shapes, dtype, self.group)
+            self._cache[key] = ((shapes, dtype), side, self.model.stage_modules())
         (shapes, dtype), side, modules = self._cache[key]
         self.model.hidden_dtype = dtype
         if self.model.sides is not None:
@@ -408,9 +375,10 @@ class PipelineRunner:
             work.wait()
 
 
-def _rank_of_last(schedule: str, pp: int) -> int:
+def end_ranks(schedule: str, group: dist.ProcessGroup) -> tuple[int, int]:
+    """The global ranks that run the first and the last stage of ``schedule`` over ``group``."""
+    pp = dist.get_world_size(group)
     last = n_stages(schedule, pp) - 1
-    for r in range(pp):
-        if last in local_stages(schedule, pp, r):
-            return r
-    raise AssertionError("no rank runs the last stage")
+    # Stage 0 is on the group's first rank under every schedule.
+    return dist.get_global_rank(group, 0), dist.get_global_rank(group, next(
+        r for r in range(pp) if last in local_stages(schedule, pp, r)))

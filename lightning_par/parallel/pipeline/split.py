@@ -12,7 +12,7 @@ activation checkpointing's recomputed region and FSDP2's pre-forward hooks.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Optional
 
@@ -25,27 +25,48 @@ from lightning_par.parallel.parts import ModelPart
 from lightning_par.parallel.pipeline.cuts import no_split_possible
 from lightning_par.parallel.pipeline.owners import find_ownership
 from lightning_par.parallel.pipeline.partition import param_costs, partition
-from lightning_par.parallel.pipeline.schedule import PipelineRunner, check_schedule, local_stages, n_stages
+from lightning_par.parallel.pipeline.schedule import (
+    PipelineRunner,
+    Shape,
+    check_schedule,
+    end_ranks,
+    local_stages,
+    n_stages,
+)
 from lightning_par.parallel.pipeline.stages import PipelineError, PipelineModel
 from lightning_par.parallel.pipeline.tied import TiedWeights, tie_group
 
 
 @dataclasses.dataclass
 class PipelineSplit:
-    """This rank's stages of a cut model.
+    """This rank's stages of a cut model, and what its runner is built from once the stages are laid out.
 
     Args:
-        runner: runs a training or evaluation step through the schedule.
+        model: the cut model (`PipelineModel`).
         parts: one `ModelPart` per stage this rank runs, in stage order.
+        tied: on an end stage's rank of a model with a weight used before and after the trunk, its two copies.
+        schedule, group, microbatches: the runner's (`PipelineRunner`).
     """
 
-    runner: PipelineRunner
+    model: PipelineModel
     parts: list[ModelPart]
+    tied: Optional[TiedWeights]
+    schedule: str
+    group: dist.ProcessGroup
+    microbatches: int
 
-    def install(self) -> None:
-        """Put the stage dispatch and the trunk-entry probe on the owned blocks; after every other wrapping."""
-        self.runner.model.install()
-        self.runner.model.install_probe_hooks()
+    def install(self, wire_shape: Optional[Callable[[Shape], Shape]] = None) -> PipelineRunner:
+        """Put the stage dispatch and the trunk-entry probe on the owned blocks, after every other wrapping, and
+        return the runner of the steps.
+
+        Args:
+            wire_shape: the hidden state's shape between stages from its shape entering the trunk (context
+                parallelism: this rank's sequence chunks); default the same.
+        """
+        self.model.install()
+        self.model.install_probe_hooks()
+        return PipelineRunner(self.model, self.schedule, self.group, self.microbatches, tied=self.tied,
+                              wire_shape=wire_shape)  # fmt: skip
 
 
 def _outer_cost(modules: Sequence[nn.Module]) -> float:
@@ -70,7 +91,8 @@ def split_pipeline(
     costs: Optional[Sequence[float]] = None,
     timeout: Optional[timedelta] = None,
 ) -> PipelineSplit:
-    """Cut ``module`` in place for pipeline rank ``pp_rank``; return its stages and the runner of its steps.
+    """Cut ``module`` in place for pipeline rank ``pp_rank``; return its stages (`PipelineSplit.install` gives the
+    runner of its steps).
 
     Args:
         module: the user's module (on ``device``); blocks and outer modules of other stages are removed.
@@ -99,15 +121,16 @@ def split_pipeline(
         last_extra=_outer_cost([m for _, m in own.post]), split=split, forbidden=own.cut_conflicts,
     )  # fmt: skip
     model = PipelineModel(module, trunk, ranges, local_stages(schedule, pp, pp_rank), device, own)
-    runner = PipelineRunner(model, schedule, group, microbatches)
-    if own.tied and runner.first_stage_rank != runner.last_stage_rank:
-        tied = tie_group(runner.first_stage_rank, runner.last_stage_rank, timeout)
-        if tied is not None:  # this rank runs an end stage
-            runner.tied = TiedWeights(module, own.tied, tied, runner.first_stage_rank, not model.owns_first)
-            runner.tied.sync_values()
+    first, last = end_ranks(schedule, group)
+    tied = None
+    if own.tied and first != last:
+        tie = tie_group(first, last, timeout)
+        if tie is not None:  # this rank runs an end stage
+            tied = TiedWeights(module, own.tied, tie, first, not model.owns_first)
+            tied.sync_values()
     parts = [
         ModelPart(stage, tuple((trunk.names[i], model.blocks[i]) for i in range(stage.spec.start, stage.spec.end)),
                   whole_trunk=False)
         for stage in model.stage_modules()
     ]  # fmt: skip
-    return PipelineSplit(runner, parts)
+    return PipelineSplit(model, parts, tied, schedule, group, microbatches)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Optional
 
 import torch
@@ -174,9 +174,9 @@ class PipelineModel:
         self.n_stages, self.ranges = n, list(ranges)
         self.specs = [StageSpec(s, *ranges[s], is_first=s == 0, is_last=s == n - 1) for s in sorted(local_stages)]
         self._active: Optional[_Active] = None
-        self.step_fn: Optional[StepFn] = None
+        self.step_fn: Optional[StepFn] = None  # this step's: `begin_step`
         self.hidden_dtype: Optional[torch.dtype] = None
-        self.measuring = False  # stage calls are shape passes (`pipeline.schedule.PipelineRunner._preflight`)
+        self.measuring = False  # stage calls are shape passes: `shape_pass`
         self._stage_modules: Optional[list[StageModule]] = None
         self.pre_names, self.post_names = [n for n, _ in own.pre], [n for n, _ in own.post]
         self.owns_first = any(s.is_first for s in self.specs)
@@ -237,6 +237,20 @@ class PipelineModel:
             out.append(StageModule(self, spec, owned))
         self._stage_modules = out
         return out
+
+    @contextlib.contextmanager
+    def shape_pass(self) -> Iterator[None]:
+        """Stage calls inside are shape passes (`pipeline.preflight`): each stage ends at its last block, even the
+        last stage, and returns the side outputs it measured."""
+        self.measuring = True
+        try:
+            yield
+        finally:
+            self.measuring = False
+
+    def begin_step(self, step_fn: StepFn) -> None:
+        """What this step's stages run on microbatch ``i`` as stage ``spec``: ``step_fn(i, spec)``."""
+        self.step_fn = step_fn
 
     def install(self) -> None:
         """Route the owned blocks' forwards through the stage dispatch (after activation checkpointing wrapped
@@ -304,7 +318,7 @@ class PipelineModel:
             measure: a shape pass: end at the stage's last block and return what `SideCarrier.measured` gives.
         """
         if self.step_fn is None:
-            raise RuntimeError("run_stage needs step_fn (set by the pipeline runner for each step)")
+            raise RuntimeError("run_stage needs step_fn (the pipeline runner's begin_step, each step)")
         self._active = _Active(spec, incoming, measuring=measure)
         carrying = self.sides.running(spec.start, spec.end, sides) if self.sides else contextlib.nullcontext()
         try:
