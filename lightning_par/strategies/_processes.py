@@ -1,15 +1,16 @@
-"""`ProcessGroupStrategy`: the processes, the layout and the collectives every lightning_par strategy shares.
+"""The processes, the layout and the collectives every lightning_par strategy shares.
 
-What it does for both ZeRO backends (native and DeepSpeed): start or join the processes, resolve the layout once
-they exist (`lightning_par.config.ParallelConfig.resolve`, called once) and build the mesh, split the data over the
-data-parallel ranks only, and reduce logged values and torchmetrics over those ranks only. It knows nothing of how
-the model is parallelized.
+`Processes`, a component the Trainer's and Fabric's strategies each hold: start or join the processes, resolve the
+layout once they exist (`lightning_par.config.ParallelConfig.resolve`, called once) and build the mesh, split the
+data over the data-parallel ranks only. `ProcessGroupStrategy`, the Trainer's base for both ZeRO backends (native
+and DeepSpeed), answers Lightning's hooks with it and reduces logged values and torchmetrics over the data-parallel
+ranks only. Neither knows how the model is parallelized.
 """
 
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Optional, Union, cast
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -28,32 +29,109 @@ from lightning_par.streams.counted import agree_on_the_end
 from lightning_par.streams.split import split_over_data_parallel
 
 
-class ProcessLayout:
-    """What the Trainer's and Fabric's strategies share: the layout, the processes, the mesh and the plain
-    collectives. Mixed in before Lightning's base class, whose abstract ``root_device`` it answers; the class that
-    mixes it in sets ``_config``, ``_timeout``, ``_process_group_backend`` and ``_mesh = None``."""
+class Processes:
+    """The job's processes and layout, a component of the Trainer's and Fabric's strategies: the requested then
+    resolved configuration, the collective timeout and backend, the mesh, and what splits data over data-parallel
+    ranks. It holds its own state; the strategy hands it what Lightning knows (cluster environment, devices,
+    trainer) when it calls.
 
-    _config: ParallelConfig
-    _timeout: timedelta
-    _process_group_backend: Optional[str]
-    _mesh: Optional[ParallelMesh]
+    Args:
+        config: the requested layout, validated; resolved against the world size by `join`.
+        timeout: collective timeout.
+        backend: ``"gloo"`` / ``"nccl"``, or ``None`` for the device's default.
+    """
 
-    # ---- layout ----------------------------------------------------------------------------------------------
-    @property
-    def config(self) -> ParallelConfig:
-        """The configuration; resolved against the world size once processes exist."""
-        return self._config
+    def __init__(self, config: ParallelConfig, timeout: timedelta, backend: Optional[str]) -> None:
+        self.config, self.timeout, self.backend = config, timeout, backend
+        self.mesh: Optional[ParallelMesh] = None
+        # A training stream whose ranks' shards may end at different steps (`streams.counted`).
+        self.agree_end = False
 
     @property
     def meshes(self) -> ParallelMesh:
         """The job's meshes: the root mesh, the flattened ``dp`` axis and the 2-D data-parallel mesh."""
-        if self._mesh is None:
+        if self.mesh is None:
             raise RuntimeError("the device mesh exists only after the processes have started (setup_environment)")
-        return self._mesh
+        return self.mesh
+
+    def join(self, environment: ClusterEnvironment, device: torch.device, devices_per_node: int) -> None:
+        """Join the process group, resolve the layout and build the mesh (the strategy's ``setup_environment``)."""
+        reset_seed()
+        self.backend, self.config, self.mesh = join_processes(
+            environment, device, self.backend, self.timeout, self.config, devices_per_node
+        )
+
+    def relayout(self, config: ParallelConfig, device_type: str) -> None:
+        """Replace the resolved layout, once processes exist (``strategy="auto"`` after it chose one)."""
+        self.config, self.mesh = config, build_mesh(config, device_type)
+
+    def layout(self, world_size: int, num_nodes: int) -> dict[str, Any]:
+        """The resolved layout, for logs and the logger's config."""
+        return {"world_size": world_size, "num_nodes": num_nodes, **self.config.layout()}
+
+    def sampler_kwargs(self) -> dict[str, Any]:
+        """A DistributedSampler over the data-parallel ranks only: tensor, context and pipeline ranks of one replica
+        see the same batch."""
+        dp = self.meshes.dp
+        return {"num_replicas": dp.size(), "rank": dp.get_local_rank()}
+
+    def split_loader(self, dataloader: Any, trainer: Optional[Any]) -> None:
+        """Split a loader over an iterable dataset over the data-parallel ranks only
+        (`lightning_par.streams.dataset`), and under ``global_batch`` set the trainer's accumulation."""
+        dp = self.meshes.dp
+        epoch = (lambda: trainer.current_epoch) if trainer is not None else None
+        training = trainer is not None and trainer.training
+        # A training loader may be read shard by shard with the end of a pass agreed each step (`end_pass`).
+        stream = split_over_data_parallel(dataloader, dp.get_local_rank(), dp.size(), epoch,
+                                          dp.get_group() if training else None)  # fmt: skip
+        if trainer is not None and training:
+            self.agree_end = getattr(stream, "agree_on_the_end", False)
+            if self.config.global_batch is not None:
+                trainer.accumulate_grad_batches = accumulation_for(self.config.global_batch, dataloader, dp.size())
+
+    def end_pass(self, trainer: Any, device: torch.device) -> None:
+        """For a training stream whose ranks' shards end at different steps: end the pass on every data-parallel
+        rank after the step in which the first of them read its last batch."""
+        if self.agree_end and trainer is not None and trainer.training:
+            progress = trainer.fit_loop.epoch_loop.batch_progress
+            if agree_on_the_end(progress.is_last_batch, self.meshes.dp.get_group(), device):
+                progress.is_last_batch = True
+
+
+def set_world_ranks(environment: Optional[ClusterEnvironment], node_rank: int, local_rank: int, per_node: int,
+                    num_nodes: int, global_rank: int) -> None:  # fmt: skip
+    """Tell the cluster environment this process's rank and the world size, as Lightning's DDP strategies do."""
+    if environment is not None:
+        environment.set_global_rank(node_rank * per_node + local_rank)
+        environment.set_world_size(num_nodes * per_node)
+    rank_zero_only.rank = global_rank  # type: ignore[attr-defined]
+
+
+class ProcessView:
+    """The properties both strategies (the Trainer's, `ProcessGroupStrategy`, and Fabric's) answer from their
+    `Processes` component and Lightning's own strategy attributes; it holds no state of its own. Put it before
+    Lightning's base class, whose abstract ``root_device`` it answers."""
+
+    processes: Processes  # the host's component, made in its __init__
+    if TYPE_CHECKING:  # Lightning's ParallelStrategy attributes, in both bases
+        parallel_devices: Optional[list[torch.device]]
+        local_rank: int
+        world_size: int
+        num_nodes: int
+
+    @property
+    def config(self) -> ParallelConfig:
+        """The configuration; resolved against the world size once processes exist."""
+        return self.processes.config
+
+    @property
+    def meshes(self) -> ParallelMesh:
+        """The job's meshes: the root mesh, the flattened ``dp`` axis and the 2-D data-parallel mesh."""
+        return self.processes.meshes
 
     @property
     def device_mesh(self) -> DeviceMesh:
-        """The job's root mesh (axes ``pp``, ``dp_replicate``, ``dp_shard``, ``tp``)."""
+        """The job's root mesh (axes ``pp``, ``dp_replicate``, ``dp_shard``, ``cp``, ``tp``)."""
         return self.meshes.root
 
     @property
@@ -68,66 +146,32 @@ class ProcessLayout:
         return self.meshes.token_mesh.get_group()
 
     @property
-    def parallel_layout(self: Any) -> dict[str, Any]:
+    def parallel_layout(self) -> dict[str, Any]:
         """The resolved layout, for logs and the logger's config."""
-        return {"world_size": self.world_size, "num_nodes": self.num_nodes, **self._config.layout()}
-
-    # ---- data ------------------------------------------------------------------------------------------------
-    def process_dataloader(self: Any, dataloader: Any) -> Any:
-        """Split a loader over an iterable dataset over the data-parallel ranks only (tensor, context and pipeline
-        ranks of one replica read the same samples): `lightning_par.streams.dataset`."""
-        module = getattr(self, "lightning_module", None)
-        trainer = _compat.attached_trainer(module) if module is not None else None
-        dp = self.meshes.dp
-        epoch = (lambda: trainer.current_epoch) if trainer is not None else None
-        training = trainer is not None and trainer.training
-        # A training loader may be read shard by shard with the end of a pass agreed each step (`batch_to_device`).
-        stream = split_over_data_parallel(dataloader, dp.get_local_rank(), dp.size(), epoch,
-                                          dp.get_group() if training else None)  # fmt: skip
-        if training:
-            self._agree_end = getattr(stream, "agree_on_the_end", False)
-        if self._config.global_batch is not None and trainer is not None and trainer.training:
-            trainer.accumulate_grad_batches = accumulation_for(self._config.global_batch, dataloader, dp.size())
-        return super().process_dataloader(dataloader)  # type: ignore[misc]
+        return self.processes.layout(self.world_size, self.num_nodes)
 
     # ---- processes -------------------------------------------------------------------------------------------
     @property
-    def root_device(self: Any) -> torch.device:
+    def root_device(self) -> torch.device:
         assert self.parallel_devices is not None
-        return cast(torch.device, self.parallel_devices[self.local_rank])
+        return self.parallel_devices[self.local_rank]
 
     @property
-    def num_processes(self: Any) -> int:
+    def num_processes(self) -> int:
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Split batches over data-parallel ranks only: tensor/pipeline ranks of one replica see the same batch.
-        dp = self.meshes.dp
-        return {"num_replicas": dp.size(), "rank": dp.get_local_rank()}
-
-    def set_world_ranks(self: Any) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
-
-    def start_processes(self: Any) -> None:
-        """Join the process group, resolve the layout and build the mesh (in ``setup_environment``)."""
-        reset_seed()
-        self.set_world_ranks()
-        assert self.cluster_environment is not None
-        self._process_group_backend, self._config, self._mesh = join_processes(
-            self.cluster_environment, self.root_device, self._process_group_backend, self._timeout, self._config,
-            self.num_processes,
-        )  # fmt: skip
+        return self.processes.sampler_kwargs()
 
     # ---- collectives -----------------------------------------------------------------------------------------
     def barrier(self, name: Optional[str] = None) -> None:
+        """Every rank waits here (nothing to wait for before processes exist)."""
         if _compat.distributed_is_initialized():
             dist.barrier()
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Rank ``src``'s ``obj`` on every rank (the object itself before processes exist)."""
         if not _compat.distributed_is_initialized():
             return obj
         box = [obj]
@@ -135,8 +179,9 @@ class ProcessLayout:
         return box[0]
 
 
-class ProcessGroupStrategy(ProcessLayout, _LightningParallelStrategy):
-    """Processes, layout, mesh and data-parallel reductions (the base of `ParallelStrategy`).
+class ProcessGroupStrategy(ProcessView, _LightningParallelStrategy):
+    """Processes, layout, mesh and data-parallel reductions (the base of `ParallelStrategy`); the state is its
+    `Processes` component's.
 
     Args:
         config: the requested layout, validated (`ParallelConfig`); resolved against the world size at
@@ -150,10 +195,7 @@ class ProcessGroupStrategy(ProcessLayout, _LightningParallelStrategy):
         self, config: ParallelConfig, timeout: timedelta, process_group_backend: Optional[str], **kwargs: Any
     ) -> None:
         super().__init__(**kwargs)
-        self._config = config
-        self._timeout = timeout
-        self._process_group_backend = process_group_backend
-        self._mesh = None
+        self.processes = Processes(config, timeout, process_group_backend)
         self.num_nodes = 1
 
     @property
@@ -167,21 +209,32 @@ class ProcessGroupStrategy(ProcessLayout, _LightningParallelStrategy):
         if not self.cluster_environment.creates_processes_externally:
             _compat.set_subprocess_launcher(self)
 
+    def set_world_ranks(self) -> None:
+        """Lightning's connector calls this before the launcher starts the processes."""
+        set_world_ranks(self.cluster_environment, self.node_rank, self.local_rank, self.num_processes,
+                        self.num_nodes, self.global_rank)  # fmt: skip
+
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        self.start_processes()
+        self.set_world_ranks()
+        assert self.cluster_environment is not None
+        self.processes.join(self.cluster_environment, self.root_device, self.num_processes)
+
+    # ---- data ------------------------------------------------------------------------------------------------
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        """Split a loader over an iterable dataset over the data-parallel ranks only (`Processes.split_loader`)."""
+        module = self.lightning_module
+        self.processes.split_loader(dataloader, _compat.attached_trainer(module) if module is not None else None)
+        return super().process_dataloader(dataloader)
 
     @override
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
-        """Also, for a training stream whose ranks' shards end at different steps (`streams.counted`): end the pass
-        on every data-parallel rank after the step in which the first of them read its last batch."""
-        trainer = _compat.attached_trainer(self.lightning_module) if self.lightning_module is not None else None
-        if getattr(self, "_agree_end", False) and trainer is not None and trainer.training:
-            progress = trainer.fit_loop.epoch_loop.batch_progress
-            if agree_on_the_end(progress.is_last_batch, self.meshes.dp.get_group(), self.root_device):
-                progress.is_last_batch = True
-        return super().batch_to_device(batch, device, dataloader_idx)  # type: ignore[misc]
+        """Also ends a training stream's pass on every data-parallel rank together (`Processes.end_pass`)."""
+        module = self.lightning_module
+        self.processes.end_pass(_compat.attached_trainer(module) if module is not None else None, self.root_device)
+        return super().batch_to_device(batch, device, dataloader_idx)
 
     def _set_metric_groups(self, module: nn.Module) -> None:
         set_metric_groups(module, self.meshes.dp.get_group())
@@ -194,8 +247,8 @@ class ProcessGroupStrategy(ProcessLayout, _LightningParallelStrategy):
         # `self.log(sync_dist=True)` lands here: average over data-parallel ranks, not the whole world.
         if not isinstance(tensor, Tensor):
             return tensor
-        if group is None and self._mesh is not None:
-            group = self._mesh.dp.get_group()
+        if group is None and self.processes.mesh is not None:
+            group = self.processes.mesh.dp.get_group()
         return all_reduce_logged(tensor, group, reduce_op)
 
 

@@ -154,13 +154,13 @@ class DeepSpeedParallelStrategy(ParallelStrategy):
         if backend != "deepspeed":
             raise ValueError(f"DeepSpeedParallelStrategy is backend='deepspeed', not {backend!r}; use ParallelStrategy")
         super().__init__(*args, **kwargs)
-        if self._config.global_batch is not None:
+        if self.config.global_batch is not None:
             raise ValueError(
                 "global_batch with DeepSpeed: its engine fixes the gradient accumulation when it is built, before the "
                 "loader exists; set Trainer(accumulate_grad_batches=...) for this world size, or use "
                 "lightning_par.ParallelStrategy (native ZeRO) with global_batch"
             )
-        if self._config.sync_every is not None:
+        if self.config.sync_every is not None:
             raise ValueError(
                 "sync_every (local SGD) runs on the native ZeRO 0-2 engine, not DeepSpeed's; use "
                 "lightning_par.ParallelStrategy(zero_stage=1 or 2, dp_replicate=..., sync_every=...)"

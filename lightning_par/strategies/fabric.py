@@ -38,7 +38,13 @@ from lightning_par.parallel.rebind import parameter_names, rebind_optimizer
 from lightning_par.parallel.run import ParallelRun
 from lightning_par.precision.fabric import FabricPrecision
 from lightning_par.strategies import _fabric_state
-from lightning_par.strategies._processes import ProcessLayout, all_reduce_logged, set_metric_groups
+from lightning_par.strategies._processes import (
+    Processes,
+    ProcessView,
+    all_reduce_logged,
+    set_metric_groups,
+    set_world_ranks,
+)
 
 PIPELINE_REFUSAL = (
     "pipelines need a step they own: a schedule runs each microbatch's forward and backward together, and a Fabric "
@@ -47,7 +53,7 @@ PIPELINE_REFUSAL = (
 )
 
 
-class FabricParallelStrategy(ProcessLayout, _FabricParallel):
+class FabricParallelStrategy(ProcessView, _FabricParallel):
     """Every non-pipeline layout of `lightning_par.ParallelStrategy`, for ``lightning.Fabric``.
 
     Args:
@@ -89,12 +95,9 @@ class FabricParallelStrategy(ProcessLayout, _FabricParallel):
             raise ValueError(f"timeout_s={timeout_s} must be > 0 seconds (600 is the default)")
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, precision=precision)  # fmt: skip
-        self._config = config
-        self._timeout = timedelta(seconds=timeout_s)
-        self._process_group_backend = process_group_backend
+        self.processes = Processes(config, timedelta(seconds=timeout_s), process_group_backend)
         self._tp_plan = dict(tp_plan) if tp_plan else None
         self._pretrained = str(pretrained) if pretrained is not None else None
-        self._mesh = None
         self._run: Optional[ParallelRun] = None
         self._accumulation = _Accumulation()
         _compat.set_fabric_backward_sync(self, self._accumulation)
@@ -139,13 +142,24 @@ class FabricParallelStrategy(ProcessLayout, _FabricParallel):
         if not self.cluster_environment.creates_processes_externally:
             _compat.set_fabric_subprocess_launcher(self)
 
+    # ---- processes -------------------------------------------------------------------------------------------
+    def _set_world_ranks(self) -> None:
+        # Fabric's connector calls this name, before the launcher starts the processes.
+        set_world_ranks(self.cluster_environment, self.node_rank, self.local_rank, self.num_processes,
+                        self.num_nodes, self.global_rank)  # fmt: skip
+
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        self.start_processes()
+        self._set_world_ranks()
+        assert self.cluster_environment is not None
+        self.processes.join(self.cluster_environment, self.root_device, self.num_processes)
 
-    def _set_world_ranks(self) -> None:
-        self.set_world_ranks()  # Fabric's connector calls this name, before the launcher starts the processes
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        """Split a loader over an iterable dataset over the data-parallel ranks only (`Processes.split_loader`)."""
+        self.processes.split_loader(dataloader, None)
+        return super().process_dataloader(dataloader)
 
     # ---- model and optimizers --------------------------------------------------------------------------------
     @override
@@ -186,8 +200,8 @@ class FabricParallelStrategy(ProcessLayout, _FabricParallel):
         self.global_param_count = active_param_count(module)  # before a rank holds only a slice or a shard
         low = self.precision.compute_dtype if self.precision.mixed else None
         self._run = parallelize(
-            module, self.meshes, self._config, param_dtype=low, reduce_dtype=torch.float32 if low else None,
-            tp_plan=self._tp_plan, timeout=self._timeout, device=self.root_device, pretrained=self._pretrained,
+            module, self.meshes, self.config, param_dtype=low, reduce_dtype=torch.float32 if low else None,
+            tp_plan=self._tp_plan, timeout=self.processes.timeout, device=self.root_device, pretrained=self._pretrained,
         )  # fmt: skip
         set_metric_groups(module, self.meshes.dp.get_group())
         for line in self._run.describe():
@@ -245,7 +259,7 @@ class FabricParallelStrategy(ProcessLayout, _FabricParallel):
         return _compat.all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
 
     def _dp_group(self) -> Optional[dist.ProcessGroup]:
-        return self._mesh.dp.get_group() if self._mesh is not None else None
+        return self.processes.mesh.dp.get_group() if self.processes.mesh is not None else None
 
     # ---- checkpoints: the Trainer's sharded folders ----------------------------------------------------------
     @override

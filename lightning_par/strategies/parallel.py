@@ -132,7 +132,7 @@ class ParallelStrategy(ProcessGroupStrategy):
         )  # fmt: skip
         self._tp_plan = dict(tp_plan) if tp_plan else None
         self._pretrained = str(pretrained) if pretrained is not None else None
-        self._checkpoints = ShardedCheckpoints(self._timeout, async_save)
+        self._checkpoints = ShardedCheckpoints(self.processes.timeout, async_save)
         self.global_param_count: Optional[int] = None  # set at set-up: what ParallelismMonitor counts FLOPs from
         self._run: Optional[ParallelRun] = None
         self._pipeline: Optional[PipelineSteps] = None
@@ -149,7 +149,7 @@ class ParallelStrategy(ProcessGroupStrategy):
     @_lightning_module.setter
     def _lightning_module(self, module: Optional[pl.LightningModule]) -> None:
         if _compat.compiled_context(module) is not None:  # (Lightning's __init__ assigns None before _config)
-            module = take_compiled(module, self._config, self._compile_refusal)
+            module = take_compiled(module, self.config, self._compile_refusal)
         self.__dict__["_lp_lightning_module"] = module
 
     def precision_plugin_for(self, flag: str, device: str) -> Precision:
@@ -205,8 +205,8 @@ class ParallelStrategy(ProcessGroupStrategy):
                 module.to(self.root_device)
             low = precision.compute_dtype if precision.mixed else None
             self._run = parallelize(
-                module, self.meshes, self._config, param_dtype=low, reduce_dtype=torch.float32 if low else None,
-                tp_plan=self._tp_plan, timeout=self._timeout, device=self.root_device,
+                module, self.meshes, self.config, param_dtype=low, reduce_dtype=torch.float32 if low else None,
+                tp_plan=self._tp_plan, timeout=self.processes.timeout, device=self.root_device,
                 pretrained=self._pretrained,
             )  # fmt: skip
             self._set_metric_groups(module)
@@ -316,7 +316,7 @@ class ParallelStrategy(ProcessGroupStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        dataloader = super().process_dataloader(dataloader)  # ProcessLayout splits an iterable dataset first
+        dataloader = super().process_dataloader(dataloader)  # the base splits an iterable dataset first
         self._checkpoints.on_train_loader(self._where().trainer, dataloader)
         return dataloader
 
