@@ -446,7 +446,12 @@ MODELS: dict[str, Any] = _Models({
     "pyramid_lm": lambda: _families().PyramidLM(),  # a user's hierarchical model: blocks return (hidden, length)
     "pyramid_unprobed": lambda: _families().PyramidLM(example=False),  # no example_input_array: the probe fails
     "hf_t5": lambda: _families().HFT5(),  # encoder-decoder: the decoder reads the encoder's output
-    "nano_lm": lambda: _families().NanoLM(),  # sizes its split by x.size(-1): refused under tp
+    "nano_lm": lambda: _families().NanoLM(),  # sizes its split by x.size(-1): run on gathered outputs under tp
+    # nanoGPT itself (its SDPA path; its manual attention with the causal-mask buffer), and with per-head q/k norms
+    # (refused under tp: the norms would need the heads split).
+    "nano_gpt": lambda: _nano_models().NanoGPT(),
+    "nano_gpt_manual": lambda: _nano_models().NanoGPT(flash=False),
+    "nano_gpt_qk_norm": lambda: _nano_models().NanoGPT(qk_norm=True),
 })  # fmt: skip
 
 
@@ -456,5 +461,6 @@ _families_moe = functools.partial(importlib.import_module, "_families_moe")
 _tp_mixed_models = functools.partial(importlib.import_module, "_tp_mixed_models")
 _mha_models = functools.partial(importlib.import_module, "_mha_models")
 _families = functools.partial(importlib.import_module, "_families")
+_nano_models = functools.partial(importlib.import_module, "_nano_models")
 _lora_models = functools.partial(importlib.import_module, "_lora_models")
 _hf_models = functools.partial(importlib.import_module, "_hf_models")

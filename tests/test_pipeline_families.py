@@ -4,7 +4,8 @@ Families (tests/_families.py, plain user LightningModules): litgpt's GPT (Pythia
 ``lm_head`` before the embedding, so ownership must come from execution order), Hugging Face GPT-2 (Conv1D, head tied to
 the embedding), Qwen2 with ``tie_word_embeddings=True`` and ViT (whose forward reads attributes of the embedding on
 every stage), Swin and a user's pyramid (blocks change the hidden state's length and width). Tied weights: a copy on
-each end stage, gradients summed over the two (pp 2, pp 2 x dp 2 under ZeRO-1 / ZeRO-2 / ZeRO-3, pp 2 x tp 2), or one
+each end stage, gradients summed over the two (pp 2, pp 2 x dp 2 under ZeRO-1 / ZeRO-2 / ZeRO-3, pp 2 x tp 2, nanoGPT
+under pp 2 x tp 2), or one
 shared parameter where one rank runs both ends (zbv, dualpipev); the gradient norm counts the weight once (accumulation
 + clipping at 0.05 with norms > 0.5). pp 3 splits 4 blocks unevenly.
 
@@ -67,13 +68,15 @@ JOBS_4: dict[str, dict[str, Any]] = {
     "gpt_tied_zero3_accum_clip": {"model": "gpt4_tied_sgd", "strategy": {"pp": 2, "zero_stage": 3}, "dp": 2,
                                   "accumulate": 2, "clip": 0.05},
     "gpt_tied_pipe_tp": {"model": "gpt4_tied_sgd", "strategy": {"pp": 2, "tp": 2}, "dp": 1},
+    # nanoGPT (tied head): its attention runs on the gathered outputs of its split projections in each stage.
+    "nano_gpt_pipe_tp": {"model": "nano_gpt", "strategy": {"pp": 2, "tp": 2}, "dp": 1},
     "qwen2_tied_zero2_accum_clip": {"model": "hf_qwen2_tied", "strategy": {"pp": 2, "zero_stage": 2}, "dp": 2,
                                     "accumulate": 2, "clip": 0.05},
 }  # fmt: skip
 
 ALL = {**JOBS_2, **JOBS_3, **JOBS_4}
 REFUSED = ("skip_unet", "pyramid_unprobed", "hf_t5", "zoo:dory")
-TIED = {"hf_gpt2", "gpt4_tied_sgd", "hf_qwen2_tied"}
+TIED = {"hf_gpt2", "gpt4_tied_sgd", "hf_qwen2_tied", "nano_gpt"}
 
 
 def _checkpoint_jobs(tmp: Path) -> list[dict[str, Any]]:

@@ -4,7 +4,7 @@ DeepSeek-V3 (Hugging Face, tiny config: layer 0 a dense MLP, later layers MoE wi
 block structure (`lightning_par.parallel.tensor.plan`): each structure from its first block, under patterns naming
 exactly its
 blocks. Its multi-head latent attention keeps the low-rank projections whole and splits the per-head expansions
-(`lightning_par.parallel.tensor.latent`). Unit tests pin the plans (a user model whose blocks alternate attention and
+(`lightning_par.parallel.tensor.heads`). Unit tests pin the plans (a user model whose blocks alternate attention and
 feed-forward, as x-transformers lays out its layers; DeepSeek-V3 with and without a low-rank query); the spawned
 jobs train under ``tp`` (2 ranks) and ``pipe_tp`` (pp 2 x tp 2, a stage holding blocks of both structures or part
 of one) against one process, norms inside split regions (a user model, RoBERTa-PreLayerNorm) under ``tp_zero3``

@@ -141,17 +141,16 @@ def test_part_rows_give_each_rank_its_slice_of_every_part() -> None:
     assert part_rows((8,), (True,), 2, 2, 1).tolist() == list(range(8))
 
 
-def test_full_width_split_is_refused_before_training_with_the_override() -> None:
+def test_full_width_split_runs_on_gathered_outputs_and_the_override_keeps_it_whole() -> None:
     model = NanoLM()
     plan = infer_tp_plan(model)  # widths alone look fine: fused [q | k | v], split into 3 by the probe
     assert plan.styles["h.*.attn.c_attn"] == "colwise_fused"
-    with pytest.raises(TPPlanError, match=r"tp=2: h\.0\.attn \(NanoAttn\) fails on the shapes each rank gets "
-                       r"\(ValueError: .*\); its code sizes a split.*tp_plan=\{\"h\.\*\.attn\.c_attn\": \"replicate\", "
-                       r"\"h\.\*\.attn\.c_proj\": \"replicate\"\}"):  # fmt: skip
-        check_local_shapes(model, plan, 2)
-    # With that override the plan passes the check (the MLP is still split), and the model is untouched.
+    # Its code fails on a rank's slices (split(C) with C = x.size(-1)): the attention runs on gathered outputs.
+    checked = check_local_shapes(model, plan, 2)
+    assert checked.gathered == ("h.*.attn",) and checked.styles["h.*.attn.c_attn"] == "colwise_fused"
+    # Kept whole by an override instead, nothing is gathered (the MLP is still split), and the model is untouched.
     kept = infer_tp_plan(model, overrides={"h.*.attn.c_attn": "replicate", "h.*.attn.c_proj": "replicate"})
-    check_local_shapes(model, kept, 2)
+    assert check_local_shapes(model, kept, 2).gathered == ()
     assert model.h[0].attn.c_attn.weight.shape == (96, 32) and model.h[0].attn.n_head == 4
 
 

@@ -136,7 +136,7 @@ def _tensor_parallel(module: nn.Module, parts: list[ModelPart], mesh: ParallelMe
         # Where the plan's probe ran the whole model (a pipeline stage cannot run it alone: its own pre-flight does).
         if part.whole_trunk and plan.traced:
             preflight(module, mesh.tp.size(), info.sequence_parallel)
-    return tp_report([b for part in parts for b in part.blocks], mesh.tp.size())
+    return tp_report([b for part in parts for b in part.blocks], mesh.tp.size(), plan.gathered)
 
 
 def _context_parallel(module: nn.Module, trunk: Optional[Trunk], cut: Optional[PipelineSplit], mesh: ParallelMesh,
@@ -253,8 +253,8 @@ def _tp_plan(module: nn.Module, config: ParallelConfig, overrides: Optional[dict
         return None
     plan = infer_tp_plan(module, overrides=overrides)
     validate_tp(plan, config.tp)
-    check_local_shapes(module, plan, config.tp)  # block 0 on per-rank shapes: code assuming full widths fails here
-    return plan
+    # Block 0 on per-rank shapes: code assuming full widths runs on gathered activations, or is refused here.
+    return check_local_shapes(module, plan, config.tp)
 
 
 def _whole(module: nn.Module, trunk: Optional[Trunk]) -> ModelPart:

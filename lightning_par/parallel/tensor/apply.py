@@ -41,9 +41,15 @@ from lightning_par import _compat
 from lightning_par.blocks.trunk import find_trunk
 from lightning_par.parallel.tensor.adapters import adapter_styles, find_adapters, whole_adapters
 from lightning_par.parallel.tensor.affine import apply_affine
-from lightning_par.parallel.tensor.heads import apply_colwise_norm, apply_head_norm, apply_head_params, local_output
+from lightning_par.parallel.tensor.full_width import apply_full_width, as_whole
+from lightning_par.parallel.tensor.heads import (
+    apply_colwise_norm,
+    apply_head_norm,
+    apply_head_params,
+    apply_latents,
+    local_output,
+)
 from lightning_par.parallel.tensor.kv_heads import kv_parts, kv_replicas, local_count, part_rows
-from lightning_par.parallel.tensor.latent import apply_latents
 from lightning_par.parallel.tensor.mha import apply_mha
 from lightning_par.parallel.tensor.plan_affine import affine
 from lightning_par.parallel.tensor.plan_types import HeadInfo, MLPInfo, TPPlan, TPPlanError
@@ -223,6 +229,7 @@ def _apply_blocks(
     split = {k for k, projs in projections.items() if any(plan.styles.get(p) in _SPLIT for p in projs)}
     regions = sorted(k[len(prefix) + 1 :] for k in split if k != prefix)
     kv = _replicated_kv(plan, prefix, tp, mesh.get_local_rank())
+    counted = as_whole(plan)  # a gathered region's code keeps the global head counts and whole per-head parameters
     latent = {k[len(prefix) + 1 :] for h in plan.heads.values() for k in h.latent}
     # Replicated modules inside a split region, reading its gathered input (`WholeInRegion`), not the stream.
     inside = [r for r, s in rel_styles.items() if s in ("replicate", "sequence_parallel") and r not in latent
@@ -262,7 +269,7 @@ def _apply_blocks(
                 norm = block.get_submodule(rel)
                 (apply_head_norm if style == "head_norm" else apply_colwise_norm)(norm, mesh)
                 changed[f"{name}.{rel}"] = style
-        for rel, names in _head_params(plan, prefix).items():
+        for rel, names in _head_params(counted, prefix).items():
             apply_head_params(block.get_submodule(rel) if rel else block, names, mesh)
             changed.update({f"{name}.{rel}.{n}" if rel else f"{name}.{n}": "head_param" for n in names})
         styles.update(whole_adapters(block, adapters, follows, mesh, sequence_parallel))
@@ -270,6 +277,7 @@ def _apply_blocks(
             stream = _stream_modules(block, rel_styles, regions)
             styles.update({r: s for r, s in stream.items() if r not in styles and r not in follows})
         parallelize_module(block, mesh, styles)  # type: ignore[arg-type]
+        apply_full_width(block, plan, prefix, mesh)  # after the styles' hooks (parallel/tensor/full_width.py)
         for rel in (k[len(prefix) + 1 :] for k in plan.inplace if rel_styles.get(k[len(prefix) + 1 :]) in _SPLIT):
             # The code changes this output in place (Falcon's mlp_output += attention_output), which autograd forbids
             # on the view a DTensor style hands out: a copy of its own, for these projections only.
@@ -291,7 +299,7 @@ def _apply_blocks(
             ]:
                 block.get_submodule(rel).register_forward_hook(partial(pad_region_output, mesh, seq))
         apply_latents(block, plan, prefix, mesh)
-    _set_local_head_counts([b for _, b in blocks], plan, prefix, tp)
+    _set_local_head_counts([b for _, b in blocks], counted, prefix, tp)
     return regions
 
 

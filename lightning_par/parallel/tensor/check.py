@@ -23,6 +23,7 @@ MLP) is never a surprise.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -35,6 +36,7 @@ from lightning_par import _compat
 from lightning_par.blocks._probe import _is_norm, eval_mode, probe_call, running_modules
 from lightning_par.blocks.trunk import find_trunk
 from lightning_par.parallel.tensor.adapters import adapter_leaves
+from lightning_par.parallel.tensor.full_width import as_whole, fallback_for
 from lightning_par.parallel.tensor.plan_types import _SHARDED, TPPlan, TPPlanError
 from lightning_par.parallel.tensor.simulate import check_values, rank_copy
 
@@ -83,24 +85,39 @@ def _call_on_distinct_tokens(model: nn.Module) -> None:
         probe_call(model)  # token 0 everywhere, as the plan probe ran it
 
 
-def check_local_shapes(model: nn.Module, plan: TPPlan, tp: int) -> None:
+def check_local_shapes(model: nn.Module, plan: TPPlan, tp: int) -> TPPlan:
     """Raise before training when block 0's code (that of the first block of each structure, when blocks differ)
-    does not run on the per-rank shapes of ``plan`` at ``tp``.
+    does not run on the per-rank shapes of ``plan`` at ``tp``, and no region of it can run on gathered activations.
+
+    Returns:
+        ``plan``, with the attentions / MLPs whose code sizes its tensors from the full width in ``gathered``
+        (`lightning_par.parallel.tensor.full_width`) and a note naming them.
 
     Raises:
         TPPlanError: naming the module that failed, its error, and a ``tp_plan`` keeping that region replicated.
     """
     trunk = find_trunk(model)
     if tp == 1 or trunk is None or trunk.path != plan.trunk:
-        return
-    # Blocks that differ: the first block of each structure, on that structure's plan.
-    for sub in plan.group_plans():
+        return plan
+    star = f"{plan.trunk}.*" if plan.trunk else "*"
+    gathered = list(plan.gathered)
+    # Blocks that differ: the first block of each structure, on that structure's plan (written with `star`).
+    for prefix, sub in zip(list(plan.groups) or [star], plan.group_plans()):
         block = trunk.blocks[trunk.names.index(sub.first_block)]
         _check_region_params(sub, block, sub.first_block)
         captured = _block_input(model, block)
         if captured is not None:
-            _check_block(sub, block, sub.first_block, tp, captured)
-            check_values(sub, block, sub.first_block, tp, captured)  # the values, where shapes agree
+            found = _check_block(sub, block, sub.first_block, tp, captured)
+            gathered += [prefix + k[len(star) :] for k in found]
+            # The values, where shapes agree; a gathered region's code sees the whole projections' outputs.
+            check_values(as_whole(dataclasses.replace(sub, gathered=found)), block, sub.first_block, tp, captured)
+    added = [k for k in gathered if k not in plan.gathered]
+    if not added:
+        return plan
+    note = (f"run on the full width: {', '.join(added)} (its code sizes tensors from the input's width, not from a "
+            "head count: its projections are split, their outputs gathered over tp, the code between them computed "
+            "whole on every rank)")  # fmt: skip
+    return dataclasses.replace(plan, gathered=tuple(gathered), notes=(*plan.notes, note))
 
 
 def _check_region_params(plan: TPPlan, block: nn.Module, block_name: str) -> None:
@@ -130,7 +147,9 @@ def _check_region_params(plan: TPPlan, block: nn.Module, block_name: str) -> Non
 
 def _check_block(
     plan: TPPlan, block: nn.Module, block_name: str, tp: int, captured: tuple[tuple[Any, ...], dict[str, Any]]
-) -> None:
+) -> tuple[str, ...]:
+    """Run rank 0's copy of ``block``; where a region's code fails on the split shapes and can run on gathered
+    activations (`full_width.fallback_for`), gather it and run again. Returns the gathered regions."""
     try:
         # Copies of the block and of its input (a cache object in it would otherwise see two runs); the unsplit
         # copy must run, or a failure below would say nothing about tp.
@@ -138,20 +157,27 @@ def _check_block(
         with torch.no_grad():
             args, kwargs = copy.deepcopy(captured)
             whole(*args, **kwargs)
-        args, kwargs = copy.deepcopy(captured)
     except Exception:
-        return
+        return ()
     prefix = f"{plan.trunk}.*" if plan.trunk else "*"
-    split = {k: s for k, s in plan.styles.items() if s in _SHARDED and k.startswith(prefix + ".")}
-    local = rank_copy(block, plan, tp, 0)
-    with running_modules(local) as stack:  # on an error, the innermost running module is where it was raised
-        try:
-            with torch.no_grad():
-                local(*args, **kwargs)
-            return
-        except Exception as err:
-            where, failed = (stack[-1] if stack else ""), err
-    pattern = f"{prefix}.{where}" if where else prefix
+    gathered: tuple[str, ...] = ()
+    while True:
+        current = as_whole(dataclasses.replace(plan, gathered=gathered))
+        local = rank_copy(block, current, tp, 0)
+        with running_modules(local) as stack:  # on an error, the innermost running module is where it was raised
+            try:
+                with torch.no_grad():
+                    args, kwargs = copy.deepcopy(captured)
+                    local(*args, **kwargs)
+                return gathered
+            except Exception as err:
+                where, failed = (stack[-1] if stack else ""), err
+        pattern = f"{prefix}.{where}" if where else prefix
+        key = fallback_for(dataclasses.replace(plan, gathered=gathered), pattern, tp)
+        if key is None:
+            break
+        gathered = (*gathered, key)
+    split = {k: s for k, s in current.styles.items() if s in _SHARDED and k.startswith(prefix + ".")}
     region = [k for k in split if k.startswith(pattern + ".")] or list(split)
     hint = ", ".join(f'"{k}": "replicate"' for k in region)
     name = f"{block_name}.{where}" if where else block_name
@@ -220,10 +246,13 @@ def _why(mod: nn.Module, params: list[nn.Parameter]) -> str:
     return next((why for kind, why in _WHY.items() if isinstance(mod, kind)), type(mod).__name__)
 
 
-def tp_report(blocks: Sequence[tuple[str, nn.Module]], tp: int, shown: int = 6) -> str:
+def tp_report(
+    blocks: Sequence[tuple[str, nn.Module]], tp: int, gathered: Sequence[str] = (), shown: int = 6
+) -> str:
     """One line for the start-up log, after `apply_tensor_parallel` split ``blocks`` (this rank's: a pipeline
-    stage's under ``pipe_tp``): the share of their parameters one rank holds (``1 / tp`` when all is split) and
-    the modules whose parameters stay whole, by pattern, with the reason."""
+    stage's under ``pipe_tp``): the share of their parameters one rank holds (``1 / tp`` when all is split), the
+    modules whose parameters stay whole, by pattern, with the reason, and the regions run on the full width
+    (``gathered``, `TPPlan.gathered`)."""
     local = total = 0
     whole: dict[str, tuple[str, int]] = {}
     adapters = {name: adapter_leaves(block) for name, block in blocks}
@@ -248,4 +277,7 @@ def tp_report(blocks: Sequence[tuple[str, nn.Module]], tp: int, shown: int = 6) 
     line = (
         f"tensor parallel tp={tp}: each rank holds {local / total:.2f} of the blocks' parameters (1/tp = {1 / tp:.2f})"
     )
-    return line + (f"; kept whole: {listed}" if big else "")
+    line += f"; kept whole: {listed}" if big else ""
+    if gathered:  # split weights, but the code between the projections runs whole on every rank (full_width.py)
+        line += f"; run on the full width (outputs gathered): {', '.join(gathered)}"
+    return line

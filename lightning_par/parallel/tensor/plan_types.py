@@ -99,6 +99,9 @@ class TPPlan:
             (``model.layers.0``, ``model.layers.{1,2,3}``: the block index explicit where ``*`` would be wrong) ->
             the names of the blocks it covers; empty when all blocks share one structure (patterns use ``*``).
         inplace: projections whose output the model changes in place (``+=``): split, they hand on a copy.
+        gathered: attentions / MLPs (keys of ``heads`` / ``mlps``) whose code sizes its tensors from the full width
+            (nanoGPT's ``split(C)``): their projections stay split, the code between them runs on the gathered
+            outputs (`lightning_par.parallel.tensor.full_width`); set by the check before training.
     """
 
     trunk: str
@@ -118,6 +121,7 @@ class TPPlan:
     whole: tuple[str, ...] = ()
     groups: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     inplace: tuple[str, ...] = ()
+    gathered: tuple[str, ...] = ()
 
     @property
     def fused_split(self) -> dict[str, tuple[int, ...]]:
@@ -177,6 +181,7 @@ def _regroup(plan: TPPlan, prefix: str, names: tuple[str, ...]) -> TPPlan:
         plan, first_block=names[0], n_blocks=len(names), styles={key(k): s for k, s in plan.styles.items() if mine(k)},
         heads=heads, mlps=mlps, shapes={key(k): s for k, s in plan.shapes.items() if mine(k)}, groups={},
         inplace=tuple(key(k) for k in plan.inplace if mine(k)),
+        gathered=tuple(key(k) for k in plan.gathered if mine(k)),
     )  # fmt: skip
 
 
