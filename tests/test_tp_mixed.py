@@ -49,6 +49,9 @@ JOBS_4: dict[str, dict[str, Any]] = {
     "torch_decoder_tp_zero3": {"model": "torch_decoder", "strategy": {"tp": 2, "zero_stage": 3}, "dp": 2},
     "torch_encoder_pipe_tp": {"model": "torch_encoder", "strategy": {"pp": 2, "tp": 2}, "dp": 1},
     "user_moe_list_pipe_tp": {"model": "user_moe_list_4", "strategy": {"pp": 2, "tp": 2}, "dp": 1},
+    # nanoGPT's attention on gathered outputs (parallel/tensor/full_width.py), its split weights sharded again by
+    # FSDP2 over dp.
+    "nano_gpt_tp_zero3": {"model": "nano_gpt", "strategy": {"tp": 2, "zero_stage": 3}, "dp": 2},
 }
 ALL = {**JOBS_2, **JOBS_4}
 
