@@ -63,6 +63,10 @@ FAMILIES = {
     "nano_gpt": {"model": "nano_gpt"},
     "nano_gpt_manual": {"model": "nano_gpt_manual"},
     "nano_lm": {"model": "nano_lm"},
+    # The same fallback where the values differ on a rank's slice (Hugging Face CodeGen regroups its fused qkv by a
+    # constant of its code) and where a per-head tensor comes from outside the attention (Bloom's ALiBi).
+    "hf_codegen": {"model": "zoo:codegen"},
+    "hf_bloom": {"model": "zoo:bloom"},
     # With per-head q/k norms it is refused (below); the fix the refusal names trains exactly.
     "nano_gpt_qk_norm_fix": {"model": "nano_gpt_qk_norm", "strategy": {"tp": 2, "tp_plan": {
         "transformer.h.*.attn.c_attn": "replicate", "transformer.h.*.attn.c_proj": "replicate"}}},
@@ -162,7 +166,9 @@ def test_checkpoint_under_tp_resumes_under_zero2(runs: dict[str, Any], name: str
 def test_code_assuming_full_widths_runs_on_gathered_outputs_and_says_so(runs: dict[str, Any]) -> None:
     # nanoGPT trains exactly (above) with its projections split (each rank holds half of them: above); the start-up
     # line names the region whose code runs whole.
-    for name, region in (("nano_gpt", "transformer.h.*.attn"), ("nano_lm", "h.*.attn")):
+    for name, region in (("nano_gpt", "transformer.h.*.attn"), ("nano_lm", "h.*.attn"),
+                         ("hf_codegen", "model.transformer.h.*.attn"),
+                         ("hf_bloom", "model.transformer.h.*.self_attention")):  # fmt: skip
         (line,) = [x for x in runs["tp"][name]["startup"] if x.startswith("tensor parallel tp=2")]
         assert line.endswith(f"; run on the full width (outputs gathered): {region}"), line
     assert not any("run on the full width" in x for x in runs["tp"]["hf_gpt2"]["startup"])  # split by heads

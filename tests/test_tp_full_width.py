@@ -42,7 +42,7 @@ def test_nanogpt_attention_runs_on_gathered_outputs_and_its_mlp_stays_split() ->
     assert whole["transformer.h.*.attn.c_attn"] == whole["transformer.h.*.attn.c_proj"] == "replicate"
     assert whole["transformer.h.*.mlp.c_fc"] == "colwise"
     # Marked once: the same region is not offered again.
-    assert fallback_for(checked, "transformer.h.*.attn", 2) is None
+    assert fallback_for(checked, "transformer.h.*.attn", 2, model.transformer.h[0]) is None
 
 
 def test_code_that_splits_by_heads_keeps_the_head_split() -> None:
@@ -54,7 +54,8 @@ def test_code_that_splits_by_heads_keeps_the_head_split() -> None:
 def test_per_head_norms_on_full_width_code_are_refused_with_a_correct_override() -> None:
     model = NanoGPT(qk_norm=True)
     plan = infer_tp_plan(model)
-    assert fallback_for(plan, "transformer.h.*.attn", 2) is None  # its q/k norms would need the heads split
+    # Its q/k norms would need the heads split.
+    assert fallback_for(plan, "transformer.h.*.attn", 2, model.transformer.h[0]) is None
     with pytest.raises(TPPlanError, match=r"transformer\.h\.0\.attn \(CausalSelfAttention\) fails on the shapes"):
         check_local_shapes(model, plan, 2)
 

@@ -38,7 +38,7 @@ from lightning_par.blocks.trunk import find_trunk
 from lightning_par.parallel.tensor.adapters import adapter_leaves
 from lightning_par.parallel.tensor.full_width import as_whole, fallback_for
 from lightning_par.parallel.tensor.plan_types import _SHARDED, TPPlan, TPPlanError
-from lightning_par.parallel.tensor.simulate import check_values, rank_copy
+from lightning_par.parallel.tensor.simulate import ValuesDiffer, check_values, rank_copy
 
 
 class _Reached(Exception):
@@ -108,9 +108,8 @@ def check_local_shapes(model: nn.Module, plan: TPPlan, tp: int) -> TPPlan:
         captured = _block_input(model, block)
         if captured is not None:
             found = _check_block(sub, block, sub.first_block, tp, captured)
+            found = _check_values(sub, block, tp, captured, found)
             gathered += [prefix + k[len(star) :] for k in found]
-            # The values, where shapes agree; a gathered region's code sees the whole projections' outputs.
-            check_values(as_whole(dataclasses.replace(sub, gathered=found)), block, sub.first_block, tp, captured)
     added = [k for k in gathered if k not in plan.gathered]
     if not added:
         return plan
@@ -118,6 +117,27 @@ def check_local_shapes(model: nn.Module, plan: TPPlan, tp: int) -> TPPlan:
             "head count: its projections are split, their outputs gathered over tp, the code between them computed "
             "whole on every rank)")  # fmt: skip
     return dataclasses.replace(plan, gathered=tuple(gathered), notes=(*plan.notes, note))
+
+
+def _check_values(
+    plan: TPPlan, block: nn.Module, tp: int, captured: tuple[tuple[Any, ...], dict[str, Any]], gathered: tuple[str, ...]
+) -> tuple[str, ...]:
+    """The values, where shapes agree (`simulate.check_values`): a region whose rank copies compute other values
+    than the whole one (code that regroups a split projection by a constant of its own, CodeGen's ``mp_num``) runs
+    on gathered outputs where it can, which is exact whatever its code does; else the refusal stands. Returns the
+    gathered regions."""
+    star = f"{plan.trunk}.*" if plan.trunk else "*"
+    while True:
+        try:
+            # A gathered region's code sees the whole projections' outputs.
+            check_values(as_whole(dataclasses.replace(plan, gathered=gathered)), block, plan.first_block, tp, captured)
+            return gathered
+        except ValuesDiffer as err:
+            marked = dataclasses.replace(plan, gathered=gathered)
+            key = fallback_for(marked, f"{star}.{err.out}", tp, block) if err.out else None
+            if key is None:
+                raise
+            gathered = (*gathered, key)
 
 
 def _check_region_params(plan: TPPlan, block: nn.Module, block_name: str) -> None:
@@ -173,7 +193,7 @@ def _check_block(
             except Exception as err:
                 where, failed = (stack[-1] if stack else ""), err
         pattern = f"{prefix}.{where}" if where else prefix
-        key = fallback_for(dataclasses.replace(plan, gathered=gathered), pattern, tp)
+        key = fallback_for(dataclasses.replace(plan, gathered=gathered), pattern, tp, block)
         if key is None:
             break
         gathered = (*gathered, key)

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_par.parallel.tensor.adapters import find_adapters
 from lightning_par.parallel.tensor.kv_heads import kv_replicas
 from lightning_par.parallel.tensor.plan_types import HeadInfo, MLPInfo, TPPlan
 
@@ -77,10 +78,11 @@ class _TakeColumns(torch.autograd.Function):
         return torch.cat(pieces, dim=-1), None
 
 
-def fallback_for(plan: TPPlan, module: str, tp: int) -> Optional[str]:
+def fallback_for(plan: TPPlan, module: str, tp: int, block: nn.Module) -> Optional[str]:
     """The attention or MLP (its key in ``plan.heads`` / ``plan.mlps``) holding ``module`` (a pattern) that can run
-    on gathered activations, or ``None``: its input projections split by columns (whole or fused equal parts), its
-    output projection by rows, and nothing else of it split with the heads (per-head norms or parameters, a latent,
+    on gathered activations, or ``None``: its projections ``nn.Linear``s of ``block`` (one of the plan's blocks;
+    torch's split styles hand on their local output), the input ones split by columns (whole or fused equal parts),
+    the output one by rows, and nothing else of it split with the heads (per-head norms or parameters, a latent,
     key/value heads replicated over ranks), which would need the heads split."""
     infos: list[tuple[str, HeadInfo | MLPInfo]] = [*plan.heads.items(), *plan.mlps.items()]
     holding = [(k, i) for k, i in infos if module == (i.region or k) or module.startswith((i.region or k) + ".")]
@@ -92,6 +94,12 @@ def fallback_for(plan: TPPlan, module: str, tp: int) -> Optional[str]:
         return None
     if any(len(set(w)) > 1 for w in info.fused_split.values()):
         return None  # fused parts of unequal widths: split by our own affine style, not covered here
+    prefix = f"{plan.trunk}.*" if plan.trunk else "*"
+    rels = [p[len(prefix) + 1 :] for p in info.projections]
+    if not all(type(block.get_submodule(r)) is nn.Linear for r in rels):
+        return None  # Conv1D, torch's packed nn.MultiheadAttention: their own split styles
+    if any(r in find_adapters(block) for r in rels):
+        return None  # a low-rank adapter adds its own split output to the projection's
     if isinstance(info, HeadInfo) and (info.head_params or info.latent or kv_replicas(info, tp) > 1):
         return None
     region = info.region or key

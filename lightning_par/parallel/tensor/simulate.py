@@ -217,6 +217,15 @@ class _Reduced:
         return (out[0], whole) if self.weights else whole
 
 
+class ValuesDiffer(TPPlanError):
+    """The ranks' copies do not compute what the whole block computes; ``out``: the block-relative row-split
+    projection where they first differ (empty: at the block's output)."""
+
+    def __init__(self, message: str, out: str) -> None:
+        super().__init__(message)
+        self.out = out
+
+
 def _refuse(plan: TPPlan, prefix: str, block_name: str, tp: int, out: str, err: float) -> None:
     key = f"{prefix}.{out}"
     infos: list[Any] = [*plan.heads.values(), *plan.mlps.values()]
@@ -224,9 +233,10 @@ def _refuse(plan: TPPlan, prefix: str, block_name: str, tp: int, out: str, err: 
     split = region or tuple(k for k, s in plan.styles.items() if s in _SHARDED)
     hint = ", ".join(f'"{k}": "replicate"' for k in split)
     where = f"at {block_name}.{out}'s output (summed over the ranks)" if out else f"at {block_name}'s output"
-    raise TPPlanError(
+    raise ValuesDiffer(
         f"tp={tp}: the ranks' slices of {block_name} do not compute what the whole block computes ({where}: "
         f"relative error {err:.2g} on block 0's real input); its code combines the split outputs in a way the "
         f"plan does not know (e.g. it regroups a fused projection by a constant of its own), so it would train "
-        f"silently wrong. Keep that region whole with tp_plan={{{hint}}}, or choose tp=1"
+        f"silently wrong. Keep that region whole with tp_plan={{{hint}}}, or choose tp=1",
+        out,
     )
