@@ -410,6 +410,8 @@ MODELS: dict[str, Any] = _Models({
     "user_lora": lambda: _lora_models().UserLoRALM(),  # a user's LoRA wrappers on every projection
     "peft_llama": lambda: _lora_models().PeftLlama(),  # peft.get_peft_model(LoRA) on Hugging Face Llama
     "peft_llama_dora": lambda: _lora_models().PeftLlama(dora=True),  # DoRA: a magnitude vector per projection
+    "peft_llama_sdpa": lambda: _lora_models().PeftLlama(attn="sdpa"),  # for cp
+    "peft_mixtral": lambda: _lora_models().PeftMixtral(),  # LoRA on the attention of an MoE model
     # Four blocks: room for 2 stages x 2 virtual stages per rank (interleaved and V schedules).
     "gpt4": lambda: GPT(vocab_size=256, block_size=32, n_layer=4, n_head=4, n_embd=32, lr=3e-3),
     "llama4": lambda: Llama(vocab_size=256, max_seq_len=32, dim=32, n_layers=4, n_heads=4, n_kv_heads=2,

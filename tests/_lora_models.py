@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from _families_moe import HFMixtralAux
 from _hf_models import HFLlama
 from _tp_mixed_models import AlternatingLM
 from torch import Tensor, nn
@@ -43,17 +44,35 @@ class UserLoRALM(AlternatingLM):
         add_lora(self, ("q", "k", "v", "out", "up", "down"))
 
 
+def peft_lora(model: nn.Module, targets: list[str], dora: bool = False) -> Any:
+    """``peft.get_peft_model`` with LoRA r 4 (B random: ``init_lora_weights=False``) on the Linears ``targets``."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False, use_dora=dora,
+                        target_modules=targets)  # fmt: skip
+    return get_peft_model(model, config)
+
+
 class PeftLlama(HFLlama):
-    """Hugging Face Llama wrapped by ``peft.get_peft_model``: LoRA (r 4) on every attention and MLP projection."""
+    """Hugging Face Llama wrapped by ``peft.get_peft_model``: LoRA (r 4) on every attention and MLP projection;
+    ``attn="sdpa"`` for context parallelism."""
 
-    def __init__(self, dora: bool = False) -> None:
-        super().__init__()
-        from peft import LoraConfig, get_peft_model
-
-        config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False, use_dora=dora,
-                            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                            "down_proj"])  # fmt: skip
-        self.model: Any = get_peft_model(self.model, config)
+    def __init__(self, dora: bool = False, attn: str = "eager") -> None:
+        super().__init__(attn=attn)
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        self.model: Any = peft_lora(self.model, targets, dora)
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+
+
+class PeftMixtral(HFMixtralAux):
+    """Hugging Face Mixtral (stacked experts, its load-balancing loss) with peft's LoRA on the attention: the
+    experts and router stay frozen, sharded over the expert-parallel ranks as ever."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = peft_lora(self.model, ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.5, momentum=0.9)

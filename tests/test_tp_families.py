@@ -67,6 +67,10 @@ FAMILIES = {
     # constant of its code) and where a per-head tensor comes from outside the attention (Bloom's ALiBi).
     "hf_codegen": {"model": "zoo:codegen"},
     "hf_bloom": {"model": "zoo:bloom"},
+    "hf_mpt": {"model": "zoo:mpt"},  # ALiBi too
+    # A norm inside the experts of an MoE layer kept whole (Ergo's post_expert_norm): a replicated style with no
+    # shape entry, which the divisibility check used to look up (KeyError before the first step).
+    "hf_ergo": {"model": "zoo:ergo"},
     # With per-head q/k norms it is refused (below); the fix the refusal names trains exactly.
     "nano_gpt_qk_norm_fix": {"model": "nano_gpt_qk_norm", "strategy": {"tp": 2, "tp_plan": {
         "transformer.h.*.attn.c_attn": "replicate", "transformer.h.*.attn.c_proj": "replicate"}}},

@@ -44,10 +44,12 @@ def validate_tp(plan: TPPlan, tp: int, *, shard_vocab: bool = False, vocab_size:
         if any(plan.styles.get(p) in _SHARDED for p in m.projections):
             checks.append((m.hidden, f"the MLP hidden size {m.hidden} in {_concrete(plan, key)}"))
     for key, style in plan.styles.items():
+        if style not in _SHARDED:
+            continue  # nothing to divide (a replicated norm inside a kept-whole MoE layer has no shape entry)
         s = plan.shapes[key]
         if style in ("colwise", "colwise_fused"):
             checks.append((s.out_dim, f"the output width {s.out_dim} of {_concrete(plan, key)}"))
-        elif style == "rowwise":
+        else:
             checks.append((s.in_dim, f"the input width {s.in_dim} of {_concrete(plan, key)}"))
     if shard_vocab:
         vocab = vocab_size if vocab_size is not None else plan.vocab_size
