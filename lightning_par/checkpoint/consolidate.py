@@ -164,13 +164,15 @@ def _safetensors_writer(required: bool) -> Optional[Callable[..., None]]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    """``lightning-par consolidate CKPT_DIR OUT [--format lightning|hf] [--safetensors | --no-safetensors]``."""
+    """``lightning-par consolidate CKPT_DIR OUT [--format lightning|hf|peft] [--safetensors | --no-safetensors]``."""
     from lightning_par.checkpoint import export_hf
+    from lightning_par.checkpoint.adapters import export_peft
 
     parser = argparse.ArgumentParser(
         prog="lightning-par consolidate",
-        description="Write a sharded lightning_par checkpoint folder as one plain Lightning checkpoint file, or "
-        "(--format hf) as a Hugging Face folder that from_pretrained loads.",
+        description="Write a sharded lightning_par checkpoint folder as one plain Lightning checkpoint file, "
+        "(--format hf) as a Hugging Face folder that from_pretrained loads, or (--format peft) its LoRA adapter as "
+        "a folder peft's PeftModel.from_pretrained loads.",
     )
     parser.add_argument("ckpt_dir", help="checkpoint folder written under ParallelStrategy")
     parser.add_argument(
@@ -178,10 +180,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     )
     parser.add_argument(
         "--format",
-        choices=("lightning", "hf"),
+        choices=("lightning", "hf", "peft"),
         default="lightning",
-        help="lightning (default): one Lightning checkpoint file; hf: a Hugging Face folder of safetensors weights",
+        help="lightning (default): one Lightning checkpoint file; hf: a Hugging Face folder of safetensors weights; "
+        "peft: the LoRA adapter alone, a folder peft.PeftModel.from_pretrained loads",
     )
+    parser.add_argument("--adapter", help="--format peft: the adapter's name, where the model holds several")
     parser.add_argument(
         "--safetensors",
         action=argparse.BooleanOptionalAction,
@@ -193,11 +197,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     try:
         if args.format == "hf":
             written = list(export_hf.run(args))
+        elif args.format == "peft":
+            written = export_peft(args.ckpt_dir, args.out, args.adapter)
         else:
             written = consolidate(args.ckpt_dir, args.out, safetensors=args.safetensors)
     except (CheckpointError, ImportError) as err:
         parser.exit(2, f"lightning-par consolidate: error: {err}\n")
-    if args.format == "hf":
+    if args.format in ("hf", "peft"):
         print(f"wrote {args.out}: " + ", ".join(p.name for p in written))
         return
     note = "" if len(written) > 1 else " (no .safetensors: the safetensors package is not installed, or turned off)"

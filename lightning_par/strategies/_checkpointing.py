@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_par import _compat
+from lightning_par.checkpoint.adapters import ADAPTERS, adapter_configs
 from lightning_par.checkpoint.async_save import AsyncSaver
 from lightning_par.checkpoint.dcp import (
     LOCAL_SGD,
@@ -107,6 +108,8 @@ class ShardedCheckpoints:
     ) -> None:
         """Write Lightning's ``checkpoint`` dict (its tensors already name-keyed and sharded) as a folder."""
         tensors: dict[str, Any] = {"state_dict": checkpoint.pop("state_dict")}
+        if adapters := adapter_configs(module):  # for `lightning-par consolidate --format peft`
+            checkpoint[ADAPTERS] = adapters
         for i, state in enumerate(checkpoint.pop("optimizer_states", [])):
             tensors[f"optimizer_{i}"] = state
         checkpoint[KEY] = self.resume.checkpoint_state(where.trainer, where.world_size)
