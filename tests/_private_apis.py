@@ -99,6 +99,16 @@ def _params(path: str, *names: str) -> Any:
     return fn
 
 
+def _builds(path: str, **kwargs: Any) -> Any:
+    """The class at ``path``; fails unless it builds from ``kwargs`` (a C++ class has no signature to read: torch
+    2.11's ``_StridedShard``) and keeps them as attributes of the same names."""
+    cls = _attr(path)
+    built = cls(**kwargs)
+    if any(getattr(built, k, None) != v for k, v in kwargs.items()):
+        raise TypeError(f"{path}({kwargs}) does not keep {', '.join(kwargs)} as attributes")
+    return cls
+
+
 def _sets(path: str, *attrs: str) -> Any:
     """Fail unless the source of the class or module at ``path`` assigns each of ``attrs`` (instance attributes
     that exist only on a built object, which a check cannot afford to build: a process group, an engine)."""
@@ -154,7 +164,7 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
     PrivateAPI("torch", f"{_DT}.placement_types._StridedShard",
                "lightning_par.parallel.tensor.apply shards fused [q|k|v] projections with (checkpoint.strided, "
                "parallel.zero.replicated read it)",
-               ("StridedShard",), lambda: _params(f"{_DT}.placement_types._StridedShard", "dim", "split_factor")),
+               ("StridedShard",), lambda: _builds(f"{_DT}.placement_types._StridedShard", dim=0, split_factor=3)),
     PrivateAPI("torch", f"{_DT}.DTensor._local_tensor",
                "lightning_par.checkpoint.async_save and strategies._checkpointing read shards without autograd with",
                ("dtensor_local",), lambda: _slots(f"{_DT}.DTensor", "_local_tensor")),

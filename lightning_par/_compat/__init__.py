@@ -1,5 +1,5 @@
 """The one place lightning_par reaches private APIs of torch, Lightning, torchmetrics and DeepSpeed: a thin accessor
-each, commented with its use and the version checked (torch 2.13.0, lightning 2.6.6, torchmetrics 1.9.0, deepspeed
+each, commented with its use and the version checked (torch 2.11 + 2.13, lightning 2.6.6, torchmetrics 1.9.0, deepspeed
 0.19.8). ``tests/_private_apis.py`` probes each one and ``tests/test_compat.py`` fails naming the API, the installed
 version and the fix when an upgrade moves it. Lightning's and torchmetrics' accessors live in `_compat/lightning.py`
 and are re-exported here. Only torch is imported at module level (the lower layers never import
@@ -110,31 +110,32 @@ def _resolve(module: str, name: str) -> Any:
 if TYPE_CHECKING:
     from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
 else:
-    # _StridedShard, torch 2.13.0: a dim split chunk by chunk, so each tp rank holds whole heads of a fused [q|k|v].
+    # _StridedShard, torch 2.11 + 2.13: a dim split chunk by chunk, so each tp rank holds whole heads of a fused
+    # [q|k|v].
     StridedShard = _resolve("torch.distributed.tensor.placement_types", "_StridedShard")
 
 
 def dtensor_local(t: DTensor) -> Tensor:
     """The local shard of ``t`` without ``to_local()``, which is an autograd call (~10 us each)."""
-    # DTensor._local_tensor, torch 2.13.0: the shard a DTensor wraps.
+    # DTensor._local_tensor, torch 2.11 + 2.13: the shard a DTensor wraps.
     return t._local_tensor
 
 
 def dtensor_spec(t: DTensor) -> Any:
     """The (immutable) spec of ``t``: mesh, placements, global shape and stride, for `dtensor_from_spec`."""
-    # DTensor._spec, torch 2.13.0: DTensorSpec, reused to rewrap many tensors of one layout.
+    # DTensor._spec, torch 2.11 + 2.13: DTensorSpec, reused to rewrap many tensors of one layout.
     return t._spec
 
 
 def dtensor_from_spec(local: Tensor, spec: Any) -> DTensor:
     """Wrap ``local`` with a spec from `dtensor_spec` (~2 us, against ~20-50 us for ``DTensor.from_local``)."""
-    # DTensor(local_tensor, spec, *, requires_grad), torch 2.13.0: the constructor torch's own ops use.
+    # DTensor(local_tensor, spec, *, requires_grad), torch 2.11 + 2.13: the constructor torch's own ops use.
     return DTensor(local, spec, requires_grad=False)
 
 
 def dtensor_like(local: Tensor, like: DTensor) -> DTensor:
     """Wrap ``local`` as a DTensor of ``like``'s layout: the private constructor, or ``from_local`` if it changed."""
-    # DTensor(local_tensor, spec, *, requires_grad) and DTensor._spec, torch 2.13.0; from_local is the fallback.
+    # DTensor(local_tensor, spec, *, requires_grad) and DTensor._spec, torch 2.11 + 2.13; from_local is the fallback.
     try:
         return DTensor(local, like._spec, requires_grad=False)
     except TypeError:  # another constructor signature: the public, slower way
@@ -144,17 +145,17 @@ def dtensor_like(local: Tensor, like: DTensor) -> DTensor:
 
 def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
     """All axes of ``mesh`` as one axis called ``name`` (over the same ranks)."""
-    # DeviceMesh._flatten, torch 2.13.0: the one way torch offers to merge mesh axes into one.
+    # DeviceMesh._flatten, torch 2.11 + 2.13: the one way torch offers to merge mesh axes into one.
     return mesh._flatten(name)
 
 
 # ---- torch: collectives ------------------------------------------------------------------------------------------
-# dist.reduce_scatter_single / all_gather_single, torch 2.13.0: the flat-tensor collectives, renamed in 2.13;
+# dist.reduce_scatter_single / all_gather_single, torch 2.11 + 2.13: the flat-tensor collectives, renamed in 2.13;
 # older releases only have the *_tensor names.
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-# torch.ops._c10d_functional, torch 2.13.0: the namespace of the functional collectives DTensor redistributes with.
+# torch.ops._c10d_functional, torch 2.11 + 2.13: the namespace of the functional collectives DTensor redistributes with.
 C10D_FUNCTIONAL = "_c10d_functional"
 
 
@@ -166,7 +167,7 @@ def c10d_functional_ops() -> Any:
 def op_name(func: Any) -> str:
     """``namespace::name`` of an op overload seen by a dispatch mode, without the overload (``aten::mm``); ``""``
     for a callable that is not an op overload."""
-    # OpOverload._schema, torch 2.13.0: the op's schema; its name has no overload suffix.
+    # OpOverload._schema, torch 2.11 + 2.13: the op's schema; its name has no overload suffix.
     schema = getattr(func, "_schema", None)
     return schema.name if schema is not None else ""
 
@@ -174,55 +175,55 @@ def op_name(func: Any) -> str:
 # ---- torch: nn.Module, Tensor and storage internals --------------------------------------------------------------
 def tensor_version(t: Tensor) -> int:
     """``t``'s in-place version counter: it moves on every in-place change to ``t`` or a view of it."""
-    return t._version  # Tensor._version, torch 2.13.0: what autograd checks saved tensors with
+    return t._version  # Tensor._version, torch 2.11 + 2.13: what autograd checks saved tensors with
 
 
 def storage_id(storage: torch.UntypedStorage) -> int:
     """An id of ``storage`` that all tensors viewing it share (``data_ptr`` is 0 for empty storages)."""
-    # UntypedStorage._cdata, torch 2.13.0: the address of the C++ StorageImpl.
+    # UntypedStorage._cdata, torch 2.11 + 2.13: the address of the C++ StorageImpl.
     return storage._cdata
 
 
 if TYPE_CHECKING:
     from torch.multiprocessing.reductions import StorageWeakRef
 else:
-    # StorageWeakRef, torch 2.13.0 (torch.multiprocessing.reductions): a weak reference to a storage.
+    # StorageWeakRef, torch 2.11 + 2.13 (torch.multiprocessing.reductions): a weak reference to a storage.
     StorageWeakRef = _resolve("torch.multiprocessing.reductions", "StorageWeakRef")
 
 
 def module_parameters(module: nn.Module) -> dict[str, Optional[nn.Parameter]]:
     """The parameters registered directly on ``module`` by name, ``None`` entries included."""
-    return module._parameters  # Module._parameters, torch 2.13.0
+    return module._parameters  # Module._parameters, torch 2.11 + 2.13
 
 
 def set_child_module(parent: nn.Module, name: str, child: nn.Module) -> None:
     """Put ``child`` in ``parent``'s slot ``name`` without ``__setattr__``'s checks (keeps registration order)."""
-    # Module._modules, torch 2.13.0.
+    # Module._modules, torch 2.11 + 2.13.
     parent._modules[name] = child
 
 
 def non_persistent_buffers(module: nn.Module) -> set[str]:
     """Names of ``module``'s own buffers registered with ``persistent=False`` (left out of its state dict)."""
-    # Module._non_persistent_buffers_set, torch 2.13.0.
+    # Module._non_persistent_buffers_set, torch 2.11 + 2.13.
     return module._non_persistent_buffers_set
 
 
 def apply_to_tensors(module: nn.Module, fn: Callable[[Tensor], Tensor]) -> None:
     """``fn`` on every parameter and buffer of ``module``, as ``to_empty`` does (FSDP2 units re-link their shards)."""
-    module._apply(fn)  # Module._apply, torch 2.13.0
+    module._apply(fn)  # Module._apply, torch 2.11 + 2.13
 
 
 # ---- torch: AMP --------------------------------------------------------------------------------------------------
 def amp_unscale_and_check_(grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:
     """Multiply ``grads`` (one device and dtype) by ``inv_scale`` in place; set ``found_inf`` to 1 on inf/nan."""
-    # torch._amp_foreach_non_finite_check_and_unscale_, torch 2.13.0: GradScaler's own fused kernel.
+    # torch._amp_foreach_non_finite_check_and_unscale_, torch 2.11 + 2.13: GradScaler's own fused kernel.
     torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
 
 
 class GradScalerUnscaleHook(torch.amp.GradScaler):
     """`torch.amp.GradScaler` whose per-optimizer unscale and inf/nan check is the overridable `unscale_grads`."""
 
-    # GradScaler._unscale_grads_, torch 2.13.0: what unscale_() calls once per optimizer.
+    # GradScaler._unscale_grads_, torch 2.11 + 2.13: what unscale_() calls once per optimizer.
     def _unscale_grads_(  # type: ignore[override]
         self, optimizer: torch.optim.Optimizer, inv_scale: Tensor, found_inf: Tensor, allow_fp16: bool
     ) -> dict[torch.device, Tensor]:
@@ -240,19 +241,20 @@ if TYPE_CHECKING:
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten, tree_leaves, tree_map_only, tree_unflatten
 else:
-    # torch.utils._pytree, torch 2.13.0: flatten nested batches and outputs (lists, tuples, dicts) to tensors.
+    # torch.utils._pytree, torch 2.11 + 2.13: flatten nested batches and outputs (lists, tuples, dicts) to tensors.
     tree_flatten = _resolve("torch.utils._pytree", "tree_flatten")
     tree_unflatten = _resolve("torch.utils._pytree", "tree_unflatten")
     tree_leaves = _resolve("torch.utils._pytree", "tree_leaves")
     tree_map_only = _resolve("torch.utils._pytree", "tree_map_only")
-    # TorchDispatchMode, torch 2.13.0 (torch.utils._python_dispatch): sees every op, inside checkpointed regions too.
+    # TorchDispatchMode, torch 2.11 + 2.13 (torch.utils._python_dispatch): sees every op, inside checkpointed
+    # regions too.
     TorchDispatchMode = _resolve("torch.utils._python_dispatch", "TorchDispatchMode")
 
 
 # ---- torch: optimizer hooks -----------------------------------------------------------------------------------
 def step_post_hooks(optimizer: torch.optim.Optimizer) -> int:
     """How many hooks run after ``optimizer.step()``: its own and the global ones."""
-    # Optimizer._optimizer_step_post_hooks and torch.optim.optimizer._global_optimizer_post_hooks, torch 2.13.0.
+    # Optimizer._optimizer_step_post_hooks and torch.optim.optimizer._global_optimizer_post_hooks, torch 2.11 + 2.13.
     from torch.optim.optimizer import _global_optimizer_post_hooks
 
     return len(optimizer._optimizer_step_post_hooks) + len(_global_optimizer_post_hooks)  # type: ignore[attr-defined]
@@ -265,27 +267,27 @@ def run_step_post_hook_first(optimizer: torch.optim.Optimizer, handle: Any) -> N
 
 # ---- torch: fused copies --------------------------------------------------------------------------------------
 def foreach_copy(dst: Sequence[Tensor], src: Sequence[Tensor]) -> None:
-    """``dst[i].copy_(src[i])`` for every i, in one call (torch._foreach_copy_, torch 2.13.0; what FSDP2 uses)."""
+    """``dst[i].copy_(src[i])`` for every i, in one call (torch._foreach_copy_, torch 2.11 + 2.13; what FSDP2 uses)."""
     torch._foreach_copy_(list(dst), list(src))
 
 
 def chunk_cat(tensors: Sequence[Tensor], world: int, out: Tensor) -> None:
     """Cut each tensor into ``world`` chunks along dim 0 (ceil rows each, zero-padded) and write chunk j of every
     tensor, in order, to row j of ``out`` (``world`` x the padded sizes' sum): the rank-major layout in one op
-    (torch._chunk_cat, torch 2.13.0; FSDP2 packs its reduce-scatter input with it)."""
+    (torch._chunk_cat, torch 2.11 + 2.13; FSDP2 packs its reduce-scatter input with it)."""
     torch._chunk_cat(list(tensors), 0, world, out=out)
 
 
 # ---- torch: distributed checkpoint -------------------------------------------------------------------------------
 def init_optim_state(optimizer: torch.optim.Optimizer) -> None:
     """Create ``optimizer``'s state with one zero-gradient, zero-learning-rate step (DCP loads into it)."""
-    # torch.distributed.checkpoint.state_dict._init_optim_state, torch 2.13.0.
+    # torch.distributed.checkpoint.state_dict._init_optim_state, torch 2.11 + 2.13.
     from torch.distributed.checkpoint.state_dict import _init_optim_state
 
     _init_optim_state(optimizer)
 
 
-# Private globals that DCP's index (.metadata) pickles, torch 2.13.0; the checkpoint reader allows them by name.
+# Private globals that DCP's index (.metadata) pickles, torch 2.11 + 2.13; the checkpoint reader allows them by name.
 DCP_INDEX_PRIVATE_GLOBALS = (
     ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
@@ -296,7 +298,7 @@ DCP_INDEX_PRIVATE_GLOBALS = (
 class FileSystemReaderSliceHook(FileSystemReader):
     """DCP's `FileSystemReader` that calls `before_slice` with each item's file location before reading it."""
 
-    # FileSystemReader._slice_file(file, sinfo), torch 2.13.0: called for each item just before its bytes are read.
+    # FileSystemReader._slice_file(file, sinfo), torch 2.11 + 2.13: called for each item just before its bytes are read.
     def _slice_file(self, file: Any, sinfo: Any) -> Any:
         self.before_slice(sinfo)
         return super()._slice_file(file, sinfo)
@@ -309,7 +311,7 @@ class FileSystemReaderSliceHook(FileSystemReader):
 class ColwiseParallelHook(ColwiseParallel):
     """torch's `ColwiseParallel` whose sharding is the overridable `distribute`, with its input hook `prepare_input`."""
 
-    # ParallelStyle._apply(module, device_mesh), torch 2.13.0: what parallelize_module calls for each style.
+    # ParallelStyle._apply(module, device_mesh), torch 2.11 + 2.13: what parallelize_module calls for each style.
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         return self.distribute(module, device_mesh)
 
@@ -319,14 +321,14 @@ class ColwiseParallelHook(ColwiseParallel):
 
     def prepare_input(self) -> Callable[..., Any]:
         """ColwiseParallel's input hook bound to this style's layouts: ``fn(module, inputs, mesh)``."""
-        # ColwiseParallel._prepare_input_fn, torch 2.13.0: a static method that takes the two layouts first.
+        # ColwiseParallel._prepare_input_fn, torch 2.11 + 2.13: a static method that takes the two layouts first.
         return partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts)  # type: ignore[arg-type]
 
 
 # ---- torch: pipelining (benchmarks) ------------------------------------------------------------------------------
 def pipeline_p2p_wait() -> Callable[[list[Any]], None]:
     """The function every torch pipeline schedule waits on its point-to-point transfers through."""
-    # torch.distributed.pipelining.schedules._wait_batch_p2p, torch 2.13.0.
+    # torch.distributed.pipelining.schedules._wait_batch_p2p, torch 2.11 + 2.13.
     from torch.distributed.pipelining import schedules
 
     return schedules._wait_batch_p2p
@@ -341,7 +343,7 @@ def set_pipeline_p2p_wait(fn: Callable[[list[Any]], None]) -> None:
 
 def pipeline_order(schedule: Any) -> dict[int, list[Any]]:
     """A torch schedule's action table ``{rank: [action or None, ...]}``, as `analysis.pipeline_timeline` replays."""
-    # PipelineSchedule*.pipeline_order, torch 2.13.0: set in __init__, undocumented.
+    # PipelineSchedule*.pipeline_order, torch 2.11 + 2.13: set in __init__, undocumented.
     return schedule.pipeline_order
 
 
@@ -357,8 +359,8 @@ def schedule_rank_actions(schedule: str, local_stages: int, pp: int, microbatche
            "interleaved_zb": s.ScheduleInterleavedZeroBubble, "zbv": s.ScheduleZBVZeroBubble,
            "dualpipev": s.ScheduleDualPipeV}[schedule]  # fmt: skip
     rounds = max(1, microbatches // pp)
-    # PipelineScheduleMulti subclasses' _calculate_single_rank_operations(self, rank), torch 2.13.0: a pure function
-    # of these attributes, which each class's __init__ sets from its stages (unused here beyond their count).
+    # PipelineScheduleMulti subclasses' _calculate_single_rank_operations(self, rank), torch 2.11 + 2.13: a pure
+    # function of these attributes, which each class's __init__ sets from its stages (unused here beyond their count).
     state = SimpleNamespace(n_local_stages=local_stages, pp_group_size=pp, _n_microbatches=microbatches,
                             num_stages=local_stages * pp, _stages=[None] * local_stages, number_of_rounds=rounds,
                             microbatches_per_round=microbatches // rounds)  # fmt: skip

@@ -9,8 +9,9 @@ all-reduce becomes a reduce-scatter (end of a region) plus an all-gather (start 
 What this module does to a model, per block:
 - colwise / rowwise Linears become DTensor-sharded (torch's `ColwiseParallel` / `RowwiseParallel`); a fused
   ``[q | k | v]`` projection is sharded chunk by chunk (`_StridedShard`) so each rank gets whole heads of q, k and v;
-  other affine projections (Hugging Face's ``Conv1D``) and fused parts of unequal widths (grouped-query ``[q | k |
-  v]``) are split by `lightning_par.parallel.tensor.affine`;
+  fused projections, other affine projections (Hugging Face's ``Conv1D``) and fused parts of unequal widths
+  (grouped-query ``[q | k | v]``) are split by `lightning_par.parallel.tensor.affine`, which multiplies the local
+  slice (torch 2.11's DTensor cannot redistribute a `_StridedShard` weight inside ``F.linear``);
 - each attention / MLP module (a "region") gets its hidden-state input as a replicated DTensor, so the input
   projections share one gradient reduction (Megatron's ``f`` operator) instead of one each;
 - q/k norms of split heads and an attention's per-head parameters (GPT-OSS's ``sinks``) follow the heads
@@ -33,11 +34,9 @@ from typing import Any
 
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
-from typing_extensions import override
 
-from lightning_par import _compat
 from lightning_par.blocks.trunk import find_trunk
 from lightning_par.parallel.tensor.adapters import adapter_styles, find_adapters, whole_adapters
 from lightning_par.parallel.tensor.affine import apply_affine
@@ -47,7 +46,6 @@ from lightning_par.parallel.tensor.heads import (
     apply_head_norm,
     apply_head_params,
     apply_latents,
-    local_output,
 )
 from lightning_par.parallel.tensor.kv_heads import kv_parts, kv_replicas, local_count, part_rows
 from lightning_par.parallel.tensor.mha import apply_mha
@@ -64,33 +62,6 @@ from lightning_par.parallel.tensor.sequence import (
 
 _SEQ = 1  # batch-first models: (batch, sequence, hidden)
 _SPLIT = ("colwise", "colwise_fused", "rowwise")
-
-
-class _FusedColwise(_compat.ColwiseParallelHook):
-    """Column split of a fused projection laid out as ``chunks`` equal parts (``[q | k | v]``, ``[gate | up]``): each
-    rank holds its slice of every part (whole heads of each), as a ``_StridedShard(0, split_factor=chunks)`` DTensor."""
-
-    def __init__(self, chunks: int) -> None:
-        super().__init__(use_local_output=True)
-        self.chunks = chunks
-
-    @override
-    def distribute(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
-            for pname, param in list(mod.named_parameters(recurse=False)):
-                placement = _compat.StridedShard(0, split_factor=self.chunks)
-                dist_param = nn.Parameter(distribute_tensor(param, mesh, [placement]), param.requires_grad)
-                mod.register_parameter(pname, dist_param)
-
-        return distribute_module(
-            module,
-            device_mesh,
-            partition,
-            self.prepare_input(),
-            # Keep the strided layout: ColwiseParallel would redistribute it to a contiguous Shard(-1), moving data
-            # and mixing q, k and v columns across ranks.
-            local_output,
-        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,8 +219,8 @@ def _apply_blocks(
                 continue
             own = _own_style(block.get_submodule(rel), fused.get(base) if style != "rowwise" else None)
             if style in _SPLIT and (own or (base in kv and style != "rowwise")):
-                # Not an nn.Linear (Conv1D), fused parts of unequal widths, or key/value heads replicated over
-                # ranks (parallel/tensor/kv_heads.py): our own split (parallel/tensor/affine.py).
+                # Not an nn.Linear (Conv1D), a fused projection, or key/value heads replicated over ranks
+                # (parallel/tensor/kv_heads.py): our own split (parallel/tensor/affine.py).
                 mod = block.get_submodule(rel)
                 layout = affine(mod)
                 assert layout is not None  # the plan styled it as a projection
@@ -258,8 +229,6 @@ def _apply_blocks(
                 changed[f"{name}.{rel}"] = style
             elif style == "colwise":
                 styles[rel] = ColwiseParallel(use_local_output=True)
-            elif style == "colwise_fused":
-                styles[rel] = _FusedColwise(len(fused[base]))
             elif style == "rowwise":
                 out = Shard(_SEQ) if sequence_parallel else Replicate()
                 styles[rel] = RowwiseParallel(output_layouts=out, use_local_output=True)
@@ -330,12 +299,12 @@ def _replicated_kv(plan: TPPlan, prefix: str, tp: int, rank: int) -> dict[str, T
 
 
 def _own_style(mod: nn.Module, parts: tuple[int, ...] | None) -> bool:
-    return not isinstance(mod, nn.Linear) or (parts is not None and len(set(parts)) > 1)
+    # Fused projections too: a `_StridedShard` weight inside F.linear needs torch >= 2.13's sharding propagation
+    # (2.11 cannot redistribute it); `affine` multiplies the local slice, the same on every torch.
+    return not isinstance(mod, nn.Linear) or (parts is not None and len(parts) > 1)
 
 
 def _style_name(style: Any) -> str:
-    if isinstance(style, _FusedColwise):
-        return "colwise_fused"
     names: dict[type, str] = {
         ColwiseParallel: "colwise", RowwiseParallel: "rowwise", SequenceParallel: "sequence_parallel"
     }  # fmt: skip
