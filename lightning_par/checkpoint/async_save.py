@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from lightning_par import _compat
+from lightning_par.checkpoint import checksums
 from lightning_par.checkpoint.dcp import commit, prepare_tmp, serialize, tmp_path, write_small
 from lightning_par.checkpoint.device_staging import DeviceCopies, pinned_like
 from lightning_par.checkpoint.reader import CheckpointError
@@ -182,6 +183,7 @@ def _write(
         tmp = prepare_tmp(path, rank, group)
         write_small(tmp, *small, rank)
         dcp.save(staged, checkpoint_id=tmp, process_group=group, no_dist=group is None)
+        checksums.record(tmp, rank, group)  # before the commit: the folder appears with its table
         if rank == 0:
             commit(tmp, path)
     except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException

@@ -26,6 +26,7 @@ from typing import Any, Optional, Union
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from lightning_par.checkpoint import checksums
 from lightning_par.checkpoint.dcp import LOCAL_SGD
 from lightning_par.checkpoint.reader import CheckpointError, SafeLoadPlanner, read_index, read_meta, safe_load
 from lightning_par.checkpoint.resume_state import KEY
@@ -65,6 +66,7 @@ def load_full_state(ckpt_dir: Union[str, Path]) -> dict[str, Any]:
     """
     path = Path(ckpt_dir)
     index = read_index(path)
+    checksums.verify(Path(path))  # one process: every file
     meta = read_meta(path)
     flat: dict[str, Any] = {
         key: torch.empty(md.size, dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata) else None

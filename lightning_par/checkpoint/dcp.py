@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from lightning_par import _compat
+from lightning_par.checkpoint import checksums
 from lightning_par.checkpoint.fast_state import model_state_dict, optimizer_state_dict
 from lightning_par.checkpoint.reader import META, load_tensors, read_index, read_meta
 from lightning_par.checkpoint.strided import canonicalize, restore
@@ -147,6 +148,7 @@ def save_sharded(
     tmp = prepare_tmp(path, rank)
     dcp.save(canonicalize(tensors)[0], checkpoint_id=tmp)
     write_small(tmp, meta, local, rank)
+    checksums.record(tmp, rank)  # every rank hashes what it wrote; rank 0 writes the table
     _barrier()
     if rank == 0:
         commit(tmp, path)
@@ -244,9 +246,11 @@ def load_sharded(
     Returns:
         the non-tensor rest of the checkpoint (``meta.pt``).
     """
-    # Every file against the index, then keys and shapes, before anything is modified (reader.py).
+    # Every file against the index, then its checksum, then keys and shapes, before anything is modified (reader.py).
     index = read_index(path)
-    meta = read_meta(path)
+    meta = read_meta(path)  # a truncated meta.pt is named as such, before its checksum would say it changed
+    distributed = dist.is_available() and dist.is_initialized()
+    checksums.verify(path, dist.get_rank() if distributed else 0, dist.get_world_size() if distributed else 1)
     for entry in optimizers:
         _compat.init_optim_state(entry.optimizer)  # DCP loads into existing tensors, so the state must exist first
     state = state_for(module, optimizers, distribute_model)

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_par import _compat
+from lightning_par.checkpoint import checksums
 from lightning_par.checkpoint.dcp import model_state
 from lightning_par.checkpoint.pretrained.load import prepare_pretrained
 from lightning_par.checkpoint.reader import load_tensors, read_index, read_meta
@@ -344,6 +345,7 @@ class DeepSpeedParallelStrategy(ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         index, meta = read_index(path), read_meta(path)
+        checksums.verify(path, self.global_rank, self.world_size)  # each rank a share of the files, all agree
         params = dict(module.named_parameters())
         model = {n: torch.empty(ds_state.param_shape(p), dtype=torch.float32) for n, p in params.items()}
         model.update({n: torch.empty_like(b) for n, b in module.named_buffers() if ds_state.is_persistent(module, n)})
