@@ -82,3 +82,31 @@ def test_a_checkpoint_without_adapters_is_refused_naming_the_whole_model_format(
     message = capsys.readouterr().err
     assert "records no PEFT adapter" in message and "--format hf" in message
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("name", ["lora_zero3", "dora_zero3", "lora_tp"])
+def test_merged_export_loads_in_transformers_and_computes_what_the_adapted_model_does(
+    checkpoints: dict[str, Path], name: str, tmp_path: Path
+) -> None:
+    # --format hf --merge-adapters: the base model with W + scale B A (DoRA: each row rescaled to its magnitude),
+    # named as the unwrapped model, loads with from_pretrained and gives the trained adapted model's logits.
+    from _hf_models import _llama
+    from _lora_models import PeftLlama
+    from transformers import AutoModelForCausalLM
+
+    cfg = tmp_path / "cfg"
+    _llama(2).config.save_pretrained(cfg)
+    out = tmp_path / "merged"
+    main([str(checkpoints[name]), str(out), "--format", "hf", "--merge-adapters", "--config", str(cfg)])
+    merged = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    adapted = PeftLlama(dora=name == "dora_zero3").eval()
+    adapted.load_state_dict(load_full_state(checkpoints[name])["state_dict"])  # the trained weights, adapters too
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got = adapted(tokens), merged(input_ids=tokens).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    base = _llama(2)  # not vacuous: the adapters changed what the model computes
+    base.load_state_dict({k.replace("base_model.model.", "").replace(".base_layer", ""): v for k, v in
+                          adapted.model.state_dict().items() if ".lora_" not in k})  # fmt: skip
+    with torch.no_grad():
+        assert not torch.allclose(base(input_ids=tokens).logits, want, rtol=1e-3, atol=1e-3)

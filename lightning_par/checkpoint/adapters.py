@@ -15,6 +15,7 @@ fix (the whole model: ``--format hf``). The folder is written as ``OUT.tmp`` and
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import warnings
@@ -26,6 +27,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from lightning_par.checkpoint import checksums
 from lightning_par.checkpoint.reader import CheckpointError, SafeLoadPlanner, read_index, read_meta, safe_load
 
 ADAPTERS = "lightning_par_adapters"  # meta.pt entry: {peft model's path: {adapter name: config JSON}}
@@ -111,6 +113,7 @@ def export_peft(ckpt_dir: str | Path, out: str | Path, adapter: Optional[str] = 
     """
     ckpt, out = Path(ckpt_dir), Path(out)
     index = read_index(ckpt)
+    checksums.verify(Path(ckpt))  # one process: every file
     path, name, config = _choose(ckpt, read_meta(ckpt).get(ADAPTERS) or {}, adapter)
     entries = {k: md for k, md in index.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
     renamed = peft_names(list(entries), path, name)
@@ -131,3 +134,68 @@ def export_peft(ckpt_dir: str | Path, out: str | Path, adapter: Optional[str] = 
         shutil.rmtree(out)
     tmp.rename(out)
     return [out / WEIGHTS, out / CONFIG]
+
+
+@dataclasses.dataclass
+class Merge:
+    """The base model's weights from a PEFT model's checkpoint, each adapter merged into its base layer
+    (``--format hf --merge-adapters``).
+
+    Args:
+        source: each weight's name in the unwrapped model (the PEFT wrapper and ``base_layer`` taken out) -> the
+            checkpoint name it is read from.
+        lora: merged weights' names -> (``lora_A``, ``lora_B``, DoRA's magnitude or ``None``, scale), checkpoint
+            names.
+    """
+
+    source: dict[str, str]
+    lora: dict[str, tuple[str, str, Optional[str], float]]
+
+    def keys(self, name: str) -> list[str]:
+        """The checkpoint names ``name``'s value is computed from."""
+        extra = self.lora.get(name)
+        return [self.source[name], *(k for k in (extra or ())[:3] if isinstance(k, str))]
+
+    def value(self, name: str, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``W + scale * B @ A`` (LoRA), scaled row by row to DoRA's magnitude where there is one, from ``tensors``
+        (read by `keys`), in fp32 and cast back to the base weight's dtype (as peft's ``merge_and_unload``)."""
+        base = tensors[self.source[name]]
+        if name not in self.lora:
+            return base
+        a, b, magnitude, scale = self.lora[name]
+        weight = base.float() + scale * (tensors[b].float() @ tensors[a].float())
+        if magnitude is not None:  # DoRA: each output row rescaled to its magnitude (Liu et al., arXiv 2402.09353)
+            weight = weight * (tensors[magnitude].float() / torch.linalg.norm(weight, dim=1)).unsqueeze(1)
+        return weight.to(base.dtype)
+
+
+def merge_plan(ckpt: Path, shapes: dict[str, tuple[int, ...]], adapter: Optional[str]) -> Merge:
+    """How to write the unwrapped base model of the PEFT model in checkpoint ``ckpt``, from its model weights'
+    names and shapes (``shapes``: names without ``state_dict.``)."""
+    path, name, config = _choose(ckpt, read_meta(ckpt).get(ADAPTERS) or {}, adapter)
+    if config.get("fan_in_fan_out") or config.get("alpha_pattern") or config.get("rank_pattern"):
+        raise CheckpointError(
+            f"adapter {name!r} sets fan_in_fan_out, alpha_pattern or rank_pattern, which --merge-adapters does not "
+            "merge yet; write the adapter with --format peft and merge it with peft's merge_and_unload"
+        )
+    wrapper = f"{path}.base_model.model." if path else "base_model.model."
+    outer = f"{path}." if path else ""
+    source: dict[str, str] = {}
+    for key in shapes:
+        if ".lora_" in f".{key}":
+            continue  # the adapters (this one and any other) go into the merged weights, or nowhere
+        plain = outer + key[len(wrapper) :] if key.startswith(wrapper) else key
+        source[plain.replace(".base_layer.", ".")] = key
+    lora: dict[str, tuple[str, str, Optional[str], float]] = {}
+    alpha, rslora = float(config["lora_alpha"]), bool(config.get("use_rslora"))
+    for plain, key in source.items():
+        stem = key[: -len("base_layer.weight")] if key.endswith(".base_layer.weight") else None
+        a, b = f"{stem}lora_A.{name}.weight", f"{stem}lora_B.{name}.weight"
+        if stem is None or a not in shapes or b not in shapes:
+            continue
+        r = shapes[a][0]  # the adapter's rank, from its own shape
+        magnitude = f"{stem}lora_magnitude_vector.{name}.weight"
+        lora[plain] = (a, b, magnitude if magnitude in shapes else None, alpha / (r**0.5 if rslora else r))
+    if not lora:
+        raise CheckpointError(f"{ckpt}: no base layer of adapter {name!r} found to merge into")
+    return Merge(source, lora)

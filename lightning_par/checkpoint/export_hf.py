@@ -39,6 +39,8 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from lightning_par.checkpoint import checksums
+from lightning_par.checkpoint.adapters import Merge, merge_plan
 from lightning_par.checkpoint.pretrained.names import PrefixRewrite, choose_rewrite, listing
 from lightning_par.checkpoint.pretrained.sources import SAFETENSORS, SAFETENSORS_INDEX
 from lightning_par.checkpoint.reader import CheckpointError, SafeLoadPlanner, read_index, safe_load
@@ -138,6 +140,8 @@ def export_hf(
     prefix: str | None = None,
     max_shard_size: int | str = "5GB",
     save_file: Callable[..., None] | None = None,
+    merge_adapters: bool = False,
+    adapter: str | None = None,
 ) -> list[Path]:
     """Write the model weights of a sharded checkpoint folder as a Hugging Face folder, one shard at a time.
 
@@ -147,6 +151,9 @@ def export_hf(
         config: the model's ``config.json`` or a folder holding it; copied, and used to name and check the weights.
         prefix: the LightningModule's prefix to take off every name (``"model."``); ``None``: chosen (module docs).
         max_shard_size: bytes per safetensors file (``"5GB"``); a larger tensor gets a file of its own.
+        merge_adapters: the checkpoint's model is wrapped by ``peft.get_peft_model``: write the base model with its
+            LoRA / DoRA adapter merged in (`lightning_par.checkpoint.adapters.merge_plan`; ``adapter`` names it
+            where there are several).
         save_file: writes one shard (default ``safetensors.torch.save_file``); tests pass a recorder.
 
     Returns:
@@ -163,6 +170,7 @@ def export_hf(
     else:
         write = save_file
     index = read_index(ckpt)
+    checksums.verify(Path(ckpt))  # one process: every file
     entries = {
         k: md
         for k, md in index.state_dict_metadata.items()
@@ -171,6 +179,11 @@ def export_hf(
     names = [k[len(_PREFIX) :] for k in entries]
     if not names:
         raise CheckpointError(f"{ckpt} holds no model weights (no {_PREFIX}* tensors); pass a training checkpoint")
+    # The weights as named in the written model -> how each is computed from the checkpoint's tensors.
+    plain = Merge({n: n for n in names}, {})
+    if merge_adapters:
+        plain = merge_plan(ckpt, {n: tuple(entries[_PREFIX + n].size) for n in names}, adapter)
+        names = list(plain.source)
     config_file = _config_file(config) if config is not None else None
     hf = _hf_model_names(config_file) if config_file is not None else None
     rewrite = _rewrite(names, prefix, hf)
@@ -178,7 +191,8 @@ def export_hf(
     if hf is not None:
         renamed = {n: k for n, k in renamed.items() if k not in hf[1]}  # tied copies: written once, as HF does
         _check(ckpt, renamed, hf, config_file)  # type: ignore[arg-type]
-    sizes = {n: entries[_PREFIX + n].size.numel() * entries[_PREFIX + n].properties.dtype.itemsize for n in renamed}
+    stored = {n: entries[_PREFIX + plain.source[n]] for n in renamed}
+    sizes = {n: md.size.numel() * md.properties.dtype.itemsize for n, md in stored.items()}
     shards = _plan(sizes, parse_size(max_shard_size))
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -187,14 +201,16 @@ def export_hf(
                                                     range(1, len(shards) + 1)]  # fmt: skip
     weight_map: dict[str, str] = {}
     for file, shard in zip(files, shards):
-        flat = {_PREFIX + n: torch.empty(entries[_PREFIX + n].size, dtype=entries[_PREFIX + n].properties.dtype)
-                for n in shard}  # fmt: skip
+        flat = {_PREFIX + k: torch.empty(entries[_PREFIX + k].size, dtype=entries[_PREFIX + k].properties.dtype)
+                for n in shard for k in plain.keys(n)}  # fmt: skip
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.filterwarnings("ignore", message=".*load in a single process")
             safe_load(
                 flat, ckpt, SafeLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False), no_dist=True
             )
-        write({renamed[n]: flat[_PREFIX + n].contiguous() for n in shard}, str(tmp / file), metadata={"format": "pt"})
+        read = {k[len(_PREFIX) :]: t for k, t in flat.items()}
+        tensors = {renamed[n]: plain.value(n, read).contiguous() for n in shard}
+        write(tensors, str(tmp / file), metadata={"format": "pt"})
         weight_map.update({renamed[n]: file for n in shard})
         del flat  # before the next shard is read: one shard in memory at a time
     if len(shards) > 1:
@@ -220,10 +236,16 @@ def add_arguments(parser: Any) -> None:
         "--prefix", help="--format hf: prefix to take off every name (default: chosen, see `lightning-par` docs)"
     )
     parser.add_argument("--max-shard-size", default="5GB", help="--format hf: bytes per safetensors file (5GB)")
+    parser.add_argument(
+        "--merge-adapters",
+        action="store_true",
+        help="--format hf, for a model wrapped by peft.get_peft_model: the base model with its LoRA adapter merged in",
+    )
 
 
 def run(args: Any) -> Sequence[Path]:
     """``lightning-par consolidate CKPT_DIR OUT --format hf``: the parsed ``args`` of `add_arguments`."""
     return export_hf(
-        args.ckpt_dir, args.out, config=args.config, prefix=args.prefix, max_shard_size=args.max_shard_size
-    )
+        args.ckpt_dir, args.out, config=args.config, prefix=args.prefix, max_shard_size=args.max_shard_size,
+        merge_adapters=args.merge_adapters, adapter=args.adapter,
+    )  # fmt: skip
