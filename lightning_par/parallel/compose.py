@@ -19,6 +19,7 @@ from lightning_par.blocks.trunk import Trunk, find_trunk
 from lightning_par.checkpoint.dcp import model_state
 from lightning_par.checkpoint.fast_state import clean_name
 from lightning_par.checkpoint.pretrained.load import prepare_pretrained
+from lightning_par.checkpoint.pretrained.names import AdapterNames
 from lightning_par.config import ParallelConfig
 from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel.activation_checkpointing import apply_activation_checkpointing
@@ -33,6 +34,7 @@ from lightning_par.parallel.parts import ModelPart
 from lightning_par.parallel.pipeline.schedule import Shape
 from lightning_par.parallel.pipeline.split import PipelineSplit, split_pipeline
 from lightning_par.parallel.run import ParallelRun
+from lightning_par.parallel.tensor.adapters import adapter_names
 from lightning_par.parallel.tensor.apply import apply_tensor_parallel
 from lightning_par.parallel.tensor.check import check_local_shapes, preflight, tp_report
 from lightning_par.parallel.tensor.plan import TPPlan, infer_tp_plan
@@ -75,6 +77,7 @@ def parallelize(
     trunk = _trunk(module, config)
     templates = capture_init(module, trunk) if has_meta(module) else None
     ties, device = tied_names(module), device or _device(module)
+    adapters = adapter_names(module) if pretrained else None  # a base checkpoint fills the layers they wrap
     plan = _tp_plan(module, config, tp_plan)
     if config.cp > 1 and trunk is not None:
         check_blocks_run_once(module, trunk)  # a recurrent-depth loop, even one run without gradients
@@ -101,7 +104,7 @@ def parallelize(
     if config.zero_stage == 3:
         _fsdp(parts, mesh, config, exclude, param_dtype, reduce_dtype, pipelined=cut is not None)
     # 7. A meta-built model gets storage for what this rank holds, and values: initialised, or read from `pretrained`.
-    notes = tp_notes + _values(module, experts, templates, pretrained, ties, device)
+    notes = tp_notes + _values(module, experts, templates, (pretrained, adapters), ties, device)
     # 8. ZeRO 0-2: the bucketed engine, whose masters are views of the values just set.
     zero = None if config.zero_stage == 3 else _replicated_zero(module, parts, mesh, config, exclude, cut, timeout)
     # 9. The pipeline's own hooks last, outside every wrapping above; a tied weight's second copy marked after ZeRO.
@@ -191,16 +194,18 @@ def _fsdp(parts: list[ModelPart], mesh: ParallelMesh, config: ParallelConfig, ex
 
 
 def _values(module: nn.Module, experts: Optional[ExpertParallel], templates: Optional[InitTemplates],
-            pretrained: Optional[str], ties: dict[str, str], device: torch.device) -> list[str]:  # fmt: skip
+            source: tuple[Optional[str], Optional[AdapterNames]], ties: dict[str, str],
+            device: torch.device) -> list[str]:  # fmt: skip
     """Step 7: after FSDP2 sharded the model, so that each rank allocates its shards only; before the ZeRO 0-2
     engine takes its masters as views of this rank's rows. The pretrained file is checked against the whole model
     (names, shapes, every rank alike) before any storage exists. Returns start-up notes."""
     distribute = experts.distribute if experts is not None and experts.params else None
     views = functools.partial(model_state, module, distribute)
     notes: list[str] = []
+    pretrained, adapters = source
     shapes = {name: tuple(v.shape) for name, v in views().items()}
-    weights = (prepare_pretrained(pretrained, shapes, module_type=type(module).__name__, tied=ties, hf_model=module)
-               if pretrained else None)  # fmt: skip
+    weights = (prepare_pretrained(pretrained, shapes, module_type=type(module).__name__, tied=ties, hf_model=module,
+                                  adapters=adapters) if pretrained else None)  # fmt: skip
     if templates is not None:
         skip = weights.names if weights is not None else frozenset()  # read from the file, not initialised
         units = materialize(module, templates, views, device, seed=base_seed(), skip=skip)

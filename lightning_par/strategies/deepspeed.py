@@ -51,6 +51,7 @@ from lightning_par.parallel.deepspeed.meta_init import MetaInitReport, materiali
 from lightning_par.parallel.flops import active_param_count
 from lightning_par.parallel.materialize import base_seed, has_meta
 from lightning_par.parallel.optimizers import check_elementwise
+from lightning_par.parallel.tensor.adapters import adapter_names
 from lightning_par.precision.parallel import ParallelPrecision
 from lightning_par.strategies.parallel import ParallelStrategy
 
@@ -252,8 +253,9 @@ class DeepSpeedParallelStrategy(ParallelStrategy):
             # Names, shapes and files checked on every rank before anything is allocated or read.
             shapes = {n: tuple(v.shape) for n, v in model_state(module).items()}
             plan = prepare_pretrained(
-                self._pretrained, shapes, module_type=type(module).__name__, tied=tied_names(module), hf_model=module
-            )
+                self._pretrained, shapes, module_type=type(module).__name__, tied=tied_names(module), hf_model=module,
+                adapters=adapter_names(module),  # a base checkpoint fills the layers low-rank adapters wrap
+            )  # fmt: skip
         if has_meta(module):
             # Built on the meta device: storage and the native backend's initial values (or the file's), before
             # the optimizer is built over the parameters (ZeRO-3: partitioned unit by unit, deepspeed/meta_init.py).

@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_par.checkpoint.place import place_full, region_of
 from lightning_par.checkpoint.pretrained.convert import convert_source
-from lightning_par.checkpoint.pretrained.names import NameMatch, listing, match_names
+from lightning_par.checkpoint.pretrained.names import AdapterNames, NameMatch, listing, match_names
 from lightning_par.checkpoint.pretrained.report import PretrainedReport
 from lightning_par.checkpoint.pretrained.sources import (
     DCPSource,
@@ -95,6 +95,7 @@ def _validate(
     module_type: str,
     hf_model: nn.Module | None,
     local_error: str | None,
+    adapters: AdapterNames | None = None,
 ) -> tuple[Source, NameMatch, dict[str, tuple[str, ...]]]:
     """Open the file and decide the name match on every rank's names; raise the same error on every rank.
 
@@ -136,7 +137,7 @@ def _validate(
         every.update(rank_shapes)
         for n, ps in rank_ties.items():
             ties[n] = tuple(dict.fromkeys((*ties.get(n, ()), *ps)))
-    match = match_names(every, source.shapes, ties)
+    match = match_names(every, source.shapes, ties, adapters=adapters)
     _refuse(path, source, match, every, strict, module_type)
     return source, match, ties
 
@@ -280,6 +281,7 @@ class PretrainedPlan:
             ignored=tuple(self.match.ignored),
             tied=tuple(n for n in self.match.tied if n in self._filled),
             skipped=tuple(self.match.missing + self.match.unexpected) if not self.strict else (),
+            fresh=len(self.match.fresh),
             seconds=time.perf_counter() - self._start,
         )
 
@@ -293,8 +295,9 @@ def _prepare(
     hf_model: nn.Module | None,
     local_error: str | None,
     start: float,
+    adapters: AdapterNames | None = None,
 ) -> PretrainedPlan:
-    source, match, ties = _validate(path, shapes, local_ties, strict, module_type, hf_model, local_error)
+    source, match, ties = _validate(path, shapes, local_ties, strict, module_type, hf_model, local_error, adapters)
     pairs = dict(match.pairs)
     for name in match.tied:  # the partner's file tensor; read once when the two share storage (read_into)
         pairs[name] = pairs[next(p for p in ties[name] if p in match.pairs)]
@@ -309,6 +312,7 @@ def prepare_pretrained(
     tied: Mapping[str, str] | None = None,
     strict: bool = True,
     hf_model: nn.Module | None = None,
+    adapters: AdapterNames | None = None,
 ) -> PretrainedPlan:
     """The first step of `load_pretrained` alone: open ``path`` and validate it against the whole model, on metadata.
 
@@ -325,6 +329,7 @@ def prepare_pretrained(
             to tell; a name missing from the file is filled through its partner.
         strict: as in `load_pretrained`.
         hf_model: as in `load_pretrained`.
+        adapters: as in `load_pretrained`.
 
     Raises:
         PretrainedError: as `load_pretrained`, on every rank alike, before any tensor is read.
@@ -334,7 +339,7 @@ def prepare_pretrained(
     for name, other in (tied or {}).items():
         local_ties[name] = (*local_ties.get(name, ()), other)
     sizes = {n: tuple(int(d) for d in s) for n, s in shapes.items()}
-    return _prepare(Path(path), sizes, local_ties, strict, module_type, hf_model, None, start)
+    return _prepare(Path(path), sizes, local_ties, strict, module_type, hf_model, None, start, adapters)
 
 
 def load_pretrained(
@@ -345,6 +350,7 @@ def load_pretrained(
     tied: Mapping[str, str] | None = None,
     strict: bool = True,
     hf_model: nn.Module | None = None,
+    adapters: AdapterNames | None = None,
 ) -> PretrainedReport:
     """Fill ``views`` in place with the pretrained weights at ``path``, reading only what this rank owns.
 
@@ -367,6 +373,8 @@ def load_pretrained(
             another layout than its modules (transformers 5 saves MoE experts one by one, and holds them stacked) is
             converted by transformers' own checkpoint conversion mapping for it
             (`lightning_par.checkpoint.pretrained.convert`). ``None``: the file's names are read as they are.
+        adapters: the model's low-rank adapters (`lightning_par.parallel.tensor.adapters.adapter_names`): a base
+            checkpoint fills the wrapped layers under their unwrapped names, and the adapters keep their own values.
 
     Returns:
         what was read, printable as one start-up log line.
@@ -389,6 +397,6 @@ def load_pretrained(
             "and read each part once it has storage"
         )
     shapes = {n: tuple(v.shape) for n, v in views.items()}
-    plan = _prepare(path, shapes, local_ties, strict, module_type, hf_model, error, start)
+    plan = _prepare(path, shapes, local_ties, strict, module_type, hf_model, error, start, adapters)
     plan.read_into(views)
     return plan.report()

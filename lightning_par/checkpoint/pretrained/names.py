@@ -114,6 +114,8 @@ class NameMatch:
         tied: module names without a file key whose tensor is another matched name's (filled through it).
         unexpected: file keys no module name maps to (recomputed buffers excepted).
         ignored: file keys skipped on purpose (recomputed buffers such as ``rotary_emb.inv_freq``).
+        fresh: module names the file does not hold and should not: low-rank adapters added to a pretrained model,
+            which keep their own initial values.
     """
 
     rewrite: PrefixRewrite
@@ -122,6 +124,7 @@ class NameMatch:
     tied: list[str]
     unexpected: list[str]
     ignored: list[str]
+    fresh: list[str] = dataclasses.field(default_factory=list)
 
 
 def match_names(
@@ -129,6 +132,7 @@ def match_names(
     keys: Iterable[str],
     tied_to: Mapping[str, tuple[str, ...]],
     rewrite: PrefixRewrite | None = None,
+    adapters: AdapterNames | None = None,
 ) -> NameMatch:
     """Pair the module's names with the file's keys under ``rewrite`` (default: `choose_rewrite`'s).
 
@@ -138,24 +142,58 @@ def match_names(
         tied_to: module name -> the other module names holding the same tensor (tied weights), or whose file
             tensor should fill it (a pipeline stage's own copy of a tied weight).
         rewrite: a fixed rewrite instead of the best one.
+        adapters: the model's low-rank adapters: its names are also tried as the model without its adapter
+            wrappers has them (a base checkpoint for a model wrapped by ``peft.get_peft_model``), and whichever
+            view pairs more names wins (a checkpoint of the wrapped model itself keeps its own names).
     """
-    names, key_set = sorted(set(names)), set(keys)
-    rewrite = rewrite if rewrite is not None else choose_rewrite(names, key_set)
+    plain = _match(sorted(set(names)), set(keys), tied_to, rewrite, {}, frozenset())
+    if adapters is None or not adapters.aliases:
+        return plain
+    viewed = _match(sorted(set(names)), set(keys), tied_to, rewrite, adapters.aliases, adapters.fresh)
+    return viewed if len(viewed.pairs) > len(plain.pairs) else plain
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterNames:
+    """A model's low-rank adapters, by name (`lightning_par.parallel.tensor.adapters.adapter_names`).
+
+    Args:
+        aliases: each wrapped base layer's tensor -> its name in the model without the wrappers (peft's
+            ``q_proj.base_layer.weight`` -> ``q_proj.weight``).
+        fresh: the wrappers' own tensors (``lora_A``, ``lora_B``, DoRA's magnitude), which a base checkpoint does not
+            hold.
+    """
+
+    aliases: Mapping[str, str]
+    fresh: frozenset[str]
+
+
+def _match(
+    names: list[str],
+    key_set: set[str],
+    tied_to: Mapping[str, tuple[str, ...]],
+    rewrite: PrefixRewrite | None,
+    aliases: Mapping[str, str],
+    fresh: frozenset[str],
+) -> NameMatch:
+    view = {n: aliases.get(n, n) for n in names}
+    rewrite = rewrite if rewrite is not None else choose_rewrite([view[n] for n in names if n not in fresh], key_set)
     pairs: dict[str, str] = {}
     unmatched: list[str] = []
     for name in names:
-        key = rewrite.to_file(name)
+        key = rewrite.to_file(view[name])
         if key is not None and key in key_set:
             pairs[name] = key
         else:
             unmatched.append(name)
     tied = [n for n in unmatched if any(p in pairs for p in tied_to.get(n, ()))]
-    missing = [n for n in unmatched if n not in set(tied)]
+    new = [n for n in unmatched if n in fresh and n not in set(tied)]
+    missing = [n for n in unmatched if n not in set(tied) and n not in fresh]
     used = set(pairs.values())
     rest = sorted(key_set - used)
     ignored = [k for k in rest if is_recomputed(k)]
     unexpected = [k for k in rest if not is_recomputed(k)]
-    return NameMatch(rewrite, pairs, missing, tied, unexpected, ignored)
+    return NameMatch(rewrite, pairs, missing, tied, unexpected, ignored, new)
 
 
 def listing(items: list[str], limit: int = 10) -> str:

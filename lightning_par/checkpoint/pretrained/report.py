@@ -22,6 +22,7 @@ class PretrainedReport:
         skipped: with ``strict=False``: module names missing from the file (left as they were) and file keys that
             matched nothing.
         seconds: wall time of the load on this rank.
+        fresh: low-rank adapter tensors the file does not hold, which keep their own initial values.
     """
 
     path: str
@@ -33,6 +34,7 @@ class PretrainedReport:
     tied: tuple[str, ...] = ()
     skipped: tuple[str, ...] = ()
     seconds: float = 0.0
+    fresh: int = 0
 
     def __str__(self) -> str:
         line = (
@@ -43,6 +45,8 @@ class PretrainedReport:
             line += f"; tied: {listing(list(self.tied), 3)}"
         if self.ignored:
             line += f"; ignored {len(self.ignored)} recomputed buffer(s) ({listing(list(self.ignored), 2)})"
+        if self.fresh:
+            line += f"; {self.fresh} adapter tensor(s) keep their initial values"
         if self.skipped:
             line += f"; strict=False skipped {len(self.skipped)} ({listing(list(self.skipped), 3)})"
         return line

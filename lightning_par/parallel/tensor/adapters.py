@@ -25,6 +25,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_module
 from torch.distributed.tensor.parallel import SequenceParallel
 
+from lightning_par.checkpoint.fast_state import clean_name
+from lightning_par.checkpoint.pretrained.names import AdapterNames
 from lightning_par.parallel.tensor.heads import _params_as
 from lightning_par.parallel.tensor.plan_affine import Affine, affine
 
@@ -111,3 +113,24 @@ def _replicated_input(mod: nn.Module, args: tuple[Any, ...], mesh: DeviceMesh) -
     # is the same on every rank, and its gradient from the column-split ``b`` comes back Partial: all-reduced here.
     return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
                  if isinstance(x, Tensor) and not isinstance(x, DTensor) else x for x in args)  # fmt: skip
+
+
+def adapter_names(root: nn.Module) -> AdapterNames:
+    """``root``'s low-rank adapters by parameter name, for reading a base checkpoint into the adapted model
+    (`lightning_par.checkpoint.pretrained`): each wrapped base layer's parameters under the wrapper's name (peft's
+    ``q_proj.base_layer.weight`` is the base model's ``q_proj.weight``; a user's ``q.base.weight`` its ``q.weight``),
+    and the wrapper's other parameters (the pairs, DoRA's magnitude) as the adapters' own. Names as in checkpoints
+    (`checkpoint.fast_state.clean_name`)."""
+    aliases: dict[str, str] = {}
+    fresh: set[str] = set()
+    for base in find_adapters(root):
+        wrapper, _, leaf = base.rpartition(".")
+        owner = root.get_submodule(wrapper) if wrapper else root
+        outer = f"{wrapper}." if wrapper else ""
+        for name, _ in owner.named_parameters():
+            full = clean_name(outer + name)
+            if name.startswith(f"{leaf}."):
+                aliases[full] = clean_name(outer + name[len(leaf) + 1 :])
+            else:
+                fresh.add(full)
+    return AdapterNames(aliases, frozenset(fresh))

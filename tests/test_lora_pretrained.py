@@ -1,0 +1,75 @@
+"""A pretrained base read into a model wrapped with low-rank adapters, under any layout (`pretrained=`).
+
+A Hugging Face Llama saved with ``save_pretrained`` (a base model: no adapters) is the ``pretrained=`` of peft's LoRA
+on the same architecture: the wrapped layers are filled under their unwrapped names (``q_proj.base_layer.weight``
+from ``q_proj.weight``: `lightning_par.parallel.tensor.adapters.adapter_names`), the adapters keep their own
+initial values, and nothing is refused. Under ``zero3`` (dp 2), ``tp`` (2) and ``pipe`` (pp 2), and in one process:
+every base tensor at train start is the file's, bit for bit; the adapters are the model's own (the same under every
+layout); the start-up line says how many adapter tensors kept their values; and the three layouts train as the
+one-process run does (fp32 losses and gradient norms 1e-5 relative, parameters 1e-5 / 1e-7).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from launch import run_jobs
+from parity import params_close, rel
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+pytest.importorskip("peft")
+
+LAYOUTS = {"zero3": ("zero3", 2), "tp": ("tp", 1), "pipe": ({"pp": 2}, 1)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from _hf_models import _llama
+    from safetensors.torch import load_file
+
+    tmp = tmp_path_factory.mktemp("lora_pretrained")
+    torch.manual_seed(7)  # another draw than the job's own initialisation: the file's values must win
+    _llama(2).save_pretrained(tmp / "base")
+    base = str(tmp / "base")
+
+    def job(strategy: Any, dp: int) -> dict[str, Any]:
+        spec = strategy if isinstance(strategy, dict) else {"zero3": {"zero_stage": 3}, "tp": {"tp": 2}}[strategy]
+        return {"model": "peft_llama", "strategy": {**spec, "pretrained": base}, "dp": dp, "record_init": True}
+
+    (ref,) = run_jobs(tmp, [job({}, 1)], nproc=1, timeout=300)
+    got = run_jobs(tmp, [job(s, dp) for s, dp in LAYOUTS.values()], nproc=2, timeout=300)
+    return {"file": load_file(str(tmp / "base" / "model.safetensors")), "ref": ref,
+            "got": dict(zip(LAYOUTS, got, strict=True))}  # fmt: skip
+
+
+def _unwrapped(name: str) -> str:
+    # model.base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight -> model.layers.0.self_attn.q_proj.weight
+    return name.removeprefix("model.base_model.model.").replace(".base_layer.", ".")
+
+
+@pytest.mark.parametrize("name", ["one_process", *LAYOUTS])
+def test_base_weights_come_from_the_file_and_adapters_keep_their_own(runs: dict[str, Any], name: str) -> None:
+    got = runs["ref"] if name == "one_process" else runs["got"][name]
+    init, file = got["init_state"], runs["file"]
+    base = {k: v for k, v in init.items() if ".lora_" not in k and "rotary" not in k}
+    adapters = {k: v for k, v in init.items() if ".lora_" in k}
+    assert len(base) == len(file) and len(adapters) == 2 * 7 * 2  # A and B of 7 projections in 2 layers
+    for key, value in base.items():
+        torch.testing.assert_close(value, file[_unwrapped(key)], rtol=0, atol=0, msg=key)
+    for key, value in adapters.items():  # the model's own initial values, whatever the layout
+        torch.testing.assert_close(value, runs["ref"]["init_state"][key], rtol=0, atol=0, msg=key)
+    (line,) = [x for x in got["startup"] if x.startswith("pretrained weights:")]
+    assert f"{len(adapters)} adapter tensor(s) keep their initial values" in line
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_adapted_pretrained_model_trains_as_in_one_process(runs: dict[str, Any], name: str) -> None:
+    got, ref = runs["got"][name], runs["ref"]
+    assert len(got["losses"]) == len(ref["losses"]) == 3
+    assert rel(got["losses"], ref["losses"]) < 1e-5
+    assert rel(got["grad_norms"], ref["grad_norms"]) < 1e-5
+    params_close(got["params"], ref["params"], rtol=1e-5, atol=1e-7)
