@@ -11,7 +11,6 @@ one-process run does (fp32 losses and gradient norms 1e-5 relative, parameters 1
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
