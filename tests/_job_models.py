@@ -412,6 +412,8 @@ MODELS: dict[str, Any] = _Models({
     "peft_llama_dora": lambda: _lora_models().PeftLlama(dora=True),  # DoRA: a magnitude vector per projection
     "peft_llama_sdpa": lambda: _lora_models().PeftLlama(attn="sdpa"),  # for cp
     "peft_mixtral": lambda: _lora_models().PeftMixtral(),  # LoRA on the attention of an MoE model
+    "peft_llama_meta": lambda: _lora_models().PeftLlamaMeta(),  # built in configure_model (meta), B zero
+    "hf_llama_sgd": lambda: _lora_models().HFLlamaSGD(),  # the base alone, SGD as the adapted models
     # Four blocks: room for 2 stages x 2 virtual stages per rank (interleaved and V schedules).
     "gpt4": lambda: GPT(vocab_size=256, block_size=32, n_layer=4, n_head=4, n_embd=32, lr=3e-3),
     "llama4": lambda: Llama(vocab_size=256, max_seq_len=32, dim=32, n_layers=4, n_heads=4, n_kv_heads=2,

@@ -76,3 +76,28 @@ class PeftMixtral(HFMixtralAux):
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.5, momentum=0.9)
+
+
+class PeftLlamaMeta(PeftLlama):
+    """`PeftLlama` built in ``configure_model()`` (on the meta device under lightning_par's strategies), LoRA
+    initialised as peft does (``init_lora_weights=True``: B zero), so the adapted model starts as its base."""
+
+    def __init__(self) -> None:
+        HFLlama.__init__(self)
+        self.model = None  # built in configure_model
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        from _hf_models import _llama
+        from peft import LoraConfig, get_peft_model
+
+        config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"])
+        self.model = get_peft_model(_llama(2), config)
+
+
+class HFLlamaSGD(HFLlama):
+    """`HFLlama` with the adapted models' SGD (lr 0.1, momentum 0.9), for comparing their first steps."""
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)

@@ -41,7 +41,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
     (ref,) = run_jobs(tmp, [job({}, 1)], nproc=1, timeout=300)
     got = run_jobs(tmp, [job(s, dp) for s, dp in LAYOUTS.values()], nproc=2, timeout=300)
-    return {"file": load_file(str(tmp / "base" / "model.safetensors")), "ref": ref,
+    return {"file": load_file(str(tmp / "base" / "model.safetensors")), "ref": ref, "base": base,
             "got": dict(zip(LAYOUTS, got, strict=True))}  # fmt: skip
 
 
@@ -71,4 +71,38 @@ def test_adapted_pretrained_model_trains_as_in_one_process(runs: dict[str, Any],
     assert len(got["losses"]) == len(ref["losses"]) == 3
     assert rel(got["losses"], ref["losses"]) < 1e-5
     assert rel(got["grad_norms"], ref["grad_norms"]) < 1e-5
+    params_close(got["params"], ref["params"], rtol=1e-5, atol=1e-7)
+
+
+@pytest.fixture(scope="module")
+def meta_runs(runs: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    # The same base file; the adapted model built in configure_model(), so on the meta device: peft initialised
+    # nothing there, lightning_par runs peft's own initialisation of the adapters (parallel/materialize.py).
+    tmp = tmp_path_factory.mktemp("lora_meta")
+    base = runs["base"]
+
+    def job(spec: dict[str, Any], dp: int, model: str = "peft_llama_meta") -> dict[str, Any]:
+        return {"model": model, "strategy": {**spec, "pretrained": base}, "dp": dp, "record_init": True}
+
+    ref, plain = run_jobs(tmp, [job({}, 1), job({}, 1, "hf_llama_sgd")], nproc=1, timeout=300)
+    got = run_jobs(tmp, [job({"zero_stage": 3}, 2), job({"tp": 2}, 1)], nproc=2, timeout=300)
+    return {"ref": ref, "plain": plain, "zero3": got[0], "tp": got[1]}
+
+
+def test_adapters_built_on_the_meta_device_start_as_peft_initialises_them(meta_runs: dict[str, Any]) -> None:
+    ref = meta_runs["ref"]
+    assert any(x.startswith("built on the meta device") for x in ref["startup"])
+    lora_b = [v for k, v in ref["init_state"].items() if ".lora_B." in k]
+    lora_a = [v for k, v in ref["init_state"].items() if ".lora_A." in k]
+    assert len(lora_b) == len(lora_a) == 3 * 2 and all(bool((b == 0).all()) for b in lora_b)
+    assert all(float(a.std()) > 0.01 for a in lora_a)  # A drawn (kaiming), not left empty
+    # B zero: the adapted model computes what its base does, so its first loss is the base model's on that batch.
+    assert ref["losses"][0] == pytest.approx(meta_runs["plain"]["losses"][0], rel=1e-6)
+    assert ref["losses"][1] != pytest.approx(meta_runs["plain"]["losses"][1], rel=1e-4)  # then they part
+
+
+@pytest.mark.parametrize("name", ["zero3", "tp"])
+def test_meta_built_adapted_model_trains_as_in_one_process(meta_runs: dict[str, Any], name: str) -> None:
+    got, ref = meta_runs[name], meta_runs["ref"]
+    assert rel(got["losses"], ref["losses"]) < 1e-5 and len(got["losses"]) == 3
     params_close(got["params"], ref["params"], rtol=1e-5, atol=1e-7)

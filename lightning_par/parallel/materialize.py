@@ -18,8 +18,10 @@ and its values come from the model's own initialisation, run on one *unit* at a 
 Which initialisation runs, for each module of the unit, children before parents (as ``nn.Module.apply`` and
 Hugging Face's ``initialize_weights`` order them): ``reset_parameters()`` when the module has one (torch's
 layers), then the nearest Hugging Face ``PreTrainedModel``'s ``_init_weights(module)`` (which also recomputes the
-rotary tables), then the module's own ``init_weights()`` when it takes no argument. A tensor that none of them
-wrote is refused with its name, before training (`UninitializedError`): its values would be whatever memory held.
+rotary tables), then the module's own ``init_weights()`` when it takes no argument; a peft LoRA layer then gets
+peft's own initialisation of its adapters (``reset_lora_parameters``, as ``init_lora_weights`` says: B zero, so the
+adapted model starts as its base). A tensor that none of them wrote is refused with its name, before training
+(`UninitializedError`): its values would be whatever memory held.
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ class _Unit:
     template: nn.Module  # a meta copy taken before any transform (full shapes)
     shallow: bool  # only the module's direct tensors (a module that contains the trunk)
     hf_roots: dict[str, Any]  # relative module name -> nearest Hugging Face PreTrainedModel (the original)
+    # relative name of a peft LoRA layer -> its adapters' init_lora_weights (`_lora_inits`)
+    lora: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -153,7 +157,46 @@ def capture_init(module: nn.Module, trunk: Optional[Trunk]) -> InitTemplates:
     owner = {name: last[id(p)] for name, p in named}
     buffers = [(clean_name(n), b) for n, b in module.named_buffers(remove_duplicate=False) if b is not None]
     meta = frozenset(n for n, t in (*named, *buffers) if t.is_meta)
-    return InitTemplates(_units(module, trunk), owner, meta)
+    units = _units(module, trunk)
+    for name, inits in _lora_inits(module).items():
+        unit = next((u for u in units.values() if not u.shallow and (not u.name or name.startswith(f"{u.name}."))),
+                    None)  # fmt: skip
+        if unit is not None:
+            unit.lora[name[len(unit.name) + 1 :] if unit.name else name] = inits
+    return InitTemplates(units, owner, meta)
+
+
+def _lora_inits(module: nn.Module) -> dict[str, dict[str, Any]]:
+    """peft's LoRA layers built on the meta device -> each adapter's ``init_lora_weights`` (from the enclosing
+    PEFT model's config): peft initialises them in ``update_layer``, which wrote nothing on the meta device.
+
+    Raises:
+        UninitializedError: an initialisation that reads the base weights (DoRA's magnitude, PiSSA, OLoRA, LoftQ,
+            EVA, ...): they have no values yet on the meta device.
+    """
+    found: dict[str, dict[str, Any]] = {}
+    for path, peft in module.named_modules():
+        configs = getattr(peft, "peft_config", None)
+        if not isinstance(configs, dict) or not hasattr(peft, "base_model") or any(path.startswith(f"{p}.") for p in
+                                                                                   found):  # fmt: skip
+            continue
+        for rel, layer in peft.named_modules():
+            if not callable(getattr(layer, "reset_lora_parameters", None)) or not any(t.is_meta for t in
+                                                                                      _tensors(layer)):  # fmt: skip
+                continue
+            name = clean_name(f"{path}.{rel}" if path else rel)
+            inits = {a: getattr(configs.get(a), "init_lora_weights", True) for a in getattr(layer, "lora_A", {})}
+            dora = [a for a in inits if getattr(configs.get(a), "use_dora", False)]
+            odd = [a for a, i in inits.items() if i not in (True, False, "gaussian")]
+            if dora or odd:
+                what = "use_dora" if dora else f"init_lora_weights={inits[odd[0]]!r}"
+                raise UninitializedError(
+                    f"{name}: peft's {what} initialises the adapter from the base layer's weights, which a model "
+                    "built on the meta device does not have yet; build the adapted model on a real device (outside "
+                    "configure_model() / init_module(empty_init=True)), or use init_lora_weights=True"
+                )
+            found[name] = inits
+    return found
 
 
 class _Writes(TorchFunctionMode):
@@ -197,6 +240,17 @@ def _init_module(m: nn.Module, hf: Any) -> None:
             pass  # an init_weights that needs arguments is the user's to call; other modules' rules still apply
 
 
+def _init_lora(layer: Any, adapter: str, how: Any) -> None:
+    # After its children's rules (the model's own init reached lora_A / lora_B as any Linear): what peft's
+    # update_layer does when built eagerly. True / "gaussian": its reset_lora_parameters (B zero, so the adapted model
+    # starts as the base); False: the Linear's own initialisation, which peft keeps.
+    if how is False:
+        for pair in (layer.lora_A, layer.lora_B):
+            pair[adapter].reset_parameters()
+    else:
+        layer.reset_lora_parameters(adapter, how)
+
+
 def unit_seed(base: int, name: str) -> int:
     """The seed of a unit: the job's seed mixed with the unit's name (stable across runs and Python versions)."""
     return (base * 0x9E3779B1 + zlib.crc32(name.encode())) % (2**63)
@@ -222,6 +276,8 @@ def init_unit(unit: _Unit, device: torch.device, base_seed: int) -> dict[str, Te
         torch.manual_seed(unit_seed(base_seed, unit.name))
         for rel, m in _post_order(twin) if not unit.shallow else [("", twin)]:
             _init_module(m, unit.hf_roots.get(rel))
+            for adapter, how in unit.lora.get(rel, {}).items():
+                _init_lora(m, adapter, how)
     after = dict(_state(twin, unit.shallow))
     missing = [n for n, t in after.items() if _untouched(t, before.get(n), writes.written)]
     if missing:
