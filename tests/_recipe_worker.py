@@ -32,6 +32,8 @@ def main() -> None:
             "loss": float(loss) if loss is not None else math.nan,
             "strategy": type(trainer.strategy).__name__,
             "layout": {k: v for k, v in layout.items() if isinstance(v, (int, str))},
+            "trainable": sum(p.numel() for p in cli.model.parameters() if p.requires_grad),
+            "params": sum(p.numel() for p in cli.model.parameters()),
         }
     if dist.is_initialized():
         dist.barrier()

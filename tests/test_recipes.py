@@ -32,6 +32,7 @@ EXPECTED = {  # recipe -> (zero_stage, offload, dp_replicate, tp)
     "3d": (1, False, 1, 1),  # pp and tp are split from the world size at start-up (auto_dims)
     "deepspeed_zero3": (3, False, 1, 1),
     "hf_finetune": (3, False, 1, 2),
+    "lora_finetune": (3, False, 1, 2),
 }
 PP = {"pipe": 2}  # recipe -> pp; every other recipe has pp 1 (`3d` too until the world size splits it)
 
@@ -49,7 +50,7 @@ def _hf_folder(path: Path) -> Path:
 
 def _extra(recipe: str, tmp_path: Path) -> list[str]:
     # The fine-tuning recipe names a local folder; the test writes one.
-    if recipe != "hf_finetune":
+    if recipe not in ("hf_finetune", "lora_finetune"):
         return []
     folder = str(_hf_folder(tmp_path / "hf_model"))
     return [f"--model.init_args.config={folder}", f"--trainer.strategy.init_args.pretrained={folder}"]
@@ -179,6 +180,10 @@ def test_every_recipe_trains_a_few_steps(tmp_path):
     assert (got["pipe"]["layout"]["pp"], got["pipe"]["layout"]["dp_shard"]) == (2, 2)
     assert got["hybrid_zero3"]["layout"]["dp_replicate"] == 2 and got["cp_zero3"]["layout"]["cp"] == 2
     assert got["3d"]["layout"]["pp"] * got["3d"]["layout"]["tp"] == 4
+    # LoRA: the adapters alone train (r 16 on 7 projections of a 64-wide 2-layer Llama: 0 < share < 1/2).
+    lora = got["lora_finetune"]
+    full = got["hf_finetune"]
+    assert 0 < lora["trainable"] < lora["params"] // 2 and full["trainable"] == full["params"]
 
 
 def test_plan_and_check_see_a_model_built_in_configure_model(tmp_path, monkeypatch):

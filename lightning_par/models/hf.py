@@ -28,6 +28,10 @@ class HFCausalLM(CausalLM):
         warmup_steps: Linear-warmup optimizer steps.
         max_steps: 0 keeps ``lr`` constant after warmup; otherwise cosine decay to ``0.1 * lr`` at ``max_steps``.
         betas: AdamW betas.
+        lora: fine-tune low-rank adapters instead of every weight: ``peft.LoraConfig`` arguments (``r``,
+            ``lora_alpha``, ``target_modules``, ...), applied with ``peft.get_peft_model`` in ``configure_model()``;
+            the base weights are frozen and come from the strategy's ``pretrained=`` (docs/fine_tuning.md). Needs
+            ``pip install peft``.
     """
 
     def __init__(
@@ -39,6 +43,7 @@ class HFCausalLM(CausalLM):
         warmup_steps: int = 0,
         max_steps: int = 0,
         betas: tuple[float, float] = (0.9, 0.95),
+        lora: Optional[dict[str, Any]] = None,
     ) -> None:
         from transformers import AutoConfig
 
@@ -50,6 +55,7 @@ class HFCausalLM(CausalLM):
         self.n_layers = int(hf_config.num_hidden_layers)
         self.hidden_size = int(hf_config.hidden_size)
         self.seq_len = int(getattr(hf_config, "max_position_embeddings", 0) or 0)
+        self.lora = dict(lora) if lora else None
         self.model: Optional[nn.Module] = None
 
     def configure_model(self) -> None:
@@ -58,6 +64,10 @@ class HFCausalLM(CausalLM):
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_config(self.hf_config, attn_implementation=self.attn_implementation)
+        if self.lora:
+            from peft import LoraConfig, get_peft_model
+
+            self.model = get_peft_model(self.model, LoraConfig(**self.lora))
 
     def forward(self, tokens: Tensor) -> Tensor:
         """Next-token logits of shape (B, T, vocab_size) for token ids of shape (B, T)."""
