@@ -36,6 +36,7 @@ KNOWN_PRIVATE = frozenset({
     "_precision_flag", "_Stateful", "_combined_loader", "_trainer", "_optimizer", "_init_dist_connection",
     "_get_default_process_group_backend_for_device", "_distributed_is_initialized", "_sync_ddp_if_available",
     "_SubprocessScriptLauncher", "_launcher", "_reset_optimizers_and_schedulers", "_init_deepspeed_distributed",
+    "_last_global_step_saved",
     # torchmetrics
     "_defaults", "_update_count", "_forward_cache", "_computed",
     # DeepSpeed (public names of undocumented internals)

@@ -57,6 +57,9 @@ from lightning_par._compat.lightning import (
     init_dist_connection as init_dist_connection,
 )
 from lightning_par._compat.lightning import (
+    mark_saved_at as mark_saved_at,
+)
+from lightning_par._compat.lightning import (
     metric_state as metric_state,
 )
 from lightning_par._compat.lightning import (

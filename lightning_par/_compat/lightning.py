@@ -49,6 +49,13 @@ def combined_loader(trainer: Any) -> Optional[Any]:
     return getattr(trainer.fit_loop, "_combined_loader", None)
 
 
+def mark_saved_at(callback: Any, step: int) -> None:
+    """Tell a `ModelCheckpoint` that the state at ``step`` is saved already (it was just loaded from there)."""
+    # ModelCheckpoint._last_global_step_saved, lightning 2.6.6: not restored on resume, so the first batch end after
+    # a resume saves again, mid-accumulation, under the loaded checkpoint's own name.
+    callback._last_global_step_saved = step
+
+
 def attached_trainer(module: Any) -> Optional[Any]:
     """The Trainer a LightningModule is attached to, or ``None`` (``module.trainer`` raises when detached)."""
     # LightningModule._trainer, lightning 2.6.6.

@@ -90,6 +90,9 @@ class ShardedCheckpoints:
         # Last of the on_train_start hooks, after Lightning set up the training loader: nothing draws random numbers
         # between here and the first resumed step, as in the uninterrupted run between the save and that step.
         self.resume.restore_rng(trainer, device)
+        if trainer.global_step > 0:  # resumed: the loaded step is saved (else the first micro-batch saves again)
+            for callback in trainer.checkpoint_callbacks:
+                _compat.mark_saved_at(callback, trainer.global_step)
 
     def on_train_end(self) -> None:
         """Saves are synchronous again (after every callback's on_train_end; one in on_fit_end waits)."""
