@@ -233,10 +233,13 @@ class OptimizerRecorder(L.Callback):
 def full_params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     out = {}
     for name, p in module.named_parameters():
-        if hasattr(p, "ds_id") or hasattr(p, "_hp_mapping"):  # set on every rank (None off its partition)
+        if (hasattr(p, "ds_id") or hasattr(p, "_hp_mapping")) and p.requires_grad:  # set on every rank
             from deepspeed.utils import safe_get_full_fp32_param
 
             t = safe_get_full_fp32_param(p).reshape(getattr(p, "ds_shape", p.shape))  # DeepSpeed's fp32 master
+        elif hasattr(p, "ds_id"):  # frozen (a LoRA base): no master; the ZeRO-3 partitions gathered
+            with _ds_gathered([p]):
+                t = p.detach().clone()
         else:
             t = full_tensor(p)
         out[name] = t.detach().float().cpu().clone()

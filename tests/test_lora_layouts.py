@@ -2,10 +2,11 @@
 
 peft's ``get_peft_model`` LoRA (r 4, B random) on Hugging Face Llama (every attention and MLP projection; also DoRA,
 its magnitude vector per projection), on Mixtral's attention (its stacked experts and router frozen), and a user's own
-wrappers (`tests/_lora_models.py`), under ``zero1`` / ``zero2`` / ``zero3`` (dp 2), ``pipe`` (pp 2), ``cp`` (2, SDPA)
-and ``moe`` (ep 2). The models are unmodified: nothing is refused because a projection is wrapped. fp32 losses and
-gradient norms 1e-5 relative, SGD parameters 1e-5 relative / 1e-7 absolute; the frozen base weights come out as they
-went in, and hold no gradient and no optimizer state (per-rank bytes: exactly the adapters' share, against full
+wrappers (`tests/_lora_models.py`), under ``zero1`` / ``zero2`` / ``zero3`` (dp 2), DeepSpeed's ZeRO-1 and ZeRO-3,
+``pipe`` (pp 2), ``cp`` (2, SDPA) and ``moe`` (ep 2). The models are unmodified: nothing is refused because a
+projection is wrapped. fp32 losses and gradient norms 1e-5 relative (the norms not under DeepSpeed, whose engine
+keeps the gradients), SGD parameters 1e-5 relative / 1e-7 absolute; the frozen base weights come out as they went in,
+and hold no gradient and no optimizer state (per-rank bytes: exactly the adapters' share, against full
 fine-tuning's). Under tp (`tests/test_tp_lora.py`) the adapters follow their base's split; DoRA is refused there
 before the first step.
 """
@@ -32,6 +33,8 @@ JOBS: dict[str, dict[str, Any]] = {
     "peft_llama_zero3": {"model": "peft_llama", "strategy": "zero3", "dp": 2},
     "peft_llama_pipe": {"model": "peft_llama", "strategy": {"pp": 2}, "dp": 1},
     "peft_llama_cp": {"model": "peft_llama_sdpa", "strategy": {"cp": 2}, "dp": 1},
+    "peft_llama_deepspeed_zero1": {"model": "peft_llama", "strategy": "deepspeed_zero1", "dp": 2},
+    "peft_llama_deepspeed_zero3": {"model": "peft_llama", "strategy": "deepspeed_zero3", "dp": 2},
     "peft_llama_dora_zero3": {"model": "peft_llama_dora", "strategy": "zero3", "dp": 2},
     "peft_llama_dora_pipe": {"model": "peft_llama_dora", "strategy": {"pp": 2}, "dp": 1},
     "user_lora_zero2": {"model": "user_lora", "strategy": "zero2", "dp": 2},
@@ -61,7 +64,8 @@ def test_adapted_model_matches_one_process(runs: dict[str, Any], name: str) -> N
     ref = runs["ref"][job["model"]]
     assert len(got["losses"]) == len(ref["losses"]) == 3
     assert rel(got["losses"], ref["losses"]) < 1e-5
-    assert rel(got["grad_norms"], ref["grad_norms"]) < 1e-5
+    if "deepspeed" not in name:  # DeepSpeed's engine keeps the gradients in its own buffers, not in .grad
+        assert rel(got["grad_norms"], ref["grad_norms"]) < 1e-5
     params_close(got["params"], ref["params"], rtol=1e-5, atol=1e-7)
 
 
