@@ -101,3 +101,5 @@ def test_dora_under_tp_is_refused_before_the_first_step(runs: dict[str, Any]) ->
     # DoRA's magnitude vector normalises each output row of base + B A: under a row split that norm spans the ranks.
     got = runs["dora_tp"]
     assert got["losses"] == [] and "TPPlanError" in got["error"]
+    assert "self_attn.q_proj is a DoRA layer (peft use_dora=True)" in got["error"]
+    assert "train it without tensor parallelism (tp=1" in got["error"]

@@ -34,7 +34,7 @@ from lightning_par.parallel.parts import ModelPart
 from lightning_par.parallel.pipeline.schedule import Shape
 from lightning_par.parallel.pipeline.split import PipelineSplit, split_pipeline
 from lightning_par.parallel.run import ParallelRun
-from lightning_par.parallel.tensor.adapters import adapter_names
+from lightning_par.parallel.tensor.adapters import adapter_names, refuse_dora
 from lightning_par.parallel.tensor.apply import apply_tensor_parallel
 from lightning_par.parallel.tensor.check import check_local_shapes, preflight, tp_report
 from lightning_par.parallel.tensor.plan import TPPlan, infer_tp_plan
@@ -256,6 +256,7 @@ def _trunk(module: nn.Module, config: ParallelConfig) -> Optional[Trunk]:
 def _tp_plan(module: nn.Module, config: ParallelConfig, overrides: Optional[dict[str, str]]) -> Optional[TPPlan]:
     if config.tp == 1:
         return None
+    refuse_dora(module)  # before the plan: its probe would name every projection instead
     plan = infer_tp_plan(module, overrides=overrides)
     validate_tp(plan, config.tp)
     # Block 0 on per-rank shapes: code assuming full widths runs on gathered activations, or is refused here.

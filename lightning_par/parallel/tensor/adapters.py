@@ -29,6 +29,7 @@ from lightning_par.checkpoint.fast_state import clean_name
 from lightning_par.checkpoint.pretrained.names import AdapterNames
 from lightning_par.parallel.tensor.heads import _params_as
 from lightning_par.parallel.tensor.plan_affine import Affine, affine
+from lightning_par.parallel.tensor.plan_types import TPPlanError
 
 Pairs = tuple[tuple[str, str], ...]
 
@@ -134,3 +135,21 @@ def adapter_names(root: nn.Module) -> AdapterNames:
             else:
                 fresh.add(full)
     return AdapterNames(aliases, frozenset(fresh))
+
+
+def refuse_dora(root: nn.Module) -> None:
+    """Raise, naming the first one, when ``root`` holds peft DoRA layers (a magnitude vector per adapter).
+
+    Raises:
+        TPPlanError: DoRA normalises each output row of ``base + B A``; under a row split that norm spans the tp
+            ranks, which tensor parallelism does not compute.
+    """
+    for name, mod in root.named_modules():
+        magnitudes = getattr(mod, "lora_magnitude_vector", None)
+        if isinstance(magnitudes, nn.ModuleDict) and len(magnitudes) > 0:
+            raise TPPlanError(
+                f"{name} is a DoRA layer (peft use_dora=True): its magnitude normalises each output row of base + B A, "
+                "a norm that spans the tensor-parallel ranks under a row split, which lightning_par does not compute; "
+                "train it without tensor parallelism (tp=1: zero3, pipe and the other layouts train DoRA), or use LoRA "
+                "(use_dora=False) under tp"
+            )
