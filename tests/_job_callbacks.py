@@ -279,6 +279,21 @@ class SigKill(L.Callback):
             kill_self()
 
 
+class Corrupt(L.Callback):
+    """Global rank ``rank`` adds 1e-3 to the first element of its local copy of parameter ``name`` when global step
+    ``step`` starts: one replica drifts, as on failing hardware."""
+
+    def __init__(self, step: int, rank: int, name: str) -> None:
+        self.step, self.rank, self.name = step, rank, name
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == self.step and trainer.global_rank == self.rank:
+            param = dict(pl_module.named_parameters())[self.name]
+            local = param.to_local() if isinstance(param, DTensor) else param
+            with torch.no_grad():
+                local.view(-1)[0] += 1e-3
+
+
 def _ds_gathered(params: list[Any]) -> Any:
     import deepspeed
 

@@ -28,6 +28,7 @@ from _job_callbacks import (  # noqa: E402
     STEP_ENDS,
     STEPS,
     CheckpointRecorder,
+    Corrupt,
     InitRecorder,
     MemoryLogger,
     OptimizerRecorder,
@@ -54,7 +55,7 @@ from jobs import Job, check  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 import lightning_par  # noqa: E402  (registers the strategy names)
-from lightning_par.callbacks import ParallelismMonitor  # noqa: E402
+from lightning_par.callbacks import ParallelismMonitor, ReplicaCheck  # noqa: E402
 from lightning_par.data import ByteTextDataModule  # noqa: E402
 from lightning_par.models import MoEGPT  # noqa: E402
 from lightning_par.strategies import make_strategy  # noqa: E402
@@ -136,6 +137,10 @@ def run_job(job: Job) -> dict[str, Any]:
         extra.append(InitRecorder())
     if job.sigkill_at_step:
         extra.append(SigKill(**job.sigkill_at_step))
+    if job.corrupt:
+        extra.append(Corrupt(**job.corrupt))
+    if job.replica_callback:
+        extra.append(ReplicaCheck(job.replica_callback))
     if job.rank_seed:
         extra.append(RankSeed())
     ckpt_dir = job.ckpt_dir
@@ -264,6 +269,10 @@ def run_job(job: Job) -> dict[str, Any]:
         "resumed_from": Path(trainer.ckpt_path).name if trainer.ckpt_path else None,
         "draws": getattr(model, "draws", None),
         "warnings": [str(w.message) for w in caught] if job.record_warnings else None,
+        # ParallelStrategy(check_replicas_every=...): (checks run, pieces the last one compared) on each rank.
+        "replica_checks": gathered_objects(
+            [(len(c.seconds), c.compared) for c in trainer.callbacks if isinstance(c, ReplicaCheck)]
+        ),
         "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
         "expert_load": monitor.expert_load if monitor is not None else None,
         "flops_per_token": monitor.flops_per_token if monitor is not None else None,

@@ -65,6 +65,10 @@ class Job:
     fail_at_step: Optional[int] = None  # rank 1 raises at this batch
     sigkill_at_step: Optional[dict[str, int]] = None  # {"step", "rank"}
     sigkill_in_save: Optional[dict[str, int]] = None  # {"nth", "rank"}
+    # {"step", "rank", "name"}: that rank adds 1e-3 to the first element of its copy of parameter ``name`` when
+    # that global step starts (a replica drifting: tests/test_replica_check.py)
+    corrupt: Optional[dict[str, Any]] = None
+    replica_callback: Optional[int] = None  # a ReplicaCheck(every_n_steps=this) in the Trainer's callbacks
     write_after_next_step: bool = False
     slow_staging_s: float = 0.0
     expect_error: bool = False  # the fit's exception is returned as ``error`` instead of failing the spawn

@@ -24,7 +24,7 @@ LEVELS = [
     "_compat",
     "utils",
     "config names mesh axes",
-    "nn blocks checkpoint",
+    "nn blocks checkpoint guards",
     "parallel",
     "streams precision",
     "planner analysis models data",

@@ -1,5 +1,6 @@
 """Lightning callbacks that work with every lightning_par strategy."""
 
 from lightning_par.callbacks.monitor import ParallelismMonitor, peak_flops_for
+from lightning_par.callbacks.replicas import ReplicaCheck
 
-__all__ = ["ParallelismMonitor", "peak_flops_for"]
+__all__ = ["ParallelismMonitor", "ReplicaCheck", "peak_flops_for"]

@@ -134,6 +134,12 @@ class ParallelRun:
         # As DTensors, DCP saves every rank's experts, not rank 0's alone.
         return self.experts.distribute if self.experts is not None and self.experts.params else None
 
+    def one_process_names(self) -> dict[str, str]:
+        """Parameter names this rank holds under another name than one process gives them -> that name (the last
+        pipeline stage's copy of a tied weight), so that copies of one weight can be matched across ranks."""
+        tied = self.pipeline.tied if self.pipeline is not None else None
+        return tied.renames if tied is not None else {}
+
     def merge_param_groups(self, state: dict[str, Any]) -> dict[str, Any]:
         """The optimizer state with every pipeline rank's parameter names in its ``param_groups``.
 

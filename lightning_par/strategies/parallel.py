@@ -26,6 +26,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_par import _compat
+from lightning_par.callbacks.replicas import replica_check
 from lightning_par.checkpoint.dcp import OptimizerEntry, model_state
 from lightning_par.config import AUTO, ACMode, ParallelConfig
 from lightning_par.names import check_native_backend
@@ -71,6 +72,9 @@ class ParallelStrategy(ProcessGroupStrategy):
             suite. Each rank reads only the part it holds, once the model is laid out; names, shapes and files are
             checked first, on every rank (docs/large_models.md). Build the model in ``configure_model()`` so that it
             is never initialised at all.
+        check_replicas_every: every this many optimizer steps, compare the parameters several ranks must hold
+            identically (data-parallel replicas, tensor-parallel replicated norms, tied copies) and stop naming the
+            first that differ (`lightning_par.callbacks.ReplicaCheck`; cost: docs/benchmarks.md). ``None``: off.
     """
 
     def __init__(
@@ -106,6 +110,7 @@ class ParallelStrategy(ProcessGroupStrategy):
         tp_plan: Optional[dict[str, str]] = None,
         backend: str = "native",
         pretrained: Optional[str] = None,
+        check_replicas_every: Optional[int] = None,
         accelerator: Optional[pl.accelerators.Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -131,6 +136,7 @@ class ParallelStrategy(ProcessGroupStrategy):
             precision_plugin=precision_plugin,
         )  # fmt: skip
         self._tp_plan = dict(tp_plan) if tp_plan else None
+        self._replica_check = replica_check(check_replicas_every, sync_every)
         self._pretrained = str(pretrained) if pretrained is not None else None
         self._checkpoints = ShardedCheckpoints(self.processes.timeout, async_save)
         self.global_param_count: Optional[int] = None  # set at set-up: what ParallelismMonitor counts FLOPs from
@@ -220,6 +226,8 @@ class ParallelStrategy(ProcessGroupStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             ParamsReady.install(trainer, module, self._run)  # ZeRO 1-2: the all-gather overlaps the next forward
+            if self._replica_check is not None and self._replica_check not in trainer.callbacks:  # type: ignore[attr-defined]
+                trainer.callbacks.insert(0, self._replica_check)  # type: ignore[attr-defined]
         self.setup_precision_plugin()
 
     @override

@@ -68,6 +68,11 @@ class TiedWeights:
             self._owners[id(owner)] = (owner, root)  # the owner kept alive: its id stays its own
         return self._owners[id(owner)][1]
 
+    @property
+    def renames(self) -> dict[str, str]:
+        """This rank's name of each tied copy that one process names differently -> the one-process name."""
+        return dict(self._renames)
+
     def params(self) -> list[nn.Parameter]:
         """The tied parameters as they are now (ZeRO-3 and tensor parallelism replace parameter objects)."""
         return [self.module.get_parameter(n) for n in self.names]
