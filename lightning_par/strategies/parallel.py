@@ -50,28 +50,20 @@ class ParallelStrategy(ProcessGroupStrategy):
         pp, dp_replicate, dp_shard, ep, tp, etp, cp, cp_mode, cp_uneven, zero_stage, offload,
             activation_checkpointing, ac_every, sequence_parallel, pp_schedule, microbatches, bucket_cap_mb, pp_split,
             pp_costs, compile, auto_dims, global_batch, sync_every, outer_lr, outer_momentum: see
-            `lightning_par.config.ParallelConfig` (listed one by one because LightningCLI recipes set them by
-            name from this signature).
-        timeout_s: collective timeout in seconds; a rank stuck in a collective past this fails instead of
-            hanging.
+            `lightning_par.config.ParallelConfig` (listed one by one: LightningCLI recipes set them by name).
+        timeout_s: collective timeout in seconds; a rank stuck in a collective past this fails instead of hanging.
         process_group_backend: ``"gloo"`` / ``"nccl"``; default from the device.
-        backend: who runs the ZeRO dimension: only ``"native"`` here (FSDP2 / our ZeRO 0-2 engine). DeepSpeed's
-            engine is `lightning_par.DeepSpeedParallelStrategy` (or the ``deepspeed_*`` names, or
-            ``lightning_par.strategies.registry.make_strategy(backend="deepspeed", ...)``); see docs/deepspeed.md.
-        async_save: checkpoints saved during ``fit`` are written in the background: ``save_checkpoint`` returns
-            at once; parameters and optimizer state are copied to CPU memory while the next forward and backward
-            run (the next optimizer step waits for that copy), and training goes on while the copy is written. A
-            checkpoint folder still appears under its name only when complete; at most one save is in flight, and
-            the end of training waits for the last. Costs a CPU copy of this rank's checkpoint state, kept from the
-            first save to the end of ``fit``. See docs/checkpointing.md.
+        backend: who runs the ZeRO dimension: only ``"native"`` here (FSDP2 / our ZeRO 0-2 engine); DeepSpeed's is
+            `lightning_par.DeepSpeedParallelStrategy` or the ``deepspeed_*`` names (docs/deepspeed.md).
+        async_save: checkpoints saved during ``fit`` are written in the background (``save_checkpoint`` returns at
+            once; the state is copied to CPU memory while the next step runs, one save in flight at most, a folder
+            appears only when complete); costs a CPU copy of this rank's checkpoint state. docs/checkpointing.md.
         tp_plan: overrides of the inferred tensor-parallel plan: module-name patterns (``*`` for the block index)
             to styles (``colwise``, ``rowwise``, ``colwise_fused``, ``sequence_parallel``, ``replicate``);
             print the inferred plan with ``lightning-par plan``. See docs/tensor_parallel.md.
-        pretrained: start from these weights: a Hugging Face folder (``model.safetensors`` or a sharded index), a
-            ``.safetensors`` file, ``lightning-par consolidate`` output or a sharded checkpoint folder of this
-            suite. Each rank reads only the part it holds, once the model is laid out; names, shapes and files are
-            checked first, on every rank (docs/large_models.md). Build the model in ``configure_model()`` so that it
-            is never initialised at all.
+        pretrained: start from these weights: a Hugging Face folder or ``.safetensors`` file, ``lightning-par
+            consolidate`` output or a sharded checkpoint of this suite; each rank reads only its part once the model
+            is laid out, after names, shapes and files are checked (docs/large_models.md).
         check_replicas_every: every this many optimizer steps, compare the parameters several ranks must hold
             identically (data-parallel replicas, tensor-parallel replicated norms, tied copies) and stop naming the
             first that differ (`lightning_par.callbacks.ReplicaCheck`; cost: docs/benchmarks.md). ``None``: off.
