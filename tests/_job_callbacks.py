@@ -10,6 +10,7 @@ import random
 import signal
 import sys
 import threading
+import time
 from typing import Any
 
 import lightning as L
@@ -292,6 +293,52 @@ class Corrupt(L.Callback):
             local = param.to_local() if isinstance(param, DTensor) else param
             with torch.no_grad():
                 local.view(-1)[0] += 1e-3
+
+
+class Hang(L.Callback):
+    """Rank ``rank`` makes the job hang at global step ``step`` (tests/jobs.py, ``hang``)."""
+
+    def __init__(self, kind: str, rank: int, step: int) -> None:
+        self.kind, self.rank, self.step = kind, rank, step
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        if self.kind != "stall_loader" or trainer.global_rank != self.rank:
+            return
+        dataset = trainer.train_dataloader.dataset
+        base, step = type(dataset), self.step
+
+        def stalling(self_: Any, index: int) -> Any:
+            # Lightning fetches a step's batch once the step before it ended (global_step has moved on by then).
+            if trainer.global_step == step:
+                time.sleep(3600)
+            return base.__getitem__(self_, index)
+
+        dataset.__class__ = type("Stalling", (base,), {"__getitem__": stalling})
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step != self.step or trainer.global_rank != self.rank:
+            return
+        if self.kind == "skip_send":
+            from torch.distributed.pipelining import schedules
+
+            post = schedules._batch_p2p
+
+            def without_sends(ops: list[Any], desc: Any = None) -> Any:
+                kept = [op for op in ops if op.op is not dist.isend]
+                if len(kept) < len(ops):
+                    schedules._batch_p2p = post  # once
+                return post(kept, desc)
+
+            schedules._batch_p2p = without_sends
+        elif self.kind == "skip_all_gather":  # FSDP2's: all_gather_single (torch 2.13) or all_gather_into_tensor
+            # Never issued: the rank waits where it would issue it (going on instead would pair its next all-gather
+            # with the others' current one, which gloo aborts on as a size mismatch rather than hang).
+            def never(*args: Any, **kwargs: Any) -> Any:
+                time.sleep(3600)
+
+            for name in ("all_gather_single", "all_gather_into_tensor"):
+                if hasattr(dist, name):
+                    setattr(dist, name, never)
 
 
 def _ds_gathered(params: list[Any]) -> Any:

@@ -29,6 +29,7 @@ from _job_callbacks import (  # noqa: E402
     STEPS,
     CheckpointRecorder,
     Corrupt,
+    Hang,
     InitRecorder,
     MemoryLogger,
     OptimizerRecorder,
@@ -139,6 +140,8 @@ def run_job(job: Job) -> dict[str, Any]:
         extra.append(SigKill(**job.sigkill_at_step))
     if job.corrupt:
         extra.append(Corrupt(**job.corrupt))
+    if job.hang:
+        extra.append(Hang(**job.hang))
     if job.replica_callback:
         extra.append(ReplicaCheck(job.replica_callback))
     if job.rank_seed:

@@ -68,6 +68,10 @@ class Job:
     # {"step", "rank", "name"}: that rank adds 1e-3 to the first element of its copy of parameter ``name`` when
     # that global step starts (a replica drifting: tests/test_replica_check.py)
     corrupt: Optional[dict[str, Any]] = None
+    # {"kind", "rank", "step"}: that rank hangs the job at that global step: "skip_send" (its next pipeline send is
+    # never posted), "skip_all_gather" (its next all-gather is never issued), "stall_loader" (its data
+    # loader blocks fetching that step's batch); tests/test_watchdog.py
+    hang: Optional[dict[str, Any]] = None
     replica_callback: Optional[int] = None  # a ReplicaCheck(every_n_steps=this) in the Trainer's callbacks
     write_after_next_step: bool = False
     slow_staging_s: float = 0.0

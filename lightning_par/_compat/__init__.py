@@ -93,6 +93,35 @@ from lightning_par._compat.lightning import (
     unwrap_optimizer as unwrap_optimizer,
 )
 
+# What the pipeline trace and the watchdog read (_compat/runtime.py), re-exported as above.
+from lightning_par._compat.runtime import (
+    SCHEDULE_STEP as SCHEDULE_STEP,
+)
+from lightning_par._compat.runtime import (
+    default_store as default_store,
+)
+from lightning_par._compat.runtime import (
+    fsdp_group_name as fsdp_group_name,
+)
+from lightning_par._compat.runtime import (
+    group_sequence_number as group_sequence_number,
+)
+from lightning_par._compat.runtime import (
+    pipeline_order as pipeline_order,
+)
+from lightning_par._compat.runtime import (
+    pipeline_p2p_wait as pipeline_p2p_wait,
+)
+from lightning_par._compat.runtime import (
+    schedule_rank_actions as schedule_rank_actions,
+)
+from lightning_par._compat.runtime import (
+    schedule_stage as schedule_stage,
+)
+from lightning_par._compat.runtime import (
+    set_pipeline_p2p_wait as set_pipeline_p2p_wait,
+)
+
 
 def _resolve(module: str, name: str) -> Any:
     """``module.name``, or, when this torch has no such name, a stand-in class that raises on any call."""
@@ -326,48 +355,6 @@ class ColwiseParallelHook(ColwiseParallel):
         """ColwiseParallel's input hook bound to this style's layouts: ``fn(module, inputs, mesh)``."""
         # ColwiseParallel._prepare_input_fn, torch 2.11 + 2.13: a static method that takes the two layouts first.
         return partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts)  # type: ignore[arg-type]
-
-
-# ---- torch: pipelining (benchmarks) ------------------------------------------------------------------------------
-def pipeline_p2p_wait() -> Callable[[list[Any]], None]:
-    """The function every torch pipeline schedule waits on its point-to-point transfers through."""
-    # torch.distributed.pipelining.schedules._wait_batch_p2p, torch 2.11 + 2.13.
-    from torch.distributed.pipelining import schedules
-
-    return schedules._wait_batch_p2p
-
-
-def set_pipeline_p2p_wait(fn: Callable[[list[Any]], None]) -> None:
-    """Make every torch pipeline schedule wait on its transfers through ``fn`` (see `pipeline_p2p_wait`)."""
-    from torch.distributed.pipelining import schedules
-
-    schedules._wait_batch_p2p = fn  # type: ignore[assignment]
-
-
-def pipeline_order(schedule: Any) -> dict[int, list[Any]]:
-    """A torch schedule's action table ``{rank: [action or None, ...]}``, as `analysis.pipeline_timeline` replays."""
-    # PipelineSchedule*.pipeline_order, torch 2.11 + 2.13: set in __init__, undocumented.
-    return schedule.pipeline_order
-
-
-def schedule_rank_actions(schedule: str, local_stages: int, pp: int, microbatches: int, rank: int) -> list[Any]:
-    """The action list torch's multi-stage schedule ``schedule`` (``"interleaved_1f1b"``, ``"looped_bfs"``,
-    ``"interleaved_zb"``, ``"zbv"``, ``"dualpipev"``) builds for pipeline rank ``rank``: no stages, no process group
-    (the planner replays it for the bubble, `lightning_par.planner.steptime`)."""
-    from types import SimpleNamespace
-
-    from torch.distributed.pipelining import schedules as s
-
-    cls: Any = {"interleaved_1f1b": s.ScheduleInterleaved1F1B, "looped_bfs": s.ScheduleLoopedBFS,
-           "interleaved_zb": s.ScheduleInterleavedZeroBubble, "zbv": s.ScheduleZBVZeroBubble,
-           "dualpipev": s.ScheduleDualPipeV}[schedule]  # fmt: skip
-    rounds = max(1, microbatches // pp)
-    # PipelineScheduleMulti subclasses' _calculate_single_rank_operations(self, rank), torch 2.11 + 2.13: a pure
-    # function of these attributes, which each class's __init__ sets from its stages (unused here beyond their count).
-    state = SimpleNamespace(n_local_stages=local_stages, pp_group_size=pp, _n_microbatches=microbatches,
-                            num_stages=local_stages * pp, _stages=[None] * local_stages, number_of_rounds=rounds,
-                            microbatches_per_round=microbatches // rounds)  # fmt: skip
-    return list(cls._calculate_single_rank_operations(state, rank))
 
 
 # ---- DeepSpeed ---------------------------------------------------------------------------------------------------

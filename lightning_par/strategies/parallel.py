@@ -26,7 +26,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_par import _compat
-from lightning_par.callbacks.replicas import replica_check
+from lightning_par.callbacks.watchdog import guard_callbacks, install
 from lightning_par.checkpoint.dcp import OptimizerEntry, model_state
 from lightning_par.config import AUTO, ACMode, ParallelConfig
 from lightning_par.names import check_native_backend
@@ -58,15 +58,15 @@ class ParallelStrategy(ProcessGroupStrategy):
         async_save: checkpoints saved during ``fit`` are written in the background (``save_checkpoint`` returns at
             once; the state is copied to CPU memory while the next step runs, one save in flight at most, a folder
             appears only when complete); costs a CPU copy of this rank's checkpoint state. docs/checkpointing.md.
-        tp_plan: overrides of the inferred tensor-parallel plan: module-name patterns (``*`` for the block index)
-            to styles (``colwise``, ``rowwise``, ``colwise_fused``, ``sequence_parallel``, ``replicate``);
-            print the inferred plan with ``lightning-par plan``. See docs/tensor_parallel.md.
+        tp_plan: overrides of the inferred tensor-parallel plan: module-name patterns (``*`` for the block index) to
+            styles (``colwise``, ``rowwise``, ...); ``lightning-par plan`` prints it. docs/tensor_parallel.md.
         pretrained: start from these weights: a Hugging Face folder or ``.safetensors`` file, ``lightning-par
             consolidate`` output or a sharded checkpoint of this suite; each rank reads only its part once the model
             is laid out, after names, shapes and files are checked (docs/large_models.md).
-        check_replicas_every: every this many optimizer steps, compare the parameters several ranks must hold
-            identically (data-parallel replicas, tensor-parallel replicated norms, tied copies) and stop naming the
-            first that differ (`lightning_par.callbacks.ReplicaCheck`; cost: docs/benchmarks.md). ``None``: off.
+        check_replicas_every: every N optimizer steps, compare the parameters several ranks must hold identically
+            and stop naming the first that differ (`lightning_par.callbacks.ReplicaCheck`). ``None``: off.
+        watchdog: end a stuck run with a report of where each rank is, and name a lost rank
+            (`lightning_par.callbacks.JobWatchdog`): ``True`` (limit from the median step), seconds, or ``False``.
     """
 
     def __init__(
@@ -103,6 +103,7 @@ class ParallelStrategy(ProcessGroupStrategy):
         backend: str = "native",
         pretrained: Optional[str] = None,
         check_replicas_every: Optional[int] = None,
+        watchdog: Union[bool, float] = True,
         accelerator: Optional[pl.accelerators.Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -128,7 +129,7 @@ class ParallelStrategy(ProcessGroupStrategy):
             precision_plugin=precision_plugin,
         )  # fmt: skip
         self._tp_plan = dict(tp_plan) if tp_plan else None
-        self._replica_check = replica_check(check_replicas_every, sync_every)
+        self._guards = guard_callbacks(check_replicas_every, sync_every, watchdog, timeout_s)
         self._pretrained = str(pretrained) if pretrained is not None else None
         self._checkpoints = ShardedCheckpoints(self.processes.timeout, async_save)
         self.global_param_count: Optional[int] = None  # set at set-up: what ParallelismMonitor counts FLOPs from
@@ -218,8 +219,7 @@ class ParallelStrategy(ProcessGroupStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             ParamsReady.install(trainer, module, self._run)  # ZeRO 1-2: the all-gather overlaps the next forward
-            if self._replica_check is not None and self._replica_check not in trainer.callbacks:  # type: ignore[attr-defined]
-                trainer.callbacks.insert(0, self._replica_check)  # type: ignore[attr-defined]
+            install(trainer, self._guards)
         self.setup_precision_plugin()
 
     @override
