@@ -112,7 +112,7 @@ def test_a_killed_rank_ends_the_others_naming_it(kills: dict[str, Any], name: st
 
 @pytest.mark.slow
 def test_the_last_checkpoint_before_the_kill_resumes(kills: dict[str, Any], tmp_path: Path) -> None:
-    _, _, _, ckpt, job = kills["cp"]
+    job = kills["cp"][4]
     job = {k: v for k, v in job.items() if k != "sigkill_at_step"}
     got = run_jobs(tmp_path, [{**job, "resume": "latest"}], nproc=2)[0]
     assert got["latest_before"] == "step=2.ckpt" or got["latest_before"].startswith("epoch=0-step=2"), got
