@@ -19,6 +19,9 @@ line each: the name and what it trains.
 ``lightning-par sweep --config RECIPE --space SPACE.yaml`` runs Optuna trials of a recipe (`lightning_par.tuning`),
 or Ray Tune trials with ``backend: ray`` in the space (``--ray-address`` names a cluster).
 
+``lightning-par verify --config RECIPE --strategy NAME [--steps N] [--devices D]`` trains the recipe under the layout
+and under one process and compares them step by step (`lightning_par.cli_verify`).
+
 ``lightning-par check --config RECIPE`` reports, without training, which strategy names can train the recipe's model
 and why the others cannot (`lightning_par.analysis.compatibility`).
 """
@@ -172,6 +175,11 @@ def main() -> None:
         return
     if len(sys.argv) > 1 and sys.argv[1] == "check":
         print(check_recipe(sys.argv[2:]))
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "verify":
+        from lightning_par.cli_verify import main as verify_main
+
+        verify_main(sys.argv[2:])
         return
     if len(sys.argv) > 1 and sys.argv[1] == "sweep":
         sweep_main(sys.argv[2:])

@@ -102,6 +102,8 @@ class Watchdog:
         reason = "done" if error is None else f"{kind}: {_first_line(error)}"
         self._set(f"end/{self.rank}", reason)
         self._stop.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=4 * self.beat_s)  # not left inside a store call when the interpreter exits
 
     def explain(self, error: BaseException) -> Optional[str]:
         """Why this rank's ``error`` happened, if another rank caused it: the rank that failed first (with its own
