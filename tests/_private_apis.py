@@ -279,6 +279,11 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
     PrivateAPI("torch", f"{_D}.distributed_c10d._get_default_store",
                "lightning_par.guards.watchdog sends heartbeats and hang reports through the store returned by",
                ("default_store",), lambda: _params(f"{_D}.distributed_c10d._get_default_store")),
+    PrivateAPI("torch", "torch._C._distributed_c10d._dump_fr_trace (torch 2.11: _dump_nccl_trace)",
+               "lightning_par.guards.blocked adds the last collectives per group to a hang report with",
+               ("flight_recorder",),
+               lambda: getattr(_attr("torch._C._distributed_c10d"), "_dump_fr_trace", None)
+               or _attr("torch._C._distributed_c10d._dump_nccl_trace")),
     PrivateAPI("torch", f"{_D}.ProcessGroup._get_sequence_number_for_group",
                "lightning_par.guards.blocked tells ranks that reached a collective from those that did not with",
                ("group_sequence_number",), lambda: _attr(f"{_D}.ProcessGroup._get_sequence_number_for_group")),

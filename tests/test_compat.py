@@ -31,6 +31,7 @@ KNOWN_PRIVATE = frozenset({
     "_unscale_grads_", "_apply", "_prepare_input_fn", "_slice_file", "_init_optim_state", "_wait_batch_p2p",
     "_step_microbatches", "pipeline_order", "_pytree", "_python_dispatch", "_MEM_FORMAT_ENCODING", "_StorageInfo",
     "_get_layout", "StorageWeakRef", "_get_default_store", "_get_sequence_number_for_group", "_module_fqn",
+    "_dump_fr_trace", "_dump_nccl_trace",
     # Lightning
     "_AcceleratorConnector", "_check_and_init_precision", "_precision_plugin_flag", "_accelerator_flag",
     "_precision_flag", "_Stateful", "_combined_loader", "_trainer", "_optimizer", "_init_dist_connection",

@@ -78,6 +78,8 @@ def test_a_hang_ends_every_rank_with_a_report(hangs: dict[str, Any], name: str) 
     if name == "zero3_skip_all_gather":  # rank 1 never issued it: it is one collective behind on dp_shard
         assert re.search(r"Ranks \[1\] did not reach collective #(\d+) on dp_shard \(all_gather\w*\) that ranks "
                          r"\[0\] wait in", report), report  # fmt: skip
+        # torch's flight recorder saw rank 0 enqueue the all-gather on dp_shard
+        assert re.search(r"rank 0 .*flight recorder\): dp_shard #\d+ gloo:all_gather", report), report
     elif name == "pipe_skip_send":  # stage 1 waits for the activation rank 0 never sent; rank 0 for its gradient
         assert re.search(r"Rank 1 waits on a pipeline transfer: stage 1, forward microbatch \d+.*from rank 0", report)
         assert re.search(r"Rank 0 waits on a pipeline transfer: stage 0.*bwd_recv from rank 1", report), report

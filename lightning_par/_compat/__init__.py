@@ -101,6 +101,9 @@ from lightning_par._compat.runtime import (
     default_store as default_store,
 )
 from lightning_par._compat.runtime import (
+    flight_recorder as flight_recorder,
+)
+from lightning_par._compat.runtime import (
     fsdp_group_name as fsdp_group_name,
 )
 from lightning_par._compat.runtime import (

@@ -27,6 +27,26 @@ def group_sequence_number(group: Any) -> Optional[int]:
         return None
 
 
+def flight_recorder() -> Optional[dict[str, Any]]:
+    """torch's flight recorder of this process's collectives (``None`` where this torch has none): ``pg_status``
+    (per group name: the last enqueued / started / completed collective) and ``entries`` (per collective: its group
+    ``process_group`` = (name, description), ``collective_seq_id``, ``profiling_name`` such as ``gloo:all_gather``,
+    ``input_sizes``, ``state``, ``time_created_ns``). Recorded only with ``TORCH_FR_BUFFER_SIZE`` > 0 when the groups
+    were made."""
+    # torch._C._distributed_c10d._dump_fr_trace, torch 2.13 (2.11: _dump_nccl_trace, NCCL only): pickled dict.
+    import pickle
+
+    from torch._C import _distributed_c10d as c10d
+
+    dump = getattr(c10d, "_dump_fr_trace", None) or getattr(c10d, "_dump_nccl_trace", None)
+    if dump is None:
+        return None
+    try:
+        return dict(pickle.loads(dump(True, False, False)))  # torch's own dump of this process
+    except Exception:  # not enabled, or nothing recorded on this backend
+        return None
+
+
 def fsdp_group_name(param_group: Any) -> Optional[str]:
     """The module path of an FSDP2 parameter group (``None`` for another object)."""
     # FSDPParamGroup._module_fqn, torch 2.11 + 2.13: the prefixed module name FSDP2 labels its profiler ranges with.

@@ -46,6 +46,7 @@ class Blocked:
     where: str = ""  # the innermost frame of the library or the user's code: file:line function
     step: Optional[int] = None
     seconds: float = 0.0  # how long the step has run
+    recorder: str = ""  # the last collectives torch's flight recorder saw on this rank, per group
 
     def line(self) -> str:
         """One line for the report."""
@@ -56,7 +57,8 @@ class Blocked:
         if self.action:
             what += f"; pipeline: {self.action}"
         step = f"step {self.step}, {self.seconds:.0f} s in" if self.step is not None else "outside a training step"
-        return f"rank {self.rank} ({step}): {what} at {self.where}"
+        recorded = f"; last collectives (flight recorder): {self.recorder}" if self.recorder else ""
+        return f"rank {self.rank} ({step}): {what} at {self.where}{recorded}"
 
 
 def group_names(meshes: Any) -> dict[Any, str]:
@@ -133,6 +135,23 @@ def _peer(stage: Any, transfer: str) -> str:
         return ""
     rank = dist.get_global_rank(group, ranks[other]) if group is not None else ranks[other]
     return f" {'from' if 'recv' in transfer else 'with'} rank {rank} (stage {other})"
+
+
+def recorded(names: Mapping[Any, str], shown: int = 3) -> str:
+    """The last collective torch's flight recorder saw on each of the ``shown`` groups used most recently: the one a
+    rank waits in even when its stack does not name the group (DTensor's collectives run below Python)."""
+    dump = _compat.flight_recorder()
+    if not dump:
+        return ""
+    ours = {getattr(g, "group_name", None): name for g, name in names.items()}
+    last: dict[str, dict[str, Any]] = {}
+    for entry in dump.get("entries", []):
+        last[str(entry.get("process_group", ("?",))[0])] = entry
+    recent = sorted(last.items(), key=lambda kv: -int(kv[1].get("time_created_ns", 0)))[:shown]
+    return ", ".join(
+        f"{ours.get(pg, f'group {pg}')} #{e.get('collective_seq_id')} {e.get('profiling_name', '?')} "
+        f"{e.get('input_sizes', '')}" for pg, e in recent
+    )
 
 
 def where_blocked(thread: threading.Thread, rank: int, names: Mapping[Any, str]) -> Blocked:

@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, Optional
 
-from lightning_par.guards.blocked import Blocked, where_blocked
+from lightning_par.guards.blocked import Blocked, recorded, where_blocked
 
 HUNG_EXIT = 124  # the exit status of a job the watchdog ended as stuck (`timeout`'s)
 LOST_EXIT = 125  # ... and of a rank ended because another rank was lost
@@ -191,6 +191,7 @@ class Watchdog:
 
     def _where(self) -> Blocked:
         blocked = where_blocked(self.main, self.rank, self.groups)
+        blocked.recorder = recorded(self.groups)
         blocked.step = self.step
         blocked.seconds = time.monotonic() - self.started if self.step is not None else 0.0
         return blocked

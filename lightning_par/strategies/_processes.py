@@ -9,6 +9,8 @@ ranks only. Neither knows how the model is parallelized.
 
 from __future__ import annotations
 
+import atexit
+import os
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Optional, Union
 
@@ -308,12 +310,38 @@ def join_processes(
     """
     backend = backend or _compat.default_process_group_backend(device)
     device_id = device if device.type != "cpu" else None
+    # torch's flight recorder (every collective of every group, NCCL and gloo): what the watchdog's hang report
+    # reads; read when the groups are made, so set before them. TORCH_FR_BUFFER_SIZE=0 switches it off.
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
     _compat.init_dist_connection(environment, backend, timeout=timeout, device_id=device_id)
+    leave_in_order()
     world = environment.world_size()
     config = config.resolve(world, devices_per_node=devices_per_node)
     mesh = build_mesh(config, device.type)
     rank_zero_info(f"lightning_par layout: {config.describe(world)}")
     return backend, config, mesh
+
+
+_LEAVING = [False]
+
+
+def leave_in_order() -> None:
+    """At interpreter exit, destroy the process groups first (once per process).
+
+    A rank that exits with its groups alive sometimes aborts in their destructors ("terminate called without an
+    active exception", SIGABRT) after all its work is done, so that a launcher reports a finished job as failed:
+    measured with torch 2.13 on gloo, 2 of 6 exits of a plain script whose groups were alive, none of 6 after
+    ``destroy_process_group()`` (docs/launching.md, "A finished job exits cleanly"). An ``atexit`` handler runs
+    before the destructors, after the training code and the handlers registered later (loggers).
+    """
+    if not _LEAVING[0]:
+        _LEAVING[0] = True
+        atexit.register(_destroy_groups)
+
+
+def _destroy_groups() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def set_metric_groups(module: nn.Module, group: dist.ProcessGroup) -> None:
