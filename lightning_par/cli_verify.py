@@ -92,11 +92,14 @@ class VerifyReport:
 
 def _strategy_spec(name: str) -> tuple[str, dict[str, Any]]:
     """(class path, init args) of a registered name or of a class path (``package.module.Class``)."""
-    from lightning_par.names import DEEPSPEED_STRATEGY_NAMES, deepspeed_strategy_kwargs, strategy_kwargs
+    from lightning_par.names import DEEPSPEED_STRATEGY_NAMES, strategy_kwargs
     from lightning_par.strategies import STRATEGY_NAMES
 
-    if name in DEEPSPEED_STRATEGY_NAMES:
-        return "lightning_par.DeepSpeedParallelStrategy", deepspeed_strategy_kwargs(name)
+    if name in DEEPSPEED_STRATEGY_NAMES:  # its engine fixes the accumulation itself: no global_batch to match
+        raise VerifyError(
+            f"{name!r}: DeepSpeed's engine takes no global_batch, which verify gives both runs the same global batch "
+            f"with; verify the native layout of the same ZeRO stage ({name[10:]!r})"
+        )
     if name in STRATEGY_NAMES:
         return "lightning_par.ParallelStrategy", strategy_kwargs(name)
     if "." in name:

@@ -106,3 +106,64 @@ def test_meta_built_adapted_model_trains_as_in_one_process(meta_runs: dict[str, 
     got, ref = meta_runs[name], meta_runs["ref"]
     assert rel(got["losses"], ref["losses"]) < 1e-5 and len(got["losses"]) == 3
     params_close(got["params"], ref["params"], rtol=1e-5, atol=1e-7)
+
+
+# ---- adapters in: a PEFT folder read after the base (pretrained=[base, adapter]) ----------------------------------
+@pytest.fixture(scope="module")
+def adapter_runs(runs: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from _lora_models import PeftLlama
+    from safetensors.torch import load_file
+
+    tmp = tmp_path_factory.mktemp("lora_adapter_in")
+    torch.manual_seed(11)  # adapters other than the ones the job's model draws: the file's must win
+    PeftLlama().model.save_pretrained(tmp / "adapter")  # adapter_model.safetensors + adapter_config.json
+    sources = [runs["base"], str(tmp / "adapter")]
+
+    def job(spec: dict[str, Any], dp: int) -> dict[str, Any]:
+        return {"model": "peft_llama", "strategy": {**spec, "pretrained": sources}, "dp": dp, "record_init": True}
+
+    (ref,) = run_jobs(tmp, [job({}, 1)], nproc=1, timeout=300)
+    got = run_jobs(tmp, [job({"zero_stage": 3}, 2), job({"tp": 2}, 1), job({"pp": 2}, 1)], nproc=2, timeout=300)
+    return {"ref": ref, "file": load_file(str(tmp / "adapter" / "adapter_model.safetensors")),
+            "got": dict(zip(LAYOUTS, got, strict=True))}  # fmt: skip
+
+
+def _peft_key(name: str) -> str:
+    # model.base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight
+    #   -> base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight (PEFT saves without the adapter's name)
+    return name.removeprefix("model.").replace(".default.", ".")
+
+
+@pytest.mark.parametrize("name", ["one_process", *LAYOUTS])
+def test_adapters_come_from_the_peft_folder(adapter_runs: dict[str, Any], runs: dict[str, Any], name: str) -> None:
+    got = adapter_runs["ref"] if name == "one_process" else adapter_runs["got"][name]
+    adapters = {k: v for k, v in got["init_state"].items() if ".lora_" in k}
+    assert len(adapters) == len(adapter_runs["file"]) == 28
+    for key, value in adapters.items():
+        torch.testing.assert_close(value, adapter_runs["file"][_peft_key(key)], rtol=0, atol=0, msg=key)
+    base = {k: v for k, v in got["init_state"].items() if ".lora_" not in k and "rotary" not in k}
+    for key, value in base.items():
+        torch.testing.assert_close(value, runs["file"][_unwrapped(key)], rtol=0, atol=0, msg=key)
+    lines = [x for x in got["startup"] if x.startswith("pretrained weights:")]
+    assert len(lines) == 2 and "keep their initial values" not in lines[0] and "adapter_model.safetensors" in lines[1]
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_a_model_with_loaded_adapters_trains_as_in_one_process(adapter_runs: dict[str, Any], name: str) -> None:
+    got, ref = adapter_runs["got"][name], adapter_runs["ref"]
+    assert rel(got["losses"], ref["losses"]) < 1e-5 and len(got["losses"]) == 3
+    assert rel(got["grad_norms"], ref["grad_norms"]) < 1e-5
+    params_close(got["params"], ref["params"], rtol=1e-5, atol=1e-7)
+
+
+def test_an_adapter_of_another_rank_is_refused_before_training(runs: dict[str, Any], tmp_path: Any) -> None:
+    from _hf_models import _llama
+    from peft import LoraConfig, get_peft_model
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    get_peft_model(_llama(2), LoraConfig(r=8, target_modules=targets)).save_pretrained(tmp_path / "r8")
+    job = {"model": "peft_llama", "strategy": {"zero_stage": 3, "pretrained": [runs["base"], str(tmp_path / "r8")]},
+           "expect_error": True}  # fmt: skip
+    (got,) = run_jobs(tmp_path, [job], nproc=2, timeout=300)
+    assert got["error"] is not None and "lora_A" in got["error"] and "shape" in got["error"], got["error"]
+    assert got["losses"] == []

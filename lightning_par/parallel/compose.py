@@ -7,6 +7,7 @@ runs on what is left, each stage (`ModelPart`) treated like a whole model. Addin
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from datetime import timedelta
@@ -20,6 +21,8 @@ from lightning_par.checkpoint.dcp import model_state
 from lightning_par.checkpoint.fast_state import clean_name
 from lightning_par.checkpoint.pretrained.load import prepare_pretrained
 from lightning_par.checkpoint.pretrained.names import AdapterNames
+from lightning_par.checkpoint.pretrained.peft_in import Sources, peft_view, split_sources
+from lightning_par.checkpoint.pretrained.sources import PretrainedError
 from lightning_par.config import ParallelConfig
 from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel.activation_checkpointing import apply_activation_checkpointing
@@ -53,7 +56,7 @@ def parallelize(
     tp_plan: Optional[dict[str, str]] = None,
     timeout: Optional[timedelta] = None,
     device: Optional[torch.device] = None,
-    pretrained: Optional[str] = None,
+    pretrained: Sources = None,
 ) -> ParallelRun:
     """Apply the configured parallelism to ``module`` in place and return what the run needs afterwards.
 
@@ -69,7 +72,9 @@ def parallelize(
         device: this rank's device; needed when the model was built on the meta device (default: where the
             parameters are).
         pretrained: a checkpoint whose weights replace the model's (`lightning_par.checkpoint.pretrained.load`): each
-            rank reads its own part, once the model is laid out; a meta-built model is then never initialised.
+            rank reads its own part, once the model is laid out; a meta-built model is then never initialised. A
+            list: the base first, then PEFT adapter folders that fill the model's adapters
+            (`lightning_par.checkpoint.pretrained.peft_in`).
     """
     # Read on the whole model, before a pipeline cut leaves a stage unable to run it: the trunk, the initialisers of
     # a meta-built model (values come in step 7, parallel/materialize.py), tied names (each end stage gets a copy),
@@ -77,7 +82,9 @@ def parallelize(
     trunk = _trunk(module, config)
     templates = capture_init(module, trunk) if has_meta(module) else None
     ties, device = tied_names(module), device or _device(module)
-    adapters = adapter_names(module) if pretrained else None  # a base checkpoint fills the layers they wrap
+    base, adapter_files = split_sources(pretrained)
+    # A base checkpoint fills the layers the adapters wrap; a PEFT folder, the adapters.
+    adapters = adapter_names(module) if base or adapter_files else None
     plan = _tp_plan(module, config, tp_plan)
     if config.cp > 1 and trunk is not None:
         check_blocks_run_once(module, trunk)  # a recurrent-depth loop, even one run without gradients
@@ -104,7 +111,7 @@ def parallelize(
     if config.zero_stage == 3:
         _fsdp(parts, mesh, config, exclude, param_dtype, reduce_dtype, pipelined=cut is not None)
     # 7. A meta-built model gets storage for what this rank holds, and values: initialised, or read from `pretrained`.
-    notes = tp_notes + _values(module, experts, templates, (pretrained, adapters), ties, device)
+    notes = tp_notes + _values(module, experts, templates, (base, adapters, adapter_files), ties, device)
     # 8. ZeRO 0-2: the bucketed engine, whose masters are views of the values just set.
     zero = None if config.zero_stage == 3 else _replicated_zero(module, parts, mesh, config, exclude, cut, timeout)
     # 9. The pipeline's own hooks last, outside every wrapping above; a tied weight's second copy marked after ZeRO.
@@ -194,7 +201,7 @@ def _fsdp(parts: list[ModelPart], mesh: ParallelMesh, config: ParallelConfig, ex
 
 
 def _values(module: nn.Module, experts: Optional[ExpertParallel], templates: Optional[InitTemplates],
-            source: tuple[Optional[str], Optional[AdapterNames]], ties: dict[str, str],
+            source: tuple[Optional[str], Optional[AdapterNames], tuple[str, ...]], ties: dict[str, str],
             device: torch.device) -> list[str]:  # fmt: skip
     """Step 7: after FSDP2 sharded the model, so that each rank allocates its shards only; before the ZeRO 0-2
     engine takes its masters as views of this rank's rows. The pretrained file is checked against the whole model
@@ -202,17 +209,30 @@ def _values(module: nn.Module, experts: Optional[ExpertParallel], templates: Opt
     distribute = experts.distribute if experts is not None and experts.params else None
     views = functools.partial(model_state, module, distribute)
     notes: list[str] = []
-    pretrained, adapters = source
+    pretrained, adapters, adapter_files = source
     shapes = {name: tuple(v.shape) for name, v in views().items()}
     weights = (prepare_pretrained(pretrained, shapes, module_type=type(module).__name__, tied=ties, hf_model=module,
                                   adapters=adapters) if pretrained else None)  # fmt: skip
+    plans = [weights] if weights is not None else []
+    for file in adapter_files:  # every adapter of the model from the file, and nothing else, or refused
+        view = peft_view(adapters.fresh if adapters is not None else ())
+        if not view.aliases:
+            raise PretrainedError(
+                f"{file} holds low-rank adapters and {type(module).__name__} has none: wrap the model with peft's "
+                "get_peft_model (the same LoraConfig) before it is laid out"
+            )
+        mine = {n: shapes[n] for n in view.aliases if n in shapes}  # a pipeline stage: its own (ranks unite them)
+        plans.append(prepare_pretrained(file, mine, module_type=type(module).__name__,
+                                        adapters=view))  # fmt: skip
     if templates is not None:
-        skip = weights.names if weights is not None else frozenset()  # read from the file, not initialised
+        skip = frozenset().union(*(p.names for p in plans))  # read from the files, not initialised
         units = materialize(module, templates, views, device, seed=base_seed(), skip=skip)
         notes.append(f"built on the meta device: {units} unit(s) initialised here")
-    if weights is not None:
-        weights.read_into(views())
-        notes.append(str(weights.report()))
+    for i, plan in enumerate(plans):
+        plan.read_into(views())
+        report = plan.report()
+        # The base's adapter tensors do not keep their values when a PEFT folder fills them next.
+        notes.append(str(dataclasses.replace(report, fresh=0) if i == 0 and adapter_files else report))
     return notes
 
 

@@ -162,6 +162,11 @@ class DeepSpeedParallelStrategy(ParallelStrategy):
                 "loader exists; set Trainer(accumulate_grad_batches=...) for this world size, or use "
                 "lightning_par.ParallelStrategy (native ZeRO) with global_batch"
             )
+        if isinstance(self._pretrained, list):
+            raise ValueError(
+                "pretrained=[base, adapters...]: PEFT adapter folders are read under the native strategies; pass the "
+                "base alone here (the adapters keep their initial values), or use lightning_par.ParallelStrategy"
+            )
         if self.config.sync_every is not None:
             raise ValueError(
                 "sync_every (local SGD) runs on the native ZeRO 0-2 engine, not DeepSpeed's; use "
@@ -253,8 +258,8 @@ class DeepSpeedParallelStrategy(ParallelStrategy):
             # Names, shapes and files checked on every rank before anything is allocated or read.
             shapes = {n: tuple(v.shape) for n, v in model_state(module).items()}
             plan = prepare_pretrained(
-                self._pretrained, shapes, module_type=type(module).__name__, tied=tied_names(module), hf_model=module,
-                adapters=adapter_names(module),  # a base checkpoint fills the layers low-rank adapters wrap
+                str(self._pretrained), shapes, module_type=type(module).__name__, tied=tied_names(module),
+                hf_model=module, adapters=adapter_names(module),  # the base fills the layers low-rank adapters wrap
             )  # fmt: skip
         if has_meta(module):
             # Built on the meta device: storage and the native backend's initial values (or the file's), before

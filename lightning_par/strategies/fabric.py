@@ -75,7 +75,7 @@ class FabricParallelStrategy(ProcessView, _FabricParallel):
         timeout_s: float = 600.0,
         process_group_backend: Optional[str] = None,
         tp_plan: Optional[dict[str, str]] = None,
-        pretrained: Optional[str] = None,
+        pretrained: Optional[Union[str, list[str]]] = None,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -97,7 +97,7 @@ class FabricParallelStrategy(ProcessView, _FabricParallel):
                          cluster_environment=cluster_environment, precision=precision)  # fmt: skip
         self.processes = Processes(config, timedelta(seconds=timeout_s), process_group_backend)
         self._tp_plan = dict(tp_plan) if tp_plan else None
-        self._pretrained = str(pretrained) if pretrained is not None else None
+        self._pretrained = pretrained if pretrained is None or isinstance(pretrained, list) else str(pretrained)
         self._run: Optional[ParallelRun] = None
         self._accumulation = _Accumulation()
         _compat.set_fabric_backward_sync(self, self._accumulation)

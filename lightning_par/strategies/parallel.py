@@ -53,8 +53,7 @@ class ParallelStrategy(ProcessGroupStrategy):
             `lightning_par.config.ParallelConfig` (listed one by one: LightningCLI recipes set them by name).
         timeout_s: collective timeout in seconds; a rank stuck in a collective past this fails instead of hanging.
         process_group_backend: ``"gloo"`` / ``"nccl"``; default from the device.
-        backend: who runs the ZeRO dimension: only ``"native"`` here (FSDP2 / our ZeRO 0-2 engine); DeepSpeed's is
-            `lightning_par.DeepSpeedParallelStrategy` or the ``deepspeed_*`` names (docs/deepspeed.md).
+        backend: ``"native"`` only (FSDP2, our ZeRO 0-2); DeepSpeed's: `DeepSpeedParallelStrategy` (docs/deepspeed.md).
         async_save: checkpoints saved during ``fit`` are written in the background (``save_checkpoint`` returns at
             once; the state is copied to CPU memory while the next step runs, one save in flight at most, a folder
             appears only when complete); costs a CPU copy of this rank's checkpoint state. docs/checkpointing.md.
@@ -62,7 +61,8 @@ class ParallelStrategy(ProcessGroupStrategy):
             styles (``colwise``, ``rowwise``, ...); ``lightning-par plan`` prints it. docs/tensor_parallel.md.
         pretrained: start from these weights: a Hugging Face folder or ``.safetensors`` file, ``lightning-par
             consolidate`` output or a sharded checkpoint of this suite; each rank reads only its part once the model
-            is laid out, after names, shapes and files are checked (docs/large_models.md).
+            is laid out, after names, shapes and files are checked (docs/large_models.md). A list: the base, then
+            PEFT adapter folders that fill the model's adapters (docs/fine_tuning.md).
         check_replicas_every: every N optimizer steps, compare the parameters several ranks must hold identically
             and stop naming the first that differ (`lightning_par.callbacks.ReplicaCheck`). ``None``: off.
         watchdog: end a stuck run with a report of where each rank is, and name a lost rank
@@ -101,7 +101,7 @@ class ParallelStrategy(ProcessGroupStrategy):
         async_save: bool = False,
         tp_plan: Optional[dict[str, str]] = None,
         backend: str = "native",
-        pretrained: Optional[str] = None,
+        pretrained: Optional[Union[str, list[str]]] = None,
         check_replicas_every: Optional[int] = None,
         watchdog: Union[bool, float] = True,
         accelerator: Optional[pl.accelerators.Accelerator] = None,
@@ -130,7 +130,7 @@ class ParallelStrategy(ProcessGroupStrategy):
         )  # fmt: skip
         self._tp_plan = dict(tp_plan) if tp_plan else None
         self._guards = guard_callbacks(check_replicas_every, sync_every, watchdog, timeout_s)
-        self._pretrained = str(pretrained) if pretrained is not None else None
+        self._pretrained = pretrained if pretrained is None or isinstance(pretrained, list) else str(pretrained)
         self._checkpoints = ShardedCheckpoints(self.processes.timeout, async_save)
         self.global_param_count: Optional[int] = None  # set at set-up: what ParallelismMonitor counts FLOPs from
         self._run: Optional[ParallelRun] = None
