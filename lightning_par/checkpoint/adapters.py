@@ -28,11 +28,21 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_par.checkpoint import checksums
+from lightning_par.checkpoint.fast_state import clean_name
 from lightning_par.checkpoint.reader import CheckpointError, SafeLoadPlanner, read_index, read_meta, safe_load
 
 ADAPTERS = "lightning_par_adapters"  # meta.pt entry: {peft model's path: {adapter name: config JSON}}
+# meta.pt entry of a checkpoint saved with checkpoint_frozen=False: {"count": frozen parameters left out, "pretrained":
+# the resolved path of the base they come from again}.
+FROZEN_LEFT_OUT = "lightning_par_frozen_left_out"
+
 WEIGHTS, CONFIG = "adapter_model.safetensors", "adapter_config.json"  # PEFT's file names
 _PREFIX = "state_dict."
+
+
+def frozen_names(module: nn.Module) -> frozenset[str]:
+    """The names (as in checkpoints) of ``module``'s parameters that do not train (``requires_grad=False``)."""
+    return frozenset(clean_name(n) for n, p in module.named_parameters() if not p.requires_grad)
 
 
 def adapter_configs(module: nn.Module) -> dict[str, dict[str, str]]:
@@ -172,7 +182,14 @@ class Merge:
 def merge_plan(ckpt: Path, shapes: dict[str, tuple[int, ...]], adapter: Optional[str]) -> Merge:
     """How to write the unwrapped base model of the PEFT model in checkpoint ``ckpt``, from its model weights'
     names and shapes (``shapes``: names without ``state_dict.``)."""
-    path, name, config = _choose(ckpt, read_meta(ckpt).get(ADAPTERS) or {}, adapter)
+    meta = read_meta(ckpt)
+    if meta.get(FROZEN_LEFT_OUT):
+        raise CheckpointError(
+            f"{ckpt} holds the trained weights only (saved with checkpoint_frozen=False): the base to merge into is "
+            "not in it; write the adapter with --format peft and merge it onto the base with PEFT "
+            "(PeftModel.from_pretrained(base, OUT).merge_and_unload())"
+        )
+    path, name, config = _choose(ckpt, meta.get(ADAPTERS) or {}, adapter)
     if config.get("fan_in_fan_out") or config.get("alpha_pattern") or config.get("rank_pattern"):
         raise CheckpointError(
             f"adapter {name!r} sets fan_in_fan_out, alpha_pattern or rank_pattern, which --merge-adapters does not "

@@ -230,6 +230,7 @@ def load_sharded(
     distribute_model: Optional[Distribute] = None,
     elsewhere: frozenset[str] = frozenset(),
     layout: Optional[Layout] = None,
+    keep: frozenset[str] = frozenset(),
 ) -> dict[str, Any]:
     """Load a folder written by `save_sharded` into ``module`` and ``optimizers`` in place.
 
@@ -242,6 +243,7 @@ def load_sharded(
         elsewhere: model keys (``state_dict.<name>``) other ranks load: other pipeline stages' parameters.
         layout: where the state is in the checkpoint, when not as `state_for` lays it out (local SGD's replicas);
             it may refuse the checkpoint (before any tensor is read).
+        keep: model names that keep their values, not read (frozen weights a checkpoint left out on purpose).
 
     Returns:
         the non-tensor rest of the checkpoint (``meta.pt``).
@@ -254,6 +256,8 @@ def load_sharded(
     for entry in optimizers:
         _compat.init_optim_state(entry.optimizer)  # DCP loads into existing tensors, so the state must exist first
     state = state_for(module, optimizers, distribute_model)
+    if keep:
+        state["state_dict"] = {k: v for k, v in state["state_dict"].items() if k not in keep}
     on_disk = state if layout is None else layout(state, meta)
     canonical, swaps = canonicalize(on_disk)  # fused tensor-parallel tensors are stored whole (strided.py)
     load_tensors(path, index, canonical, strict=strict, elsewhere=elsewhere)
@@ -262,7 +266,7 @@ def load_sharded(
     if distribute_model is not None:  # the wrapped shards alias the parameters: DCP already wrote into them
         live = get_model_state_dict(module)
         model_sd = {k: _unwrap(v, live.get(k)) for k, v in model_sd.items()}
-    set_model_state_dict(module, model_sd, options=_options(strict))
+    set_model_state_dict(module, model_sd, options=_options(strict and not keep))  # (keys checked above)
     for i, entry in enumerate(optimizers):
         sd = state[f"optimizer_{i}"]
         if entry.distribute:

@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_par import _compat
-from lightning_par.checkpoint.adapters import ADAPTERS, adapter_configs
+from lightning_par.checkpoint.adapters import ADAPTERS, FROZEN_LEFT_OUT, adapter_configs, frozen_names
 from lightning_par.checkpoint.async_save import AsyncSaver
 from lightning_par.checkpoint.dcp import (
     LOCAL_SGD,
@@ -30,6 +30,7 @@ from lightning_par.checkpoint.dcp import (
     save_sharded,
     tmp_path,
 )
+from lightning_par.checkpoint.reader import CheckpointError, read_meta
 from lightning_par.checkpoint.resume_state import KEY
 from lightning_par.parallel.local_sgd import state as local_sgd_state
 from lightning_par.parallel.run import ParallelRun
@@ -72,8 +73,12 @@ class ShardedCheckpoints:
         async_save: checkpoints saved during ``fit`` are written in the background (see `ParallelStrategy`).
     """
 
-    def __init__(self, timeout: timedelta, async_save: bool) -> None:
+    def __init__(self, timeout: timedelta, async_save: bool, frozen: bool = True, pretrained: Any = None) -> None:
         self.saver = AsyncSaver(timeout) if async_save else None
+        self.frozen = frozen  # False: the frozen parameters are left out of checkpoints (`checkpoint_frozen`)
+        # Where they come from again on resume: the base of `pretrained=` (its resolved path), recorded and checked.
+        base = pretrained[0] if isinstance(pretrained, (list, tuple)) and pretrained else pretrained
+        self.pretrained = str(Path(base).resolve()) if base else None
         self.resume = ResumeState()
         self.saving_async = False  # between on_train_start and on_train_end: other saves are synchronous
         self._async_save_returned = False
@@ -111,6 +116,10 @@ class ShardedCheckpoints:
     ) -> None:
         """Write Lightning's ``checkpoint`` dict (its tensors already name-keyed and sharded) as a folder."""
         tensors: dict[str, Any] = {"state_dict": checkpoint.pop("state_dict")}
+        if not self.frozen:  # the frozen weights come back from where they came from (`pretrained=`) on resume
+            left_out = frozen_names(module)
+            tensors["state_dict"] = {k: v for k, v in tensors["state_dict"].items() if k not in left_out}
+            checkpoint[FROZEN_LEFT_OUT] = {"count": len(left_out), "pretrained": self.pretrained}
         if adapters := adapter_configs(module):  # for `lightning-par consolidate --format peft`
             checkpoint[ADAPTERS] = adapters
         for i, state in enumerate(checkpoint.pop("optimizer_states", [])):
@@ -175,6 +184,15 @@ class ShardedCheckpoints:
         self.wait()  # it may be the one being written
         path = Path(where.broadcast(str(path)))
         local_sgd = local_sgd_state.LoadLayout(run.zero if run is not None else None)
+        # A checkpoint saved with checkpoint_frozen=False holds no frozen weight: they stay as set up (pretrained=).
+        left_out = read_meta(path).get(FROZEN_LEFT_OUT)
+        frozen = frozen_names(module) if left_out else frozenset()
+        if left_out and left_out.get("pretrained") != self.pretrained:
+            raise CheckpointError(
+                f"{path} holds the trained weights only; its frozen ones came from the base "
+                f"{left_out['pretrained']!r} and this run's from {self.pretrained!r}, so it would resume on other "
+                "weights: pass that base as pretrained= (or resume from a checkpoint saved with checkpoint_frozen=True)"
+            )
         meta = load_sharded(
             path,
             module,
@@ -182,6 +200,7 @@ class ShardedCheckpoints:
             strict=module.strict_loading,
             distribute_model=run.distribute_model() if run is not None else None,
             elsewhere=(run.other_stage_keys() if run is not None else frozenset()) | local_sgd.elsewhere(module),
+            keep=frozen,
             layout=local_sgd,
         )
         local_sgd.finish()

@@ -63,6 +63,8 @@ class ParallelStrategy(ProcessGroupStrategy):
             consolidate`` output or a sharded checkpoint of this suite; each rank reads only its part once the model
             is laid out, after names, shapes and files are checked (docs/large_models.md). A list: the base, then
             PEFT adapter folders that fill the model's adapters (docs/fine_tuning.md).
+        checkpoint_frozen: ``False``: checkpoints leave out the parameters that do not train (a fine-tune's frozen
+            base): resume with the same ``pretrained=`` (docs/fine_tuning.md, "Adapters-only checkpoints").
         check_replicas_every: every N optimizer steps, compare the parameters several ranks must hold identically
             and stop naming the first that differ (`lightning_par.callbacks.ReplicaCheck`). ``None``: off.
         watchdog: end a stuck run with a report of where each rank is, and name a lost rank
@@ -103,6 +105,7 @@ class ParallelStrategy(ProcessGroupStrategy):
         backend: str = "native",
         pretrained: Optional[Union[str, list[str]]] = None,
         check_replicas_every: Optional[int] = None,
+        checkpoint_frozen: bool = True,
         watchdog: Union[bool, float] = True,
         accelerator: Optional[pl.accelerators.Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
@@ -131,7 +134,7 @@ class ParallelStrategy(ProcessGroupStrategy):
         self._tp_plan = dict(tp_plan) if tp_plan else None
         self._guards = guard_callbacks(check_replicas_every, sync_every, watchdog, timeout_s)
         self._pretrained = pretrained if pretrained is None or isinstance(pretrained, list) else str(pretrained)
-        self._checkpoints = ShardedCheckpoints(self.processes.timeout, async_save)
+        self._checkpoints = ShardedCheckpoints(self.processes.timeout, async_save, checkpoint_frozen, self._pretrained)
         self.global_param_count: Optional[int] = None  # set at set-up: what ParallelismMonitor counts FLOPs from
         self._run: Optional[ParallelRun] = None
         self._pipeline: Optional[PipelineSteps] = None
@@ -380,14 +383,9 @@ class ParallelStrategy(ProcessGroupStrategy):
             self._run.wait_params()
 
     def wait_for_staging(self) -> None:
-        """Wait until the checkpoint being saved in the background has copied the parameters and optimizer state.
-
-        Runs by itself before every optimizer step; call it only from code that changes parameters in place outside
-        ``optimizer.step()`` right after a save (a weight-averaging callback, say).
-
-        Raises:
-            CheckpointError: a tensor changed in place before its copy was taken.
-        """
+        """Wait until a background save has copied the parameters and optimizer state (it runs before every optimizer
+        step; call it from code that changes parameters in place outside ``optimizer.step()`` right after a save).
+        Raises `CheckpointError` when a tensor changed in place before its copy was taken."""
         self._checkpoints.wait_for_staging()
 
     def wait_for_checkpoint(self) -> None:
