@@ -87,3 +87,10 @@ def test_merging_needs_the_base_and_the_adapter_comes_out(runs: dict[str, Any], 
     export_peft(step2, tmp_path / "adapter")
     adapter = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
     assert len(adapter) == 28
+
+
+def test_deepspeed_refuses_to_leave_out_frozen_weights() -> None:
+    import lightning_par
+
+    with pytest.raises(ValueError, match="checkpoint_frozen=False: DeepSpeed writes its own checkpoints"):
+        lightning_par.DeepSpeedParallelStrategy(zero_stage=1, checkpoint_frozen=False)

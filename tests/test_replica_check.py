@@ -41,6 +41,7 @@ TWO: dict[str, dict[str, Any]] = {
                "strategy": {"zero_stage": 0, "dp_replicate": 2, "sync_every": 2, "check_replicas_every": 2}},
     "lightning_ddp": {**B, "model": "gpt", "strategy": "ddp", "replica_callback": 1},  # the callback alone
     "deepspeed_zero1": {**B, "model": "gpt", "strategy": "deepspeed_zero1", "replica_callback": 1},
+    "deepspeed_arg": {**B, "model": "gpt", "strategy": {"backend": "deepspeed", "zero_stage": 1, **C}},
     "zero0_drift": {**B, "model": "gpt", "strategy": {"zero_stage": 0, **C}, "expect_error": True,
                     "corrupt": {"step": 1, "rank": 1, "name": NORM}},
     "tp_drift": {**B, "model": "gpt", "strategy": {"tp": 2, **C}, "dp": 1, "expect_error": True,
@@ -75,7 +76,7 @@ def _checks(result: dict[str, Any]) -> list[tuple[int, int]]:
     ("name", "compared"),
     [("2/zero0", GPT_PARAMS), ("2/zero1", GPT_PARAMS), ("2/zero3", 0), ("2/tp", GPT_PARAMS - 12),
      ("2/pipe_tied", 1), ("2/moe", None), ("2/cp", GPT_PARAMS), ("4/hsdp_hf_llama", None),
-     ("2/lightning_ddp", GPT_PARAMS), ("2/deepspeed_zero1", GPT_PARAMS)],
+     ("2/lightning_ddp", GPT_PARAMS), ("2/deepspeed_zero1", GPT_PARAMS), ("2/deepspeed_arg", GPT_PARAMS)],
 )  # fmt: skip
 def test_every_layout_compares_what_it_replicates(got: dict[str, Any], name: str, compared: int | None) -> None:
     checks = _checks(got[name])

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_par import _compat
+from lightning_par.callbacks.watchdog import install
 from lightning_par.checkpoint import checksums
 from lightning_par.checkpoint.dcp import model_state
 from lightning_par.checkpoint.pretrained.load import prepare_pretrained
@@ -162,6 +163,11 @@ class DeepSpeedParallelStrategy(ParallelStrategy):
                 "loader exists; set Trainer(accumulate_grad_batches=...) for this world size, or use "
                 "lightning_par.ParallelStrategy (native ZeRO) with global_batch"
             )
+        if not self._checkpoints.frozen:
+            raise ValueError(
+                "checkpoint_frozen=False: DeepSpeed writes its own checkpoints, with every parameter; leave out the "
+                "frozen weights under lightning_par.ParallelStrategy (the native ZeRO stages), or keep them here"
+            )
         if isinstance(self._pretrained, list):
             raise ValueError(
                 "pretrained=[base, adapters...]: PEFT adapter folders are read under the native strategies; pass the "
@@ -236,6 +242,8 @@ class DeepSpeedParallelStrategy(ParallelStrategy):
             self._build_engine(trainer, module, fitting)
         self.model = self._engine
         self.barrier()
+        if fitting:
+            install(trainer, self._guards)  # the watchdog and the replica check, as under the native engine
         self.setup_precision_plugin()
 
     def _build_engine(self, trainer: pl.Trainer, module: pl.LightningModule, fitting: bool) -> None:
