@@ -45,18 +45,24 @@ def frozen_names(module: nn.Module) -> frozenset[str]:
     return frozenset(clean_name(n) for n, p in module.named_parameters() if not p.requires_grad)
 
 
-def adapter_configs(module: nn.Module) -> dict[str, dict[str, str]]:
-    """Each PEFT model inside ``module`` (its path; ``""``: the module itself) -> adapter name -> its configuration
-    as the JSON PEFT writes. Found by what PEFT models have (a ``peft_config`` dict of configs and a ``base_model``),
-    the outermost of nested ones."""
-    found: dict[str, dict[str, str]] = {}
+def peft_models(module: nn.Module) -> list[tuple[str, nn.Module, dict[str, Any]]]:
+    """The PEFT models inside ``module``: (path, ``""`` for the module itself; the model; its ``peft_config``,
+    adapter name -> config). Found by what PEFT models have (a ``peft_config`` dict of configs and a
+    ``base_model``), the outermost of nested ones; what checkpoints record and meta-device set-up initialises."""
+    found: list[tuple[str, nn.Module, dict[str, Any]]] = []
     for path, mod in module.named_modules():
         configs = getattr(mod, "peft_config", None)
-        if any(path.startswith(f"{p}.") or not p for p in found) or not hasattr(mod, "base_model"):
+        if any(path.startswith(f"{p}.") or not p for p, _, _ in found) or not hasattr(mod, "base_model"):
             continue
         if isinstance(configs, dict) and configs and all(hasattr(c, "to_dict") for c in configs.values()):
-            found[path] = {name: _json(config) for name, config in configs.items()}
+            found.append((path, mod, configs))
     return found
+
+
+def adapter_configs(module: nn.Module) -> dict[str, dict[str, str]]:
+    """Each PEFT model inside ``module`` (`peft_models`) -> adapter name -> its configuration as the JSON PEFT
+    writes."""
+    return {path: {name: _json(c) for name, c in configs.items()} for path, _, configs in peft_models(module)}
 
 
 def _json(config: Any) -> str:

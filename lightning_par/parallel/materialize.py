@@ -39,6 +39,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_par import _compat
 from lightning_par.blocks.trunk import Trunk
+from lightning_par.checkpoint.adapters import peft_models
 from lightning_par.checkpoint.fast_state import clean_name
 from lightning_par.checkpoint.place import place_full
 
@@ -175,11 +176,7 @@ def _lora_inits(module: nn.Module) -> dict[str, dict[str, Any]]:
             EVA, ...): they have no values yet on the meta device.
     """
     found: dict[str, dict[str, Any]] = {}
-    for path, peft in module.named_modules():
-        configs = getattr(peft, "peft_config", None)
-        if not isinstance(configs, dict) or not hasattr(peft, "base_model") or any(path.startswith(f"{p}.") for p in
-                                                                                   found):  # fmt: skip
-            continue
+    for path, peft, configs in peft_models(module):
         for rel, layer in peft.named_modules():
             if not callable(getattr(layer, "reset_lora_parameters", None)) or not any(t.is_meta for t in
                                                                                       _tensors(layer)):  # fmt: skip
