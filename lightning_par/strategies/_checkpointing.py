@@ -30,6 +30,7 @@ from lightning_par.checkpoint.dcp import (
     save_sharded,
     tmp_path,
 )
+from lightning_par.checkpoint.pretrained.peft_in import base_source
 from lightning_par.checkpoint.reader import CheckpointError, read_meta
 from lightning_par.checkpoint.resume_state import KEY
 from lightning_par.parallel.local_sgd import state as local_sgd_state
@@ -77,7 +78,7 @@ class ShardedCheckpoints:
         self.saver = AsyncSaver(timeout) if async_save else None
         self.frozen = frozen  # False: the frozen parameters are left out of checkpoints (`checkpoint_frozen`)
         # Where they come from again on resume: the base of `pretrained=` (its resolved path), recorded and checked.
-        base = pretrained[0] if isinstance(pretrained, (list, tuple)) and pretrained else pretrained
+        base = base_source(pretrained)
         self.pretrained = str(Path(base).resolve()) if base else None
         self.resume = ResumeState()
         self.saving_async = False  # between on_train_start and on_train_end: other saves are synchronous

@@ -27,6 +27,13 @@ _NAMED = re.compile(rf"\.({_PARTS})\.([^.]+)(\.weight|\.bias)?$")
 Sources = Union[str, Sequence[str], None]
 
 
+def base_source(pretrained: Sources) -> Optional[str]:
+    """The base checkpoint of a ``pretrained=`` argument (a list's first source), unchecked; ``None`` without one."""
+    if pretrained is None or isinstance(pretrained, (str, Path)):
+        return str(pretrained) if pretrained is not None else None
+    return str(pretrained[0]) if len(pretrained) else None
+
+
 def split_sources(pretrained: Sources) -> tuple[Optional[str], tuple[str, ...]]:
     """(the base checkpoint, the PEFT adapter files to read after it) of a ``pretrained=`` argument.
 
@@ -34,7 +41,7 @@ def split_sources(pretrained: Sources) -> tuple[Optional[str], tuple[str, ...]]:
         PretrainedError: a later source that is not a PEFT adapter folder (or its safetensors file), naming it.
     """
     if pretrained is None or isinstance(pretrained, (str, Path)):
-        return (str(pretrained) if pretrained is not None else None), ()
+        return base_source(pretrained), ()
     sources = [str(p) for p in pretrained]
     if not sources:
         return None, ()
