@@ -140,6 +140,24 @@ class HFBert(_CausalLM):
         return self.model(input_ids=idx).logits
 
 
+class HFAlbert(_CausalLM):
+    """Hugging Face ``AlbertForMaskedLM``: one layer's weights shared by every depth (``num_hidden_layers`` calls of
+    one ``AlbertLayer``), a factorised embedding (``embedding_size`` < ``hidden_size``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import AlbertConfig, AlbertForMaskedLM
+
+        config = AlbertConfig(vocab_size=256, embedding_size=16, hidden_size=32, num_hidden_layers=4,
+                              num_attention_heads=4, intermediate_size=64, max_position_embeddings=64,
+                              hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                              classifier_dropout_prob=0.0)  # fmt: skip
+        self.model = AlbertForMaskedLM(config)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        return self.model(input_ids=idx).logits
+
+
 class HFViT(L.LightningModule):
     """Hugging Face ``ViTForImageClassification``: each byte-text pair ``(x, y)`` read as a 1 x 8 x 8 image, the
     class the first byte's high nibble."""

@@ -407,6 +407,7 @@ MODELS: dict[str, Any] = _Models({
     # Blocks of two structures (attention, feed-forward, ...), as x-transformers lays out its layers.
     "user_alternating": lambda: _tp_mixed_models().AlternatingLM(),
     "user_inner_norm": lambda: _tp_mixed_models().AlternatingLM(inner=True),  # norms inside the regions
+    "user_rel_bias": lambda: _rel_bias_models().RelBiasLM(),  # a per-head bias table, its bias passed on
     "user_lora": lambda: _lora_models().UserLoRALM(),  # a user's LoRA wrappers on every projection
     "peft_llama": lambda: _lora_models().PeftLlama(),  # peft.get_peft_model(LoRA) on Hugging Face Llama
     "peft_llama_dora": lambda: _lora_models().PeftLlama(dora=True),  # DoRA: a magnitude vector per projection
@@ -441,6 +442,7 @@ MODELS: dict[str, Any] = _Models({
     "hf_vit": lambda: _families().HFViT(),
     "hf_convnext": lambda: _families().HFConvNext(),
     "hf_bert": lambda: _families().HFBert(),
+    "hf_albert": lambda: _families().HFAlbert(),  # one layer's weights at every depth
     "grouped_lm": lambda: _families().GroupedLM(),  # fused qkv interleaved per k/v group
     "hf_phi3": lambda: _families().HFPhi3(),  # fused qkv_proj and gate_up_proj
     "hf_falcon_mqa": lambda: _families().HFFalconMQA(),  # one k/v head in a fused qkv: replicated under tp
@@ -464,6 +466,7 @@ MODELS: dict[str, Any] = _Models({
 # transformers, _families_moe and _hf_models transformers).
 _families_moe = functools.partial(importlib.import_module, "_families_moe")
 _tp_mixed_models = functools.partial(importlib.import_module, "_tp_mixed_models")
+_rel_bias_models = functools.partial(importlib.import_module, "_rel_bias_models")
 _mha_models = functools.partial(importlib.import_module, "_mha_models")
 _families = functools.partial(importlib.import_module, "_families")
 _nano_models = functools.partial(importlib.import_module, "_nano_models")

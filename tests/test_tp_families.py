@@ -68,6 +68,11 @@ FAMILIES = {
     "hf_codegen": {"model": "zoo:codegen"},
     "hf_bloom": {"model": "zoo:bloom"},
     "hf_mpt": {"model": "zoo:mpt"},  # ALiBi too
+    # A per-head table (one column per head) in the first block's attention makes a relative position bias that
+    # every later block receives with the hidden state: the table is split with the heads, so the bias each rank
+    # hands on holds its heads (T5's decoder; the encoder, outside the trunk, runs whole; and a user's model).
+    "hf_t5": {"model": "hf_t5"},
+    "user_rel_bias": {"model": "user_rel_bias"},
     # A norm inside the experts of an MoE layer kept whole (Ergo's post_expert_norm): a replicated style with no
     # shape entry, which the divisibility check used to look up (KeyError before the first step).
     "hf_ergo": {"model": "zoo:ergo"},
@@ -100,6 +105,10 @@ SPLIT.update({
     "nano_gpt": r"\.h\.\d+\.(attn\.(c_attn|c_proj)|mlp\.(c_fc|c_proj))\.weight$|"
     r"\.h\.\d+\.(attn\.c_attn|mlp\.c_fc)\.bias$",
     "nano_lm": r"^h\.\d+\.(attn\.(c_attn|c_proj)|fc|proj)\.weight$|^h\.\d+\.(attn\.c_attn|fc)\.bias$",
+    "hf_t5": r"\.decoder\.block\.\d+\.layer\.\d\.(SelfAttention\.[qkvo]|EncDecAttention\.[qkvo]|DenseReluDense\.w[io])"
+    r"\.weight$|\.decoder\.block\.0\.layer\.0\.SelfAttention\.relative_attention_bias\.weight$",
+    "user_rel_bias": r"^blocks\.\d+\.(attn\.(q|k|v|out)|up|down)\.weight$|^blocks\.\d+\.(attn\.(q|v)|up)\.bias$|"
+    r"^blocks\.0\.attn\.rel\.weight$",
 })  # fmt: skip
 RESUMED = ("hf_gpt2", "litgpt_llama")  # a checkpoint under tp, resumed under zero2 (fused layouts written whole)
 

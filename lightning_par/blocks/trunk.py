@@ -37,16 +37,26 @@ def _numel(module: nn.Module) -> int:
 
 
 def find_trunk(model: nn.Module) -> Trunk | None:
-    """Return the model's trunk, or ``None`` when it has no container of >= 2 same-class blocks.
+    """Return the model's trunk, or ``None`` when it has no container of >= 2 same-class blocks and none of one
+    composite block (the trunk of a one-layer model, or of a model that calls one layer at every depth).
 
     Args:
         model: any module; it is only inspected.
     """
     best: tuple[tuple[bool, int], Trunk] | None = None
+    single: tuple[int, Trunk] | None = None
     for path, container in model.named_modules():
         if not isinstance(container, _CONTAINERS):
             continue
         children = list(container.named_children())
+        if len(children) == 1 and not isinstance(children[0][1], _CONTAINERS) and any(children[0][1].children()):
+            # One composite block: a model of one layer, or one layer's weights called at every depth (ALBERT).
+            # The innermost such container wins a tie (ALBERT's layer, not the group around it).
+            name, child = children[0]
+            one = Trunk(path, (f"{path}.{name}" if path else name,), (child,))
+            if single is None or _numel(child) >= single[0]:
+                single = (_numel(child), one)
+            continue
         if len(children) < 2:
             continue
         kinds = Counter(type(child) for _, child in children)
@@ -61,4 +71,6 @@ def find_trunk(model: nn.Module) -> Trunk | None:
         score = (composite, sum(_numel(child) for _, child in picked))
         if best is None or score > best[0]:
             best = (score, trunk)
-    return None if best is None else best[1]
+    if best is None:
+        return None if single is None else single[1]
+    return best[1]

@@ -301,7 +301,8 @@ def _replicated_kv(plan: TPPlan, prefix: str, tp: int, rank: int) -> dict[str, T
 def _own_style(mod: nn.Module, parts: tuple[int, ...] | None) -> bool:
     # Fused projections too: a `_StridedShard` weight inside F.linear needs torch >= 2.13's sharding propagation
     # (2.11 cannot redistribute it); `affine` multiplies the local slice, the same on every torch.
-    return not isinstance(mod, nn.Linear) or (parts is not None and len(parts) > 1)
+    # A per-head table (an nn.Embedding split by columns with the heads) takes torch's ColwiseParallel as it is.
+    return not isinstance(mod, (nn.Linear, nn.Embedding)) or (parts is not None and len(parts) > 1)
 
 
 def _style_name(style: Any) -> str:

@@ -38,7 +38,7 @@ from lightning_par.blocks.trunk import find_trunk
 from lightning_par.parallel.tensor.adapters import adapter_leaves
 from lightning_par.parallel.tensor.full_width import as_whole, fallback_for
 from lightning_par.parallel.tensor.plan_types import _SHARDED, TPPlan, TPPlanError
-from lightning_par.parallel.tensor.simulate import ValuesDiffer, check_values, rank_copy
+from lightning_par.parallel.tensor.simulate import ValuesDiffer, check_values, per_head_heads, rank_copy, rank_inputs
 
 
 class _Reached(Exception):
@@ -101,14 +101,15 @@ def check_local_shapes(model: nn.Module, plan: TPPlan, tp: int) -> TPPlan:
         return plan
     star = f"{plan.trunk}.*" if plan.trunk else "*"
     gathered = list(plan.gathered)
+    per_head = per_head_heads(plan)  # a bias made by a split per-head table reaches later blocks with a rank's heads
     # Blocks that differ: the first block of each structure, on that structure's plan (written with `star`).
     for prefix, sub in zip(list(plan.groups) or [star], plan.group_plans()):
         block = trunk.blocks[trunk.names.index(sub.first_block)]
         _check_region_params(sub, block, sub.first_block)
         captured = _block_input(model, block)
         if captured is not None:
-            found = _check_block(sub, block, sub.first_block, tp, captured)
-            found = _check_values(sub, block, tp, captured, found)
+            found = _check_block(sub, block, sub.first_block, tp, captured, per_head)
+            found = _check_values(sub, block, tp, captured, found, per_head)
             gathered += [prefix + k[len(star) :] for k in found]
     added = [k for k in gathered if k not in plan.gathered]
     if not added:
@@ -120,7 +121,12 @@ def check_local_shapes(model: nn.Module, plan: TPPlan, tp: int) -> TPPlan:
 
 
 def _check_values(
-    plan: TPPlan, block: nn.Module, tp: int, captured: tuple[tuple[Any, ...], dict[str, Any]], gathered: tuple[str, ...]
+    plan: TPPlan,
+    block: nn.Module,
+    tp: int,
+    captured: tuple[tuple[Any, ...], dict[str, Any]],
+    gathered: tuple[str, ...],
+    per_head: tuple[int, ...],
 ) -> tuple[str, ...]:
     """The values, where shapes agree (`simulate.check_values`): a region whose rank copies compute other values
     than the whole one (code that regroups a split projection by a constant of its own, CodeGen's ``mp_num``) runs
@@ -130,7 +136,8 @@ def _check_values(
     while True:
         try:
             # A gathered region's code sees the whole projections' outputs.
-            check_values(as_whole(dataclasses.replace(plan, gathered=gathered)), block, plan.first_block, tp, captured)
+            current = as_whole(dataclasses.replace(plan, gathered=gathered))
+            check_values(current, block, plan.first_block, tp, captured, per_head)
             return gathered
         except ValuesDiffer as err:
             marked = dataclasses.replace(plan, gathered=gathered)
@@ -166,7 +173,12 @@ def _check_region_params(plan: TPPlan, block: nn.Module, block_name: str) -> Non
 
 
 def _check_block(
-    plan: TPPlan, block: nn.Module, block_name: str, tp: int, captured: tuple[tuple[Any, ...], dict[str, Any]]
+    plan: TPPlan,
+    block: nn.Module,
+    block_name: str,
+    tp: int,
+    captured: tuple[tuple[Any, ...], dict[str, Any]],
+    per_head: tuple[int, ...] = (),
 ) -> tuple[str, ...]:
     """Run rank 0's copy of ``block``; where a region's code fails on the split shapes and can run on gathered
     activations (`full_width.fallback_for`), gather it and run again. Returns the gathered regions."""
@@ -187,7 +199,7 @@ def _check_block(
         with running_modules(local) as stack:  # on an error, the innermost running module is where it was raised
             try:
                 with torch.no_grad():
-                    args, kwargs = copy.deepcopy(captured)
+                    args, kwargs = rank_inputs(copy.deepcopy(captured), per_head, tp, 0)
                     local(*args, **kwargs)
                 return gathered
             except Exception as err:

@@ -100,7 +100,9 @@ def fallback_for(plan: TPPlan, module: str, tp: int, block: nn.Module) -> Option
         return None  # Conv1D, torch's packed nn.MultiheadAttention: their own split styles
     if any(r in find_adapters(block) for r in rels):
         return None  # a low-rank adapter adds its own split output to the projection's
-    if isinstance(info, HeadInfo) and (info.head_params or info.latent or kv_replicas(info, tp) > 1):
+    if isinstance(info, HeadInfo) and (
+        info.head_params or info.head_tables or info.latent or kv_replicas(info, tp) > 1
+    ):
         return None
     region = info.region or key
     inside = [k for k, s in plan.styles.items() if k.startswith(region + ".") and s in ("head_norm", "colwise_norm")]

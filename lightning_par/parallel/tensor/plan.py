@@ -129,6 +129,10 @@ def infer_tp_plan(model: nn.Module, *, overrides: dict[str, str] | None = None) 
     shapes.update({n: s for n, m in outer.items() if (s := _shape(m)) is not None})
     inferred = dict(styles)
     covered = _override(styles, shapes, fused, chunked, overrides or {})
+    for h in heads.values():
+        # A per-head table goes with its attention's heads; kept whole where the heads are (a tp_plan's choice).
+        split = any(styles.get(p) in ("colwise", "colwise_fused") for p in h.projections[:-1])
+        styles.update({t: "colwise" if split else "replicate" for t in h.head_tables if t not in covered})
     _check_split_norms(styles, inferred, split_norms, covered)
     check_pairs(styles, heads)
     for h in heads.values():
@@ -312,17 +316,23 @@ def _check_split_norms(
 
 
 def _head_params(inf: _Inference, regions: list[_Region], heads: dict[str, HeadInfo]) -> None:
-    """Record each attention's own per-head parameters (leading dim = its query heads: GPT-OSS's ``sinks``)."""
+    """Record each attention's own per-head parameters (leading dim = its query heads: GPT-OSS's ``sinks``) and its
+    per-head tables (an ``nn.Embedding`` child with one column per query head: T5's relative position bias)."""
     for key, head in list(heads.items()):
         r = next((r for r in regions if r.head is head), None)
         if r is None:
             continue
-        own = inf.mods[r.parent].named_parameters(recurse=False)
-        found = tuple(
-            inf.pat(f"{r.parent}.{n}" if r.parent else n) for n, p in own if p.dim() and p.shape[0] == head.n_heads
+        attn = inf.mods[r.parent]
+        own = attn.named_parameters(recurse=False)
+        at = f"{r.parent}." if r.parent else ""
+        found = tuple(inf.pat(at + n) for n, p in own if p.dim() and p.shape[0] == head.n_heads)
+        tables = tuple(
+            inf.pat(at + n)
+            for n, m in attn.named_children()
+            if isinstance(m, nn.Embedding) and m.embedding_dim == head.n_heads != head.head_dim
         )
-        if found:
-            heads[key] = dataclasses.replace(head, head_params=found)
+        if found or tables:
+            heads[key] = dataclasses.replace(head, head_params=found, head_tables=tables)
 
 
 def _block_styles(

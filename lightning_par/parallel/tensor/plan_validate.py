@@ -83,7 +83,8 @@ def format_plan(plan: TPPlan) -> str:
     lines += [f"{k:<{width}}  {s:<17}  {shape(k)}" for k, s in plan.styles.items()]
     for k, h in plan.heads.items():
         attrs = ", ".join(f"{a}: {kind}" for a, kind in h.local_attrs.items()) or "none"
-        split = f"; split with the heads: {', '.join(h.head_params)}" if h.head_params else ""
+        with_heads = (*h.head_params, *h.head_tables)
+        split = f"; split with the heads: {', '.join(with_heads)}" if with_heads else ""
         split += f"; latent, whole on every rank: {', '.join(h.latent)}" if h.latent else ""
         lines.append(
             f"attention {k}: n_heads={h.n_heads} n_kv_heads={h.n_kv_heads} head_dim={h.head_dim} (from {h.source}); "

@@ -46,6 +46,12 @@ def _slice(mod: nn.Module, style: str, rows: torch.Tensor | None, tp: int, rank:
         assert rows is not None
         slice_for_rank(mod, rows.to(mod.in_proj_weight.device), tp, rank)
         return
+    if isinstance(mod, nn.Embedding):  # a per-head table (T5's relative position bias): this rank's head columns
+        assert rows is not None
+        table = mod.weight.detach()
+        mod.weight = nn.Parameter(table.index_select(1, rows.to(table.device)), requires_grad=False)
+        mod.embedding_dim = table.shape[1] // tp
+        return
     layout = affine(mod)
     assert layout is not None  # the plan styled it as a projection
     out_dim, in_dim = (1, 0) if layout.transposed else (0, 1)
@@ -109,8 +115,35 @@ def _error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-12))
 
 
+def per_head_heads(plan: TPPlan) -> tuple[int, ...]:
+    """The query head counts of the attentions with a per-head table split with their heads (`HeadInfo.head_tables`):
+    the bias such a table makes reaches later blocks as an input with this rank's heads only."""
+    return tuple(sorted({h.n_heads for h in plan.heads.values() if h.head_tables}))
+
+
+def rank_inputs(captured: Any, heads: tuple[int, ...], tp: int, rank: int) -> Any:
+    """``captured`` (a block's input in the whole model) as rank ``rank`` of ``tp`` receives it when a per-head
+    table is split with the heads (`per_head_heads`): each 4-D tensor with one of ``heads`` heads on dim 1 (T5's
+    position bias ``[batch, heads, query, key]``) narrowed to this rank's heads."""
+    if not heads:
+        return captured
+
+    def narrow(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() == 4 and t.shape[1] in heads:
+            per = t.shape[1] // tp
+            return t.narrow(1, rank * per, per)
+        return t
+
+    return _compat.tree_map_only(torch.Tensor, narrow, captured)
+
+
 def check_values(
-    plan: TPPlan, block: nn.Module, block_name: str, tp: int, captured: tuple[tuple[Any, ...], dict[str, Any]]
+    plan: TPPlan,
+    block: nn.Module,
+    block_name: str,
+    tp: int,
+    captured: tuple[tuple[Any, ...], dict[str, Any]],
+    per_head: tuple[int, ...] = (),
 ) -> None:
     """Raise before training when ``tp`` ranks' copies of ``block`` (of ``plan``'s structure) do not compute what
     the whole block computes on ``captured``, its real input (fp32, eval mode, no gradients).
@@ -118,6 +151,8 @@ def check_values(
     Raises:
         TPPlanError: naming the first row-split projection (or the block's output) where they differ, the error,
             and a ``tp_plan`` keeping that region whole.
+
+    ``per_head``: head counts whose per-head inputs each rank receives narrowed to its heads (`rank_inputs`).
     """
     prefix = f"{plan.trunk}.*" if plan.trunk else "*"
     outs = [rel for rel, (style, _) in _split(plan, block).items() if style == "rowwise"]
@@ -160,7 +195,8 @@ def check_values(
             local.get_submodule(k).register_forward_hook(_Reduced(partial[k], whole_seen[k], k, weights=True))
         try:
             with torch.no_grad():
-                args, kwargs = _compat.tree_map_only(torch.Tensor, fp32, copy.deepcopy(captured))
+                mine = rank_inputs(copy.deepcopy(captured), per_head, tp, rank)
+                args, kwargs = _compat.tree_map_only(torch.Tensor, fp32, mine)
                 outputs.append(local(*args, **kwargs))
         except _Differs as err:
             _refuse(plan, prefix, block_name, tp, str(err), float("inf"))
