@@ -246,11 +246,11 @@ class HFT5(_CausalLM):
     output (cross-attention) and each stack's first block computes the relative position bias the others reuse.
     The task: the encoder reads the bytes, the decoder predicts each next byte from the ones before it."""
 
-    def __init__(self) -> None:
+    def __init__(self, layers: int = 2) -> None:
         super().__init__()
         from transformers import T5Config, T5ForConditionalGeneration
 
-        config = T5Config(vocab_size=256, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+        config = T5Config(vocab_size=256, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=layers,
                           num_heads=4, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
                           relative_attention_num_buckets=8)  # fmt: skip
         self.model = T5ForConditionalGeneration(config)

@@ -1,15 +1,18 @@
 """Where the trunk may be cut: what a stage would read that an earlier stage made.
 
 Every stage runs the user's whole forward: blocks other stages own are pass-throughs (they return their first
-argument), modules the first stage owns are stand-ins returning zeros (`pipeline.shadow`), and the only values that
-cross a stage boundary are the hidden state the boundary's last block returns and the side outputs
-`pipeline.sides` carries to the last stage. So a cut before block ``c`` keeps the one-process values only if
+argument), modules the first stage owns are stand-ins returning zeros (`pipeline.shadow`), and the values that
+cross a stage boundary are what the boundary's last block returns (the hidden state, and any other tensor it
+returns that later code reads: T5's position bias), the outputs of first-stage modules that code after them reads
+past the first stage (an encoder's output that every decoder block reads, an ``x0`` kept from the embedding), and
+the side outputs `pipeline.sides` carries to the last stage. So a cut before block ``c`` keeps the one-process
+values only if
 
 1. block ``c``'s first argument is the very tensor block ``c - 1`` returned (no code between them changes it: a
    residual added around the blocks, a norm or a skip connection added in the gap), and
 2. nothing that runs once block ``c - 1`` has ended (code between later blocks, later blocks, code after the trunk)
-   reads a value computed from an earlier stage's work, other than through that hidden state: a U-Net's skip
-   connections, an ``x0`` kept from the embedding and fed to every block, a residual over the whole trunk.
+   reads a value computed from an earlier stage's work other than through what crosses the boundary: a U-Net's skip
+   connections (block ``i``'s output kept and added back after block ``c``), a value computed between two blocks.
 
 `CutRule` follows the ownership probe's forward (`pipeline.owners.find_ownership`) op by op. Each tensor carries the
 earliest *position* its value comes from: ``-1`` for what the first stage's modules computed before the trunk,
@@ -17,7 +20,12 @@ earliest *position* its value comes from: ``-1`` for what the first stage's modu
 stage recomputes them). An op runs at position ``i`` inside block ``i``, ``i + 1`` between block ``i`` and the next,
 and ``n`` after the trunk's ``n`` blocks; reading a value from position ``s`` at position ``p > s`` rules out every
 cut in ``(s, p]``. Inside block ``c`` the hidden state it was handed counts as made at ``c`` (a stage starting there
-receives it). The rule needs no shapes or values, only the order of calls, so it runs on meta tensors too.
+receives it), and so does every other tensor block ``c - 1`` returned, from then on (the stand-in for block
+``c - 1`` on that stage returns what it received). A value a first-stage module returned (and what code outside
+first-stage modules computes from such values alone) is carried to every stage: reading it rules out no cut. The
+reads that make a value travel are recorded: `returned_reads` (block, leaf of its flattened output) and
+`carried_reads` (first-stage module, its call, leaf). The rule needs no shapes or values, only the order of calls,
+so it runs on meta tensors too.
 """
 
 from __future__ import annotations
@@ -28,6 +36,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Optional
 
 from torch import Tensor
+
+from lightning_par import _compat
 
 # Calls that read a tensor's metadata, never its values (their outputs depend on no position either).
 SHAPE_ONLY = frozenset({
@@ -43,6 +53,16 @@ class _Origin:
     position: int  # the earliest position the value comes from
     source: str  # what computed the value at that position (for messages)
     maker: str  # what made this very tensor (for messages)
+    # At position -1: the first-stage modules' outputs (module, leaf) the value is computed from, when nothing else
+    # of the first stage's work went into it (it can then be recomputed on any stage from the carried outputs).
+    carried: Optional[frozenset[tuple[str, int, int]]] = None  # (module, call, leaf)
+
+
+def _carried(origins: list[_Origin]) -> Optional[frozenset[tuple[str, int, int]]]:
+    """The carried outputs a value made from ``origins`` (all at position -1) comes from, or ``None``."""
+    if any(o.carried is None for o in origins):
+        return None
+    return frozenset().union(*(o.carried for o in origins if o.carried is not None))
 
 
 class CutRule:
@@ -63,6 +83,10 @@ class CutRule:
         self._last: tuple[int, Optional[Tensor]] = (-1, None)  # the last block that returned, and its hidden state
         self._handed: Optional[tuple[Tensor, Optional[_Origin]]] = None  # the hidden state handed to the block running
         self.conflicts: dict[int, str] = {}  # cut (the block a stage would start at) -> why it is not exact
+        self._returned: dict[int, list[tuple[int, int]]] = {}  # tensor id -> (block, leaf) of the outputs it was
+        self.returned_reads: set[tuple[int, int]] = set()  # (block, leaf): read after the block, so carried
+        self.carried_reads: set[tuple[str, int, int]] = set()  # (first-stage module, call, leaf): read past block 0
+        self._unit_calls: dict[str, int] = {}
 
     # ---- blocks ------------------------------------------------------------------------------------------------
     def enter(self, i: int, args: tuple) -> None:
@@ -103,6 +127,21 @@ class CutRule:
         first = out[0] if isinstance(out, (tuple, list)) and out else out
         self._last = (i, first if isinstance(first, Tensor) else None)
         self.position, self.inside = i + 1, None
+        if i + 1 < self.n and isinstance(out, (tuple, list)):
+            # Its other tensors reach a stage starting at i + 1 through the stand-in for block i (`pipeline.sides`).
+            for leaf, t in enumerate(_compat.tree_flatten(out)[0]):
+                if leaf and isinstance(t, Tensor) and t is not first:
+                    self._returned.setdefault(id(t), []).append((i, leaf))
+                    was = self.origin.get(id(t))
+                    self._set(t, _Origin(i + 1, was.source if was else self.names[i], self.names[i]))
+
+    def unit_output(self, unit: str, out: Any) -> None:
+        """First-stage module ``unit`` returned ``out``: its tensors can be carried to every stage."""
+        call = self._unit_calls[unit] = self._unit_calls.get(unit, -1) + 1
+        leaves = [out] if isinstance(out, Tensor) else _compat.tree_flatten(out)[0]
+        for leaf, t in enumerate(leaves):
+            if isinstance(t, Tensor):
+                self._set(t, _Origin(-1, unit, unit, frozenset({(unit, call, leaf)})))
 
     # ---- torch calls -------------------------------------------------------------------------------------------
     def op(self, name: str, reads: Iterable[Tensor], outs: Iterable[Tensor], *, where: str, first_stage: bool) -> None:
@@ -116,9 +155,17 @@ class CutRule:
         if name in SHAPE_ONLY:
             return
         earliest: Optional[_Origin] = None
+        carried: list[_Origin] = []  # carried first-stage outputs read: no position (recomputed from them anywhere)
         for t in reads:
             came = self.origin.get(id(t))
             if came is None:
+                continue
+            if id(t) in self._returned:  # a block's returned tensor, read after it: carried at the boundary
+                self.returned_reads.update(r for r in self._returned[id(t)] if r[0] < self.position)
+            if came.position == -1 and came.carried is not None:
+                if self.position > 0:  # past the first block: a later stage needs it
+                    self.carried_reads.update(came.carried)
+                carried.append(came)
                 continue
             self._read(came, f"{where} reads, in {name}(), a value {came.source} computed")
             if earliest is None or came.position < earliest.position:
@@ -127,13 +174,20 @@ class CutRule:
             earliest = _Origin(-1, where, where)
         elif self.inside is not None and (earliest is None or self.inside < earliest.position):
             earliest = _Origin(self.inside, where, where)
+        elif earliest is None and carried:  # code outside the blocks on carried values alone
+            earliest = _Origin(-1, carried[0].source, where, _carried(carried))
         if earliest is None:
             return
+        maker = f"{name}() in {where}" if self.inside is None else where
         for t in outs:
             before = self.origin.get(id(t))
-            position = min(earliest.position, before.position) if before is not None else earliest.position
-            source = earliest.source if before is None or earliest.position <= before.position else before.source
-            self._set(t, _Origin(position, source, f"{name}() in {where}" if self.inside is None else where))
+            if before is None or earliest.position < before.position:
+                self._set(t, dataclasses.replace(earliest, maker=maker))
+            elif before.position < earliest.position:
+                self._set(t, dataclasses.replace(before, maker=maker))
+            else:  # written in place, both at one position: carried only if both are
+                both = _carried([before, earliest]) if earliest.position == -1 else None
+                self._set(t, _Origin(earliest.position, earliest.source, maker, both))
 
     def _set(self, t: Tensor, origin: _Origin) -> None:
         if id(t) not in self.origin:

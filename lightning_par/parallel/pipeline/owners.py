@@ -19,6 +19,7 @@ eval mode (no dropout) and with the RNG state restored.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable
 from functools import partial
@@ -31,37 +32,13 @@ from torch.overrides import TorchFunctionMode
 from lightning_par import _compat
 from lightning_par.blocks._probe import eval_mode, out_of_order, probe_call, writes_in_place
 from lightning_par.blocks.trunk import Trunk
-from lightning_par.nn.moe import MoE
 from lightning_par.parallel.pipeline.cuts import CutRule
 from lightning_par.parallel.pipeline.meta import check_stand_ins
+from lightning_par.parallel.pipeline.slots import PipelineError, SideSlot, carried_slots, moe_loss_slots, side_slots
+
+__all__ = ["Ownership", "PipelineError", "SideSlot", "find_ownership", "outer_units"]
 
 Units = list[tuple[str, nn.Module]]
-
-
-class PipelineError(ValueError):
-    """A model or step the pipeline cannot cut; the message names the fix."""
-
-
-@dataclasses.dataclass(frozen=True)
-class SideSlot:
-    """One side output of the trunk: leaf ``leaf`` of the flattened output of module ``path`` of block ``block``.
-
-    Args:
-        block: index of the trunk block that runs the producer.
-        path: the producer's name inside the block.
-        leaf: index of the tensor among the producer output's pytree leaves.
-        name: the producer's qualified name in the whole model (for messages).
-        spec: the pytree structure of the producer's output (a replay returns the same structure).
-        kind: ``"output"`` (a tensor the producer returns), or ``"moe_loss"``: the aux / z-loss and routing
-            statistics a `lightning_par.nn.MoE` producer keeps on itself (`pipeline.sides.pack_moe`).
-    """
-
-    block: int
-    path: str
-    leaf: int
-    name: str
-    spec: Any
-    kind: str = "output"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,12 +133,15 @@ class _Uses(TorchFunctionMode):
         self.returned_by: dict[int, tuple[int, str, int, Any]] = {}
         self.calls: dict[int, tuple[tuple, dict, Any]] = {}  # block -> its first call's (args, kwargs, output)
         self.order: list[int] = []  # the blocks, in the order the forward calls them
+        self.paused = False  # the probe's own tensor work (`_record_inputs`), not the model's
 
     def mark(self, unit: str) -> None:
         self.seen.setdefault(unit, set()).add(self.phase)
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        if self.paused:
+            return out
         name = getattr(func, "__name__", str(func))
         # Reading an attribute that is not a tensor (shape, dtype, device) uses no values; `.T` does.
         if name != "__get__" or isinstance(out, Tensor):
@@ -230,7 +210,25 @@ def _leaver(uses: _Uses, block: int, path: str) -> Callable[..., None]:
 def _record_call(
     calls: dict[int, tuple[tuple, dict, Any]], i: int, _m: nn.Module, args: tuple, kwargs: dict, out: Any
 ) -> None:
-    calls.setdefault(i, (args, kwargs, out))  # returns nothing: a forward hook's result would replace the output
+    if i in calls and calls[i][2] is None:  # the inputs as the block got them (`_record_inputs`), then its output
+        calls[i] = (*calls[i][:2], out)  # returns nothing: a forward hook's result would replace the output
+
+
+def _record_inputs(uses: _Uses, i: int, _m: nn.Module, args: tuple, kwargs: dict) -> None:
+    if i in uses.calls:
+        return
+    # An object the block changes in place (a key/value cache that Hugging Face T5 passes to every block even in
+    # training) is kept as it was before the call: what a stand-in for the block is called with in a stage.
+    plain = (Tensor, type(None), bool, int, float, str)
+    if not all(isinstance(x, plain) for x in _compat.tree_flatten((args, kwargs))[0]):
+        uses.paused = True  # the copy is the probe's, not the model's: no reads for the cut rule
+        try:
+            args, kwargs = copy.deepcopy((args, kwargs))
+        except Exception:  # not copyable: as it is
+            pass
+        finally:
+            uses.paused = False
+    uses.calls[i] = (args, kwargs, None)
 
 
 def _probe(module: nn.Module, trunk: Trunk, units: Units, run: Callable[[], Any]) -> _Uses | str:
@@ -254,6 +252,7 @@ def _probe(module: nn.Module, trunk: Trunk, units: Units, run: Callable[[], Any]
         handles.append(block.register_forward_pre_hook(lambda *_, i=i: uses.order.append(i)))  # type: ignore[func-returns-value]
         handles.append(block.register_forward_hook(lambda _m, _a, out, i=i: uses.cuts.leave(i, out)))
         # What each block was called with and returned: what a stage that does not run it must hand on.
+        handles.append(block.register_forward_pre_hook(partial(_record_inputs, uses, i), with_kwargs=True))
         handles.append(block.register_forward_hook(partial(_record_call, uses.calls, i), with_kwargs=True))
     for i, (prefix, block) in enumerate(zip(trunk.names, trunk.blocks)):  # which module inside made each tensor
         for sub_name, sub in block.named_modules():
@@ -265,12 +264,14 @@ def _probe(module: nn.Module, trunk: Trunk, units: Units, run: Callable[[], Any]
         uses.mark(name)
         uses.running.append(name)
 
-    def returned(*_: Any) -> None:
+    def returned(name: str, _m: nn.Module, _a: Any, out: Any) -> None:
         uses.running.pop()
+        if uses.phase == "pre":  # what a first-stage module returns can be carried to every stage
+            uses.cuts.unit_output(name, out)
 
     for name, m in units:
         handles.append(m.register_forward_pre_hook(lambda *_, n=name: called(n)))
-        handles.append(m.register_forward_hook(returned))
+        handles.append(m.register_forward_hook(partial(returned, name)))
     device = next(module.parameters()).device
     try:
         rng = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
@@ -317,7 +318,7 @@ def find_ownership(module: nn.Module, trunk: Trunk, run: Optional[Callable[[], A
             "part of the trunk, as in recurrent-depth models) or out of order, while a pipeline runs each block once, "
             "in order, on its stage; train this model without pipeline parallelism (e.g. strategy='zero3')"
         )
-    sides = _side_slots(uses, trunk)
+    sides = side_slots(uses, trunk)
     for name, phases in uses.seen.items():
         if "trunk" in phases:
             raise PipelineError(
@@ -329,51 +330,11 @@ def find_ownership(module: nn.Module, trunk: Trunk, run: Optional[Callable[[], A
     post = [(n, m) for n, m in units if "post" in uses.seen.get(n, set())]
     conflicts = dict(uses.cuts.conflicts)
     reshaped = check_stand_ins(trunk, uses.calls, conflicts)
-    return Ownership(pre, post, _tied(module, pre, post), "probe", sides=sides + moe_loss_slots(module, trunk),
-                     cut_conflicts=conflicts, reshaped=reshaped)  # fmt: skip
-
-
-def moe_loss_slots(module: nn.Module, trunk: Trunk) -> tuple[SideSlot, ...]:
-    """One side slot per `lightning_par.nn.MoE` layer inside the trunk: ``moe_loss(model)`` (and a model logging
-    routing statistics) reads what every layer stored on itself, so it travels down the pipeline like router logits.
-
-    Raises:
-        PipelineError: such a layer outside the trunk (the last stage could not read a first-stage layer's loss).
-    """
-    slots = []
-    for name, m in module.named_modules():
-        block = next((i for i, b in enumerate(trunk.names) if name.startswith(b + ".")), None)
-        if not isinstance(m, MoE) or (block is None and not (m.aux_loss_coef or m.z_loss_coef)):
-            continue
-        if block is None:
-            raise PipelineError(
-                f"{name} adds a load-balancing / z-loss but runs outside the trunk's blocks ({trunk.path}), where a "
-                "pipeline cannot carry it to the loss; move the MoE layer into a block, set aux_loss_coef=0 and "
-                "z_loss_coef=0, or train without pipeline parallelism (strategy='moe' or 'zero3')"
-            )
-        slots.append(SideSlot(block, name[len(trunk.names[block]) + 1 :], 0, name, None, kind="moe_loss"))
-    return tuple(slots)
-
-
-def _side_slots(uses: _Uses, trunk: Trunk) -> tuple[SideSlot, ...]:
-    """The side outputs the stages carry, in the order they were made. (What code after the trunk reads and the
-    stages cannot carry, a block's own output or a value computed between blocks, rules out the cuts before it:
-    `lightning_par.parallel.pipeline.cuts`.)"""
-    order = {k: n for n, k in enumerate(uses.made)}
-    slots: dict[tuple[int, str, int], SideSlot] = {}
-    first_use = {tid: producer for tid, producer, _ in reversed(uses.side)}
-    for tid in sorted(first_use, key=order.__getitem__):
-        block, path, leaf, spec = uses.returned_by[tid]
-        name = f"{trunk.names[block]}.{path}"
-        if (block, path, leaf) in slots:
-            raise PipelineError(
-                f"{name} runs more than once in one forward and code after the trunk ({trunk.path}) reads what it "
-                "returns each time; a pipeline replays one call per producer on the stages that do not run it. "
-                "Train this model without pipeline parallelism (e.g. strategy='moe' or 'zero3'), or turn that "
-                "output off in the model's config (e.g. output_router_logits=False)"
-            )
-        slots[(block, path, leaf)] = SideSlot(block, path, leaf, name, spec)
-    return tuple(sorted(slots.values(), key=lambda s: s.block))  # stable: within a block, the order made
+    # What a block returns besides the hidden state, and first-stage outputs, read past a stage boundary.
+    carried = carried_slots(trunk, uses.cuts.returned_reads, uses.cuts.carried_reads, [n for n, _ in units])
+    sides += moe_loss_slots(module, trunk) + carried
+    return Ownership(pre, post, _tied(module, pre, post), "probe", sides=sides, cut_conflicts=conflicts,
+                     reshaped=reshaped)  # fmt: skip
 
 
 def _probe_holder(module: nn.Module, trunk: Trunk, units: Units, reason: str) -> _Uses | str:

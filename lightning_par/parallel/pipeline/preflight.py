@@ -21,7 +21,8 @@ Shape = tuple[int, ...]
 def preflight(
     model: PipelineModel, shapes: list[Shape], dtype: torch.dtype, group: dist.ProcessGroup
 ) -> dict[int, tuple[Shape, torch.dtype]]:
-    """Run this rank's stages once, without gradients, on zeros of the shape each receives, to its last block.
+    """Run every stage once, in stage order, without gradients, on zeros of the shapes it receives (the hidden state,
+    and the side tensors the stages before it measured), to its last block.
 
     Args:
         model: the cut model.
@@ -38,29 +39,40 @@ def preflight(
     """
     device = model.device
     found: dict[int, tuple[Shape, torch.dtype]] = {}
-    failed = ""
-    with model.shape_pass(), torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        for mod in model.stage_modules():
-            received = torch.zeros(shapes[mod.spec.start], dtype=dtype, device=device)
+    carrier = model.sides
+    mine = {mod.spec.index: mod for mod in model.stage_modules()}
+    # Stage by stage, so that each receives zeros of the side tensors its predecessor measured (a bias split by tp
+    # heads has this rank's shape, not the whole model's): one gather of what each stage measured per stage.
+    for index in range(model.n_stages):
+        made: dict[int, tuple[Shape, torch.dtype]] = {}
+        failed = ""
+        mod = mine.get(index)
+        if mod is not None:
+            spec = mod.spec
+            received = torch.zeros(shapes[spec.start], dtype=dtype, device=device)
+            ins = carrier.before(spec.start) if carrier is not None and not spec.is_first else []
+            sides = [torch.zeros(found[k][0], dtype=found[k][1], device=device) for k in ins if k in found]
             try:
                 mb = torch.zeros(1, dtype=torch.long, device=device)
-                found.update(mod(*(() if mod.spec.is_first else (received,)), mb=mb))
+                with model.shape_pass(), torch.no_grad(), \
+                        torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # fmt: skip
+                    made = mod(*(() if spec.is_first else (received, *sides)), mb=mb)
             except Exception as err:  # one message for the whole group, below
                 names = model.trunk.names
-                failed = (f"stage {mod.spec.index} ({names[mod.spec.start]} .. {names[mod.spec.end - 1]}, "
-                          f"receiving {tuple(received.shape)}) fails: {type(err).__name__}: {err}")  # fmt: skip
-                break
-    every: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, (found, failed), group=group)
-    if errors := [f for _, f in every if f]:
-        how = model.ownership.reason if model.ownership.source != "probe" else ""
-        fix = (f"the probe of the forward could not run ({how}): give the LightningModule an example_input_array "
-               "of a real input" if how else "train this model without pipeline parallelism (e.g. "
-               "strategy='zero3')")  # fmt: skip
-        raise PipelineError(f"the pipeline's pre-flight (each stage once on the shapes it receives) failed: "
-                            f"{errors[0]}; {fix}")  # fmt: skip
-    side = {k: v for d, _ in every for k, v in d.items()}
-    carrier = model.sides
+                failed = (f"stage {index} ({names[spec.start]} .. {names[spec.end - 1]}, receiving "
+                          f"{tuple(received.shape)}) fails: {type(err).__name__}: {err}")  # fmt: skip
+        every: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, (made, failed), group=group)
+        if errors := [f for _, f in every if f]:
+            how = model.ownership.reason if model.ownership.source != "probe" else ""
+            fix = (f"the probe of the forward could not run ({how}): give the LightningModule an example_input_array "
+                   "of a real input" if how else "train this model without pipeline parallelism (e.g. "
+                   "strategy='zero3')")  # fmt: skip
+            raise PipelineError(f"the pipeline's pre-flight (each stage once on the shapes it receives) failed: "
+                                f"{errors[0]}; {fix}")  # fmt: skip
+        for d, _ in every:
+            found.update(d)
+    side = found
     missing = [carrier.slots[k].name for k in range(len(carrier.slots)) if k not in side] if carrier else []
     if missing:
         raise PipelineError(

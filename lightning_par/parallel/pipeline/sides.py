@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Iterator, Sequence
+from functools import partial
 from typing import Any, Optional, cast
 
 import torch
@@ -40,7 +41,7 @@ from lightning_par import _compat
 from lightning_par.blocks.trunk import Trunk
 from lightning_par.nn.moe import MoE
 from lightning_par.parallel.pipeline.meta import meta_copy
-from lightning_par.parallel.pipeline.owners import PipelineError, SideSlot
+from lightning_par.parallel.pipeline.slots import PipelineError, SideSlot
 
 Meta = tuple[tuple[int, ...], torch.dtype]
 
@@ -51,6 +52,7 @@ class _Run:
     end: int
     received: dict[int, Tensor]  # slot index -> tensor from the previous stage
     made: dict[int, Tensor] = dataclasses.field(default_factory=dict)
+    calls: dict[str, int] = dataclasses.field(default_factory=dict)  # first-stage module -> its calls so far
 
 
 class SideCarrier:
@@ -75,7 +77,7 @@ class SideCarrier:
         # A `lightning_par.nn.MoE` slot: where its received losses are set for moe_loss(model) to read (the layer
         # itself on a rank that holds the block, else a meta copy under the pass-through at the layer's path).
         self._moe_targets: dict[int, MoE] = {}
-        for key in dict.fromkeys((s.block, s.path) for s in self.slots):
+        for key in dict.fromkeys((s.block, s.path) for s in self.slots if s.kind in ("output", "moe_loss")):
             block, path = key
             original = trunk.blocks[block].get_submodule(path)
             moe = [k for k, s in enumerate(self.slots) if (s.block, s.path) == key and s.kind == "moe_loss"]
@@ -99,8 +101,58 @@ class SideCarrier:
                 _attach(passthroughs[block], path, stand_in)
 
     def before(self, end: int) -> list[int]:
-        """Indices of the slots made by blocks before ``end``: what a stage ending (starting) there sends (receives)."""
-        return [k for k, s in enumerate(self.slots) if s.block < end]
+        """Indices of the slots a stage ending (starting) at block ``end`` sends (receives): those made by blocks
+        before ``end``, what block ``end - 1`` returns besides the hidden state, and the first-stage outputs."""
+        return [k for k, s in enumerate(self.slots) if _crosses(s, end)]
+
+    def hook_first_stage(self, root: nn.Module) -> None:
+        """Carry the first-stage modules' outputs (``"before"`` slots): on the first stage a hook on each module
+        keeps what it returned; on a later stage the same hook (on the module, or on its stand-in where this rank
+        does not hold it) replaces that output by the one received, so the code after it computes with the first
+        stage's values. Call once the stand-ins are in place."""
+        for path in dict.fromkeys(s.path for s in self.slots if s.kind == "before"):
+            root.get_submodule(path).register_forward_pre_hook(partial(self._count_call, path))
+        for k, slot in enumerate(self.slots):
+            if slot.kind == "before":
+                root.get_submodule(slot.path).register_forward_hook(partial(self._first_stage_output, k, slot))
+
+    def _count_call(self, path: str, _m: nn.Module, _a: Any) -> None:
+        if self._run is not None:  # which call of the module this is, in this run of the stage
+            self._run.calls[path] = self._run.calls.get(path, -1) + 1
+
+    def _first_stage_output(self, k: int, slot: SideSlot, _m: nn.Module, _a: Any, out: Any) -> Any:
+        run = self._run
+        if run is None or run.calls.get(slot.path) != slot.call:
+            return None
+        leaves, spec = ([out], None) if isinstance(out, Tensor) else _compat.tree_flatten(out)
+        if run.start == 0:
+            run.made[k] = leaves[slot.leaf]
+            return None
+        if k not in run.received:
+            return None
+        leaves = [*leaves[: slot.leaf], run.received[k], *leaves[slot.leaf + 1 :]]
+        return leaves[0] if spec is None else _compat.tree_unflatten(leaves, spec)
+
+    def record_returned(self, block: int, out: Any) -> None:
+        """The stage's last block ``block`` returned ``out``: keep the tensors besides the hidden state it sends."""
+        run = self._run
+        if run is None:
+            return
+        leaves = _compat.tree_flatten(out)[0]
+        for k, slot in enumerate(self.slots):
+            if slot.kind == "returned" and slot.block == block and isinstance(leaves[slot.leaf], Tensor):
+                run.made[k] = leaves[slot.leaf]
+
+    def returned(self, block: int, out: Any) -> Any:
+        """What the stand-in for ``block`` (the block before this stage) returns: ``out`` with the tensors it
+        returned besides the hidden state replaced by those received."""
+        run = self._run
+        mine = {s.leaf: k for k, s in enumerate(self.slots) if s.kind == "returned" and s.block == block}
+        if run is None or not mine or not isinstance(out, (tuple, list)):
+            return out
+        leaves, spec = _compat.tree_flatten(out)
+        leaves = [run.received[mine[j]] if j in mine and mine[j] in run.received else t for j, t in enumerate(leaves)]
+        return _compat.tree_unflatten(leaves, spec)
 
     # ---- one run of a stage ----------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -122,7 +174,9 @@ class SideCarrier:
         assert run is not None
         out = []
         for k in self.before(end):
-            t = run.received.get(k) if self.slots[k].block < run.start else run.made.get(k)
+            slot = self.slots[k]
+            received = run.start > 0 if slot.kind == "before" else slot.block < run.start
+            t = run.received.get(k) if received else run.made.get(k)
             if t is None:
                 raise PipelineError(
                     f"{self.slots[k].name} did not run for this microbatch, but code after the trunk read what it "
@@ -201,6 +255,15 @@ def unpack_moe(layer: MoE, carried: Tensor) -> None:
     per-token statistics (``expert_index``, ``kept``) stay on the stage that routed the tokens."""
     layer.aux_loss, layer.z_loss = carried[0], carried[1]
     layer.stats = {"tokens_per_expert": carried[3:].detach(), "dropped_fraction": carried[2].detach()}
+
+
+def _crosses(slot: SideSlot, end: int) -> bool:
+    """Whether ``slot`` crosses the stage boundary before block ``end`` (`SideCarrier.before`)."""
+    if slot.kind == "before":
+        return end > 0
+    if slot.kind == "returned":
+        return slot.block == end - 1
+    return slot.block < end
 
 
 def _n_leaves(spec: Any) -> int:

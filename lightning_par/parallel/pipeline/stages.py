@@ -197,8 +197,11 @@ class PipelineModel:
             i: MetaOutputs(passthroughs[i]._original if i in passthroughs else meta_copy(trunk.blocks[i]), device)
             for i in own.reshaped
         }
-        # Tensors modules inside the trunk return and code after it reads travel with the hidden state.
-        self.sides = SideCarrier(own.sides, trunk, owned_idx, dict(passthroughs)) if own.sides else None
+        # Tensors modules inside the trunk return and code after it reads travel with the hidden state, and so do
+        # what a boundary's last block returns besides it and first-stage outputs read later (`pipeline.slots`).
+        bounds = {start - 1 for start, _ in ranges[1:]}
+        slots = [s for s in own.sides if s.kind != "returned" or s.block in bounds]
+        self.sides = SideCarrier(slots, trunk, owned_idx, dict(passthroughs)) if slots else None
         self.pre = dict(own.pre) if self.owns_first else {}
         self.post = dict(own.post) if self.owns_last else {}
         # A unit of both ends (an embedding used as the head) stays whole wherever either end runs.
@@ -210,6 +213,8 @@ class PipelineModel:
                     stand_in = shadow(m, name, before=before, device=device, why=own.why(before),
                                       in_trunk=self._in_trunk)  # fmt: skip
                     _replace(module, name, stand_in)
+        if self.sides is not None:
+            self.sides.hook_first_stage(module)
 
     def running_span(self) -> Optional[tuple[int, int]]:
         """The trunk blocks ``range(start, end)`` the stage now running computes (``None`` outside a stage run):
@@ -295,7 +300,9 @@ class PipelineModel:
             # Its values are never read (the cut rule), only its structure, shapes and plain values (Swin's next
             # input dimensions); the hidden state is handed on as it is until the stage's first block swaps it.
             stand_in = self._stand_ins.get(i)
-            return args[0] if stand_in is None else stand_in(args, kwargs, keep=args[0])
+            out = args[0] if stand_in is None else stand_in(args, kwargs, keep=args[0])
+            # The block before this stage: what it returned besides the hidden state, as received.
+            return self.sides.returned(i, out) if self.sides is not None and i == spec.start - 1 else out
         if i >= spec.end or forward is None:
             raise PipelineError(f"{name} ran after stage {spec.index} ended; the trunk's blocks must run in order")
         if i == spec.start and active.incoming is not None:
@@ -345,6 +352,8 @@ class PipelineModel:
                 f"block {self.trunk.names[spec.end - 1]} returned {type(hidden).__name__}; trunk blocks must "
                 "return the hidden state (alone or first in a tuple)"
             )
+        if self.sides is not None:
+            self.sides.record_returned(spec.end - 1, output)
         if measure:
             return self.sides.measured() if self.sides is not None else {}
         # One dtype on the wire: the receiving stage allocated its buffer from the probed trunk input. Contiguous: a

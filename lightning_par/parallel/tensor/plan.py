@@ -19,7 +19,7 @@ from lightning_par.blocks.trunk import Trunk, find_trunk
 from lightning_par.parallel.experts.finder import find_moe_layers
 from lightning_par.parallel.tensor.mha import add_to_plan, check_pairs, splittable
 from lightning_par.parallel.tensor.plan_affine import affine, affine_modules
-from lightning_par.parallel.tensor.plan_pairs import _in, _Inference, _outer_roles, _Region
+from lightning_par.parallel.tensor.plan_pairs import _in, _Inference, _outer_roles, _Region, head_params
 from lightning_par.parallel.tensor.plan_types import (
     _ALLOWED,
     _SPARE,
@@ -262,7 +262,7 @@ def _infer_group(
             gated = len(r.ins) == 2 or bool(r.mlp_fused)
             mlps[key if key not in mlps else inf.pat(r.out)] = MLPInfo(r.hidden, gated, projs, region, r.mlp_fused)
     shapes = {inf.pat(n): s for n, m in kept.items() if (s := _shape(m)) is not None}
-    _head_params(inf, regions, heads)
+    head_params(inf, regions, heads)
     chunked, inplace = inf.output_uses()
     # torch's nn.MultiheadAttention: its packed q/k/v is no Linear the probe sees (parallel/tensor/mha.py).
     add_to_plan(kept, inf.pat, styles, heads, shapes)
@@ -313,26 +313,6 @@ def _check_split_norms(
                 f"tp_plan[{norm!r}] = {style!r} applies only to a norm that reads a column-split projection, which "
                 f"{norm} does not; map it to 'sequence_parallel' or 'replicate'"
             )
-
-
-def _head_params(inf: _Inference, regions: list[_Region], heads: dict[str, HeadInfo]) -> None:
-    """Record each attention's own per-head parameters (leading dim = its query heads: GPT-OSS's ``sinks``) and its
-    per-head tables (an ``nn.Embedding`` child with one column per query head: T5's relative position bias)."""
-    for key, head in list(heads.items()):
-        r = next((r for r in regions if r.head is head), None)
-        if r is None:
-            continue
-        attn = inf.mods[r.parent]
-        own = attn.named_parameters(recurse=False)
-        at = f"{r.parent}." if r.parent else ""
-        found = tuple(inf.pat(at + n) for n, p in own if p.dim() and p.shape[0] == head.n_heads)
-        tables = tuple(
-            inf.pat(at + n)
-            for n, m in attn.named_children()
-            if isinstance(m, nn.Embedding) and m.embedding_dim == head.n_heads != head.head_dim
-        )
-        if found or tables:
-            heads[key] = dataclasses.replace(head, head_params=found, head_tables=tables)
 
 
 def _block_styles(

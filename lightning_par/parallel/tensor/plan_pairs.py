@@ -374,3 +374,23 @@ def _outer_roles(tr: _Trace, sh: dict[str, ModuleShape]) -> tuple[int | None, st
     norms = [n for n in after[: after.index(output) if output else None] if sh[n].kind == "norm"]
     norms = [n for n in norms if sh[n].in_dim == tr.hidden]
     return vocab, embeds[0] if embeds else None, output, norms[-1] if norms else None
+
+
+def head_params(inf: _Inference, regions: list[_Region], heads: dict[str, HeadInfo]) -> None:
+    """Record each attention's own per-head parameters (leading dim = its query heads: GPT-OSS's ``sinks``) and its
+    per-head tables (an ``nn.Embedding`` child with one column per query head: T5's relative position bias)."""
+    for key, head in list(heads.items()):
+        r = next((r for r in regions if r.head is head), None)
+        if r is None:
+            continue
+        attn = inf.mods[r.parent]
+        own = attn.named_parameters(recurse=False)
+        at = f"{r.parent}." if r.parent else ""
+        found = tuple(inf.pat(at + n) for n, p in own if p.dim() and p.shape[0] == head.n_heads)
+        tables = tuple(
+            inf.pat(at + n)
+            for n, m in attn.named_children()
+            if isinstance(m, nn.Embedding) and m.embedding_dim == head.n_heads != head.head_dim
+        )
+        if found or tables:
+            heads[key] = dataclasses.replace(head, head_params=found, head_tables=tables)

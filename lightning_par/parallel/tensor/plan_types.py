@@ -51,12 +51,12 @@ class HeadInfo:
             replicated DTensor for all of them (gathered along the sequence under SP).
         head_params: patterns of the attention module's own parameters with one entry per query head along dim
             0 (GPT-OSS's ``sinks``): split with the heads, so each rank holds its heads' entries.
-        head_tables: patterns of ``nn.Embedding``s inside the attention whose ``embedding_dim`` is its query head
-            count (T5's ``relative_attention_bias``, one column per head): split by columns with the heads, so
-            the bias they make, and that later blocks receive with the hidden state, holds this rank's heads.
         latent: multi-head latent attention (DeepSeek-V2/V3): the low-rank projections (``kv_a_proj_with_mqa``,
             ``q_a_proj``) and the norms on their outputs, replicated on every rank inside the split region.
         latent_readers: the column-split projections that read a latent (``kv_b_proj``, ``q_b_proj``).
+        head_tables: patterns of ``nn.Embedding``s inside the attention whose ``embedding_dim`` is its query head
+            count (T5's ``relative_attention_bias``, one column per head): split by columns with the heads, so
+            the bias they make, and that later blocks receive with the hidden state, holds this rank's heads.
     """
 
     n_heads: int
@@ -69,8 +69,8 @@ class HeadInfo:
     region: str = ""
     head_params: tuple[str, ...] = ()
     latent: tuple[str, ...] = ()
-    head_tables: tuple[str, ...] = ()
     latent_readers: tuple[str, ...] = ()
+    head_tables: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
