@@ -408,6 +408,7 @@ MODELS: dict[str, Any] = _Models({
     "user_alternating": lambda: _tp_mixed_models().AlternatingLM(),
     "user_inner_norm": lambda: _tp_mixed_models().AlternatingLM(inner=True),  # norms inside the regions
     "user_rel_bias": lambda: _rel_bias_models().RelBiasLM(),  # a per-head bias table, its bias passed on
+    "user_post_norm": lambda: _tp_mixed_models().PostNormLM(),  # residual + norm inside the attention module
     "user_lora": lambda: _lora_models().UserLoRALM(),  # a user's LoRA wrappers on every projection
     "peft_llama": lambda: _lora_models().PeftLlama(),  # peft.get_peft_model(LoRA) on Hugging Face Llama
     "peft_llama_dora": lambda: _lora_models().PeftLlama(dora=True),  # DoRA: a magnitude vector per projection

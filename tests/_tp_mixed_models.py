@@ -77,3 +77,40 @@ class AlternatingLM(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
+
+
+class _PostNormAttention(nn.Module):
+    """Attention whose module ends with its own residual add and norm (BERT/ALBERT post-norm, written in one
+    module, as users do)."""
+
+    def __init__(self, dim: int, n_heads: int) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.q, self.k, self.v = nn.Linear(dim, dim), nn.Linear(dim, dim, bias=False), nn.Linear(dim, dim)
+        self.out, self.norm = nn.Linear(dim, dim), nn.LayerNorm(dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, _ = x.shape
+        q, k, v = (p(x).view(b, t, self.n_heads, -1).transpose(1, 2) for p in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, -1)
+        return self.norm(x + self.out(y))
+
+
+class PostNormBlock(nn.Module):
+    def __init__(self, dim: int = 32, n_heads: int = 4) -> None:
+        super().__init__()
+        self.attn = _PostNormAttention(dim, n_heads)
+        self.mlp = _FeedForward(dim, 4 * dim, nn.Identity())
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.attn(x)
+        return self.norm(x + self.mlp(x))
+
+
+class PostNormLM(AlternatingLM):
+    """Causal LM over bytes whose attention modules hold their residual add and post-norm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(PostNormBlock() for _ in range(2))

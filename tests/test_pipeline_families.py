@@ -87,7 +87,7 @@ JOBS_4: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 ALL = {**JOBS_2, **JOBS_3, **JOBS_4}
-REFUSED = ("skip_unet", "pyramid_unprobed", "zoo:dory")
+REFUSED = ("skip_unet", "pyramid_unprobed", "zoo:dory", "hf_albert")
 TIED = {"hf_gpt2", "gpt4_tied_sgd", "hf_qwen2_tied", "nano_gpt", "hf_t5", "hf_t5_4"}
 
 
@@ -112,7 +112,7 @@ def spawns(tmp_path_factory: pytest.TempPathFactory) -> Spawns:
                           for j in ALL.values()], nproc=1, timeout=900)  # fmt: skip
     # Last on 2 ranks, refused before the first step: a U-Net's skip connections cross every cut; a pyramid the
     # ownership probe could not run (8 tokens are too few for its merges), whose stages then fail in the pre-flight;
-    # Dory, which runs its layers again in one forward.
+    # Dory, which runs its layers again in one forward, and ALBERT, which calls its one layer at every depth.
     refused = [{"model": m, "strategy": {"pp": 2}, "dp": 1, "steps": 1, "expect_error": True} for m in REFUSED]
     got = run_jobs(tmp, [{**j, "dp": 1} for j in JOBS_2.values()] + _checkpoint_jobs(tmp) + refused, nproc=2,
                    timeout=900)  # fmt: skip
@@ -225,4 +225,13 @@ def test_a_trunk_run_again_in_one_forward_is_refused(spawns):
     assert "the forward calls the blocks of model.model.layers in the order [0, 1, 0, 1]: a block runs again" in (
         got["error"]
     )
+    assert "train this model without pipeline parallelism (e.g. strategy='zero3')" in got["error"]
+
+
+def test_one_layer_called_at_every_depth_is_refused_naming_the_order(spawns):
+    # ALBERT's trunk is one layer whose weights serve every depth: no cut between blocks exists, and the refusal
+    # (before the block count) says why and names a layout that trains it (tp and zero3 do: test_tp_families.py).
+    got = spawns[2]["hf_albert"]
+    assert got["losses"] == [] and got["error"] is not None
+    assert "in the order [0, 0, 0, 0]: a block runs again" in got["error"]
     assert "train this model without pipeline parallelism (e.g. strategy='zero3')" in got["error"]

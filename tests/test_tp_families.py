@@ -73,6 +73,11 @@ FAMILIES = {
     # hands on holds its heads (T5's decoder; the encoder, outside the trunk, runs whole; and a user's model).
     "hf_t5": {"model": "hf_t5"},
     "user_rel_bias": {"model": "user_rel_bias"},
+    # ALBERT: one layer's weights at every depth (a trunk of one block, called 4 times), and an attention module that
+    # adds its input back and normalises after its output projection: its input stays a plain tensor (each input
+    # projection reduces its own gradient) and sequence parallelism is off.
+    "hf_albert": {"model": "hf_albert"},
+    "user_post_norm": {"model": "user_post_norm"},  # the same attention module, in a user's model
     # A norm inside the experts of an MoE layer kept whole (Ergo's post_expert_norm): a replicated style with no
     # shape entry, which the divisibility check used to look up (KeyError before the first step).
     "hf_ergo": {"model": "zoo:ergo"},
@@ -107,6 +112,8 @@ SPLIT.update({
     "nano_lm": r"^h\.\d+\.(attn\.(c_attn|c_proj)|fc|proj)\.weight$|^h\.\d+\.(attn\.c_attn|fc)\.bias$",
     "hf_t5": r"\.decoder\.block\.\d+\.layer\.\d\.(SelfAttention\.[qkvo]|EncDecAttention\.[qkvo]|DenseReluDense\.w[io])"
     r"\.weight$|\.decoder\.block\.0\.layer\.0\.SelfAttention\.relative_attention_bias\.weight$",
+    "hf_albert": r"\.albert_layers\.0\.(attention\.(query|key|value|dense)|ffn|ffn_output)\.weight$|"
+    r"\.albert_layers\.0\.(attention\.(query|key|value)|ffn)\.bias$",
     "user_rel_bias": r"^blocks\.\d+\.(attn\.(q|k|v|out)|up|down)\.weight$|^blocks\.\d+\.(attn\.(q|v)|up)\.bias$|"
     r"^blocks\.0\.attn\.rel\.weight$",
 })  # fmt: skip
@@ -155,7 +162,7 @@ def test_family_matches_one_process(runs: dict[str, Any], name: str) -> None:
 def test_each_rank_holds_half_of_every_split_projection(runs: dict[str, Any], name: str) -> None:
     got = runs["tp"][name]
     split = [k for k in got["params"] if re.search(SPLIT[name], k)]
-    assert len(split) >= 8  # 2 blocks x (attention + MLP)
+    assert len(split) >= 8  # 2 blocks x (attention + MLP), or ALBERT's one layer with its biases
     expected = sum(t.numel() * 4 // (2 if k in split else 1) for k, t in got["params"].items())
     assert got["mem"]["params"] == expected
 

@@ -713,3 +713,25 @@ def test_norm_inside_a_region_runs_whole_not_on_the_stream() -> None:
         "layers.{0,2}.fn.norm": "replicate", "layers.{1,3}.fn.norm": "replicate"}  # fmt: skip
     assert {k: s for k, s in outer.styles.items() if k.endswith("norm")} == {
         "layers.{0,2}.norm": "sequence_parallel", "layers.{1,3}.norm": "sequence_parallel"}  # fmt: skip
+
+
+def test_a_region_whose_code_goes_on_after_its_output_projection_keeps_its_input_and_blocks_sp() -> None:
+    # ALBERT's attention (and a user's post-norm attention) adds its input back to its output projection's output
+    # and normalises, inside the module: made one replicated DTensor, that input would meet the plain output there.
+    from _families import HFAlbert
+    from _tp_mixed_models import PostNormLM
+
+    from lightning_par.blocks.trunk import find_trunk
+    from lightning_par.parallel.tensor.apply import sequence_parallel_blocker
+
+    albert = HFAlbert()
+    trunk = find_trunk(albert)  # one layer's weights at every depth: a trunk of one block
+    assert trunk is not None and trunk.names == ("model.albert.encoder.albert_layer_groups.0.albert_layers.0",)
+    plan = infer_tp_plan(albert)
+    assert plan.tails == ("model.albert.encoder.albert_layer_groups.0.albert_layers.*.attention",)
+    user = infer_tp_plan(PostNormLM())
+    assert user.tails == ("layers.*.attn",)
+    why = sequence_parallel_blocker(user, PostNormLM().layers[0])
+    assert why is not None and "layers.*.attn adds its own input back after its output projection" in why
+    # A pre-norm attention (the norm before the projections, or on the stream) has no tail.
+    assert infer_tp_plan(GPT()).tails == ()

@@ -107,9 +107,10 @@ def split_pipeline(
             measures times).
         timeout: collective timeout of the group that sums tied weights' gradients (default: the backend's).
     """
-    check_schedule(schedule, pp, microbatches, len(trunk.blocks))
-    # Decided on the whole model, before the cut: who runs before and after the trunk.
+    # Decided on the whole model, before the cut: who runs before and after the trunk (and whether a block runs
+    # again: one layer called at every depth, ALBERT's, is refused here with its reason, before the block count).
     own = find_ownership(module, trunk)
+    check_schedule(schedule, pp, microbatches, len(trunk.blocks))
     block_costs = list(costs) if costs is not None else param_costs(trunk.blocks)
     if len(block_costs) != len(trunk.blocks):
         raise PipelineError(f"pp_costs has {len(block_costs)} entries but the trunk has {len(trunk.blocks)} blocks")

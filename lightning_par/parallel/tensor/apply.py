@@ -97,6 +97,9 @@ def sequence_parallel_blocker(plan: TPPlan, block: nn.Module) -> str | None:
             return f"the input projections {where}, so their input cannot be gathered before their code runs"
     if any(True for _ in block.parameters(recurse=False)):
         return f"{type(block).__name__} owns parameters directly"
+    if plan.tails:
+        return (f"{plan.tails[0]} adds its own input back after its output projection (a residual inside the "
+                "module), so that input cannot be gathered along the sequence for its projections and kept local")
     if plan.whole:
         # Kept whole, it would route only this rank's tokens with plain parameters: gradients of part of the batch.
         return f"the mixture-of-experts layer {plan.whole[0]} is kept whole on every tp rank"
@@ -197,7 +200,9 @@ def _apply_blocks(
         **{h.region or k: h.projections for k, h in plan.heads.items()},
         **{m.region or k: m.projections for k, m in plan.mlps.items()},
     }
+    # A region whose code goes on after its output projection (`TPPlan.tails`) keeps its input as it is.
     split = {k for k, projs in projections.items() if any(plan.styles.get(p) in _SPLIT for p in projs)}
+    split -= set(plan.tails)
     regions = sorted(k[len(prefix) + 1 :] for k in split if k != prefix)
     kv = _replicated_kv(plan, prefix, tp, mesh.get_local_rank())
     counted = as_whole(plan)  # a gathered region's code keeps the global head counts and whole per-head parameters

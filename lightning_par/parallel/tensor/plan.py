@@ -112,6 +112,7 @@ def infer_tp_plan(model: nn.Module, *, overrides: dict[str, str] | None = None) 
     fused: set[str] = set()
     chunked: dict[str, tuple[int, ...]] = {}
     inplace: tuple[str, ...] = ()
+    tails: tuple[str, ...] = ()
     whole: dict[str, None] = {}
     for g in found:
         styles.update(g.styles)
@@ -125,6 +126,7 @@ def infer_tp_plan(model: nn.Module, *, overrides: dict[str, str] | None = None) 
         fused |= {k for m in g.mlps.values() for k in m.fused_split}
         chunked.update(g.chunked)
         inplace += g.inplace
+        tails += g.tails
         whole.update(dict.fromkeys(g.whole))
     shapes.update({n: s for n, m in outer.items() if (s := _shape(m)) is not None})
     inferred = dict(styles)
@@ -172,6 +174,7 @@ def infer_tp_plan(model: nn.Module, *, overrides: dict[str, str] | None = None) 
         whole=tuple(whole),
         groups={p: tuple(trunk.names[i] for i in idx) for p, idx in groups.items()} if len(groups) > 1 else {},
         inplace=inplace,
+        tails=tails,
     )
 
 
@@ -211,6 +214,7 @@ class _Group:
     whole: tuple[str, ...]
     chunked: dict[str, tuple[int, ...]]  # projections whose output the probe saw split into parts -> their widths
     inplace: tuple[str, ...]  # projections whose output the code changes in place
+    tails: tuple[str, ...] = ()  # regions whose code reads their output projection's output (`TPPlan.tails`)
 
 
 def _moe_layers(model: nn.Module, block_name: str) -> tuple[str, ...]:
@@ -267,7 +271,11 @@ def _infer_group(
     # torch's nn.MultiheadAttention: its packed q/k/v is no Linear the probe sees (parallel/tensor/mha.py).
     add_to_plan(kept, inf.pat, styles, heads, shapes)
     notes += [f"kept whole (mixture of experts): {inf.pat(w)}" for w in whole]
-    return _Group(got, traced, styles, heads, mlps, shapes, split_norms, inf.problems, notes, whole, chunked, inplace)
+    # A module of the region reading its output projection's output: the region's code goes on after it.
+    tails = tuple(inf.pat(r.module) for r in regions if r.module and any(
+        n.startswith(r.module + ".") and r.out in src for n, src in inf.tr.producers.items()))  # fmt: skip
+    return _Group(got, traced, styles, heads, mlps, shapes, split_norms, inf.problems, notes, whole, chunked, inplace,
+                  tails)  # fmt: skip
 
 
 def _split_norm(

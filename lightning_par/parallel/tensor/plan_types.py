@@ -106,6 +106,10 @@ class TPPlan:
         gathered: attentions / MLPs (keys of ``heads`` / ``mlps``) whose code sizes its tensors from the full width
             (nanoGPT's ``split(C)``): their projections stay split, the code between them runs on the gathered
             outputs (`lightning_par.parallel.tensor.full_width`); set by the check before training.
+        tails: attention / MLP modules whose own code continues after their output projection (ALBERT's attention
+            adds its input back and normalises): their input is not made one replicated DTensor for the input
+            projections (the residual add would meet it), each input projection reduces its own input gradient,
+            and sequence parallelism is off.
     """
 
     trunk: str
@@ -126,6 +130,7 @@ class TPPlan:
     groups: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     inplace: tuple[str, ...] = ()
     gathered: tuple[str, ...] = ()
+    tails: tuple[str, ...] = ()
 
     @property
     def fused_split(self) -> dict[str, tuple[int, ...]]:
@@ -186,7 +191,7 @@ def _regroup(plan: TPPlan, prefix: str, names: tuple[str, ...]) -> TPPlan:
         plan, first_block=names[0], n_blocks=len(names), styles={key(k): s for k, s in plan.styles.items() if mine(k)},
         heads=heads, mlps=mlps, shapes={key(k): s for k, s in plan.shapes.items() if mine(k)}, groups={},
         inplace=tuple(key(k) for k in plan.inplace if mine(k)),
-        gathered=tuple(key(k) for k in plan.gathered if mine(k)),
+        gathered=tuple(key(k) for k in plan.gathered if mine(k)), tails=tuple(key(k) for k in plan.tails if mine(k)),
     )  # fmt: skip
 
 
