@@ -735,3 +735,70 @@ def test_a_region_whose_code_goes_on_after_its_output_projection_keeps_its_input
     assert why is not None and "layers.*.attn adds its own input back after its output projection" in why
     # A pre-norm attention (the norm before the projections, or on the stream) has no tail.
     assert infer_tp_plan(GPT()).tails == ()
+
+
+class _NormedRegroupAttn(nn.Module):
+    """A full-width q norm (as OLMoE's, split 'colwise_norm' under tp) and code that regroups its heads by a constant
+    of its own (as CodeGen's ``mp_num``): each rank's shapes are consistent, its values are not."""
+
+    def __init__(self, dim: int = 32, n_heads: int = 4) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.q_norm = nn.RMSNorm(dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, _ = x.shape
+        q = self.q_norm(self.q(x)).view(b, t, 2, self.n_heads // 2, -1).transpose(2, 3).reshape(b, t, self.n_heads, -1)
+        k, v = (p(x).view(b, t, self.n_heads, -1) for p in (self.k, self.v))
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class _NormedBlock(nn.Module):
+    def __init__(self, regroup: bool) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(32)
+        self.attn = _NormedRegroupAttn()
+        if not regroup:
+            self.attn.forward = self._plain  # type: ignore[method-assign]
+
+    def _plain(self, x: Tensor) -> Tensor:
+        a, (b, t, _) = self.attn, x.shape
+        q, k, v = (t_.view(b, t, a.n_heads, -1).transpose(1, 2) for t_ in (a.q_norm(a.q(x)), a.k(x), a.v(x)))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return a.o(y.transpose(1, 2).reshape(b, t, -1))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.attn(self.ln(x))
+
+
+class _NormedLM(nn.Module):
+    def __init__(self, regroup: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.head = nn.Embedding(256, 32), nn.Linear(32, 256)
+        self.blocks = nn.ModuleList(_NormedBlock(regroup) for _ in range(2))
+
+    def forward(self, idx: Tensor) -> Tensor:
+        h = self.emb(idx)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def test_the_value_check_runs_on_plans_with_a_full_width_norm() -> None:
+    # Once skipped for any plan with a 'colwise_norm' (a rank's copy cannot reduce the norm's statistics over tp):
+    # a head regrouping by a constant, beside such a norm, trained silently wrong. Each rank's copy now takes its
+    # slice of the whole norm's output and the rest of the block is checked on real values.
+    from lightning_par.parallel.tensor.check import check_local_shapes
+
+    plain = _NormedLM(regroup=False)
+    plan = infer_tp_plan(plain)
+    assert plan.styles["blocks.*.attn.q_norm"] == "colwise_norm"
+    assert check_local_shapes(plain, plan, 2).gathered == ()  # exact: no refusal, no fallback
+    wrong = _NormedLM(regroup=True)
+    plan = infer_tp_plan(wrong)
+    assert plan.styles["blocks.*.attn.q_norm"] == "colwise_norm"
+    with pytest.raises(TPPlanError, match=r"blocks\.0 .*differ|differ.*blocks\.0|blocks\.0\.attn"):
+        check_local_shapes(wrong, plan, 2)

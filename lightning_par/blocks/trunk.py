@@ -36,6 +36,16 @@ def _numel(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
+def _one_block(child: nn.Module, total: int) -> bool:
+    # A block of its own: composite, with matrices (not a lone norm), holding a quarter of the model or more.
+    return (
+        not isinstance(child, _CONTAINERS)
+        and any(True for _ in child.children())
+        and any(p.dim() >= 2 for p in child.parameters())
+        and 4 * _numel(child) >= total
+    )
+
+
 def find_trunk(model: nn.Module) -> Trunk | None:
     """Return the model's trunk, or ``None`` when it has no container of >= 2 same-class blocks and none of one
     composite block (the trunk of a one-layer model, or of a model that calls one layer at every depth).
@@ -45,11 +55,12 @@ def find_trunk(model: nn.Module) -> Trunk | None:
     """
     best: tuple[tuple[bool, int], Trunk] | None = None
     single: tuple[int, Trunk] | None = None
+    total = _numel(model)
     for path, container in model.named_modules():
         if not isinstance(container, _CONTAINERS):
             continue
         children = list(container.named_children())
-        if len(children) == 1 and not isinstance(children[0][1], _CONTAINERS) and any(children[0][1].children()):
+        if len(children) == 1 and _one_block(children[0][1], total):
             # One composite block: a model of one layer, or one layer's weights called at every depth (ALBERT).
             # The innermost such container wins a tie (ALBERT's layer, not the group around it).
             name, child = children[0]

@@ -92,6 +92,8 @@ def rank_copy(block: nn.Module, plan: TPPlan, tp: int, rank: int) -> nn.Module:
         if isinstance(w := getattr(mod, leaf, None), torch.Tensor):
             per = w.shape[0] // tp
             setattr(mod, leaf, nn.Parameter(w.detach().narrow(0, rank * per, per), requires_grad=False))
+            if isinstance(getattr(mod, "normalized_shape", None), tuple) and leaf == "weight":
+                mod.normalized_shape = (per,)  # torch's own norms check the weight against it
     _set_local_head_counts([local], plan, prefix, tp)
     return local
 
@@ -159,11 +161,9 @@ def check_values(
     params = [*block.parameters(), *block.buffers()]
     if not outs or any(p.is_meta for p in params) or any(p.is_complex() for p in params):
         return  # nothing to sum, or no values to compare (meta-device construction)
-    if "colwise_norm" in plan.styles.values():
-        # A norm over a split projection's whole width (OLMoE's q_norm) reduces its statistics over tp, which a
-        # rank's copy alone cannot: its values would differ from the whole block's on any input whose positions
-        # differ. The shape check still runs; the parity tests cover these plans (tests/test_tp_heads.py).
-        return
+    # A norm over a split projection's whole width (OLMoE's q_norm) reduces its statistics over tp, which a rank's
+    # copy alone cannot: there the copy takes its slice of the whole block's norm output (what the reduction gives).
+    norms = [k[len(prefix) + 1 :] for k, s in plan.styles.items() if s == "colwise_norm" and k.startswith(prefix + ".")]
 
     def fp32(x: Any) -> Any:
         return x.float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
@@ -171,13 +171,15 @@ def check_values(
     # torch's nn.MultiheadAttention also returns attention weights over all heads: on a rank's copy they are its
     # heads' share (parallel/tensor/mha.py), summed over the ranks like a row-split output.
     mhas = [rel for rel in _split(plan, block) if isinstance(block.get_submodule(rel), nn.MultiheadAttention)]
-    whole_seen: dict[str, list[torch.Tensor]] = {k: [] for k in [*outs, *mhas]}
+    whole_seen: dict[str, list[torch.Tensor]] = {k: [] for k in [*outs, *mhas, *norms]}
     try:
         whole = copy.deepcopy(block).eval().float()
         hooks = [_seen(whole, k).register_forward_hook(
             lambda m, a, o, k=k: whole_seen[k].append(_first(o).detach().clone())) for k in outs]  # fmt: skip
         hooks += [whole.get_submodule(k).register_forward_hook(
             lambda m, a, o, k=k: whole_seen[k].extend(o[1:2] if o[1] is not None else ())) for k in mhas]  # fmt: skip
+        hooks += [whole.get_submodule(k).register_forward_hook(
+            lambda m, a, o, k=k: whole_seen[k].append(o.detach().clone())) for k in norms]  # fmt: skip
         with torch.no_grad():
             args, kwargs = _compat.tree_map_only(torch.Tensor, fp32, copy.deepcopy(captured))
             want = whole(*args, **kwargs)
@@ -193,6 +195,8 @@ def check_values(
             local.get_submodule(k).register_forward_hook(_Reduced(partial[k], whole_seen[k], k))
         for k in mhas:
             local.get_submodule(k).register_forward_hook(_Reduced(partial[k], whole_seen[k], k, weights=True))
+        for k in norms:
+            local.get_submodule(k).register_forward_hook(_NormSlice(whole_seen[k], tp, rank))
         try:
             with torch.no_grad():
                 mine = rank_inputs(copy.deepcopy(captured), per_head, tp, rank)
@@ -251,6 +255,24 @@ class _Reduced:
         self.sums[i] += part
         whole = self.whole[i].clone()  # the code may change it in place (Falcon: mlp_output += attn)
         return (out[0], whole) if self.weights else whole
+
+
+class _NormSlice:
+    """Forward hook of a ``colwise_norm`` in a rank's copy: hands on this rank's slice of the whole block's norm
+    output of each call (what the mean of squares reduced over tp gives it), when the shapes say it holds a slice."""
+
+    def __init__(self, whole: list[torch.Tensor], tp: int, rank: int) -> None:
+        self.whole, self.tp, self.rank, self.calls = whole, tp, rank, 0
+
+    def __call__(self, mod: nn.Module, args: Any, out: Any) -> Any:
+        i, self.calls = self.calls, self.calls + 1
+        if i >= len(self.whole) or not isinstance(out, torch.Tensor):
+            return None
+        whole = self.whole[i]
+        per = out.shape[-1]
+        if per * self.tp != whole.shape[-1] or out.shape[:-1] != whole.shape[:-1]:
+            return None
+        return whole.narrow(-1, self.rank * per, per).to(out.dtype)
 
 
 class ValuesDiffer(TPPlanError):
