@@ -13,7 +13,10 @@ is compared with the same model trained in one process (the test suite's machine
 - ``crash``: any other error, or one after training started;
 - ``mismatch``: trained, but not like one process (the worst: a silently different result);
 - ``ill-conditioned``: a data-parallel mismatch that Lightning's own ``ddp`` shows as well (the model amplifies the
-  rounding of summing two half batches; not a difference lightning_par makes).
+  rounding of summing two half batches; not a difference lightning_par makes);
+- ``microbatch rounding``: a ``pipe`` mismatch against one process that is parity against one process accumulating
+  the pipeline's microbatches (the same samples, each microbatch's gradient summed in the same order): the order of
+  the sum, not a difference the pipeline makes.
 
     python tools/zoo.py                       # everything (hours on 2 cores)
     python tools/zoo.py --only llama,phi3     # some architectures
@@ -117,6 +120,14 @@ def sweep(names: list[str], dims: list[str], out: Path) -> dict[str, dict[str, A
                         (ddp,) = run_jobs(tmp, [{**job, "strategy": "ddp"}], nproc=2, timeout=300)
                         if _outcome(ddp, ref) == "mismatch":
                             row[dim]["outcome"] = "ill-conditioned"
+                    if row[dim]["outcome"] == "mismatch" and dim == "pipe":
+                        # One process accumulating the pipeline's m = 2 x pp microbatches of B/m: the same sums of
+                        # gradients in the same order (tests/test_pipeline_aux.py's reference).
+                        m = 2 * DIMS["pipe"]["pp"]
+                        micro = {**reference_job({"model": model}), "global_batch": 8 // m, "accumulate": m}
+                        (mref,) = run_jobs(tmp, [micro], nproc=1, timeout=300)
+                        if _outcome(got, mref) == "parity":
+                            row[dim]["outcome"] = "microbatch rounding"
                 except AssertionError as err:  # the spawn itself failed: a crash
                     row[dim] = {"outcome": "crash", "error": str(err)[-400:]}
         row["seconds"] = round(time.perf_counter() - start, 1)
