@@ -259,6 +259,25 @@ class HFT5(_CausalLM):
         return self.model(input_ids=idx, decoder_input_ids=idx).logits
 
 
+class HFBart(_CausalLM):
+    """Hugging Face ``BartForConditionalGeneration``: an encoder and a decoder stack (learned positions, post-norm,
+    a tied embedding); every decoder layer's cross-attention reads the encoder's output."""
+
+    def __init__(self, layers: int = 2) -> None:
+        super().__init__()
+        from transformers import BartConfig, BartForConditionalGeneration
+
+        config = BartConfig(vocab_size=256, d_model=32, encoder_layers=2, decoder_layers=layers,
+                            encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                            decoder_ffn_dim=64, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
+                            activation_dropout=0.0, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+                            decoder_start_token_id=2, forced_eos_token_id=None)  # fmt: skip
+        self.model = BartForConditionalGeneration(config)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        return self.model(input_ids=idx, decoder_input_ids=idx).logits
+
+
 class HFFalconMQA(_CausalLM):
     """Hugging Face ``FalconForCausalLM``, multi-query: one fused ``query_key_value`` of 4 query heads then one key and
     one value head, viewed as ``(B, T, n_heads + 2, head_dim)``; parallel attention and MLP."""

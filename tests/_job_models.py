@@ -455,6 +455,7 @@ MODELS: dict[str, Any] = _Models({
     "pyramid_unprobed": lambda: _families().PyramidLM(example=False),  # no example_input_array: the probe fails
     "hf_t5": lambda: _families().HFT5(),  # encoder-decoder: the decoder reads the encoder's output
     "hf_t5_4": lambda: _families().HFT5(layers=4),  # 4 decoder blocks
+    "hf_bart": lambda: _families().HFBart(),  # encoder-decoder, post-norm, learned positions
     "nano_lm": lambda: _families().NanoLM(),  # sizes its split by x.size(-1): run on gathered outputs under tp
     # nanoGPT itself (its SDPA path; its manual attention with the causal-mask buffer), and with per-head q/k norms
     # (refused under tp: the norms would need the heads split).

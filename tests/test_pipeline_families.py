@@ -56,6 +56,8 @@ JOBS_2: dict[str, dict[str, Any]] = {
     "hf_t5": {"model": "hf_t5", "strategy": {"pp": 2}, "validate": True},
     "hf_t5_interleaved": {"model": "hf_t5_4", "strategy": {"pp": 2, "pp_schedule": "interleaved_1f1b"},
                           "validate": True},
+    # BART: the encoder's output (after its final layer norm, a first-stage module) read by every decoder layer.
+    "hf_bart": {"model": "hf_bart", "strategy": {"pp": 2}},
     # A user's model whose first block makes a relative-position bias it returns to the loop for the later blocks.
     "user_rel_bias": {"model": "user_rel_bias", "strategy": {"pp": 2}},
 }
@@ -88,7 +90,7 @@ JOBS_4: dict[str, dict[str, Any]] = {
 
 ALL = {**JOBS_2, **JOBS_3, **JOBS_4}
 REFUSED = ("skip_unet", "pyramid_unprobed", "zoo:dory", "hf_albert")
-TIED = {"hf_gpt2", "gpt4_tied_sgd", "hf_qwen2_tied", "nano_gpt", "hf_t5", "hf_t5_4"}
+TIED = {"hf_gpt2", "gpt4_tied_sgd", "hf_qwen2_tied", "nano_gpt", "hf_t5", "hf_t5_4", "hf_bart"}
 
 
 def _checkpoint_jobs(tmp: Path) -> list[dict[str, Any]]:

@@ -70,8 +70,10 @@ FAMILIES = {
     "hf_mpt": {"model": "zoo:mpt"},  # ALiBi too
     # A per-head table (one column per head) in the first block's attention makes a relative position bias that
     # every later block receives with the hidden state: the table is split with the heads, so the bias each rank
-    # hands on holds its heads (T5's decoder; the encoder, outside the trunk, runs whole; and a user's model).
+    # hands on holds its heads (T5's decoder, and its encoder, a second stack split by a plan of its own; and a
+    # user's model).
     "hf_t5": {"model": "hf_t5"},
+    "hf_bart": {"model": "hf_bart"},  # the decoder (the trunk) and the encoder (another stack) both split
     "user_rel_bias": {"model": "user_rel_bias"},
     # ALBERT: one layer's weights at every depth (a trunk of one block, called 4 times), and an attention module that
     # adds its input back and normalises after its output projection: its input stays a plain tensor (each input
@@ -110,8 +112,10 @@ SPLIT.update({
     "nano_gpt": r"\.h\.\d+\.(attn\.(c_attn|c_proj)|mlp\.(c_fc|c_proj))\.weight$|"
     r"\.h\.\d+\.(attn\.c_attn|mlp\.c_fc)\.bias$",
     "nano_lm": r"^h\.\d+\.(attn\.(c_attn|c_proj)|fc|proj)\.weight$|^h\.\d+\.(attn\.c_attn|fc)\.bias$",
-    "hf_t5": r"\.decoder\.block\.\d+\.layer\.\d\.(SelfAttention\.[qkvo]|EncDecAttention\.[qkvo]|DenseReluDense\.w[io])"
-    r"\.weight$|\.decoder\.block\.0\.layer\.0\.SelfAttention\.relative_attention_bias\.weight$",
+    "hf_t5": r"\.(en|de)coder\.block\.\d+\.layer\.\d\.(SelfAttention\.[qkvo]|EncDecAttention\.[qkvo]|"
+    r"DenseReluDense\.w[io])\.weight$|\.(en|de)coder\.block\.0\.layer\.0\.SelfAttention\.relative_attention_bias\.weight$",
+    "hf_bart": r"\.(en|de)coder\.layers\.\d+\.((self_attn|encoder_attn)\.(q|k|v|out)_proj|fc1|fc2)\.weight$|"
+    r"\.(en|de)coder\.layers\.\d+\.((self_attn|encoder_attn)\.(q|k|v)_proj|fc1)\.bias$",
     "hf_albert": r"\.albert_layers\.0\.(attention\.(query|key|value|dense)|ffn|ffn_output)\.weight$|"
     r"\.albert_layers\.0\.(attention\.(query|key|value)|ffn)\.bias$",
     "user_rel_bias": r"^blocks\.\d+\.(attn\.(q|k|v|out)|up|down)\.weight$|^blocks\.\d+\.(attn\.(q|v)|up)\.bias$|"

@@ -802,3 +802,45 @@ def test_the_value_check_runs_on_plans_with_a_full_width_norm() -> None:
     assert plan.styles["blocks.*.attn.q_norm"] == "colwise_norm"
     with pytest.raises(TPPlanError, match=r"blocks\.0 .*differ|differ.*blocks\.0|blocks\.0\.attn"):
         check_local_shapes(wrong, plan, 2)
+
+
+def test_other_stacks_of_blocks_get_plans_of_their_own_or_stay_whole_with_a_note() -> None:
+    # T5's encoder is a second stack beside the decoder (the trunk): planned, checked and split like it. A stack tp
+    # cannot plan (here: convolutions, no projection) stays whole, and the start-up log says why.
+    from _families import HFT5
+
+    from lightning_par.parallel.tensor.stacks import other_plans
+
+    t5 = HFT5()
+    main = infer_tp_plan(t5)
+    assert main.trunk == "model.decoder.block"
+    plans, notes = other_plans(t5, main, 2)
+    assert [p.trunk for p in plans] == ["model.encoder.block"] and notes == []
+    attn = "model.encoder.block.0.layer.0.SelfAttention"  # block 0 (with the bias table) a structure of its own
+    assert plans[0].styles[f"{attn}.q"] == "colwise" and plans[0].styles[f"{attn}.o"] == "rowwise"
+
+    class ConvStem(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.norm = nn.Conv1d(32, 32, 9, padding=4), nn.LayerNorm(32)
+
+        def forward(self, h: Tensor) -> Tensor:
+            return self.norm(h + self.conv(h.transpose(1, 2)).transpose(1, 2))
+
+    class Stemmed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.head = nn.Embedding(256, 32), nn.Linear(32, 256)
+            self.stem = nn.ModuleList([ConvStem(), ConvStem()])
+            self.blocks = nn.ModuleList(Block(SepAttn(), MLP(256)) for _ in range(2))
+
+        def forward(self, idx: Tensor) -> Tensor:
+            h = self.emb(idx)
+            for layer in (*self.stem, *self.blocks):
+                h = layer(h)
+            return self.head(h)
+
+    model = Stemmed()
+    plans, notes = other_plans(model, infer_tp_plan(model), 2)
+    assert plans == [] and len(notes) == 1
+    assert notes[0].startswith("tensor parallel: stem kept whole on every rank (")

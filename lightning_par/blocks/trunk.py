@@ -85,3 +85,47 @@ def find_trunk(model: nn.Module) -> Trunk | None:
     if best is None:
         return None if single is None else single[1]
     return best[1]
+
+
+def trunk_at(model: nn.Module, path: str) -> Trunk | None:
+    """The trunk whose container is ``model``'s submodule ``path`` (its blocks: the children of its most common
+    class), or ``None`` when there is no such container."""
+    try:
+        container = model.get_submodule(path)
+    except AttributeError:
+        return None
+    if not isinstance(container, _CONTAINERS):
+        return None
+    children = list(container.named_children())
+    if not children:
+        return None
+    kind = Counter(type(child) for _, child in children).most_common(1)[0][0]
+    prefix = f"{path}." if path else ""
+    picked = [(name, child) for name, child in children if type(child) is kind]
+    return Trunk(path, tuple(prefix + name for name, _ in picked), tuple(child for _, child in picked))
+
+
+def other_trunks(model: nn.Module, main: str, share: float = 0.1) -> list[Trunk]:
+    """Containers of >= 2 same-class composite blocks with matrices outside the trunk at ``main`` and not inside one
+    another, each holding at least ``share`` of the model's parameters: an encoder-decoder's encoder (T5's
+    ``encoder.block``, BART's ``encoder.layers``), a vision tower. Largest first."""
+    total = _numel(model)
+    found: list[tuple[int, Trunk]] = []
+    for path, container in model.named_modules():
+        if not isinstance(container, _CONTAINERS) or path == main:
+            continue
+        if _within(path, main) or _within(main, path) or any(_within(path, t.path) for _, t in found):
+            continue
+        trunk = trunk_at(model, path)
+        if trunk is None or len(trunk.blocks) < 2 or isinstance(trunk.blocks[0], _CONTAINERS):
+            continue
+        size = sum(_numel(b) for b in trunk.blocks)
+        if any(True for _ in trunk.blocks[0].children()) and any(
+            p.dim() >= 2 for p in trunk.blocks[0].parameters()
+        ) and size >= share * total:  # fmt: skip
+            found.append((size, trunk))
+    return [t for _, t in sorted(found, key=lambda st: -st[0])]
+
+
+def _within(path: str, root: str) -> bool:
+    return not root or path == root or path.startswith(root + ".")

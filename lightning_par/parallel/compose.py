@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from lightning_par.blocks.trunk import Trunk, find_trunk
+from lightning_par.blocks.trunk import Trunk, find_trunk, trunk_at
 from lightning_par.checkpoint.dcp import model_state
 from lightning_par.checkpoint.fast_state import clean_name
 from lightning_par.checkpoint.pretrained.load import prepare_pretrained
@@ -42,6 +42,7 @@ from lightning_par.parallel.tensor.apply import apply_tensor_parallel
 from lightning_par.parallel.tensor.check import check_local_shapes, preflight, tp_report
 from lightning_par.parallel.tensor.plan import TPPlan, infer_tp_plan
 from lightning_par.parallel.tensor.plan_validate import validate_tp
+from lightning_par.parallel.tensor.stacks import other_plans
 from lightning_par.parallel.zero.fsdp import StepRoot, apply_fsdp, sync_module_states
 from lightning_par.parallel.zero.replicated import ReplicatedZero
 
@@ -86,6 +87,8 @@ def parallelize(
     # A base checkpoint fills the layers the adapters wrap; a PEFT folder, the adapters.
     adapters = adapter_names(module) if base or adapter_files else None
     plan = _tp_plan(module, config, tp_plan)
+    # Other stacks of blocks (an encoder-decoder's encoder) get plans of their own, without a pipeline.
+    stacks, stack_notes = other_plans(module, plan, config.tp, tp_plan) if plan and config.pp == 1 else ([], [])
     if config.cp > 1 and trunk is not None:
         check_blocks_run_once(module, trunk)  # a recurrent-depth loop, even one run without gradients
     moe_layers = bool(find_moe_layers(module))
@@ -96,7 +99,8 @@ def parallelize(
     if templates is None:
         _sync_replicas(module, mesh, plan is not None)
     # 3. Tensor parallelism: which slice of each weight a rank holds.
-    tp_notes = [_tensor_parallel(module, parts, mesh, plan, config.sequence_parallel)] if plan is not None else []
+    tp_notes = [_tensor_parallel(module, parts, mesh, [plan, *stacks], config.sequence_parallel)] if plan else []
+    tp_notes += stack_notes
     # 4. Context parallelism: hooks after tensor parallelism's, attention modes before recomputation wraps them.
     wire_shape = _context_parallel(module, trunk, cut, mesh, config) if config.cp > 1 else None
     # 5. Expert parallelism: dispatch hooks on the experts module, inside any recomputed block.
@@ -135,18 +139,31 @@ def _sync_replicas(module: nn.Module, mesh: ParallelMesh, tensor_parallel: bool)
         sync_module_states(module, mesh.tp)
 
 
-def _tensor_parallel(module: nn.Module, parts: list[ModelPart], mesh: ParallelMesh, plan: TPPlan,
+def _tensor_parallel(module: nn.Module, parts: list[ModelPart], mesh: ParallelMesh, plans: list[TPPlan],
                      sp: Optional[bool]) -> str:  # fmt: skip
     """Step 3. Sequence parallelism needs the trunk's two ends in one part; a stage's boundary activations travel
-    whole. Returns the start-up line saying what was split and what kept whole."""
+    whole. ``plans``: the trunk's, then other stacks' (whole model only; sequence parallelism there wherever it is
+    exact). Returns the start-up line saying what was split and what kept whole."""
+    plan, stacks = plans[0], plans[1:]
+    sequence_parallel = sp
     for part in parts:
         blocks = None if part.whole_trunk else list(part.blocks)
         sequence_parallel = sp if part.whole_trunk else False
         info = apply_tensor_parallel(module, mesh.tp, plan, sequence_parallel=sequence_parallel, blocks=blocks)
-        # Where the plan's probe ran the whole model (a pipeline stage cannot run it alone: its own pre-flight does).
-        if part.whole_trunk and plan.traced:
-            preflight(module, mesh.tp.size(), info.sequence_parallel)
-    return tp_report([b for part in parts for b in part.blocks], mesh.tp.size(), plan.gathered)
+        sequence_parallel = info.sequence_parallel
+    for other in stacks:
+        apply_tensor_parallel(module, mesh.tp, other, sequence_parallel=None if sp is not False else False)
+    # Where the plan's probe ran the whole model (a pipeline stage cannot run it alone: its own pre-flight does).
+    if parts[0].whole_trunk and plan.traced:
+        preflight(module, mesh.tp.size(), bool(sequence_parallel))
+    split = [b for part in parts for b in part.blocks]
+    split += [(n, module.get_submodule(n)) for other in stacks for n in _stack_names(module, other)]
+    return tp_report(split, mesh.tp.size(), [g for p in plans for g in p.gathered])
+
+
+def _stack_names(module: nn.Module, plan: TPPlan) -> list[str]:
+    stack = trunk_at(module, plan.trunk)
+    return list(stack.names) if stack is not None else []
 
 
 def _context_parallel(module: nn.Module, trunk: Optional[Trunk], cut: Optional[PipelineSplit], mesh: ParallelMesh,

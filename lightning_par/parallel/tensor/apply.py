@@ -37,7 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
-from lightning_par.blocks.trunk import find_trunk
+from lightning_par.blocks.trunk import trunk_at
 from lightning_par.parallel.tensor.adapters import adapter_styles, find_adapters, whole_adapters
 from lightning_par.parallel.tensor.affine import apply_affine
 from lightning_par.parallel.tensor.full_width import apply_full_width, as_whole
@@ -135,8 +135,8 @@ def apply_tensor_parallel(
     """
     tp = mesh.size()
     if blocks is None:
-        trunk = find_trunk(model)
-        if trunk is None or trunk.path != plan.trunk:
+        trunk = trunk_at(model, plan.trunk)
+        if trunk is None or trunk.names[0] != plan.first_block:
             raise TPPlanError("the model's trunk changed since the plan was inferred; infer the plan again")
         blocks = list(zip(trunk.names, trunk.blocks))
     else:

@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_par import _compat
 from lightning_par.blocks._probe import _is_norm, eval_mode, probe_call, running_modules
-from lightning_par.blocks.trunk import find_trunk
+from lightning_par.blocks.trunk import trunk_at
 from lightning_par.parallel.tensor.adapters import adapter_leaves
 from lightning_par.parallel.tensor.full_width import as_whole, fallback_for
 from lightning_par.parallel.tensor.plan_types import _SHARDED, TPPlan, TPPlanError
@@ -96,8 +96,8 @@ def check_local_shapes(model: nn.Module, plan: TPPlan, tp: int) -> TPPlan:
     Raises:
         TPPlanError: naming the module that failed, its error, and a ``tp_plan`` keeping that region replicated.
     """
-    trunk = find_trunk(model)
-    if tp == 1 or trunk is None or trunk.path != plan.trunk:
+    trunk = trunk_at(model, plan.trunk)
+    if tp == 1 or trunk is None:
         return plan
     star = f"{plan.trunk}.*" if plan.trunk else "*"
     gathered = list(plan.gathered)

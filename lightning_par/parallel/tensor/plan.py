@@ -59,7 +59,7 @@ def _glob(name: str, pattern: str) -> bool:
     return len(a) == len(b) and all(fnmatch.fnmatchcase(x, y) for x, y in zip(a, b))
 
 
-def infer_tp_plan(model: nn.Module, *, overrides: dict[str, str] | None = None) -> TPPlan:
+def infer_tp_plan(model: nn.Module, *, overrides: dict[str, str] | None = None, trunk: Trunk | None = None) -> TPPlan:
     """Infer which Linears of the model's blocks to split by columns or rows, and the head counts tp must divide.
 
     Args:
@@ -67,12 +67,14 @@ def infer_tp_plan(model: nn.Module, *, overrides: dict[str, str] | None = None) 
             (1, 8) batch of token 0, in eval mode, with hooks that are removed afterwards).
         overrides: the user's ``tp_plan``: module-name patterns (``*`` for the block index, globs allowed) to
             styles; they replace inferred styles, and silence inference errors about the modules they cover.
+        trunk: the blocks to plan (default: the model's trunk, `find_trunk`); another stack of blocks, such as an
+            encoder-decoder's encoder (`blocks.trunk.other_trunks`).
 
     Raises:
         TPPlanError: no trunk, ambiguous or unsplittable projections (naming the modules and showing a
             ``tp_plan``), or a bad override.
     """
-    trunk = find_trunk(model)
+    trunk = trunk if trunk is not None else find_trunk(model)
     if trunk is None:
         raise TPPlanError("found no trunk of >= 2 same-class blocks in a ModuleList/Sequential/ModuleDict")
     groups = _groups(trunk)
