@@ -171,6 +171,21 @@ def test_each_rank_holds_half_of_every_split_projection(runs: dict[str, Any], na
     assert got["mem"]["params"] == expected
 
 
+@pytest.mark.parametrize("name", ["hf_t5", "hf_bart", "user_rel_bias", "hf_albert"])
+def test_the_planner_prices_every_stack_and_table_as_the_run_holds_them(runs: dict[str, Any], name: str) -> None:
+    # The planner's per-rank parameter bytes (the suite's own introspection: both stacks of an encoder-decoder, a
+    # per-head table split by columns) equal what the tp run held.
+    from _job_models import MODELS
+
+    from lightning_par.planner.layout import Layout
+    from lightning_par.planner.params import specs_from_module
+    from lightning_par.planner.state import state_bytes
+
+    specs = specs_from_module(MODELS[name]())
+    want = state_bytes(specs, Layout(tp=2, precision="32-true"), rank=0).parameters
+    assert runs["tp"][name]["mem"]["params"] == want
+
+
 def test_sequence_parallel_pads_a_length_tp_does_not_divide(runs: dict[str, Any]) -> None:
     # ViT: 16 patches + the class token; the GPT on 17-token samples. Both train exactly (above), and say so.
     for name, length in (("hf_vit", 17), ("gpt_sgd_17", 17)):

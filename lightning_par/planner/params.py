@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
+from typing import Any, Optional
 
 from torch import nn
 
@@ -197,7 +197,7 @@ def specs_from_module(module: nn.Module, *, tp_plan: Optional[dict[str, str]] = 
     """
     from lightning_par.blocks.trunk import find_trunk
     from lightning_par.parallel.experts.finder import find_moe_layers
-    from lightning_par.parallel.pipeline.owners import find_ownership
+    from lightning_par.parallel.pipeline.owners import PipelineError, find_ownership
 
     trunk = find_trunk(module)
     names_of: dict[int, list[str]] = {}
@@ -211,8 +211,11 @@ def specs_from_module(module: nn.Module, *, tp_plan: Optional[dict[str, str]] = 
     roles.update(moe_roles)
     ends: dict[str, str] = {}
     lookups: set[str] = set()
-    if trunk is not None:
-        own = find_ownership(module, trunk)
+    try:
+        own = find_ownership(module, trunk) if trunk is not None else None
+    except PipelineError:
+        own = None  # a pipeline refuses this model (a block that runs again): no stage ends to tell
+    if own is not None:
         for units, end in ((own.pre, "first"), (own.post, "last")):
             for _, m in units:
                 for sub in m.modules():
@@ -238,19 +241,42 @@ def _tp_dims(
     module: nn.Module, block_names: tuple[str, ...], overrides: Optional[dict[str, str]]
 ) -> tuple[dict[str, int], set[str], dict[str, str]]:
     """Parameter name -> the dim tp splits, the row-parallel weights, and name -> role (``norm`` / ``head_norm``),
-    from the inferred plan."""
+    from the inferred plans: the trunk's, and each other stack's (an encoder's: `parallel.tensor.stacks`; priced as
+    split when it can be planned, before the checks on real values that could keep it whole)."""
+    from lightning_par.blocks.trunk import other_trunks
     from lightning_par.parallel.tensor.plan import TPPlanError, infer_tp_plan
-    from lightning_par.parallel.tensor.plan_affine import affine
 
     try:
         plan = infer_tp_plan(module, overrides=overrides)
     except TPPlanError:
         return {}, set(), {}  # the strategies refuse tp > 1 for this model: every tensor stays whole
-    star = f"{plan.trunk}.*" if plan.trunk else "*"
-    groups = plan.groups.values() if plan.groups else [None]
+    plans = [(plan, block_names)]
+    for stack in other_trunks(module, plan.trunk):
+        mine = {k: v for k, v in (overrides or {}).items() if k.startswith(stack.path + ".")}
+        try:
+            plans.append((infer_tp_plan(module, overrides=mine, trunk=stack), stack.names))  # its blocks
+        except TPPlanError:
+            continue  # kept whole
     dims: dict[str, int] = {}
     rows: set[str] = set()
     roles: dict[str, str] = {}
+    for each, names in plans:
+        _plan_dims(module, each, names, dims, rows, roles)
+    return dims, rows, roles
+
+
+def _plan_dims(
+    module: nn.Module,
+    plan: Any,
+    block_names: tuple[str, ...],
+    dims: dict[str, int],
+    rows: set[str],
+    roles: dict[str, str],
+) -> None:
+    from lightning_par.parallel.tensor.plan_affine import affine
+
+    star = f"{plan.trunk}.*" if plan.trunk else "*"
+    groups = plan.groups.values() if plan.groups else [None]
     for sub, names in zip(plan.group_plans(), groups):
         blocks = names if names is not None else block_names
         split_heads = any(
@@ -266,14 +292,15 @@ def _tp_dims(
                     dims[full] = 0  # per-head parameters (GPT-OSS's sinks) follow the heads
                     continue
                 mod = module.get_submodule(f"{block}.{owner}" if owner else block)
-                dim = _style_dim(style, affine(mod), leaf)
+                # A per-head table (T5's relative position bias, [buckets, heads]) splits its columns.
+                table = isinstance(mod, nn.Embedding) and style == "colwise"
+                dim = 1 if table else _style_dim(style, affine(mod), leaf)
                 if dim is not None:
                     dims[full] = dim
                 if style == "rowwise" and leaf == "weight":
                     rows.add(full)
                 if style in ("sequence_parallel", "head_norm"):
                     roles[full] = "norm" if style == "sequence_parallel" else "head_norm"
-    return dims, rows, roles
 
 
 def _style_dim(style: Optional[str], layout: object, leaf: str) -> Optional[int]:

@@ -93,7 +93,7 @@ def rank_copy(block: nn.Module, plan: TPPlan, tp: int, rank: int) -> nn.Module:
             per = w.shape[0] // tp
             setattr(mod, leaf, nn.Parameter(w.detach().narrow(0, rank * per, per), requires_grad=False))
             if isinstance(getattr(mod, "normalized_shape", None), tuple) and leaf == "weight":
-                mod.normalized_shape = per,  # torch's own norms check the weight against it
+                cast(Any, mod).normalized_shape = (per,)  # torch's own norms check the weight against it
     _set_local_head_counts([local], plan, prefix, tp)
     return local
 
