@@ -39,6 +39,7 @@ from lightning_par.parallel.pipeline.meta import MetaOutputs, meta_copy
 from lightning_par.parallel.pipeline.owners import Ownership, PipelineError, find_ownership
 from lightning_par.parallel.pipeline.shadow import shadow
 from lightning_par.parallel.pipeline.sides import SideCarrier
+from lightning_par.parallel.pipeline.standins import _PassThrough, _Walker
 
 __all__ = ["PipelineError", "PipelineModel", "StageModule", "StageSpec"]
 
@@ -85,34 +86,6 @@ def _outside(name: str) -> RuntimeError:
         f"{name} was called outside the pipeline: under pipeline parallelism the model runs only inside "
         "training_step / validation_step / test_step, which the strategy drives through the schedule"
     )
-
-
-class _PassThrough(nn.Module):
-    """Stands in for a trunk block that another rank owns. Code around the trunk may read the block's attributes
-    (torch's ``nn.TransformerEncoder.forward`` reads ``self.layers[0].self_attn.batch_first`` for its fast path):
-    what the stand-in lacks is read from a meta-device copy of the block (`meta.meta_copy`: no storage, not
-    registered, so no optimizer, checkpoint or ZeRO sees it)."""
-
-    _owner: PipelineModel
-    _original: nn.Module
-
-    def __init__(self, owner: PipelineModel, index: int, name: str, block: nn.Module) -> None:
-        super().__init__()
-        object.__setattr__(self, "_owner", owner)
-        object.__setattr__(self, "_original", meta_copy(block))
-        self.index, self.block_name = index, name
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            original = self.__dict__.get("_original")
-            if original is None or name.startswith("__"):
-                raise
-            return getattr(original, name)
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self._owner._block_call(self.index, None, args, kwargs)
 
 
 class StageModule(nn.Module):
@@ -372,12 +345,19 @@ class PipelineModel:
         stage boundary then has a shape of its own. No block computes; stand-ins give the shapes."""
         seen: list[Tensor] = []
         self._active = _Active(None, None, walk=seen)
+        # The owned blocks stood in too while walking: called, FSDP2's hooks on a block (ZeRO-3) would set it up as
+        # a root of its own, and the stage's real root could not be set up after it.
+        walkers = {i: _Walker(self, i, block) for i, block in self.blocks.items()}
+        for i, walker in walkers.items():
+            _replace(self.module, self.trunk.names[i], walker)
         try:
             fn()
         except _StageEnd:
             return seen
         finally:
             self._active = None
+            for i in walkers:
+                _replace(self.module, self.trunk.names[i], self.blocks[i])
         raise PipelineError(f"the step never ran the trunk {self.trunk.path} to its last block; nothing to pipeline")
 
     def _walk_step(self, i: int, args: tuple, kwargs: dict, seen: list[Tensor]) -> Any:
