@@ -86,6 +86,8 @@ JOBS_4: dict[str, dict[str, Any]] = {
     "hf_t5_pp4": {"model": "hf_t5_4", "strategy": {"pp": 4}, "dp": 1},
     # Under tp each rank's bias holds its heads (the decoder's bias table split with them): what crosses the cut.
     "hf_t5_pipe_tp": {"model": "hf_t5_4", "strategy": {"pp": 2, "tp": 2}, "dp": 1},
+    # Under ZeRO-3: the encoder in the first stage's FSDP2 root, the carried tensors with their gradients.
+    "hf_t5_pipe_zero3": {"model": "hf_t5_4", "strategy": {"pp": 2, "zero_stage": 3}, "dp": 2},
 }  # fmt: skip
 
 ALL = {**JOBS_2, **JOBS_3, **JOBS_4}
