@@ -239,3 +239,17 @@ def test_one_layer_called_at_every_depth_is_refused_naming_the_order(spawns):
     assert got["losses"] == [] and got["error"] is not None
     assert "in the order [0, 0, 0, 0]: a block runs again" in got["error"]
     assert "train this model without pipeline parallelism (e.g. strategy='zero3')" in got["error"]
+
+
+def test_the_encoder_is_split_on_the_first_stage_under_pipe_tp(results):
+    # T5's encoder (another stack of blocks, first-stage modules) is split over tp on the ranks of stage 0: each
+    # rank holds the bytes the planner predicts from the suite's own introspection (both stacks, the bias tables).
+    from lightning_par.planner.layout import Layout
+    from lightning_par.planner.params import specs_from_module
+    from lightning_par.planner.state import state_bytes
+
+    got, _ = results["hf_t5_pipe_tp"]
+    specs = specs_from_module(_worker_model("hf_t5_4"))
+    want = [state_bytes(specs, Layout(pp=2, tp=2, precision="32-true"), rank=r).parameters for r in range(4)]
+    assert [m["params"] for m in got["mem_all"]] == want
+    assert any(s.tp_dim is not None for s in specs if s.name.startswith("model.encoder.block."))  # priced split

@@ -87,8 +87,8 @@ def parallelize(
     # A base checkpoint fills the layers the adapters wrap; a PEFT folder, the adapters.
     adapters = adapter_names(module) if base or adapter_files else None
     plan = _tp_plan(module, config, tp_plan)
-    # Other stacks of blocks (an encoder-decoder's encoder) get plans of their own, without a pipeline.
-    stacks, stack_notes = other_plans(module, plan, config.tp, tp_plan) if plan and config.pp == 1 else ([], [])
+    # Other stacks of blocks (an encoder-decoder's encoder) get plans of their own.
+    stacks, stack_notes = other_plans(module, plan, config.tp, tp_plan) if plan else ([], [])
     if config.cp > 1 and trunk is not None:
         check_blocks_run_once(module, trunk)  # a recurrent-depth loop, even one run without gradients
     moe_layers = bool(find_moe_layers(module))
@@ -142,8 +142,9 @@ def _sync_replicas(module: nn.Module, mesh: ParallelMesh, tensor_parallel: bool)
 def _tensor_parallel(module: nn.Module, parts: list[ModelPart], mesh: ParallelMesh, plans: list[TPPlan],
                      sp: Optional[bool]) -> str:  # fmt: skip
     """Step 3. Sequence parallelism needs the trunk's two ends in one part; a stage's boundary activations travel
-    whole. ``plans``: the trunk's, then other stacks' (whole model only; sequence parallelism there wherever it is
-    exact). Returns the start-up line saying what was split and what kept whole."""
+    whole. ``plans``: the trunk's, then other stacks' (sequence parallelism there wherever it is exact; under a
+    pipeline, on the rank whose stage holds the stack, without it). Returns the start-up line saying what was split
+    and what kept whole."""
     plan, stacks = plans[0], plans[1:]
     sequence_parallel = sp
     for part in parts:
@@ -151,14 +152,21 @@ def _tensor_parallel(module: nn.Module, parts: list[ModelPart], mesh: ParallelMe
         sequence_parallel = sp if part.whole_trunk else False
         info = apply_tensor_parallel(module, mesh.tp, plan, sequence_parallel=sequence_parallel, blocks=blocks)
         sequence_parallel = info.sequence_parallel
+    whole = parts[0].whole_trunk
+    held = []
     for other in stacks:
-        apply_tensor_parallel(module, mesh.tp, other, sequence_parallel=None if sp is not False else False)
+        blocks = [(n, module.get_submodule(n)) for n in _stack_names(module, other)]
+        if not whole and not all(any(True for _ in b.parameters()) for _, b in blocks):
+            continue  # another stage holds it (this rank has its stand-ins)
+        apply_tensor_parallel(module, mesh.tp, other, sequence_parallel=None if whole and sp is not False else False,
+                              blocks=None if whole else blocks)  # fmt: skip
+        held.append(other)
     # Where the plan's probe ran the whole model (a pipeline stage cannot run it alone: its own pre-flight does).
     if parts[0].whole_trunk and plan.traced:
         preflight(module, mesh.tp.size(), bool(sequence_parallel))
     split = [b for part in parts for b in part.blocks]
-    split += [(n, module.get_submodule(n)) for other in stacks for n in _stack_names(module, other)]
-    return tp_report(split, mesh.tp.size(), [g for p in plans for g in p.gathered])
+    split += [(n, module.get_submodule(n)) for other in held for n in _stack_names(module, other)]
+    return tp_report(split, mesh.tp.size(), [g for p in [plan, *held] for g in p.gathered])
 
 
 def _stack_names(module: nn.Module, plan: TPPlan) -> list[str]:

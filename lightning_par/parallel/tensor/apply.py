@@ -126,8 +126,9 @@ def apply_tensor_parallel(
         plan: from `lightning_par.parallel.tensor.infer_tp_plan` (validated for ``mesh.size()`` with `validate_tp`).
         sequence_parallel: split the residual stream along the sequence; ``None``: wherever it is exact (see
             `sequence_parallel_blocker`), ``True``: required (an error names why it is not exact).
-        blocks: (name, block) pairs to shard instead of the whole trunk: a pipeline stage's own blocks. Sequence
-            parallelism is then off (a stage's boundary activations travel whole between stages).
+        blocks: (name, block) pairs to shard instead of the whole trunk: a pipeline stage's own blocks, or the
+            blocks of another stack a stage holds (an encoder). Sequence parallelism is then off (a stage's boundary
+            activations travel whole between stages).
 
     Raises:
         TPPlanError: a style this function cannot apply (a sharded embedding or head), naming the ``tp_plan``

@@ -6,7 +6,8 @@ it would hold its whole weights on every tp rank. Each other stack (`blocks.trun
 blocks outside the trunk, 10 % of the model or more) gets a plan of its own, inferred, validated and checked on real
 values exactly as the trunk's (`infer_tp_plan(trunk=)`), and is split with it. A stack whose plan is refused stays
 whole, as before, and the start-up log says so with the reason: the trunk's own refusals still stop the run.
-Without a pipeline only: under ``pipe_tp`` an encoder belongs to the first stage's outer modules.
+Under a pipeline a stack belongs to a stage's outer modules (an encoder to the first stage) and is split on that
+stage's ranks, without sequence parallelism (`compose._tensor_parallel`).
 """
 
 from __future__ import annotations
