@@ -263,12 +263,13 @@ def test_bad_layouts_fail_before_training(got2):
     err = got2["unrecognised_experts"]["error"]
     assert err is not None and "has experts that expert parallelism does not recognise, in blocks.0.moe" in err
     assert "expected a router" in err and "'zero3'" in err and got2["unrecognised_experts"]["losses"] == []
-    # Data parallelism would compute DBRX's load-balancing loss on each rank's tokens: refused at the first forward,
-    # before any optimizer step, naming a layout where every rank holds the same tokens (trained in
-    # test_families.py::hf_dbrx_aux_tp).
+    # Data parallelism would compute DBRX's load-balancing loss on each rank's tokens: refused at set-up (one call
+    # of the router on one token, before any forward of the model), naming a layout where every rank holds the same
+    # tokens (trained in test_families.py::hf_dbrx_aux_tp). It used to be refused at the first forward.
     err = got2["dbrx_aux_dp"]["error"]
     assert err is not None and "DbrxRouter returns its logits alone" in err and "Train it under 'tp'" in err
     assert got2["dbrx_aux_dp"]["losses"] == []
+    assert "strategy.setup(self)" in got2["dbrx_aux_dp"]["where"]
 
 
 def _check_resume(full: dict[str, Any], resumed: dict[str, Any]) -> None:

@@ -42,7 +42,7 @@ from lightning_par.mesh import ExpertMesh
 from lightning_par.parallel.experts.dispatch import ExpertDispatch
 from lightning_par.parallel.experts.finder import MoELayer, find_moe_layers, unrecognised_experts
 from lightning_par.parallel.experts.module_list import shard_module_list_experts
-from lightning_par.parallel.experts.router_stats import gather_router_logits
+from lightning_par.parallel.experts.router_stats import gather_router_logits, lone_logits_error, records_lone_logits
 from lightning_par.parallel.experts.stacked import shard_stacked_experts
 from lightning_par.parallel.experts.with_tp import ExpertShard, TokenSplit
 from lightning_par.parallel.grad_norm import mark_sharded
@@ -192,6 +192,8 @@ def apply_expert_parallel(
         layer.set_token_group(token_group, cp_group)
         if layer.kind == "stacked" and layer.router is not None and token_group is not None:
             if dist.get_world_size(token_group) > 1:
+                if records_lone_logits(model, layer.router):  # refused before training, not at the first forward
+                    raise lone_logits_error(layer.router)
                 gather_router_logits(layer.router, token_group, cp_group)
         if mesh is None or ep == 1:
             continue

@@ -62,6 +62,34 @@ def is_top_k_output(out: Any) -> bool:
     )  # fmt: skip
 
 
+def records_lone_logits(model: nn.Module, router: nn.Module) -> bool:
+    """Whether ``router`` returns its logits alone (no top-k triple) while ``model`` records router logits for a
+    load-balancing loss (a Hugging Face config with ``output_router_logits=True``): found before training by calling
+    the router once, without gradients, on one token of its width. ``False`` where that call fails."""
+    if not any(getattr(getattr(m, "config", None), "output_router_logits", False) for m in model.modules()):
+        return False
+    weights = [p for p in router.parameters() if p.dim() == 2]
+    if not weights:
+        return False
+    width = weights[0].shape[-1]
+    try:
+        with torch.no_grad():
+            out = router(weights[0].new_zeros(1, 1, width))
+    except Exception:
+        return False
+    return isinstance(out, Tensor)
+
+
+def lone_logits_error(router: nn.Module) -> ValueError:
+    """The refusal of data parallelism for a router whose lone logits the model records (`records_lone_logits`)."""
+    return ValueError(
+        f"{type(router).__name__} returns its logits alone and the model records them for its load-balancing loss "
+        "(output_router_logits=True): under data parallelism that loss would see this rank's tokens only and train "
+        "differently from one process. Train it under 'tp' (every tp rank holds the same tokens; the MoE layer is "
+        "kept whole), or set output_router_logits=False"
+    )
+
+
 def gather_router_logits(
     router: nn.Module, group: dist.ProcessGroup, eval_group: Optional[dist.ProcessGroup] = None
 ) -> RemovableHandle:
@@ -87,12 +115,8 @@ def gather_router_logits(
             if isinstance(out, Tensor) and len(module._forward_hooks) > 1:
                 # Logits alone (Hugging Face DBRX): the block routes with the very tensor the model's recorder (the
                 # other hook) keeps for its load-balancing loss, so it cannot be gathered for one and not the other.
-                raise ValueError(
-                    f"{type(module).__name__} returns its logits alone and the model records them for its "
-                    "load-balancing loss (output_router_logits=True): under data parallelism that loss would see "
-                    "this rank's tokens only and train differently from one process. Train it under 'tp' (every tp "
-                    "rank holds the same tokens; the MoE layer is kept whole), or set output_router_logits=False"
-                )
+                # Found at set-up where the model says so (`records_lone_logits`); here for any other recorder.
+                raise lone_logits_error(module)
             return out
         return (_GatherRows.apply(out[0], over), out[1], out[2])
 
