@@ -147,6 +147,42 @@ class _TinyLM(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
 
 
+class _MixBlock(torch.nn.Module):
+    """A block that mixes the hidden state with the embedding's output by two weights it is handed."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.norm, self.up, self.down = torch.nn.LayerNorm(d), torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+
+    def forward(self, h: torch.Tensor, x0: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
+        h = lam[0] * h + lam[1] * x0
+        return h + self.down(torch.nn.functional.gelu(self.up(self.norm(h))))
+
+
+class ScalarsLM(_TinyLM):
+    """modded-nanoGPT's pattern: learned scalars directly on the model that holds the blocks (a scale on the
+    embedding, a pair of mixing weights per block handed to it with the embedding's output, a scale on the logits)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(256, 32)
+        self.blocks = torch.nn.ModuleList(_MixBlock() for _ in range(4))
+        self.norm, self.head = torch.nn.LayerNorm(32), torch.nn.Linear(32, 256)
+        # (1,), not 0-dim: the ZeRO engine refuses a 0-dim parameter (a limit of its own, listed in docs/zero.md).
+        self.scale = torch.nn.Parameter(torch.ones(1))
+        self.lambdas = torch.nn.Parameter(torch.tensor([[1.0, 0.5]] * 4))
+        self.out_scale = torch.nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x0 = self.emb(x) * self.scale
+        for i, block in enumerate(self.blocks):
+            h = block(h, x0, self.lambdas[i])
+        return self.head(self.norm(h)) * self.out_scale
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
 class AdafactorGPT(GPT):
     """The GPT with torch's Adafactor: second moments factored over each weight's rows and columns."""
 
@@ -426,6 +462,7 @@ MODELS: dict[str, Any] = _Models({
     "seq_trunk": lambda: SeqTrunkLM(),
     "skip_groups": lambda: SkipLM("groups"),  # skip connections inside groups of blocks: one cut keeps the values
     "skip_unet": lambda: SkipLM("unet"),  # skip connections across every cut: pipelines refuse it
+    "scalars_lm": ScalarsLM,  # learned scalars on the model that holds the blocks (modded-nanoGPT)
     "torch_encoder": TorchEncoderLM,  # nn.TransformerEncoder: its forward reads the first layer's attributes
     "torch_causal_encoder": lambda: _mha_models().CausalEncoderLM(),  # sequence-first, float mask, is_causal
     "user_mha": lambda: _mha_models().UserMHALM(),  # nn.MultiheadAttention called by the user's blocks

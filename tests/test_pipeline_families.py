@@ -58,6 +58,10 @@ JOBS_2: dict[str, dict[str, Any]] = {
                           "validate": True},
     # BART: the encoder's output (after its final layer norm, a first-stage module) read by every decoder layer.
     "hf_bart": {"model": "hf_bart", "strategy": {"pp": 2}},
+    # Learned scalars directly on the model that holds the blocks (modded-nanoGPT's): every stage holds them, their
+    # gradients summed over the pipeline; a zero-bubble schedule's weight pass computes theirs too.
+    "scalars_lm": {"model": "scalars_lm", "strategy": {"pp": 2}},
+    "scalars_lm_zbv": {"model": "scalars_lm", "strategy": {"pp": 2, "pp_schedule": "zbv"}},
     # A user's model whose first block makes a relative-position bias it returns to the loop for the later blocks.
     "user_rel_bias": {"model": "user_rel_bias", "strategy": {"pp": 2}},
 }
@@ -82,6 +86,7 @@ JOBS_4: dict[str, dict[str, Any]] = {
     "nano_gpt_pipe_tp": {"model": "nano_gpt", "strategy": {"pp": 2, "tp": 2}, "dp": 1},
     "qwen2_tied_zero2_accum_clip": {"model": "hf_qwen2_tied", "strategy": {"pp": 2, "zero_stage": 2}, "dp": 2,
                                     "accumulate": 2, "clip": 0.05},
+    "scalars_lm_zero1": {"model": "scalars_lm", "strategy": {"pp": 2, "zero_stage": 1}, "dp": 2},
     # The encoder's output carried through the two middle stages, which read it and hand it on.
     "hf_t5_pp4": {"model": "hf_t5_4", "strategy": {"pp": 4}, "dp": 1},
     # Under tp each rank's bias holds its heads (the decoder's bias table split with them): what crosses the cut.
@@ -253,3 +258,23 @@ def test_the_encoder_is_split_on_the_first_stage_under_pipe_tp(results):
     want = [state_bytes(specs, Layout(pp=2, tp=2, precision="32-true"), rank=r).parameters for r in range(4)]
     assert [m["params"] for m in got["mem_all"]] == want
     assert any(s.tp_dim is not None for s in specs if s.name.startswith("model.encoder.block."))  # priced split
+
+
+def test_scalars_on_the_model_resume_across_layouts_and_zero3_is_refused(tmp_path):
+    # Held by every stage under one name, written once (DCP keeps one copy); a pipeline checkpoint resumes under
+    # pipe and under zero1. ZeRO-3 would shard them in one stage's unit: refused before training, naming zero 1/2.
+    ckpt = str(tmp_path / "scalars")
+    base = {"model": "scalars_lm", "epoch_steps": 1, "max_steps": 4}
+    full, as_pipe, as_zero1, zero3 = run_jobs(tmp_path, [
+        {**base, "strategy": "pipe", "dp": 1, "ckpt_dir": ckpt},
+        {**base, "strategy": "pipe", "dp": 1, "resume": f"{ckpt}/epoch=1.ckpt"},
+        {**base, "strategy": "zero1", "dp": 2, "resume": f"{ckpt}/epoch=1.ckpt"},
+        {"model": "scalars_lm", "strategy": {"pp": 2, "zero_stage": 3}, "dp": 1, "steps": 1, "expect_error": True},
+    ], nproc=2, timeout=900)  # fmt: skip
+    for resumed in (as_pipe, as_zero1):
+        assert len(resumed["losses"]) == 2 and rel(resumed["losses"], full["losses"][2:]) < 1e-5
+        params_close(resumed["params"], full["params"], rtol=1e-5, atol=1e-7)
+    assert zero3["losses"] == [] and "scale, lambdas, out_scale sit on a module that contains the trunk" in (
+        zero3["error"]
+    )
+    assert "strategy='pipe_zero1'" in zero3["error"]

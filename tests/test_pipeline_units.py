@@ -222,6 +222,8 @@ def test_stage_keeps_only_its_parameters_and_fakes_the_embedding() -> None:
 
 
 def test_model_outside_the_pipeline_and_broken_contracts_fail_clearly() -> None:
+    from lightning_par.parallel.pipeline.owners import find_ownership
+
     model = _models()["gpt"]
     PipelineModel(model, find_trunk(model), [(0, 2), (2, 4)], [0], torch.device("cpu")).install()
     with pytest.raises(RuntimeError, match=r"transformer.h.0 was called outside the pipeline"):
@@ -233,9 +235,20 @@ def test_model_outside_the_pipeline_and_broken_contracts_fail_clearly() -> None:
             self.scale = nn.Parameter(torch.ones(1))
             self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
 
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = x * self.scale  # before the trunk (on every stage: it is no unit's)
+            for block in self.blocks:
+                x = block(x)
+            return x * self.scale  # and after it
+
+    # Once refused ("move it into a submodule", a change to the model): every stage now holds such a parameter, a
+    # stage's own too (a zero-bubble schedule's weight pass computes its gradient), summed over the pipeline.
     root = RootParam()
-    with pytest.raises(PipelineError, match=r"parameter scale sits on a module that contains the trunk"):
-        PipelineModel(root, find_trunk(root), [(0, 1), (1, 2)], [0], torch.device("cpu"))
+    root.example_input_array = torch.zeros(1, 4)
+    own = find_ownership(root, find_trunk(root))
+    assert own.everywhere == ("scale",)
+    cut = PipelineModel(root, find_trunk(root), [(0, 1), (1, 2)], [1], torch.device("cpu"), own)
+    assert any(p is root.scale for p in cut.stage_modules()[0].parameters())
 
 
 class _HeadFirst(nn.Module):

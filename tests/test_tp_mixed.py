@@ -47,8 +47,8 @@ JOBS_4: dict[str, dict[str, Any]] = {
     # torch's nn.MultiheadAttention split by heads (parallel/tensor/mha.py): its packed q/k/v a _StridedShard that
     # FSDP2 shards again over dp; and in pipeline stages (pp 2 x tp 2, four nn.TransformerEncoderLayer blocks).
     "torch_decoder_tp_zero3": {"model": "torch_decoder", "strategy": {"tp": 2, "zero_stage": 3}, "dp": 2},
-    # T5's two stacks split by plans of their own (parallel/tensor/stacks.py): the encoder's blocks, which sit in
-    # FSDP2's root unit, and the decoder's, sharded again over dp.
+    # T5's two stacks split by plans of their own (parallel/tensor/check.py, other_plans): the encoder's blocks, which
+    # sit in FSDP2's root unit, and the decoder's, sharded again over dp.
     "hf_t5_tp_zero3": {"model": "hf_t5", "strategy": {"tp": 2, "zero_stage": 3}, "dp": 2},
     "torch_encoder_pipe_tp": {"model": "torch_encoder", "strategy": {"pp": 2, "tp": 2}, "dp": 1},
     "user_moe_list_pipe_tp": {"model": "user_moe_list_4", "strategy": {"pp": 2, "tp": 2}, "dp": 1},

@@ -809,7 +809,7 @@ def test_other_stacks_of_blocks_get_plans_of_their_own_or_stay_whole_with_a_note
     # cannot plan (here: convolutions, no projection) stays whole, and the start-up log says why.
     from _families import HFT5
 
-    from lightning_par.parallel.tensor.stacks import other_plans
+    from lightning_par.parallel.tensor.check import other_plans
 
     t5 = HFT5()
     main = infer_tp_plan(t5)

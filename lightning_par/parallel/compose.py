@@ -35,14 +35,14 @@ from lightning_par.parallel.local_sgd.outer import LocalSGD
 from lightning_par.parallel.materialize import InitTemplates, base_seed, capture_init, has_meta, materialize
 from lightning_par.parallel.parts import ModelPart
 from lightning_par.parallel.pipeline.schedule import Shape
+from lightning_par.parallel.pipeline.slots import PipelineError
 from lightning_par.parallel.pipeline.split import PipelineSplit, split_pipeline
 from lightning_par.parallel.run import ParallelRun
 from lightning_par.parallel.tensor.adapters import adapter_names, refuse_dora
 from lightning_par.parallel.tensor.apply import apply_tensor_parallel
-from lightning_par.parallel.tensor.check import check_local_shapes, preflight, tp_report
+from lightning_par.parallel.tensor.check import check_local_shapes, other_plans, preflight, tp_report
 from lightning_par.parallel.tensor.plan import TPPlan, infer_tp_plan
 from lightning_par.parallel.tensor.plan_validate import validate_tp
-from lightning_par.parallel.tensor.stacks import other_plans
 from lightning_par.parallel.zero.fsdp import StepRoot, apply_fsdp, sync_module_states
 from lightning_par.parallel.zero.replicated import ReplicatedZero
 
@@ -113,6 +113,12 @@ def parallelize(
             apply_compile(part.block_modules)
     exclude = experts.params if experts is not None else []
     if config.zero_stage == 3:
+        if cut is not None and cut.everywhere is not None:
+            raise PipelineError(
+                f"{', '.join(cut.everywhere.names)} sit on a module that contains the trunk, so every pipeline stage "
+                "holds them; ZeRO-3 would shard them inside one stage's unit while the model's code reads the "
+                "module's own copy. Use zero_stage=1 or 2 with the pipeline (e.g. strategy='pipe_zero1')"
+            )
         _fsdp(parts, mesh, config, exclude, param_dtype, reduce_dtype, pipelined=cut is not None)
     # 7. A meta-built model gets storage for what this rank holds, and values: initialised, or read from `pretrained`.
     notes = tp_notes + _values(module, experts, templates, (base, adapters, adapter_files), ties, device)
@@ -122,6 +128,8 @@ def parallelize(
     runner = cut.install(wire_shape) if cut is not None else None
     if cut is not None and cut.tied is not None:
         cut.tied.mark_replicas(zero.masters if zero is not None else None)
+    if cut is not None and cut.everywhere is not None:
+        cut.everywhere.mark_replicas(zero.masters if zero is not None else None)
     # Under ZeRO-3 without a pipeline the trainer calls the StepRoot, so that FSDP2's root hooks fire.
     model = parts[0].root if config.zero_stage == 3 and cut is None else module
     norm_groups = (mesh.root.get_group("pp"),) if cut is not None else ()

@@ -241,8 +241,8 @@ def _tp_dims(
     module: nn.Module, block_names: tuple[str, ...], overrides: Optional[dict[str, str]]
 ) -> tuple[dict[str, int], set[str], dict[str, str]]:
     """Parameter name -> the dim tp splits, the row-parallel weights, and name -> role (``norm`` / ``head_norm``),
-    from the inferred plans: the trunk's, and each other stack's (an encoder's: `parallel.tensor.stacks`; priced as
-    split when it can be planned, before the checks on real values that could keep it whole)."""
+    from the inferred plans: the trunk's, and each other stack's (an encoder's: `parallel.tensor.check.other_plans`;
+    priced as split when it can be planned, before the checks on real values that could keep it whole)."""
     from lightning_par.blocks.trunk import other_trunks
     from lightning_par.parallel.tensor.plan import TPPlanError, infer_tp_plan
 

@@ -58,6 +58,8 @@ class Ownership:
             (`lightning_par.parallel.pipeline.sides`).
         cut_conflicts: the blocks a stage may not start at, each with the first read that a cut there would get
             wrong (`lightning_par.parallel.pipeline.cuts`); empty when the probe could not run.
+        everywhere: parameters directly on a module that contains the trunk (`everywhere_params`): every stage holds
+            them and their gradients are summed over the pipeline (`pipeline.tied.OnEveryStage`).
         reshaped: the blocks that return more than a hidden state of their input's shape (Swin's stages return
             ``(hidden, hidden before merging, dimensions)`` at a new length and width): a stage they run before
             hands on what their meta-device forward returns, not their first argument (`pipeline.meta.check_stand_ins`).
@@ -71,6 +73,7 @@ class Ownership:
     sides: tuple[SideSlot, ...] = ()
     cut_conflicts: dict[int, str] = dataclasses.field(default_factory=dict)
     reshaped: tuple[int, ...] = ()
+    everywhere: tuple[str, ...] = ()
 
     def why(self, before: bool) -> str:
         """How a unit of the first (``before``) or last stage got there, for error messages."""
@@ -83,8 +86,10 @@ class Ownership:
 def outer_units(module: nn.Module, trunk: Trunk) -> Units:
     """The outermost modules with parameters outside the trunk, in registration order (the ownership units).
 
+    A parameter directly on a module that contains the trunk is no unit's (`everywhere_params`).
+
     Raises:
-        PipelineError: a parameter sits on a module that contains the trunk, or is shared with a trunk block.
+        PipelineError: a parameter is shared with a trunk block.
     """
     units: Units = []
     prefix = trunk.path + "."
@@ -92,14 +97,8 @@ def outer_units(module: nn.Module, trunk: Trunk) -> Units:
         if name == trunk.path or name.startswith(prefix) or any(name.startswith(n + ".") for n, _ in units):
             continue
         direct = [n for n, p in _compat.module_parameters(m).items() if p is not None]
-        if not direct:
+        if not direct or name == "" or prefix.startswith(name + "."):
             continue
-        if name == "" or prefix.startswith(name + "."):
-            where = f"{name}.{direct[0]}" if name else direct[0]
-            raise PipelineError(
-                f"parameter {where} sits on a module that contains the trunk, so no single stage can own it; move "
-                "it into a submodule registered before or after the trunk"
-            )
         units.append((name, m))
     trunk_ids = {id(p) for b in trunk.blocks for p in b.parameters()}
     for name, m in units:
@@ -107,6 +106,19 @@ def outer_units(module: nn.Module, trunk: Trunk) -> Units:
             if id(p) in trunk_ids:
                 raise PipelineError(f"{name}.{pname} is shared with a trunk block; stages cannot share parameters")
     return units
+
+
+def everywhere_params(module: nn.Module, trunk: Trunk) -> tuple[str, ...]:
+    """Names of the parameters directly on a module that contains the trunk (the model itself, a wrapper around the
+    trunk): modded-nanoGPT's scalars, a learned scale on the embedding. No stage can own them alone, so every stage
+    holds them (`pipeline.tied.OnEveryStage`)."""
+    prefix = trunk.path + "."
+    names = []
+    for name, m in module.named_modules():
+        if name == "" or prefix.startswith(name + "."):
+            at = f"{name}." if name else ""
+            names += [at + n for n, p in _compat.module_parameters(m).items() if p is not None]
+    return tuple(names)
 
 
 class _Uses(TorchFunctionMode):
@@ -334,7 +346,7 @@ def find_ownership(module: nn.Module, trunk: Trunk, run: Optional[Callable[[], A
     carried = carried_slots(trunk, uses.cuts.returned_reads, uses.cuts.carried_reads, [n for n, _ in units])
     sides += moe_loss_slots(module, trunk) + carried
     return Ownership(pre, post, _tied(module, pre, post), "probe", sides=sides, cut_conflicts=conflicts,
-                     reshaped=reshaped)  # fmt: skip
+                     reshaped=reshaped, everywhere=everywhere_params(module, trunk))  # fmt: skip
 
 
 def _probe_holder(module: nn.Module, trunk: Trunk, units: Units, reason: str) -> _Uses | str:
@@ -359,7 +371,8 @@ def _by_registration(module: nn.Module, trunk: Trunk, units: Units, reason: str)
     cut = order.index(trunk.path)
     pre = [(n, m) for n, m in units if order.index(n) < cut]
     post = [(n, m) for n, m in units if order.index(n) > cut]
-    return Ownership(pre, post, _tied(module, pre, post), "registration order", reason)
+    return Ownership(pre, post, _tied(module, pre, post), "registration order", reason,
+                     everywhere=everywhere_params(module, trunk))
 
 
 def _tied(module: nn.Module, pre: Units, post: Units) -> list[tuple[str, ...]]:

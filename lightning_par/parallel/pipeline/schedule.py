@@ -43,7 +43,7 @@ from torch.distributed.pipelining import (
 from lightning_par import _compat, axes
 from lightning_par.parallel.pipeline.preflight import Shape, preflight
 from lightning_par.parallel.pipeline.stages import PipelineError, PipelineModel, StageSpec
-from lightning_par.parallel.pipeline.tied import TiedWeights
+from lightning_par.parallel.pipeline.tied import OnEveryStage, TiedWeights
 from lightning_par.parallel.pipeline.trace import StepTrace
 
 
@@ -158,6 +158,7 @@ class PipelineRunner:
         microbatches: microbatches per training step.
         tied: on an end stage's rank of a model with a weight used before and after the trunk, the two copies
             whose gradients each step sums (`pipeline.tied`).
+        everywhere: the parameters every stage holds, whose gradients each step sums over the pipeline group.
         wire_shape: the hidden state's shape between stages from its shape entering the trunk (default: the
             same): context parallelism sends this rank's sequence chunks only.
     """
@@ -170,6 +171,7 @@ class PipelineRunner:
         microbatches: int,
         *,
         tied: Optional[TiedWeights] = None,
+        everywhere: Optional[OnEveryStage] = None,
         wire_shape: Optional[Callable[[Shape], Shape]] = None,
     ) -> None:
         self.model, self.schedule_name, self.group = model, schedule, group
@@ -177,7 +179,7 @@ class PipelineRunner:
         self.pp = dist.get_world_size(group)
         self._first_rank, self._last_rank = end_ranks(schedule, group)
         self._cache: dict[tuple, Any] = {}
-        self.tied = tied
+        self.tied, self.everywhere = tied, everywhere
         self._loss_fn: Callable[[Tensor], Tensor] = lambda t: t
         self.wire_shape: Callable[[Shape], Shape] = wire_shape if wire_shape is not None else (lambda shape: shape)
         self.trace = StepTrace()  # this rank's actions and waits in the latest training step
@@ -314,6 +316,8 @@ class PipelineRunner:
             sched.step(target=torch.zeros(m, device=device), mb=torch.arange(m, device=device), return_outputs=False)
         if self.tied is not None:  # this step's gradients of the two copies, before anything else reads them
             self.tied.reduce_grads()
+        if self.everywhere is not None:  # each stage's share of the parameters every stage holds
+            self.everywhere.reduce_grads()
 
     @torch.no_grad()
     def eval_step(self, batch: Any, step_fn: Callable[[Any, StageSpec], Optional[Tensor]]) -> None:

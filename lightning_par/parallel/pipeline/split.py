@@ -34,7 +34,7 @@ from lightning_par.parallel.pipeline.schedule import (
     n_stages,
 )
 from lightning_par.parallel.pipeline.stages import PipelineError, PipelineModel
-from lightning_par.parallel.pipeline.tied import TiedWeights, tie_group
+from lightning_par.parallel.pipeline.tied import OnEveryStage, TiedWeights, tie_group
 
 
 @dataclasses.dataclass
@@ -46,6 +46,7 @@ class PipelineSplit:
         parts: one `ModelPart` per stage this rank runs, in stage order.
         tied: on an end stage's rank of a model with a weight used before and after the trunk, its two copies.
         schedule, group, microbatches: the runner's (`PipelineRunner`).
+        everywhere: parameters directly on a module that contains the trunk, held by every stage.
     """
 
     model: PipelineModel
@@ -54,6 +55,7 @@ class PipelineSplit:
     schedule: str
     group: dist.ProcessGroup
     microbatches: int
+    everywhere: Optional[OnEveryStage] = None
 
     def install(self, wire_shape: Optional[Callable[[Shape], Shape]] = None) -> PipelineRunner:
         """Put the stage dispatch and the trunk-entry probe on the owned blocks, after every other wrapping, and
@@ -66,7 +68,7 @@ class PipelineSplit:
         self.model.install()
         self.model.install_probe_hooks()
         return PipelineRunner(self.model, self.schedule, self.group, self.microbatches, tied=self.tied,
-                              wire_shape=wire_shape)  # fmt: skip
+                              wire_shape=wire_shape, everywhere=self.everywhere)  # fmt: skip
 
 
 def _outer_cost(modules: Sequence[nn.Module]) -> float:
@@ -134,4 +136,8 @@ def split_pipeline(
                   whole_trunk=False)
         for stage in model.stage_modules()
     ]  # fmt: skip
-    return PipelineSplit(model, parts, tied, schedule, group, microbatches)
+    everywhere = None
+    if own.everywhere:  # a parameter on a module that contains the trunk: on every stage, gradients summed
+        everywhere = OnEveryStage(module, own.everywhere, group, model.owns_first)
+        everywhere.sync_values()
+    return PipelineSplit(model, parts, tied, schedule, group, microbatches, everywhere)

@@ -102,9 +102,14 @@ class StageModule(nn.Module):
 
     _owner: PipelineModel
 
-    def __init__(self, owner: PipelineModel, spec: StageSpec, owned: Sequence[nn.Module]) -> None:
+    def __init__(
+        self, owner: PipelineModel, spec: StageSpec, owned: Sequence[nn.Module], everywhere: Sequence[nn.Parameter] = ()
+    ) -> None:
         super().__init__()
         self.owned = nn.ModuleList(owned)
+        # Parameters every stage holds (`Ownership.everywhere`): the stage's own too, so that a zero-bubble schedule's
+        # weight pass, which computes the gradients of the stage's parameters alone, computes theirs.
+        self.everywhere = nn.ParameterList(everywhere)
         object.__setattr__(self, "_owner", owner)
         self.spec = spec
 
@@ -212,7 +217,8 @@ class PipelineModel:
             owned: list[nn.Module] = [self.blocks[i] for i in range(spec.start, spec.end)]
             owned += list(self.pre.values()) if spec.is_first else []
             owned += list(self.post.values()) if spec.is_last else []
-            out.append(StageModule(self, spec, owned))
+            everywhere = [self.module.get_parameter(n) for n in self.ownership.everywhere]
+            out.append(StageModule(self, spec, owned, everywhere))
         self._stage_modules = out
         return out
 

@@ -122,3 +122,52 @@ def tie_group(first_rank: int, last_rank: int, timeout: Optional[timedelta]) -> 
         if me in pair:
             mine = group
     return mine
+
+
+class OnEveryStage:
+    """Parameters directly on a module that contains the trunk (`Ownership.everywhere`), held by every stage.
+
+    Code before, between or after the trunk's blocks may read them (modded-nanoGPT passes ``self.lambdas[i]`` to
+    block ``i``; a learned scale multiplies the embedding), so each stage keeps them, starts from the first stage's
+    values, and after every pipeline step their gradients (each stage's share: what its own part of the forward
+    read) are summed over the pipeline group, as tied weights' are over their two ends. The gradient norm counts them
+    on the first stage's rank only. Checkpoints hold them under their own names from every rank, written once (DCP
+    keeps one copy of a tensor that several ranks save under one name).
+
+    Args:
+        module: the rank's cut model.
+        names: the parameters' names (`Ownership.everywhere`).
+        group: the pipeline group.
+        first: whether this rank runs the first stage.
+    """
+
+    def __init__(self, module: nn.Module, names: Sequence[str], group: dist.ProcessGroup, first: bool) -> None:
+        self.module, self.names, self.group, self.first = module, list(names), group, first
+
+    def params(self) -> list[nn.Parameter]:
+        """The parameters as they are now."""
+        return [self.module.get_parameter(n) for n in self.names]
+
+    @torch.no_grad()
+    def sync_values(self) -> None:
+        """Every stage starts from the first stage's values (collective over the pipeline group)."""
+        for p in self.params():
+            if not p.is_meta:
+                dist.broadcast(p.data, src=dist.get_global_rank(self.group, 0), group=self.group)
+
+    def mark_replicas(self, masters: Optional[dict[nn.Parameter, nn.Parameter]] = None) -> None:
+        """Off the first stage's rank, mark them (and their ZeRO masters) as replicas for the gradient norm."""
+        if self.first:
+            return
+        for p in self.params():
+            mark_replica(p)
+            if masters is not None and p in masters:
+                mark_replica(masters[p])
+
+    @torch.no_grad()
+    def reduce_grads(self) -> None:
+        """Sum this step's gradients over the pipeline group (collective; after every pipeline step)."""
+        for p in self.params():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(dtensors.local(p.grad), group=self.group)
