@@ -322,16 +322,15 @@ def other_plans(
 ) -> tuple[list[TPPlan], list[str]]:
     """Plans for the model's other stacks of blocks, and a note for each kept whole: tensor parallelism over every
     stack, not the trunk alone.
-    Tensor parallelism over every stack of blocks, not the trunk alone: an encoder-decoder's encoder.
 
-    The trunk (`blocks.trunk.find_trunk`) is the stack a pipeline cuts and ZeRO-3 wraps: for Hugging Face T5 or BART the
-    decoder, which holds the most parameters. The encoder is a second stack of the same kind of blocks, and kept whole
-    it would hold its whole weights on every tp rank. Each other stack (`blocks.trunk.other_trunks`: >= 2 same-class
-    blocks outside the trunk, 10 % of the model or more) gets a plan of its own, inferred, validated and checked on real
-    values exactly as the trunk's (`infer_tp_plan(trunk=)`), and is split with it. A stack whose plan is refused stays
-    whole, as before, and the start-up log says so with the reason: the trunk's own refusals still stop the run.
-    Under a pipeline a stack belongs to a stage's outer modules (an encoder to the first stage) and is split on that
-    stage's ranks, without sequence parallelism (`compose._tensor_parallel`).
+    The trunk (`blocks.trunk.find_trunk`) is the stack a pipeline cuts and ZeRO-3 wraps: for Hugging Face T5 or BART
+    the decoder, which holds the most parameters. The encoder is a second stack of blocks; kept whole, every tp rank
+    would hold all its weights. Each other stack (`blocks.trunk.other_trunks`: >= 2 same-class blocks outside the
+    trunk, 10 % of the model or more) gets a plan of its own, inferred, validated and checked on real values exactly
+    as the trunk's (`infer_tp_plan(trunk=)`), and is split with it. A stack whose plan is refused stays whole, and the
+    start-up log says so with the reason: the trunk's own refusals still stop the run. Under a pipeline a stack
+    belongs to a stage's outer modules (an encoder to the first stage) and is split on that stage's ranks, without
+    sequence parallelism (`compose._tensor_parallel`).
 
     Args:
         model: the whole model (before any split).
