@@ -91,21 +91,27 @@ class TiedWeights:
     def mark_replicas(self, masters: Optional[dict[nn.Parameter, nn.Parameter]] = None) -> None:
         """On the last stage's rank, mark its copies (and the ZeRO masters built from them) as replicas, so that
         the global gradient norm counts each tied weight once."""
-        if not self.is_replica:
-            return
-        for p in self.params():
-            mark_replica(p)
-            if masters is not None and p in masters:
-                mark_replica(masters[p])
+        if self.is_replica:
+            _mark_replicas(self.params(), masters)
 
-    @torch.no_grad()
     def reduce_grads(self) -> None:
         """Sum the copies' gradients of this step over the group (collective; call after every pipeline step)."""
-        for p in self.params():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            grad = p.grad
-            dist.all_reduce(dtensors.local(grad), group=self.group)
+        _sum_grads(self.params(), self.group)
+
+
+def _mark_replicas(params: Sequence[nn.Parameter], masters: Optional[dict[nn.Parameter, nn.Parameter]]) -> None:
+    for p in params:
+        mark_replica(p)
+        if masters is not None and p in masters:
+            mark_replica(masters[p])
+
+
+@torch.no_grad()
+def _sum_grads(params: Sequence[nn.Parameter], group: dist.ProcessGroup) -> None:
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(dtensors.local(p.grad), group=group)
 
 
 def tie_group(first_rank: int, last_rank: int, timeout: Optional[timedelta]) -> Optional[dist.ProcessGroup]:
@@ -157,17 +163,9 @@ class OnEveryStage:
 
     def mark_replicas(self, masters: Optional[dict[nn.Parameter, nn.Parameter]] = None) -> None:
         """Off the first stage's rank, mark them (and their ZeRO masters) as replicas for the gradient norm."""
-        if self.first:
-            return
-        for p in self.params():
-            mark_replica(p)
-            if masters is not None and p in masters:
-                mark_replica(masters[p])
+        if not self.first:
+            _mark_replicas(self.params(), masters)
 
-    @torch.no_grad()
     def reduce_grads(self) -> None:
         """Sum this step's gradients over the pipeline group (collective; after every pipeline step)."""
-        for p in self.params():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(dtensors.local(p.grad), group=self.group)
+        _sum_grads(self.params(), self.group)
