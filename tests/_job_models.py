@@ -168,7 +168,7 @@ class ScalarsLM(_TinyLM):
         self.emb = torch.nn.Embedding(256, 32)
         self.blocks = torch.nn.ModuleList(_MixBlock() for _ in range(4))
         self.norm, self.head = torch.nn.LayerNorm(32), torch.nn.Linear(32, 256)
-        # (1,), not 0-dim: the ZeRO engine refuses a 0-dim parameter (a limit of its own, listed in docs/zero.md).
+        # (1,), not 0-dim: the ZeRO engine refuses a 0-dim parameter (a limit of its own: docs/strategies.md).
         self.scale = torch.nn.Parameter(torch.ones(1))
         self.lambdas = torch.nn.Parameter(torch.tensor([[1.0, 0.5]] * 4))
         self.out_scale = torch.nn.Parameter(torch.ones(1))
