@@ -4,11 +4,11 @@ written plainly) and hands it to every later block with the hidden state. Nothin
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
-import lightning as L
 import torch
 import torch.nn.functional as F
+from _tp_mixed_models import AlternatingLM
 from torch import Tensor, nn
 
 
@@ -51,28 +51,16 @@ class Block(nn.Module):
         return x + self.down(F.gelu(self.up(self.ln2(x)))), bias
 
 
-class RelBiasLM(L.LightningModule):
-    """Causal LM over bytes, 3 blocks; the bias the first block makes is reused by the others."""
+class RelBiasLM(AlternatingLM):
+    """Causal LM over bytes, 3 blocks; the bias the first block makes is reused by the others (the embedding, head,
+    loss and optimizer are `AlternatingLM`'s)."""
 
     def __init__(self, dim: int = 32, n_heads: int = 4, n_blocks: int = 3) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(256, dim)
+        super().__init__(kinds=())
         self.blocks = nn.ModuleList(Block(dim, n_heads, 8 if i == 0 else None) for i in range(n_blocks))
-        self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, 256)
 
     def forward(self, idx: Tensor) -> Tensor:
         h, bias = self.emb(idx), None
         for block in self.blocks:
             h, bias = block(h, bias)
         return self.head(self.norm(h))
-
-    def _loss(self, x: Tensor, y: Tensor) -> Tensor:
-        return F.cross_entropy(self(x).flatten(0, 1), y.flatten())
-
-    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        loss = self._loss(*batch)
-        self.log("train_loss", loss, sync_dist=True)
-        return loss
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)

@@ -86,9 +86,7 @@ def parallelize(
     base, adapter_files = split_sources(pretrained)
     # A base checkpoint fills the layers the adapters wrap; a PEFT folder, the adapters.
     adapters = adapter_names(module) if base or adapter_files else None
-    plan = _tp_plan(module, config, tp_plan)
-    # Other stacks of blocks (an encoder-decoder's encoder) get plans of their own.
-    stacks, stack_notes = other_plans(module, plan, config.tp, tp_plan) if plan else ([], [])
+    plans, stack_notes = _tp_plans(module, config, tp_plan)
     if config.cp > 1 and trunk is not None:
         check_blocks_run_once(module, trunk)  # a recurrent-depth loop, even one run without gradients
     moe_layers = bool(find_moe_layers(module))
@@ -97,10 +95,9 @@ def parallelize(
     parts = cut.parts if cut is not None else [_whole(module, trunk)]
     # 2. Replicas start equal, before anything is sliced (a meta-built model's values do not depend on the rank).
     if templates is None:
-        _sync_replicas(module, mesh, plan is not None)
+        _sync_replicas(module, mesh, bool(plans))
     # 3. Tensor parallelism: which slice of each weight a rank holds.
-    tp_notes = [_tensor_parallel(module, parts, mesh, [plan, *stacks], config.sequence_parallel)] if plan else []
-    tp_notes += stack_notes
+    tp_notes = [_tensor_parallel(module, parts, mesh, plans, config.sequence_parallel), *stack_notes] if plans else []
     # 4. Context parallelism: hooks after tensor parallelism's, attention modes before recomputation wraps them.
     wire_shape = _context_parallel(module, trunk, cut, mesh, config) if config.cp > 1 else None
     # 5. Expert parallelism: dispatch hooks on the experts module, inside any recomputed block.
@@ -113,12 +110,6 @@ def parallelize(
             apply_compile(part.block_modules)
     exclude = experts.params if experts is not None else []
     if config.zero_stage == 3:
-        if cut is not None and cut.everywhere is not None:
-            raise PipelineError(
-                f"{', '.join(cut.everywhere.names)} sit on a module that contains the trunk, so every pipeline stage "
-                "holds them; ZeRO-3 would shard them inside one stage's unit while the model's code reads the "
-                "module's own copy. Use zero_stage=1 or 2 with the pipeline (e.g. strategy='pipe_zero1')"
-            )
         _fsdp(parts, mesh, config, exclude, param_dtype, reduce_dtype, pipelined=cut is not None)
     # 7. A meta-built model gets storage for what this rank holds, and values: initialised, or read from `pretrained`.
     notes = tp_notes + _values(module, experts, templates, (base, adapters, adapter_files), ties, device)
@@ -126,10 +117,8 @@ def parallelize(
     zero = None if config.zero_stage == 3 else _replicated_zero(module, parts, mesh, config, exclude, cut, timeout)
     # 9. The pipeline's own hooks last, outside every wrapping above; a tied weight's second copy marked after ZeRO.
     runner = cut.install(wire_shape) if cut is not None else None
-    if cut is not None and cut.tied is not None:
-        cut.tied.mark_replicas(zero.masters if zero is not None else None)
-    if cut is not None and cut.everywhere is not None:
-        cut.everywhere.mark_replicas(zero.masters if zero is not None else None)
+    if cut is not None:
+        cut.mark_replicas(zero.masters if zero is not None else None)
     # Under ZeRO-3 without a pipeline the trainer calls the StepRoot, so that FSDP2's root hooks fire.
     model = parts[0].root if config.zero_stage == 3 and cut is None else module
     norm_groups = (mesh.root.get_group("pp"),) if cut is not None else ()
@@ -306,14 +295,19 @@ def _trunk(module: nn.Module, config: ParallelConfig) -> Optional[Trunk]:
     return None
 
 
-def _tp_plan(module: nn.Module, config: ParallelConfig, overrides: Optional[dict[str, str]]) -> Optional[TPPlan]:
+def _tp_plans(
+    module: nn.Module, config: ParallelConfig, overrides: Optional[dict[str, str]]
+) -> tuple[list[TPPlan], list[str]]:
+    """The trunk's plan, then other stacks' (an encoder-decoder's encoder), and a note per stack kept whole."""
     if config.tp == 1:
-        return None
+        return [], []
     refuse_dora(module)  # before the plan: its probe would name every projection instead
     plan = infer_tp_plan(module, overrides=overrides)
     validate_tp(plan, config.tp)
     # Block 0 on per-rank shapes: code assuming full widths runs on gathered activations, or is refused here.
-    return check_local_shapes(module, plan, config.tp)
+    plan = check_local_shapes(module, plan, config.tp)
+    stacks, notes = other_plans(module, plan, config.tp, overrides)
+    return [plan, *stacks], notes
 
 
 def _whole(module: nn.Module, trunk: Optional[Trunk]) -> ModelPart:
@@ -358,8 +352,15 @@ def _split(
     device: torch.device,
 ) -> PipelineSplit:
     assert trunk is not None  # `_trunk` requires one under pp > 1
-    return split_pipeline(
+    cut = split_pipeline(
         module, trunk, schedule=config.pp_schedule, pp=config.pp, pp_rank=mesh.root.get_local_rank("pp"),
         group=mesh.root.get_group("pp"), microbatches=config.microbatches or 2 * config.pp, device=device,
         split=config.pp_split, costs=config.pp_costs, timeout=timeout,
     )  # fmt: skip
+    if config.zero_stage == 3 and cut.everywhere is not None:
+        raise PipelineError(
+            f"{', '.join(cut.everywhere.names)} sit on a module that contains the trunk, so every pipeline stage "
+            "holds them; ZeRO-3 would shard them inside one stage's unit while the model's code reads the module's "
+            "own copy. Use zero_stage=1 or 2 with the pipeline (e.g. strategy='pipe_zero1')"
+        )
+    return cut

@@ -57,6 +57,13 @@ class PipelineSplit:
     microbatches: int
     everywhere: Optional[OnEveryStage] = None
 
+    def mark_replicas(self, masters: Optional[dict[nn.Parameter, nn.Parameter]] = None) -> None:
+        """Once ZeRO built its masters: the copies the gradient norm must not count again (a tied weight's second
+        copy, the parameters every stage holds, off their first rank)."""
+        for held in (self.tied, self.everywhere):
+            if held is not None:
+                held.mark_replicas(masters)
+
     def install(self, wire_shape: Optional[Callable[[Shape], Shape]] = None) -> PipelineRunner:
         """Put the stage dispatch and the trunk-entry probe on the owned blocks, after every other wrapping, and
         return the runner of the steps.

@@ -22,20 +22,17 @@ class BlockCalls(Protocol):
     def _block_call(self, i: int, forward: Optional[Callable[..., Any]], args: tuple, kwargs: dict) -> Any: ...
 
 
-class _PassThrough(nn.Module):
-    """Stands in for a trunk block that another rank owns. Code around the trunk may read the block's attributes
-    (torch's ``nn.TransformerEncoder.forward`` reads ``self.layers[0].self_attn.batch_first`` for its fast path):
-    what the stand-in lacks is read from a meta-device copy of the block (`meta.meta_copy`: no storage, not
-    registered, so no optimizer, checkpoint or ZeRO sees it)."""
+class _StandIn(nn.Module):
+    """Routes calls to the cut model's dispatch and reads the attributes it lacks from ``_original``."""
 
     _owner: BlockCalls
     _original: nn.Module
 
-    def __init__(self, owner: BlockCalls, index: int, name: str, block: nn.Module) -> None:
+    def __init__(self, owner: BlockCalls, index: int, original: nn.Module) -> None:
         super().__init__()
         object.__setattr__(self, "_owner", owner)
-        object.__setattr__(self, "_original", meta_copy(block))
-        self.index, self.block_name = index, name
+        object.__setattr__(self, "_original", original)
+        self.index = index
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -50,26 +47,16 @@ class _PassThrough(nn.Module):
         return self._owner._block_call(self.index, None, args, kwargs)
 
 
-class _Walker(nn.Module):
+class _PassThrough(_StandIn):
+    """Stands in for a trunk block that another rank owns. Code around the trunk may read the block's attributes
+    (torch's ``nn.TransformerEncoder.forward`` reads ``self.layers[0].self_attn.batch_first`` for its fast path):
+    what the stand-in lacks is read from a meta-device copy of the block (`meta.meta_copy`: no storage, not
+    registered, so no optimizer, checkpoint or ZeRO sees it)."""
+
+    def __init__(self, owner: BlockCalls, index: int, name: str, block: nn.Module) -> None:
+        super().__init__(owner, index, meta_copy(block))
+        self.block_name = name
+
+
+class _Walker(_StandIn):
     """Stands in for an owned block during a walk (`PipelineModel.walk`): the block's attributes, none of its hooks."""
-
-    _owner: BlockCalls
-    _block: nn.Module
-
-    def __init__(self, owner: BlockCalls, index: int, block: nn.Module) -> None:
-        super().__init__()
-        object.__setattr__(self, "_owner", owner)
-        object.__setattr__(self, "_block", block)
-        self.index = index
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            block = self.__dict__.get("_block")
-            if block is None or name.startswith("__"):
-                raise
-            return getattr(block, name)
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self._owner._block_call(self.index, None, args, kwargs)
