@@ -444,6 +444,7 @@ MODELS: dict[str, Any] = _Models({
     "user_alternating": lambda: _tp_mixed_models().AlternatingLM(),
     "user_inner_norm": lambda: _tp_mixed_models().AlternatingLM(inner=True),  # norms inside the regions
     "user_rel_bias": lambda: _rel_bias_models().RelBiasLM(),  # a per-head bias table, its bias passed on
+    "looped_lm": lambda: _looped_models().LoopedLM(),  # a core block run three times: the calls [0, 1, 1, 1, 2]
     "user_post_norm": lambda: _tp_mixed_models().PostNormLM(),  # residual + norm inside the attention module
     "user_lora": lambda: _lora_models().UserLoRALM(),  # a user's LoRA wrappers on every projection
     "peft_llama": lambda: _lora_models().PeftLlama(),  # peft.get_peft_model(LoRA) on Hugging Face Llama
@@ -507,6 +508,7 @@ MODELS: dict[str, Any] = _Models({
 _families_moe = functools.partial(importlib.import_module, "_families_moe")
 _tp_mixed_models = functools.partial(importlib.import_module, "_tp_mixed_models")
 _rel_bias_models = functools.partial(importlib.import_module, "_rel_bias_models")
+_looped_models = functools.partial(importlib.import_module, "_looped_models")
 _mha_models = functools.partial(importlib.import_module, "_mha_models")
 _families = functools.partial(importlib.import_module, "_families")
 _nano_models = functools.partial(importlib.import_module, "_nano_models")

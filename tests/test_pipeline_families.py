@@ -96,7 +96,7 @@ JOBS_4: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 ALL = {**JOBS_2, **JOBS_3, **JOBS_4}
-REFUSED = ("skip_unet", "pyramid_unprobed", "zoo:dory", "hf_albert")
+REFUSED = ("skip_unet", "pyramid_unprobed")
 TIED = {"hf_gpt2", "gpt4_tied_sgd", "hf_qwen2_tied", "nano_gpt", "hf_t5", "hf_t5_4", "hf_bart"}
 
 
@@ -120,8 +120,8 @@ def spawns(tmp_path_factory: pytest.TempPathFactory) -> Spawns:
     refs = run_jobs(tmp, [reference_job({k: v for k, v in j.items() if k not in ("strategy", "dp")})
                           for j in ALL.values()], nproc=1, timeout=900)  # fmt: skip
     # Last on 2 ranks, refused before the first step: a U-Net's skip connections cross every cut; a pyramid the
-    # ownership probe could not run (8 tokens are too few for its merges), whose stages then fail in the pre-flight;
-    # Dory, which runs its layers again in one forward, and ALBERT, which calls its one layer at every depth.
+    # ownership probe could not run (8 tokens are too few for its merges), whose stages then fail in the pre-flight.
+    # (Blocks that run more than once, Dory's and ALBERT's, train: tests/test_pipeline_calls.py.)
     refused = [{"model": m, "strategy": {"pp": 2}, "dp": 1, "steps": 1, "expect_error": True} for m in REFUSED]
     got = run_jobs(tmp, [{**j, "dp": 1} for j in JOBS_2.values()] + _checkpoint_jobs(tmp) + refused, nproc=2,
                    timeout=900)  # fmt: skip
@@ -224,26 +224,6 @@ def test_a_stage_that_fails_on_the_shapes_it_receives_is_refused_before_the_firs
     assert "the pipeline's pre-flight (each stage once on the shapes it receives) failed: stage 1 (" in got["error"]
     assert "RuntimeError: Given normalized_shape=[16]" in got["error"]
     assert "give the LightningModule an example_input_array of a real input" in got["error"]
-
-
-def test_a_trunk_run_again_in_one_forward_is_refused(spawns):
-    # Hugging Face Dory (shrunk, tests/_zoo.py) runs its layers again in a recurrent loop: the zoo sweep found it
-    # training silently wrong under pipe (each stage ran its blocks once). The ownership probe sees the call order.
-    got = spawns[2]["zoo:dory"]
-    assert got["losses"] == [] and got["error"] is not None
-    assert "the forward calls the blocks of model.model.layers in the order [0, 1, 0, 1]: a block runs again" in (
-        got["error"]
-    )
-    assert "train this model without pipeline parallelism (e.g. strategy='zero3')" in got["error"]
-
-
-def test_one_layer_called_at_every_depth_is_refused_naming_the_order(spawns):
-    # ALBERT's trunk is one layer whose weights serve every depth: no cut between blocks exists, and the refusal
-    # (before the block count) says why and names a layout that trains it (tp and zero3 do: test_tp_families.py).
-    got = spawns[2]["hf_albert"]
-    assert got["losses"] == [] and got["error"] is not None
-    assert "in the order [0, 0, 0, 0]: a block runs again" in got["error"]
-    assert "train this model without pipeline parallelism (e.g. strategy='zero3')" in got["error"]
 
 
 def test_the_encoder_is_split_on_the_first_stage_under_pipe_tp(results):

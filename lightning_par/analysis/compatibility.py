@@ -97,12 +97,13 @@ class _Checks:
                 raise PipelineError(
                     "found no trunk of >= 2 same-class blocks to cut into stages; train with zero3 or tp instead"
                 )
+            own = find_ownership(self.module, trunk)
+            trunk, blocks = (own.calls, "calls") if own.calls is not None else (trunk, "blocks")
             if len(trunk.blocks) < self.degree:
                 raise PipelineError(
-                    f"{trunk.path} has {len(trunk.blocks)} blocks, fewer than pp={self.degree} stages; use fewer "
+                    f"{trunk.path} has {len(trunk.blocks)} {blocks}, fewer than pp={self.degree} stages; use fewer "
                     "pipeline ranks"
                 )
-            own = find_ownership(self.module, trunk)
             if (why := no_split_possible(own.cut_conflicts, trunk.names, self.degree)) is not None:
                 raise PipelineError(why)
             outside = f"{len(own.pre)} modules on the first stage, {len(own.post)} on the last, by {own.source}"
@@ -111,7 +112,9 @@ class _Checks:
                 own.sides) else ""  # fmt: skip
             ruled_out = f", cuts only before blocks {allowed_cuts(len(trunk.blocks), own.cut_conflicts)}" if (
                 own.cut_conflicts) else ""  # fmt: skip
-            return f"pipeline over the {len(trunk.blocks)} blocks of {trunk.path} ({outside}{tied}{sides}{ruled_out})"
+            shared = f", {', '.join(trunk.repeated)} on every stage (run more than once)" if trunk.repeated else ""
+            return (f"pipeline over the {len(trunk.blocks)} {blocks} of {trunk.path} "
+                    f"({outside}{tied}{sides}{ruled_out}{shared})")  # fmt: skip
 
         return _guard(run, PipelineError)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
+from collections.abc import Sequence
 
 from torch import nn
 
@@ -30,6 +31,18 @@ class Trunk:
     path: str
     names: tuple[str, ...]
     blocks: tuple[nn.Module, ...]
+
+    def calls(self, order: Sequence[int]) -> Trunk:
+        """The trunk as one forward runs it: an entry per call of a block, ``order`` giving the block of each call
+        (ALBERT's one layer called at every depth: ``[0, 0, 0, 0]``; a recurrent-depth loop: ``[0, 1, 0, 1]``). A
+        block called more than once appears at each of its calls, the same module under the same name."""
+        return Trunk(self.path, tuple(self.names[i] for i in order), tuple(self.blocks[i] for i in order))
+
+    @property
+    def repeated(self) -> dict[str, nn.Module]:
+        """The blocks that appear more than once (a trunk of calls, `calls`), by name, in first-call order."""
+        seen = Counter(self.names)
+        return {n: b for n, b in zip(self.names, self.blocks) if seen[n] > 1}
 
 
 def _numel(module: nn.Module) -> int:

@@ -358,9 +358,11 @@ def _split(
         split=config.pp_split, costs=config.pp_costs, timeout=timeout,
     )  # fmt: skip
     if config.zero_stage == 3 and cut.everywhere is not None:
+        runs = "runs" if len(cut.model.shared) == 1 else "run"
+        why = (f"{', '.join(cut.model.shared)} {runs} more than once in one forward" if cut.model.shared else
+               f"{', '.join(cut.everywhere.names)} sit on a module that contains the trunk")  # fmt: skip
         raise PipelineError(
-            f"{', '.join(cut.everywhere.names)} sit on a module that contains the trunk, so every pipeline stage "
-            "holds them; ZeRO-3 would shard them inside one stage's unit while the model's code reads the module's "
-            "own copy. Use zero_stage=1 or 2 with the pipeline (e.g. strategy='pipe_zero1')"
+            f"{why}, so every pipeline stage holds them; ZeRO-3 would shard them inside one stage's unit while other "
+            "stages' code reads them too. Use zero_stage=1 or 2 with the pipeline (e.g. strategy='pipe_zero1')"
         )
     return cut

@@ -62,7 +62,8 @@ def comm_terms(
     """Every term of `comm_bytes` for global ``rank``: ``(source, kind, wire bytes per step)``.
 
     ``source`` is one of ``"dp"`` (gradients and parameters over the data-parallel ranks), ``"experts"``,
-    ``"router"``, ``"tied"``, ``"tp"`` (activations), ``"sp_norms"``.
+    ``"router"``, ``"tied"``, ``"every stage"`` (parameters every pipeline stage holds), ``"tp"`` (activations),
+    ``"sp_norms"``.
     """
     if layout.cp > 1:
         raise LayoutError("comm_bytes does not model context parallelism (cp > 1) yet; price it with cp=1")
@@ -84,6 +85,7 @@ def comm_terms(
             terms.append(("experts", "all_reduce", _ring("all_reduce", experts, layout.tp)))
     terms += _router(tensors, layout, tokens, m, router_aux)
     terms += _tied(specs, tensors, layout, pp_rank, shard, n)
+    terms += _on_every_stage(tensors, layout)
     terms += _tensor_parallel(tensors, layout, tokens, hidden, n)
     return [t for t in terms if t[2]]
 
@@ -204,6 +206,16 @@ def _tied(
             numel = t.rows_of(n, shard) if layout.zero_stage == 3 else t.numel
             out.append(("tied", "all_reduce", _ring("all_reduce", numel * param_bytes(t.spec, layout.precision), 2)))
     return out
+
+
+def _on_every_stage(tensors: Sequence[Held], layout: Layout) -> list[tuple[str, str, float]]:
+    """Parameters every stage holds (a block that runs more than once, scalars on the trunk's container): their
+    gradients summed over the pipeline group, once per step (`lightning_par.parallel.pipeline.tied.OnEveryStage`)."""
+    every = [t for t in tensors if t.spec.end == "every" or t.spec.calls]
+    if layout.pp == 1 or not every:
+        return []
+    size = sum(t.numel * param_bytes(t.spec, layout.precision) for t in every)
+    return [("every stage", "all_reduce", _ring("all_reduce", size, layout.pp))]
 
 
 def _tensor_parallel(

@@ -26,7 +26,7 @@ from torch import nn
 
 from lightning_par.planner.model import ModelDesc
 
-ENDS = ("first", "last", "both")
+ENDS = ("first", "last", "both", "every")
 # "norm": a norm on a block's residual stream (replicated under tp; sequence parallelism sums its gradient over tp);
 # "head_norm": a per-head q/k norm (replicated; its gradient is always summed over tp when the heads are split);
 # "router": the router of a stacked-experts layer (the suite gathers its logits over the token group).
@@ -47,13 +47,17 @@ class ParamSpec:
             projection, the MLP's down projection), whose matmul result is reduced over tp.
         expert_axis: the dim expert parallelism splits over ep (stacked expert weights: 0), ``None`` otherwise.
         expert: ``(index, n_experts)`` of a whole expert of an ``nn.ModuleList``, held by the ep rank owning it.
-        block: index of the trunk block holding it; ``None`` for what runs outside the trunk.
-        end: outside the trunk: the pipeline end stage holding it (``"first"``, ``"last"`` or ``"both"``).
+        block: index of the trunk block holding it; ``None`` for what runs outside the trunk. In a trunk whose blocks
+            run more than once (ALBERT) the index of its block's first call.
+        end: outside the trunk: the pipeline end stage holding it (``"first"``, ``"last"`` or ``"both"``), or
+            ``"every"`` stage (a parameter directly on the module that holds the trunk).
         tied_with: the other names of the same tensor.
         lookup: it is an embedding table (on the first stage: a lookup, no FLOPs, so the pipeline split does not
             charge it; a tied table is charged to the last stage, where it is the head's matmul).
         role: one of `ROLES`.
         trainable: ``requires_grad`` (frozen parameters hold no gradient and no optimizer state).
+        calls: where its block runs more than once in one forward, the trunk calls it runs at: every pipeline stage
+            holds it, and each call costs a stage its compute.
     """
 
     name: str
@@ -69,6 +73,7 @@ class ParamSpec:
     lookup: bool = False
     role: str = ""
     trainable: bool = True
+    calls: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for dim, what in ((self.tp_dim, "tp_dim"), (self.expert_axis, "expert_axis")):
@@ -215,7 +220,18 @@ def specs_from_module(module: nn.Module, *, tp_plan: Optional[dict[str, str]] = 
         own = find_ownership(module, trunk) if trunk is not None else None
     except PipelineError:
         own = None  # a pipeline refuses this model (a block that runs again): no stage ends to tell
+    calls: dict[str, tuple[int, ...]] = {}
+    if own is not None and own.calls is not None:  # a block that runs more than once: the pipeline cuts its calls
+        block_of = {}
+        at: dict[str, list[int]] = {}
+        for v, block_name in enumerate(own.calls.names):
+            at.setdefault(block_name, []).append(v)
+        for block_name, places in at.items():
+            for n, _ in module.get_submodule(block_name).named_parameters():
+                block_of[f"{block_name}.{n}"] = places[0]
+                calls[f"{block_name}.{n}"] = tuple(places) if len(places) > 1 else ()
     if own is not None:
+        ends.update({n: "every" for n in own.everywhere if n not in block_of})
         for units, end in ((own.pre, "first"), (own.post, "last")):
             for _, m in units:
                 for sub in m.modules():
@@ -232,7 +248,7 @@ def specs_from_module(module: nn.Module, *, tp_plan: Optional[dict[str, str]] = 
             name, tuple(p.shape), tp_dim=dims.get(name), tp_row=name in rows, expert_axis=expert_axis,
             expert=expert, block=block, end=None if block is not None else ends.get(name, "first"),
             tied_with=tuple(names_of[id(p)][1:]), lookup=name in lookups, role=roles.get(name, ""),
-            trainable=p.requires_grad,
+            trainable=p.requires_grad, calls=calls.get(name, ()),
         ))  # fmt: skip
     return specs
 

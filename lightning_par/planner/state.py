@@ -130,7 +130,7 @@ def local_stages(layout: Layout, pp_rank: int, framework: str = "lightning_par")
 
 def stage_ranges(specs: Sequence[ParamSpec], layout: Layout, framework: str = "lightning_par") -> list[tuple[int, int]]:
     """Block ranges of every pipeline stage: the suite's parameter-count balance, or Megatron's equal counts."""
-    n_blocks = 1 + max((s.block for s in specs if s.block is not None), default=-1)
+    n_blocks = 1 + max((max(s.calls, default=s.block) for s in specs if s.block is not None), default=-1)
     stages = layout.pp * virtual_stages(layout, framework)
     if n_blocks < stages:
         raise LayoutError(f"{n_blocks} blocks cannot fill {stages} pipeline stages; lower pp (or vpp)")
@@ -142,8 +142,8 @@ def stage_ranges(specs: Sequence[ParamSpec], layout: Layout, framework: str = "l
         return ranges
     costs = [0.0] * n_blocks
     for s in specs:
-        if s.block is not None:
-            costs[s.block] += s.numel
+        for call in s.calls or ((s.block,) if s.block is not None else ()):
+            costs[call] += s.numel
     # The suite charges the code before the trunk minus embedding lookups to the first stage, and the code after it
     # (a tied table there is the head's matmul) to the last (lightning_par.parallel.pipeline.split._outer_cost).
     first = float(sum(s.numel for s in specs if s.end in ("first", "both") and not s.lookup))
@@ -173,9 +173,9 @@ def held(specs: Sequence[ParamSpec], layout: Layout, pp_rank: int = 0, framework
     vocab = max((s.shape[0] for s in specs if s.end is not None and len(s.shape) == 2), default=0)
     out = []
     for s in specs:
-        if s.block is not None and layout.pp > 1 and s.block not in blocks:
-            continue
-        if s.end is not None and not {"first": first, "last": last, "both": first or last}[s.end]:
+        if s.block is not None and layout.pp > 1 and s.block not in blocks and not s.calls:
+            continue  # a block that runs more than once: on every stage
+        if s.end is not None and not {"first": first, "last": last, "both": first or last, "every": True}[s.end]:
             continue
         shape = list(s.shape)
         tp_dim = s.tp_dim

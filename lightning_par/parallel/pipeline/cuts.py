@@ -1,7 +1,7 @@
 """Where the trunk may be cut: what a stage would read that an earlier stage made.
 
 Every stage runs the user's whole forward: blocks other stages own are pass-throughs (they return their first
-argument), modules the first stage owns are stand-ins returning zeros (`pipeline.shadow`), and the values that
+argument), modules the first stage owns are stand-ins returning zeros (`pipeline.standins.shadow`), and the values that
 cross a stage boundary are what the boundary's last block returns (the hidden state, and any other tensor it
 returns that later code reads: T5's position bias), the outputs of first-stage modules that code after them reads
 past the first stage (an encoder's output that every decoder block reads, an ``x0`` kept from the embedding), and

@@ -1,6 +1,6 @@
 """Meta-device copies of modules, and their outputs remembered as shapes (`meta_copy`, `MetaOutputs`).
 
-What stands in for a module a pipeline stage does not hold (`pipeline.shadow`, `pipeline.stages._PassThrough`) is a
+What stands in for a module a pipeline stage does not hold (`pipeline.standins`) is a
 copy of it on the meta device: readable attributes, no storage. Called, it gives the structure, shapes and plain
 values of the module's output (a meta forward), which the stand-in hands out as zeros on the rank's device. A meta
 forward and two tree maps cost ~0.1-0.2 ms of host time, so the shapes are remembered per input signature.

@@ -10,8 +10,13 @@ stay in checkpoints). A parameter held by a unit of each side is *tied*: `lightn
 keeps a copy on each end stage and sums their gradients. Where the probe cannot run (a forward that wants more than
 token ids, with no ``example_input_array``), registration order decides, as it always did.
 
-On a stage that does not own a unit, `pipeline.shadow.shadow` puts a meta-device copy of the unit's whole subtree
+On a stage that does not own a unit, `pipeline.standins.shadow` puts a meta-device copy of the unit's whole subtree
 in its place.
+
+A block that runs more than once in one forward (ALBERT's one layer at every depth, a recurrent-depth loop such as
+Dory's ``[0, 1, 2, 1, 2, 3]``) makes the trunk one of calls (`Trunk.calls`, `Ownership.calls`): the probe runs again
+with a place per call, the stages cut the calls in the order the forward makes them, and every stage holds the
+blocks that run more than once, their gradients summed over the pipeline (`Ownership.everywhere`).
 
 The probe does not depend on the parameters' values, only on the order of calls; it runs without gradients, in
 eval mode (no dropout) and with the RNG state restored.
@@ -19,26 +24,20 @@ eval mode (no dropout) and with the RNG state restored.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from collections.abc import Callable
-from functools import partial
 from typing import Any, Optional
 
-import torch
-from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
+from torch import nn
 
 from lightning_par import _compat
-from lightning_par.blocks._probe import eval_mode, out_of_order, probe_call, writes_in_place
+from lightning_par.blocks._probe import out_of_order, probe_call
 from lightning_par.blocks.trunk import Trunk
-from lightning_par.parallel.pipeline.cuts import CutRule
 from lightning_par.parallel.pipeline.meta import check_stand_ins
+from lightning_par.parallel.pipeline.probe import Units, Uses, probe_forward
 from lightning_par.parallel.pipeline.slots import PipelineError, SideSlot, carried_slots, moe_loss_slots, side_slots
 
 __all__ = ["Ownership", "PipelineError", "SideSlot", "find_ownership", "outer_units"]
-
-Units = list[tuple[str, nn.Module]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +59,9 @@ class Ownership:
             wrong (`lightning_par.parallel.pipeline.cuts`); empty when the probe could not run.
         everywhere: parameters directly on a module that contains the trunk (`everywhere_params`): every stage holds
             them and their gradients are summed over the pipeline (`pipeline.tied.OnEveryStage`).
+        calls: where a block runs more than once in one forward (ALBERT, a recurrent-depth loop), the trunk as the
+            forward runs it (`Trunk.calls`): the pipeline cuts its calls, and the parameters of the blocks that
+            run more than once are in ``everywhere``; ``None`` where every block runs once, in order.
         reshaped: the blocks that return more than a hidden state of their input's shape (Swin's stages return
             ``(hidden, hidden before merging, dimensions)`` at a new length and width): a stage they run before
             hands on what their meta-device forward returns, not their first argument (`pipeline.meta.check_stand_ins`).
@@ -74,6 +76,7 @@ class Ownership:
     cut_conflicts: dict[int, str] = dataclasses.field(default_factory=dict)
     reshaped: tuple[int, ...] = ()
     everywhere: tuple[str, ...] = ()
+    calls: Optional[Trunk] = None
 
     def why(self, before: bool) -> str:
         """How a unit of the first (``before``) or last stage got there, for error messages."""
@@ -121,184 +124,6 @@ def everywhere_params(module: nn.Module, trunk: Trunk) -> tuple[str, ...]:
     return tuple(names)
 
 
-class _Uses(TorchFunctionMode):
-    """Records which units' parameters each torch call reads, and in which phase (before / in / after the trunk).
-
-    A use inside a unit's forward counts for that unit alone: a tied weight is read by the embedding before the
-    trunk and by the head after it, and each of the two units is placed by its own calls.
-    """
-
-    def __init__(self, unit_of: dict[int, set[str]], trunk: Trunk) -> None:
-        super().__init__()
-        self.unit_of, self.phase = unit_of, "pre"
-        self.cuts = CutRule(trunk.names)  # which cuts keep the one-process values
-        self.seen: dict[str, set[str]] = {}
-        self.running: list[str] = []
-        # Side outputs: tensors computed inside the trunk (by the module named) and read after it, other than
-        # what the last block returns. The pipeline hands on only the hidden state, so the last stage would not
-        # have them (router logits collected for a load-balancing loss, every layer's hidden states).
-        self.made: dict[int, tuple[Tensor, str]] = {}  # the tensors are held so that their ids stay unique
-        self.handed_on: set[int] = set()
-        self.makers: list[str] = []
-        self.side: list[tuple[int, str, str]] = []  # (tensor id, producer, consumer)
-        # The innermost module inside a block that returned each tensor: (block, path in it, leaf, output spec).
-        self.returned_by: dict[int, tuple[int, str, int, Any]] = {}
-        self.calls: dict[int, tuple[tuple, dict, Any]] = {}  # block -> its first call's (args, kwargs, output)
-        self.order: list[int] = []  # the blocks, in the order the forward calls them
-        self.paused = False  # the probe's own tensor work (`_record_inputs`), not the model's
-
-    def mark(self, unit: str) -> None:
-        self.seen.setdefault(unit, set()).add(self.phase)
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        if self.paused:
-            return out
-        name = getattr(func, "__name__", str(func))
-        # Reading an attribute that is not a tensor (shape, dtype, device) uses no values; `.T` does.
-        if name != "__get__" or isinstance(out, Tensor):
-            reads = [t for t in _compat.tree_flatten((args, kwargs or {}))[0] if isinstance(t, Tensor)]
-            for t in reads:
-                self._used(t, name)
-            self._follow(name, args, reads, out)
-        if self.phase == "trunk":
-            for t in _compat.tree_flatten(out)[0]:
-                if isinstance(t, Tensor):
-                    self.made.setdefault(id(t), (t, self.makers[-1] if self.makers else "the trunk"))
-        return out
-
-    def _follow(self, name: str, args: Any, reads: list[Tensor], out: Any) -> None:
-        outs = [t for t in _compat.tree_flatten(out)[0] if isinstance(t, Tensor)]
-        if args and isinstance(args[0], Tensor) and writes_in_place(name):
-            outs.append(args[0])
-        if self.phase == "post":  # side outputs are carried to the last stage (`_side_slots`)
-            reads = [t for t in reads if not self.carried(t)]
-        first_stage = self.phase == "pre" and (bool(self.running) or any(id(t) in self.unit_of for t in reads))
-        where = self.running[-1] if self.running else self._where()
-        self.cuts.op(name, reads, outs, where=where, first_stage=first_stage)
-
-    def _where(self) -> str:
-        cuts = self.cuts
-        if cuts.inside is not None:
-            return self.makers[-1] if self.makers else cuts.names[cuts.inside]
-        if self.phase == "pre":
-            return "the code before the trunk"
-        if self.phase == "post":
-            return "the code after the trunk"
-        return f"the code between {cuts.names[cuts.position - 1]} and {cuts.names[cuts.position]}"
-
-    def carried(self, t: Tensor) -> bool:
-        """Whether ``t`` (read after the trunk) is a side output the stages carry: made inside the trunk, not handed
-        on by the last block, and returned by a module inside a block (the module a stage replays)."""
-        where = self.returned_by.get(id(t))
-        return id(t) in self.made and id(t) not in self.handed_on and where is not None and where[1] != ""
-
-    def _used(self, t: Tensor, by: str) -> None:
-        holders = self.unit_of.get(id(t), ())
-        inside = self.running[-1] if self.running and self.running[-1] in holders else None
-        for unit in (inside,) if inside is not None else holders:
-            self.mark(unit)
-        if self.phase == "post" and self.carried(t):
-            self.side.append((id(t), self.made[id(t)][1], by))
-
-    def left(self, block: int, path: str, out: Any) -> None:
-        """A module inside block ``block`` returned ``out`` (inner modules return first: the first record stays)."""
-        self.makers.pop()
-        if self.phase != "trunk":
-            return
-        leaves, spec = _compat.tree_flatten(out)
-        for j, t in enumerate(leaves):
-            if isinstance(t, Tensor) and id(t) in self.made:
-                self.returned_by.setdefault(id(t), (block, path, j, spec))
-
-
-def _leaver(uses: _Uses, block: int, path: str) -> Callable[..., None]:
-    def leave(_m: nn.Module, _a: Any, out: Any) -> None:  # returning a value would replace the module's output
-        uses.left(block, path, out)
-
-    return leave
-
-
-def _record_call(
-    calls: dict[int, tuple[tuple, dict, Any]], i: int, _m: nn.Module, args: tuple, kwargs: dict, out: Any
-) -> None:
-    if i in calls and calls[i][2] is None:  # the inputs as the block got them (`_record_inputs`), then its output
-        calls[i] = (*calls[i][:2], out)  # returns nothing: a forward hook's result would replace the output
-
-
-def _record_inputs(uses: _Uses, i: int, _m: nn.Module, args: tuple, kwargs: dict) -> None:
-    if i in uses.calls:
-        return
-    # An object the block changes in place (a key/value cache that Hugging Face T5 passes to every block even in
-    # training) is kept as it was before the call: what a stand-in for the block is called with in a stage.
-    plain = (Tensor, type(None), bool, int, float, str)
-    if not all(isinstance(x, plain) for x in _compat.tree_flatten((args, kwargs))[0]):
-        uses.paused = True  # the copy is the probe's, not the model's: no reads for the cut rule
-        try:
-            args, kwargs = copy.deepcopy((args, kwargs))
-        except Exception:  # not copyable: as it is
-            pass
-        finally:
-            uses.paused = False
-    uses.calls[i] = (args, kwargs, None)
-
-
-def _probe(module: nn.Module, trunk: Trunk, units: Units, run: Callable[[], Any]) -> _Uses | str:
-    unit_of: dict[int, set[str]] = {}
-    for name, m in units:
-        for p in m.parameters():
-            unit_of.setdefault(id(p), set()).add(name)
-    uses = _Uses(unit_of, trunk)
-
-    def enter(*_: Any) -> None:
-        if uses.phase == "pre":
-            uses.phase = "trunk"
-
-    def leave(_m: nn.Module, _a: Any, out: Any) -> None:
-        uses.phase = "post"
-        uses.handed_on.update(id(t) for t in _compat.tree_flatten(out)[0] if isinstance(t, Tensor))
-
-    handles = [trunk.blocks[0].register_forward_pre_hook(enter), trunk.blocks[-1].register_forward_hook(leave)]
-    for i, block in enumerate(trunk.blocks):  # where each torch call runs, for the cut rule
-        handles.append(block.register_forward_pre_hook(lambda _m, a, i=i: uses.cuts.enter(i, a)))
-        handles.append(block.register_forward_pre_hook(lambda *_, i=i: uses.order.append(i)))  # type: ignore[func-returns-value]
-        handles.append(block.register_forward_hook(lambda _m, _a, out, i=i: uses.cuts.leave(i, out)))
-        # What each block was called with and returned: what a stage that does not run it must hand on.
-        handles.append(block.register_forward_pre_hook(partial(_record_inputs, uses, i), with_kwargs=True))
-        handles.append(block.register_forward_hook(partial(_record_call, uses.calls, i), with_kwargs=True))
-    for i, (prefix, block) in enumerate(zip(trunk.names, trunk.blocks)):  # which module inside made each tensor
-        for sub_name, sub in block.named_modules():
-            where = f"{prefix}.{sub_name}" if sub_name else prefix
-            handles.append(sub.register_forward_pre_hook(lambda *_, w=where: uses.makers.append(w)))
-            handles.append(sub.register_forward_hook(_leaver(uses, i, sub_name)))
-
-    def called(name: str) -> None:  # a unit called without touching its parameters still runs where it is called
-        uses.mark(name)
-        uses.running.append(name)
-
-    def returned(name: str, _m: nn.Module, _a: Any, out: Any) -> None:
-        uses.running.pop()
-        if uses.phase == "pre":  # what a first-stage module returns can be carried to every stage
-            uses.cuts.unit_output(name, out)
-
-    for name, m in units:
-        handles.append(m.register_forward_pre_hook(lambda *_, n=name: called(n)))
-        handles.append(m.register_forward_hook(partial(returned, name)))
-    device = next(module.parameters()).device
-    try:
-        rng = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
-        with eval_mode(module), torch.no_grad(), rng, uses:
-            run()
-    except Exception as err:
-        return f"{type(err).__name__}: {err}"
-    finally:
-        for h in handles:
-            h.remove()
-    if uses.phase != "post":
-        return "the forward did not run the trunk to its last block"
-    return uses
-
-
 def default_probe(module: nn.Module) -> Callable[[], Any]:
     """How the probe calls the model: as the tensor-parallel plan probe does (`lightning_par.blocks._probe.probe_call`:
     ``example_input_array`` when the module has one, Lightning's convention, else one sequence of 8 token ids)."""
@@ -319,17 +144,21 @@ def find_ownership(module: nn.Module, trunk: Trunk, run: Optional[Callable[[], A
             rule out only some cuts are returned in ``cut_conflicts``; the split avoids those cuts.)
     """
     units = outer_units(module, trunk)
-    uses = _probe(module, trunk, units, run or default_probe(module))
+    uses = probe_forward(module, trunk, units, run or default_probe(module))
     if isinstance(uses, str) and run is None:
         uses = _probe_holder(module, trunk, units, uses)
     if isinstance(uses, str):
         return dataclasses.replace(_by_registration(module, trunk, units, uses), sides=moe_loss_slots(module, trunk))
     if shown := out_of_order(uses.order):
-        raise PipelineError(
-            f"the forward calls the blocks of {trunk.path} in the order {shown}: a block runs again (a loop over "
-            "part of the trunk, as in recurrent-depth models) or out of order, while a pipeline runs each block once, "
-            "in order, on its stage; train this model without pipeline parallelism (e.g. strategy='zero3')"
-        )
+        if trunk.repeated or set(uses.order) != set(range(len(trunk.blocks))):
+            raise PipelineError(
+                f"the forward calls the blocks of {trunk.path} in the order {shown}, and not the same way each time or "
+                "not every block, while a pipeline cuts the trunk's calls in the order the probe saw them; train "
+                "this model without pipeline parallelism (e.g. strategy='zero3')"
+            )
+        # A block runs more than once (ALBERT's one layer at every depth, a recurrent-depth loop): the pipeline cuts
+        # the calls, and every stage holds the blocks that run more than once (`Ownership.everywhere`).
+        return _of_calls(find_ownership(module, trunk.calls(uses.order), run), trunk.calls(uses.order), module)
     sides = side_slots(uses, trunk)
     for name, phases in uses.seen.items():
         if "trunk" in phases:
@@ -349,14 +178,29 @@ def find_ownership(module: nn.Module, trunk: Trunk, run: Optional[Callable[[], A
                      reshaped=reshaped, everywhere=everywhere_params(module, trunk))  # fmt: skip
 
 
-def _probe_holder(module: nn.Module, trunk: Trunk, units: Units, reason: str) -> _Uses | str:
+def _of_calls(own: Ownership, calls: Trunk, module: nn.Module) -> Ownership:
+    # Values made inside a block and read after the trunk are replayed by block (`pipeline.sides`), one producer
+    # per block: not for a block that runs more than once. A block's extra returns and first-stage outputs travel.
+    if replayed := [s for s in own.sides if s.kind in ("output", "moe_loss")]:
+        raise PipelineError(
+            f"{replayed[0].name} makes a value that code after the trunk reads, in a trunk whose blocks run more than "
+            f"once ({calls.path}); a pipeline carries such values only from blocks that run once. Train this model "
+            "without pipeline parallelism (e.g. strategy='zero3'), or turn that output off in the model's config"
+        )
+    shared = tuple(f"{name}.{p}" for name, block in calls.repeated.items() for p, _ in block.named_parameters())
+    held = {id(module.get_parameter(n)) for n in own.everywhere}
+    shared = tuple(n for n in shared if id(module.get_parameter(n)) not in held)
+    return dataclasses.replace(own, calls=calls, everywhere=own.everywhere + shared)
+
+
+def _probe_holder(module: nn.Module, trunk: Trunk, units: Units, reason: str) -> Uses | str:
     # A LightningModule whose forward wants its batch (a dict, or no forward at all: the step calls `self.model`)
     # cannot be probed with token ids, but the model it wraps usually can: probe the outermost submodule holding
     # the trunk. Units outside that submodule never run in this probe; they keep registration order.
     holder = next((n for n, _ in module.named_children() if trunk.path.startswith(n + ".")), None)
     if holder is None:
         return reason
-    uses = _probe(module, trunk, units, default_probe(module.get_submodule(holder)))
+    uses = probe_forward(module, trunk, units, default_probe(module.get_submodule(holder)))
     if isinstance(uses, str):
         return f"{reason}; and the probe of {holder}: {uses}"
     order = [n for n, _ in module.named_modules()]

@@ -116,9 +116,10 @@ def split_pipeline(
             measures times).
         timeout: collective timeout of the group that sums tied weights' gradients (default: the backend's).
     """
-    # Decided on the whole model, before the cut: who runs before and after the trunk (and whether a block runs
-    # again: one layer called at every depth, ALBERT's, is refused here with its reason, before the block count).
+    # Decided on the whole model, before the cut: who runs before and after the trunk, and whether a block runs
+    # more than once (one layer called at every depth, ALBERT's): then the stages cut the trunk's calls.
     own = find_ownership(module, trunk)
+    trunk = own.calls or trunk
     check_schedule(schedule, pp, microbatches, len(trunk.blocks))
     block_costs = list(costs) if costs is not None else param_costs(trunk.blocks)
     if len(block_costs) != len(trunk.blocks):
@@ -138,11 +139,15 @@ def split_pipeline(
         if tie is not None:  # this rank runs an end stage
             tied = TiedWeights(module, own.tied, tie, first, not model.owns_first)
             tied.sync_values()
-    parts = [
-        ModelPart(stage, tuple((trunk.names[i], model.blocks[i]) for i in range(stage.spec.start, stage.spec.end)),
-                  whole_trunk=False)
-        for stage in model.stage_modules()
-    ]  # fmt: skip
+    # Each block this rank holds in one part: a block that runs more than once (held by every stage) in the first.
+    parts: list[ModelPart] = []
+    placed: set[str] = set()
+    for stage in model.stage_modules():
+        names = [trunk.names[i] for i in range(stage.spec.start, stage.spec.end)]
+        names += list(model.shared) if not parts else []
+        blocks = {n: module.get_submodule(n) for n in names if n not in placed}
+        placed |= set(blocks)
+        parts.append(ModelPart(stage, tuple(blocks.items()), whole_trunk=False))
     everywhere = None
     if own.everywhere:  # a parameter on a module that contains the trunk: on every stage, gradients summed
         everywhere = OnEveryStage(module, own.everywhere, group, model.owns_first)

@@ -11,7 +11,7 @@ microbatch with the model cut down to what the stage owns:
   to the schedule; only the last stage runs on to the head and the loss, as the user wrote them;
 - modules that run before the trunk (embeddings) are owned by the first stage, those that run after it (final
   norm, head) by the last (`pipeline.owners.find_ownership` probes the forward to tell); elsewhere a meta-device
-  copy stands in (`pipeline.shadow.shadow`): before the trunk it returns zeros of the right shape (the value is
+  copy stands in (`pipeline.standins.shadow`): before the trunk it returns zeros of the right shape (the value is
   discarded by the swap), so side inputs computed before the trunk (rotary tables, masks) are recomputed locally
   instead of sent;
 - a parameter used on both sides (a tied embedding and head) lives on both end stages
@@ -32,14 +32,12 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
-from lightning_par import _compat
 from lightning_par.blocks.trunk import Trunk
 from lightning_par.parallel.pipeline.cuts import refused_split
 from lightning_par.parallel.pipeline.meta import MetaOutputs, meta_copy
 from lightning_par.parallel.pipeline.owners import Ownership, PipelineError, find_ownership
-from lightning_par.parallel.pipeline.shadow import shadow
 from lightning_par.parallel.pipeline.sides import SideCarrier
-from lightning_par.parallel.pipeline.standins import _PassThrough, _Walker
+from lightning_par.parallel.pipeline.standins import _PassThrough, _Walker, replace_module, shadow
 
 __all__ = ["PipelineError", "PipelineModel", "StageModule", "StageSpec"]
 
@@ -79,6 +77,7 @@ class _Active:
     trunk_started: bool = False
     measuring: bool = False  # a shape pass: the stage ends at its last block, even the last stage
     walk: Optional[list[Tensor]] = None  # a walk (`PipelineModel.walk`): the hidden state entering each block
+    calls: int = 0  # trunk calls so far in this run (a trunk of calls: `Ownership.calls`)
 
 
 def _outside(name: str) -> RuntimeError:
@@ -145,6 +144,7 @@ class PipelineModel:
         ownership: Optional[Ownership] = None,
     ) -> None:
         own = ownership if ownership is not None else find_ownership(module, trunk)
+        trunk = own.calls or trunk  # a block that runs more than once: one place per call
         if (why := refused_split(own.cut_conflicts, trunk.names, ranges)) is not None:
             raise PipelineError(why)
         self.module, self.trunk, self.device, self.ownership = module, trunk, device, own
@@ -161,13 +161,16 @@ class PipelineModel:
         self.owns_last = any(s.is_last for s in self.specs)
         owned_idx = {i for s in self.specs for i in range(s.start, s.end)}
         self.blocks: dict[int, nn.Module] = {}
+        # Blocks that run more than once stay on every rank, whichever stage runs each call (`Ownership.everywhere`
+        # holds their parameters); their calls are told apart by counting (`_place`).
+        self.shared = trunk.repeated
         passthroughs: dict[int, _PassThrough] = {}
         for i, (name, block) in enumerate(zip(trunk.names, trunk.blocks)):
             if i in owned_idx:
                 self.blocks[i] = block
-            else:
+            elif name not in self.shared:
                 passthroughs[i] = _PassThrough(self, i, name, block)
-                _replace(module, name, passthroughs[i])
+                replace_module(module, name, passthroughs[i])
         # Blocks that return more than a hidden state of their input's shape: a stage they run before hands on
         # what their meta-device forward returns (`meta.check_stand_ins`), made once per input signature; a
         # pass-through's own meta copy serves, else (a block of another of this rank's stages) one is made.
@@ -190,7 +193,7 @@ class PipelineModel:
                     kept.add(name)
                     stand_in = shadow(m, name, before=before, device=device, why=own.why(before),
                                       in_trunk=self._in_trunk)  # fmt: skip
-                    _replace(module, name, stand_in)
+                    replace_module(module, name, stand_in)
         if self.sides is not None:
             self.sides.hook_first_stage(module)
 
@@ -205,8 +208,15 @@ class PipelineModel:
 
     @property
     def owned_blocks(self) -> list[nn.Module]:
-        """The trunk blocks this rank owns, in order (activation checkpointing and tensor parallelism go here)."""
-        return [self.blocks[i] for i in sorted(self.blocks)]
+        """The trunk blocks this rank holds, each once, in order (activation checkpointing and tensor parallelism
+        go here): its stages' blocks and the blocks that run more than once."""
+        return list(self.held().values())
+
+    def held(self) -> dict[str, nn.Module]:
+        """The trunk blocks this rank holds by name, each once: its stages' blocks in order, then the blocks that run
+        more than once that none of its stages calls."""
+        held = {self.trunk.names[i]: self.blocks[i] for i in sorted(self.blocks)}
+        return {**held, **{n: b for n, b in self.shared.items() if n not in held}}
 
     def stage_modules(self) -> list[StageModule]:
         """One `StageModule` per local stage, in stage order (the same objects on every call: ZeRO-3 shards them)."""
@@ -214,7 +224,9 @@ class PipelineModel:
             return self._stage_modules
         out = []
         for spec in self.specs:
-            owned: list[nn.Module] = [self.blocks[i] for i in range(spec.start, spec.end)]
+            # A block that runs more than once is held by every stage with the parameters in `everywhere`.
+            names = dict.fromkeys(n for n in self.trunk.names[spec.start : spec.end] if n not in self.shared)
+            owned: list[nn.Module] = [self.module.get_submodule(n) for n in names]
             owned += list(self.pre.values()) if spec.is_first else []
             owned += list(self.post.values()) if spec.is_last else []
             everywhere = [self.module.get_parameter(n) for n in self.ownership.everywhere]
@@ -239,10 +251,11 @@ class PipelineModel:
     def install(self) -> None:
         """Route the owned blocks' forwards through the stage dispatch (after activation checkpointing wrapped
         them, so the swap and the stage end happen outside any recomputed region)."""
-        for i, block in self.blocks.items():
+        places = {name: self.trunk.names.index(name) for name in self.held()}
+        for name, block in self.held().items():
             forward = block.forward
             block.forward = (  # type: ignore[method-assign]
-                lambda *a, _i=i, _f=forward, **k: self._block_call(_i, _f, a, k)
+                lambda *a, _i=places[name], _f=forward, **k: self._block_call(_i, _f, a, k)
             )
 
     def install_probe_hooks(self) -> None:
@@ -251,7 +264,7 @@ class PipelineModel:
         Call after every wrapping that adds pre-hooks (FSDP2 prepends its unshard hook): a probe must not
         gather a block's parameters it will never use.
         """
-        for block in self.blocks.values():
+        for block in self.held().values():
             block.register_forward_pre_hook(self._probe_hook, prepend=True)
 
     def _probe_hook(self, module: nn.Module, args: tuple) -> None:
@@ -260,11 +273,26 @@ class PipelineModel:
             raise _StageEnd(args[0])
 
     # ---- running ---------------------------------------------------------------------------------------------
+    def _place(self, i: int, active: _Active) -> int:
+        # Which call of the trunk this is, where a block runs more than once (block ``i``: one of its places).
+        v = active.calls
+        active.calls += 1
+        names = self.trunk.names
+        if v >= len(names) or names[v] != names[i]:
+            seen = names[v] if v < len(names) else "no further block"
+            raise PipelineError(
+                f"the forward called {names[i]} as trunk call {v}, where the ownership probe saw {seen}: a trunk whose "
+                "blocks run more than once must run them in the same order every forward"
+            )
+        return v
+
     def _block_call(self, i: int, forward: Optional[Callable[..., Any]], args: tuple, kwargs: dict) -> Any:
         name = self.trunk.names[i]
         active = self._active
         if active is None:
             raise _outside(name)
+        if self.shared and (active.spec is not None or active.walk is not None):
+            i = self._place(i, active)
         if not args:
             raise PipelineError(f"{name} was called without positional arguments; pass the hidden state first")
         if active.spec is None:
@@ -353,17 +381,18 @@ class PipelineModel:
         self._active = _Active(None, None, walk=seen)
         # The owned blocks stood in too while walking: called, FSDP2's hooks on a block (ZeRO-3) would set it up as
         # a root of its own, and the stage's real root could not be set up after it.
-        walkers = {i: _Walker(self, i, block) for i, block in self.blocks.items()}
-        for i, walker in walkers.items():
-            _replace(self.module, self.trunk.names[i], walker)
+        held = self.held()
+        walkers = {name: _Walker(self, self.trunk.names.index(name), block) for name, block in held.items()}
+        for name, walker in walkers.items():
+            replace_module(self.module, name, walker)
         try:
             fn()
         except _StageEnd:
             return seen
         finally:
             self._active = None
-            for i in walkers:
-                _replace(self.module, self.trunk.names[i], self.blocks[i])
+            for name in walkers:
+                replace_module(self.module, name, held[name])
         raise PipelineError(f"the step never ran the trunk {self.trunk.path} to its last block; nothing to pipeline")
 
     def _walk_step(self, i: int, args: tuple, kwargs: dict, seen: list[Tensor]) -> Any:
@@ -383,9 +412,3 @@ class PipelineModel:
         finally:
             self._active = None
         raise PipelineError(f"the step never called the trunk {self.trunk.path}; nothing to pipeline")
-
-
-def _replace(root: nn.Module, name: str, new: nn.Module) -> None:
-    parent_name, _, leaf = name.rpartition(".")
-    parent = root.get_submodule(parent_name) if parent_name else root
-    _compat.set_child_module(parent, leaf, new)
