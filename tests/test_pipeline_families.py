@@ -36,6 +36,8 @@ JOBS_2: dict[str, dict[str, Any]] = {
     "gpt_tied_accum_clip": {"model": "gpt4_tied_sgd", "strategy": {"pp": 2}, "accumulate": 2, "clip": 0.05},
     # zbv: rank 0 runs stage 0 and the last stage, so the tied weight is one parameter there.
     "qwen2_tied_zbv": {"model": "hf_qwen2_tied", "strategy": {"pp": 2, "pp_schedule": "zbv"}},
+    # Each attention moves the rotary table to its device (a no-op `.to()`): once read as a value of block 0.
+    "llama4_text": {"model": "zoo:llama4_text", "strategy": {"pp": 2}},
     "gpt_tied_dualpipev": {"model": "gpt4_tied_sgd", "strategy": {"pp": 2, "pp_schedule": "dualpipev"}},
     # Skip connections inside groups of three blocks (tests/_job_models.py's SkipLM): the split keeps to the one cut
     # they do not cross, before block 3, whatever balances best.

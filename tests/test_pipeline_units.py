@@ -470,6 +470,41 @@ def test_values_that_reach_past_a_cut_other_than_through_the_hidden_state_rule_t
         PipelineModel(_skip_lm(mode), trunk, [(0, bad), (bad, 6)], [0], torch.device("cpu"), own)
 
 
+class _RopeBlock(nn.Module):
+    """Moves a table made before the trunk to its input's device, as Llama-4's attention does with its rotary
+    table (``position_embeddings.to(query_states.device)``): on the device it is on, ``.to()`` hands it back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, h: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        return h + self.fc(h) * table.to(h.device).contiguous()
+
+
+class _RopeLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(64, 16)
+        self.blocks = nn.ModuleList(_RopeBlock() for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        table = torch.arange(x.shape[1], dtype=torch.float32)[:, None].cos()  # from the batch's shape alone
+        h = self.emb(x)
+        for block in self.blocks:
+            h = block(h, table)
+        return h
+
+
+def test_a_call_that_hands_back_what_it_read_makes_no_value_of_the_block_it_runs_in() -> None:
+    # Found by the zoo sweep: Llama-4 text was refused under pipe ("layers.1.self_attn reads, in to(), a value
+    # layers.0.self_attn computed"), since block 0's no-op `.to()` re-based the table every stage computes itself.
+    from lightning_par.parallel.pipeline.owners import find_ownership
+
+    model = _RopeLM()
+    assert find_ownership(model, find_trunk(model)).cut_conflicts == {}
+
+
 @pytest.mark.parametrize("mode", ["groups", "late_read"])
 def test_the_automatic_split_keeps_to_the_cuts_that_keep_the_values(mode: str) -> None:
     import copy

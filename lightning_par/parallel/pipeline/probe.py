@@ -78,6 +78,9 @@ class Uses(TorchFunctionMode):
         outs = [t for t in _compat.tree_flatten(out)[0] if isinstance(t, Tensor)]
         if args and isinstance(args[0], Tensor) and writes_in_place(name):
             outs.append(args[0])
+        else:  # a call that hands back a tensor it read (`.to()` the device it is on, Llama-4's rotary table in
+            # every attention) makes nothing: the tensor keeps where it came from
+            outs = [t for t in outs if not any(t is r for r in reads)]
         if self.phase == "post":  # side outputs are carried to the last stage (`_side_slots`)
             reads = [t for t in reads if not self.carried(t)]
         first_stage = self.phase == "pre" and (bool(self.running) or any(id(t) in self.unit_of for t in reads))
