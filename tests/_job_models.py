@@ -449,6 +449,7 @@ MODELS: dict[str, Any] = _Models({
     "user_lora": lambda: _lora_models().UserLoRALM(),  # a user's LoRA wrappers on every projection
     "peft_llama": lambda: _lora_models().PeftLlama(),  # peft.get_peft_model(LoRA) on Hugging Face Llama
     "peft_llama_dora": lambda: _lora_models().PeftLlama(dora=True),  # DoRA: a magnitude vector per projection
+    "peft_llama_dora_drop": lambda: _lora_models().PeftLlama(dora=True, drop=True),  # DoRA recomputes the base
     "peft_llama_sdpa": lambda: _lora_models().PeftLlama(attn="sdpa"),  # for cp
     "peft_mixtral": lambda: _lora_models().PeftMixtral(),  # LoRA on the attention of an MoE model
     "peft_llama_meta": lambda: _lora_models().PeftLlamaMeta(),  # built in configure_model (meta), B zero

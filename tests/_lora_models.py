@@ -53,14 +53,31 @@ def peft_lora(model: nn.Module, targets: list[str], dora: bool = False) -> Any:
     return get_peft_model(model, config)
 
 
+class _TokenDrop(nn.Module):
+    """A dropout of fixed tokens (every third position zeroed, the rest scaled by 3 / 2): not ``nn.Identity``, so peft's
+    DoRA recomputes the base on its output, as under real dropout, while every layout draws the same mask (a real
+    dropout's mask depends on each rank's random state)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor, Replicate
+
+        keep = (torch.arange(x.shape[-2], device=x.device) % 3 != 1).to(x.dtype)[:, None] * 1.5
+        if isinstance(x, DTensor):  # under tp, a region's input arrives replicated (as nn.Dropout's would)
+            keep = DTensor.from_local(keep, x.device_mesh, [Replicate()], run_check=False)
+        return x * keep
+
+
 class PeftLlama(HFLlama):
     """Hugging Face Llama wrapped by ``peft.get_peft_model``: LoRA (r 4) on every attention and MLP projection;
-    ``attn="sdpa"`` for context parallelism."""
+    ``attn="sdpa"`` for context parallelism; ``drop``: a fixed-token dropout on the adapters' input (`_TokenDrop`)."""
 
-    def __init__(self, dora: bool = False, attn: str = "eager") -> None:
+    def __init__(self, dora: bool = False, attn: str = "eager", drop: bool = False) -> None:
         super().__init__(attn=attn)
         targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
         self.model: Any = peft_lora(self.model, targets, dora)
+        for m in self.model.modules() if drop else ():
+            if isinstance(getattr(m, "lora_dropout", None), nn.ModuleDict):
+                m.lora_dropout["default"] = _TokenDrop()
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1, momentum=0.9)

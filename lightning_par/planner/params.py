@@ -260,10 +260,12 @@ def _tp_dims(
     from the inferred plans: the trunk's, and each other stack's (an encoder's: `parallel.tensor.check.other_plans`;
     priced as split when it can be planned, before the checks on real values that could keep it whole)."""
     from lightning_par.blocks.trunk import other_trunks
+    from lightning_par.parallel.tensor.adapters import dora_as_lora
     from lightning_par.parallel.tensor.plan import TPPlanError, infer_tp_plan
 
     try:
-        plan = infer_tp_plan(module, overrides=overrides)
+        with dora_as_lora(module):  # as the strategies infer it (`compose._tp_plans`)
+            plan = infer_tp_plan(module, overrides=overrides)
     except TPPlanError:
         return {}, set(), {}  # the strategies refuse tp > 1 for this model: every tensor stays whole
     plans = [(plan, block_names)]
@@ -289,6 +291,7 @@ def _plan_dims(
     rows: set[str],
     roles: dict[str, str],
 ) -> None:
+    from lightning_par.parallel.tensor.adapters import adapter_styles, dora_layers, find_adapters
     from lightning_par.parallel.tensor.plan_affine import affine
 
     star = f"{plan.trunk}.*" if plan.trunk else "*"
@@ -299,10 +302,21 @@ def _plan_dims(
             sub.styles.get(p) in ("colwise", "colwise_fused") for h in sub.heads.values() for p in h.projections
         )
         head_params = {q for h in sub.heads.values() for q in h.head_params} if split_heads else set()
+        rel = {k[len(star) + 1 :]: v for k, v in sub.styles.items() if k.startswith(star + ".")}
         for block in blocks:
+            # Low-rank adapters follow their bases (`parallel.tensor.adapters`): the split one of each pair, and DoRA's
+            # magnitude with a column-split base's output rows.
+            adapters = find_adapters(module.get_submodule(block))
+            follows = {n: st for n, (st, _) in adapter_styles(rel, adapters).items()}
+            for base in adapters:
+                wrapper = base.rpartition(".")[0]
+                if rel.get(base) in ("colwise", "colwise_fused"):
+                    at = f"{wrapper}." if wrapper else ""
+                    owner_of = module.get_submodule(f"{block}.{wrapper}" if wrapper else block)
+                    follows.update({f"{at}lora_magnitude_vector.{k}": "colwise" for k in dora_layers(owner_of)})
             for name, _ in module.get_submodule(block).named_parameters():
                 owner, _, leaf = name.rpartition(".")
-                style = sub.styles.get(f"{star}.{owner}" if owner else star)
+                style = follows.get(owner) or sub.styles.get(f"{star}.{owner}" if owner else star)
                 full = f"{block}.{name}"
                 if f"{star}.{name}" in head_params:
                     dims[full] = 0  # per-head parameters (GPT-OSS's sinks) follow the heads

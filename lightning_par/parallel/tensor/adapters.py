@@ -14,15 +14,24 @@ the wrapper), and each pair follows its base's style, so that ``b(a(x))`` is spl
 - row-split base (o, down): ``a`` is split by columns (its input is the rank's slice of the hidden units) and its
   output all-reduced (reduce-scattered along the sequence under sequence parallelism), as the base's is; ``b`` is
   whole: plain under tp alone (equal input on every rank), a `SequenceParallel` module on the sequence shard.
+
+DoRA's magnitudes (peft ``use_dora=True``) follow their bases' output rows (`split_dora`); the plan's probes see DoRA
+as LoRA (`dora_as_lora`).
 """
 
 from __future__ import annotations
 
-from typing import Any, cast
+import contextlib
+from collections.abc import Iterator
+from functools import partial
+from typing import Any, Optional, cast
 
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import SequenceParallel
 
 from lightning_par.checkpoint.fast_state import clean_name
@@ -30,6 +39,7 @@ from lightning_par.checkpoint.pretrained.names import AdapterNames
 from lightning_par.parallel.tensor.heads import _params_as
 from lightning_par.parallel.tensor.plan_affine import Affine, affine
 from lightning_par.parallel.tensor.plan_types import TPPlanError
+from lightning_par.utils.dtensors import local
 
 Pairs = tuple[tuple[str, str], ...]
 
@@ -71,8 +81,14 @@ def _pairs(base: str, leaves: dict[str, Affine]) -> Pairs:
 
 
 def adapter_leaves(root: nn.Module) -> set[str]:
-    """Names (relative to ``root``) of every adapter's ``a`` and ``b``: the plan leaves them to their base."""
-    return {n for pairs in find_adapters(root).values() for pair in pairs for n in pair}
+    """Names (relative to ``root``) of every adapter's ``a`` and ``b``, and of peft's DoRA magnitude modules: the plan
+    leaves them to their base (`split_dora` places the magnitudes)."""
+    leaves = {n for pairs in find_adapters(root).values() for pair in pairs for n in pair}
+    for base in find_adapters(root):
+        wrapper, _, _ = base.rpartition(".")
+        at, owner = (f"{wrapper}.", root.get_submodule(wrapper)) if wrapper else ("", root)
+        leaves |= {f"{at}lora_magnitude_vector.{k}" for k in dora_layers(owner)}
+    return leaves
 
 
 def adapter_styles(styles: dict[str, str], adapters: dict[str, Pairs]) -> dict[str, tuple[str, str]]:
@@ -137,19 +153,97 @@ def adapter_names(root: nn.Module) -> AdapterNames:
     return AdapterNames(aliases, frozenset(fresh))
 
 
-def refuse_dora(root: nn.Module) -> None:
-    """Raise, naming the first one, when ``root`` holds peft DoRA layers (a magnitude vector per adapter).
+def dora_layers(wrapper: nn.Module) -> dict[str, nn.Module]:
+    """peft's DoRA magnitude modules of an adapter wrapper, by adapter name (empty for LoRA and a user's wrapper)."""
+    magnitudes = getattr(wrapper, "lora_magnitude_vector", None)
+    return dict(magnitudes.items()) if isinstance(magnitudes, nn.ModuleDict) else {}
+
+
+def split_dora(block_name: str, block: nn.Module, adapters: dict[str, Pairs], styles: dict[str, Any],
+               split: dict[str, str], mesh: DeviceMesh, sequence_parallel: bool) -> None:  # fmt: skip
+    """DoRA (Liu et al., arXiv 2402.09353) on the split bases of ``block``, once its styles are applied.
+
+    peft's DoRA scales each output row of ``base(x) + s B A x`` by ``m / ||W + s B A||_row`` (the norm detached, the
+    paper's section 4.3). Its magnitude ``m`` follows the base's output rows: split with them under a column split
+    (each rank's rows have whole norms), whole under a row split, where each rank holds a slice of every row: the
+    squared norms are summed over tp before the root. Each magnitude module's forward becomes `_dora_forward` on the
+    rank's tensors; the formula is peft's.
+
+    Args:
+        block_name: the block's name (for errors).
+        styles: the torch styles applied to the block's plain ``nn.Linear`` projections (block-relative names).
+        split: every split projection's style (``colwise``, ``rowwise``, ...), block-relative.
 
     Raises:
-        TPPlanError: DoRA normalises each output row of ``base + B A``; under a row split that norm spans the tp
-            ranks, which tensor parallelism does not compute.
+        TPPlanError: a DoRA base split by lightning_par's own split (a fused projection, replicated key/value heads,
+            a ``Conv1D``), whose rows are regrouped per rank.
     """
-    for name, mod in root.named_modules():
-        magnitudes = getattr(mod, "lora_magnitude_vector", None)
-        if isinstance(magnitudes, nn.ModuleDict) and len(magnitudes) > 0:
+    for base in adapters:
+        wrapper_name, _, _ = base.rpartition(".")
+        layers = dora_layers(block.get_submodule(wrapper_name) if wrapper_name else block)
+        style = split.get(base, "replicate")
+        if not layers or style not in ("colwise", "colwise_fused", "rowwise"):
+            continue
+        if base not in styles:
             raise TPPlanError(
-                f"{name} is a DoRA layer (peft use_dora=True): its magnitude normalises each output row of base + B A, "
-                "a norm that spans the tensor-parallel ranks under a row split, which lightning_par does not compute; "
-                "train it without tensor parallelism (tp=1: zero3, pipe and the other layouts train DoRA), or use LoRA "
-                "(use_dora=False) under tp"
+                f"{block_name}.{wrapper_name} is a DoRA layer (peft use_dora=True) whose base lightning_par splits "
+                "with its own regrouped rows (key/value heads replicated over the ranks, a fused projection, or a "
+                "Conv1D); train it with a tp that divides the key/value heads (for separate projections), without "
+                "tensor parallelism (tp=1: zero3, pipe and the other layouts train DoRA), or with LoRA (use_dora=False)"
             )
+        row = style == "rowwise"
+        for layer in layers.values():
+            distribute_module(layer, mesh, _params_as(Replicate() if row else Shard(0)))
+            forward = partial(_dora_forward, layer, mesh=mesh, row=row, sequence_parallel=sequence_parallel)
+            object.__setattr__(layer, "forward", forward)
+
+
+@contextlib.contextmanager
+def dora_as_lora(root: nn.Module) -> Iterator[None]:
+    """Inside, every peft DoRA layer of ``root`` adds ``s B A x`` alone, as LoRA does: what the plan's probes and
+    value checks see. DoRA scales each output row of its wrapper by a per-row constant, which changes no data flow
+    between projections; under tp its exactness is `split_dora`'s (tests/test_tp_lora.py), not the checks'."""
+    layers = [layer for m in root.modules() for layer in dora_layers(m).values()]
+    for layer in layers:
+        object.__setattr__(layer, "forward", _lora_only)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer.forward
+
+
+def _lora_only(x: Tensor, *, lora_A: nn.Module, lora_B: nn.Module, scaling: float, **_: Any) -> Tensor:
+    return lora_B(lora_A(x)) * scaling
+
+
+def _dora_forward(layer: nn.Module, x: Tensor, *, lora_A: nn.Module, lora_B: nn.Module, scaling: float,
+                  base_layer: nn.Module, base_result: Optional[Tensor] = None, adapter_name: str = "default",
+                  mesh: DeviceMesh, row: bool, sequence_parallel: bool) -> Tensor:  # fmt: skip
+    """peft's ``DoraLinearLayer.forward`` on this rank's tensors (`split_dora`): what it adds to the base's output."""
+    weight = _param(base_layer, "weight")
+    with torch.no_grad():  # peft detaches the norm and the low-rank product in it
+        rows = weight.to(x.dtype) + scaling * (_param(lora_B, "weight") @ _param(lora_A, "weight")).to(x.dtype)
+        squares = rows.pow(2).sum(dim=1)
+        if row:  # each rank holds a slice of every row
+            dist.all_reduce(squares, group=mesh.get_group())
+        norm = squares.sqrt()
+    magnitude = cast(Tensor, layer.weight)
+    if row and sequence_parallel:  # each rank's output rows are its sequence shard's: its gradient is a partial sum
+        magnitude = cast(DTensor, magnitude).to_local(grad_placements=[Partial()])
+    scale = (local(magnitude) / norm).view(1, -1)
+    lora_result = local(lora_B(lora_A(x)))
+    if base_result is None:  # lora dropout in training: peft recomputes the base on the dropped-out input
+        # As the base's style computes it, in DTensors, so that the input's gradient is reduced as the base's is.
+        into = x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Shard(-1) if row else Replicate()])
+        out = cast(DTensor, F.linear(into, cast(DTensor, base_layer.weight)))  # this rank's columns, or partial sums
+        if row:
+            out = out.redistribute(mesh, [Shard(1) if sequence_parallel else Replicate()])
+        base_result = out.to_local()
+    elif base_layer.bias is not None:
+        base_result = local(base_result) - _param(base_layer, "bias")
+    return (scale - 1) * local(base_result) + scale * lora_result * scaling
+
+
+def _param(module: nn.Module, name: str) -> Tensor:
+    return local(cast(Tensor, getattr(module, name)))
