@@ -452,6 +452,7 @@ MODELS: dict[str, Any] = _Models({
     "peft_llama_dora_drop": lambda: _lora_models().PeftLlama(dora=True, drop=True),  # DoRA recomputes the base
     "peft_llama_sdpa": lambda: _lora_models().PeftLlama(attn="sdpa"),  # for cp
     "peft_mixtral": lambda: _lora_models().PeftMixtral(),  # LoRA on the attention of an MoE model
+    "peft_mixtral_experts": lambda: _lora_models().PeftMixtralExperts(),  # LoRA on the stacked experts too
     "peft_llama_meta": lambda: _lora_models().PeftLlamaMeta(),  # built in configure_model (meta), B zero
     "hf_llama_sgd": lambda: _lora_models().HFLlamaSGD(),  # the base alone, SGD as the adapted models
     # Four blocks: room for 2 stages x 2 virtual stages per rank (interleaved and V schedules).

@@ -83,6 +83,23 @@ class PeftLlama(HFLlama):
         return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
 
 
+class PeftMixtralExperts(HFMixtralAux):
+    """Hugging Face Mixtral with peft's LoRA on its stacked expert weights (``target_parameters``: one low-rank pair
+    per stacked tensor, ``r`` rows of ``lora_A`` and columns of ``lora_B`` per expert) and on the attention."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from peft import LoraConfig, get_peft_model
+
+        config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
+                            target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])  # fmt: skip
+        self.model = get_peft_model(self.model, config)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.5, momentum=0.9)
+
+
 class PeftMixtral(HFMixtralAux):
     """Hugging Face Mixtral (stacked experts, its load-balancing loss) with peft's LoRA on the attention: the
     experts and router stay frozen, sharded over the expert-parallel ranks as ever."""

@@ -43,7 +43,7 @@ from lightning_par.parallel.experts.dispatch import ExpertDispatch
 from lightning_par.parallel.experts.finder import MoELayer, find_moe_layers, unrecognised_experts
 from lightning_par.parallel.experts.module_list import shard_module_list_experts
 from lightning_par.parallel.experts.router_stats import gather_router_logits, lone_logits_error, records_lone_logits
-from lightning_par.parallel.experts.stacked import shard_stacked_experts
+from lightning_par.parallel.experts.stacked import local_expert_adapters, shard_stacked_experts
 from lightning_par.parallel.experts.with_tp import ExpertShard, TokenSplit
 from lightning_par.parallel.grad_norm import mark_sharded
 
@@ -230,6 +230,7 @@ def apply_expert_parallel(
             full_shapes[prefix + name] = p.shape
         if layer.kind == "stacked":
             shard_stacked_experts(experts, hooks, layer.n_experts, prefix[:-1])
+            local_expert_adapters(layer.module, experts, rank * n_local, n_local)
         else:
             experts.register_forward_pre_hook(hooks.dispatch)
             experts.register_forward_hook(hooks.combine)

@@ -16,6 +16,13 @@ expert and scaled by its router score, zero where not chosen, the module's forwa
 That is the same exchange with ``T`` rows for each expert: each rank sends every other the rows of its experts,
 runs the model's own forward on the ``[E/ep, sum of T, d]`` it received, and gets its rows back in order, so the
 layer's sum over experts happens on the token's own rank as before.
+
+Low-rank adapters on the stacked weights (peft's ``ParamWrapper``: LoRA with ``target_parameters``, ``r`` rows of
+``lora_A`` and ``r`` strided columns of ``lora_B`` per expert, folded into the weight while the wrapper runs) stay
+whole on every rank: each rank folds in its experts' share only (`local_expert_adapters`). The adapters are small,
+and whole they keep the names and shapes one process gives them (checkpoints resume on any layout); their
+gradients hold each rank's experts' columns, and the average over the data-parallel ranks that dense parameters get
+is exact: every rank's tokens reach each expert's owner in its ep group once.
 """
 
 from __future__ import annotations
@@ -137,3 +144,28 @@ def _dense(forward: Callable[..., Tensor]) -> bool:
     if any(p.kind == inspect.Parameter.VAR_POSITIONAL for p in params):
         return False
     return sum(1 for p in params if p.kind in positional) == 1
+
+
+def local_expert_adapters(block: nn.Module, experts: nn.Module, first: int, n_local: int) -> None:
+    """Make every parameter adapter around ``experts`` (inside ``block``) fold in experts ``[first, first + n_local)``
+    only, the rows ``experts`` keeps (module docstring): peft's ``get_delta_factors`` / ``get_delta_weight`` of each
+    wrapper, on that instance, return the local experts' slice of what they return for all."""
+    from lightning_par.parallel.experts.structure import adapted_base
+
+    local = slice(first, first + n_local)
+    for wrapper in block.modules():
+        if adapted_base(wrapper) is None or not any(m is experts for m in wrapper.modules()):
+            continue
+        for method in ("get_delta_factors", "get_delta_weight"):
+            if callable(whole := getattr(wrapper, method, None)):
+                object.__setattr__(wrapper, method, _local_slice(whole, local, method == "get_delta_factors"))
+
+
+def _local_slice(whole: Callable[..., Any], local: slice, factors: bool) -> Callable[..., Any]:
+    def sliced(*args: Any, **kwargs: Any) -> Any:
+        out = whole(*args, **kwargs)
+        if factors:  # (lhs [E, ...], rhs [E, ...], scaling)
+            return out[0][local], out[1][local], out[2]
+        return out[local]  # the delta [E, ...]
+
+    return sliced

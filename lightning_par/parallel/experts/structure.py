@@ -140,9 +140,25 @@ def _top_k(*modules: nn.Module) -> int:
     return 0
 
 
+def adapted_base(m: nn.Module) -> Optional[nn.Module]:
+    """The module a parameter adapter wraps, else ``None``: a module whose children are a ``base_layer`` and adapter
+    containers only (``ModuleDict`` / ``ParameterDict``), peft's ``ParamWrapper`` around stacked expert weights
+    (LoRA with ``target_parameters``), whose forward calls the base with the adapted weights."""
+    children = dict(m.named_children())
+    base = children.pop("base_layer", None)
+    if base is None or not all(isinstance(c, (nn.ModuleDict, nn.ParameterDict)) for c in children.values()):
+        return None
+    return base
+
+
 def match_block(block: nn.Module) -> Optional[ExpertsStructure]:
-    """The router and experts of ``block`` if it is an MoE block of a recognised structure, else ``None``."""
-    for name, child in block.named_children():
+    """The router and experts of ``block`` if it is an MoE block of a recognised structure, else ``None``. Experts
+    inside parameter adapters (`adapted_base`) are found inside them: ``experts`` is then their path
+    (``experts.base_layer.base_layer``)."""
+    for outer, child in block.named_children():
+        name = outer
+        while (base := adapted_base(child)) is not None:
+            name, child = f"{name}.base_layer", base
         layout, n = "stacked", stacked_experts_size(child)
         if n is None:
             layout, n = "module_list", module_list_experts_size(child)
@@ -150,7 +166,7 @@ def match_block(block: nn.Module) -> Optional[ExpertsStructure]:
         if n is None and rows is None:
             continue
         widths = _expert_widths(child)
-        for router, e, d in _router_candidates(block, name):
+        for router, e, d in _router_candidates(block, outer):
             if rows is not None and 2 <= e < rows and rows % e == 0 and d in widths:
                 n, layout = e, "stacked"  # flat rows: sharded and called as stacked experts, R / E rows each
             if e == n and d in widths:
