@@ -38,15 +38,14 @@ class EMA(L.Callback):
 
 
 def local_bytes(tensors: Any) -> int:
+    from lightning_par.utils.dtensors import storages
+
     seen, total = set(), 0
-    for t in tensors:
-        if t is None:
-            continue
-        t = t.to_local() if isinstance(t, DTensor) else t
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
+    for part in (part for t in tensors if t is not None for part in storages(t)):  # NF4: its codes and scales
+        key = (part.untyped_storage().data_ptr(), part.storage_offset(), part.numel())
         if key not in seen:
             seen.add(key)
-            total += t.numel() * t.element_size()
+            total += part.numel() * part.element_size()
     return total
 
 
@@ -231,6 +230,11 @@ class OptimizerRecorder(L.Callback):
         }  # fmt: skip
 
 
+def _dequantised(t: torch.Tensor) -> torch.Tensor:
+    # torchao's NF4Tensor: its values (its own clone re-quantises with default block sizes)
+    return t.get_original_weight() if hasattr(t, "get_original_weight") else t
+
+
 def full_params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     out = {}
     for name, p in module.named_parameters():
@@ -243,7 +247,7 @@ def full_params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
                 t = p.detach().clone()
         else:
             t = full_tensor(p)
-        out[name] = t.detach().float().cpu().clone()
+        out[name] = _dequantised(t).detach().float().cpu().clone()
     return out
 
 
@@ -360,7 +364,7 @@ class InitRecorder(L.Callback):
         params = [p for p in pl_module.parameters() if hasattr(p, "ds_id")]
         gathered = _ds_gathered(params) if params else contextlib.nullcontext()
         with gathered:
-            state = {k: full_tensor(v).detach().cpu().clone() for k, v in pl_module.state_dict().items()}
+            state = {k: _dequantised(full_tensor(v)).detach().cpu().clone() for k, v in pl_module.state_dict().items()}
         if getattr(getattr(trainer.strategy, "config", None), "pp", 1) > 1:
             every: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(every, state)

@@ -453,6 +453,7 @@ MODELS: dict[str, Any] = _Models({
     "peft_llama_sdpa": lambda: _lora_models().PeftLlama(attn="sdpa"),  # for cp
     "peft_mixtral": lambda: _lora_models().PeftMixtral(),  # LoRA on the attention of an MoE model
     "peft_mixtral_experts": lambda: _lora_models().PeftMixtralExperts(),  # LoRA on the stacked experts too
+    "qlora_llama": lambda: _lora_models().QLoRALlama(),  # peft LoRA over NF4 base weights (torchao)
     "peft_llama_meta": lambda: _lora_models().PeftLlamaMeta(),  # built in configure_model (meta), B zero
     "hf_llama_sgd": lambda: _lora_models().HFLlamaSGD(),  # the base alone, SGD as the adapted models
     # Four blocks: room for 2 stages x 2 virtual stages per rank (interleaved and V schedules).

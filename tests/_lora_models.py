@@ -83,6 +83,32 @@ class PeftLlama(HFLlama):
         return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
 
 
+class QLoRALlama(HFLlama):
+    """QLoRA (Dettmers et al., arXiv 2305.14314) as torchtune builds it: Hugging Face Llama (width 256, 4 heads with
+    their own key/value heads, MLP 512) with each projection's weight stored in 4-bit NF4 (torchao's ``NF4Tensor``,
+    frozen) and peft's LoRA (r 4, B random) on every projection, trained in fp32 with SGD. The widths make every
+    projection an even number of torchao's double-quantised groups (64 values a scale, 256 scales a group: 16,384
+    values), which its FSDP2 split over 2 ranks needs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                             attn_implementation="eager")  # fmt: skip
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        self.model: Any = peft_lora(LlamaForCausalLM(config), targets)
+        for m in self.model.modules():
+            base = getattr(m, "base_layer", None)
+            if isinstance(base, nn.Linear):
+                base.weight = nn.Parameter(to_nf4(base.weight.detach()), requires_grad=False)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+
+
 class PeftMixtralExperts(HFMixtralAux):
     """Hugging Face Mixtral with peft's LoRA on its stacked expert weights (``target_parameters``: one low-rank pair
     per stacked tensor, ``r`` rows of ``lora_A`` and columns of ``lora_B`` per expert) and on the attention."""

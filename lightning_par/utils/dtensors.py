@@ -34,3 +34,15 @@ def like(value: Tensor, p: Tensor) -> Tensor:
     if not isinstance(p, DTensor):
         return value
     return DTensor.from_local(value, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)
+
+
+def storages(t: Tensor) -> list[Tensor]:
+    """The plain tensors that hold ``t``'s values on this rank, outside autograd: ``t``'s data itself, a DTensor's
+    local shard, or the inner tensors of a wrapper subclass (torchao's ``NF4Tensor``: its 4-bit codes and scalers),
+    which collectives cannot take whole."""
+    t = local_data(t)
+    flatten = getattr(type(t), "__tensor_flatten__", None)
+    if type(t) is Tensor or flatten is None:
+        return [t]
+    names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
+    return [part for name in names for part in storages(getattr(t, name))]

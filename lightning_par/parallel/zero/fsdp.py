@@ -32,6 +32,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from lightning_par.utils.dtensors import storages
+
 
 class StepRoot(nn.Module):
     """A root module around the user's module whose forward the trainer redirects to ``training_step``.
@@ -104,4 +106,5 @@ def sync_module_states(module: nn.Module, mesh: DeviceMesh) -> None:
     src = dist.get_global_rank(group, 0)
     tensors = [t for t in [*module.parameters(), *module.buffers()] if t.device.type != "meta"]
     for t in tensors:
-        dist.broadcast(t.data, src=src, group=group)
+        for part in storages(t):  # a quantised weight (NF4) as its codes and scalers
+            dist.broadcast(part, src=src, group=group)
