@@ -77,6 +77,21 @@ def test_zero3_shards_the_four_bit_weights(runs: dict[str, Any]) -> None:
     assert zero3["grads"] == zero3["optim"] == trainable // 2
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_the_planner_prices_each_rank_exactly(runs: dict[str, Any], stage: int) -> None:
+    # The 4-bit weights at their stored bytes (split by ZeRO-3 but for their whole parts), nothing for their state.
+    from _lora_models import QLoRALlama
+
+    from lightning_par.planner.layout import Layout
+    from lightning_par.planner.params import specs_from_module
+    from lightning_par.planner.state import state_bytes
+
+    mem = runs["got"][f"zero{stage}"]["mem"]
+    layout = Layout(dp_shard=2, zero_stage=stage, precision="32-true")
+    want = state_bytes(specs_from_module(QLoRALlama()), layout, optimizer="sgd", rank=0)
+    assert (mem["params"], mem["grads"], mem["optim"]) == (want.parameters, want.gradients, want.optimizer)
+
+
 def test_tensor_parallelism_refuses_a_quantised_base_before_the_first_step(runs: dict[str, Any]) -> None:
     got = runs["tp"]
     assert got["losses"] == [] and "TPPlanError" in got["error"]

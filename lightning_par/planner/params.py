@@ -58,6 +58,8 @@ class ParamSpec:
         trainable: ``requires_grad`` (frozen parameters hold no gradient and no optimizer state).
         calls: where its block runs more than once in one forward, the trunk calls it runs at: every pipeline stage
             holds it, and each call costs a stage its compute.
+        quantised: a weight stored in a quantised format (QLoRA's NF4): ``(its bytes, the bytes every ZeRO-3 shard
+            carries whole)``; `quantised_bytes`.
     """
 
     name: str
@@ -74,6 +76,7 @@ class ParamSpec:
     role: str = ""
     trainable: bool = True
     calls: tuple[int, ...] = ()
+    quantised: Optional[tuple[int, int]] = None
 
     def __post_init__(self) -> None:
         for dim, what in ((self.tp_dim, "tp_dim"), (self.expert_axis, "expert_axis")):
@@ -248,9 +251,23 @@ def specs_from_module(module: nn.Module, *, tp_plan: Optional[dict[str, str]] = 
             name, tuple(p.shape), tp_dim=dims.get(name), tp_row=name in rows, expert_axis=expert_axis,
             expert=expert, block=block, end=None if block is not None else ends.get(name, "first"),
             tied_with=tuple(names_of[id(p)][1:]), lookup=name in lookups, role=roles.get(name, ""),
-            trainable=p.requires_grad, calls=calls.get(name, ()),
+            trainable=p.requires_grad, calls=calls.get(name, ()), quantised=quantised_bytes(p),
         ))  # fmt: skip
     return specs
+
+
+def quantised_bytes(p: nn.Parameter) -> Optional[tuple[int, int]]:
+    """``(bytes, bytes every ZeRO-3 shard carries whole)`` of a parameter stored as a tensor subclass of other
+    tensors (torchao's ``NF4Tensor``: 4-bit codes, scales, their double-quantised factors, all split by FSDP2 through
+    torchao's all-gather extension, and a 16-value code book and a scale mean each shard carries whole); ``None`` for
+    a plain or DTensor parameter."""
+    from lightning_par.utils.dtensors import storages
+
+    parts = storages(p)
+    if len(parts) == 1:
+        return None
+    whole = sum(getattr(p, n).numel() * getattr(p, n).element_size() for n in ("nf4", "scaler_mean") if hasattr(p, n))
+    return sum(t.numel() * t.element_size() for t in parts), whole
 
 
 def _tp_dims(
