@@ -1,9 +1,11 @@
 """QLoRA (Dettmers et al., arXiv 2305.14314): peft LoRA over Hugging Face Llama whose adapted base weights are 4-bit
 NF4 (torchao's ``NF4Tensor``, frozen; tests/_lora_models.py ``QLoRALlama``), against the same QLoRA model in one
-process. ``zero1`` and ``zero3`` (dp 2) and ``pipe`` (pp 2): fp32 losses and gradient norms 1e-5 relative, SGD
-parameters 1e-5 relative / 1e-7 absolute (the 4-bit weights compared dequantised, and unchanged). Under ZeRO-3 each
-rank holds half of the 4-bit codes and scalers (FSDP2 shards and gathers the NF4 tensors themselves, through
-torchao's all-gather extension); under tp the model is refused before the first step.
+process. ``zero1`` and ``zero3`` (dp 2), ``pipe`` (pp 2) and the tp layouts: fp32 losses and gradient norms 1e-5
+relative, SGD parameters 1e-5 relative / 1e-7 absolute (the 4-bit weights compared dequantised, and unchanged). Under
+ZeRO-3 each rank holds half of the 4-bit codes and scales (FSDP2 shards and gathers the NF4 tensors themselves,
+through torchao's all-gather extension). ``tp`` (with and without sequence parallelism) and ``tp_zero3`` (tp 2 x
+dp 2): the 4-bit bases stay whole on every tp rank, each multiplying by its rows or columns of their values. The
+planner's per-rank bytes equal the runs'.
 """
 
 from __future__ import annotations
@@ -26,7 +28,11 @@ JOBS: dict[str, dict[str, Any]] = {
     "zero1": {"model": "qlora_llama", "strategy": "zero1", "dp": 2},
     "zero3": {"model": "qlora_llama", "strategy": "zero3", "dp": 2},
     "pipe": {"model": "qlora_llama", "strategy": {"pp": 2}, "dp": 1},
+    # The 4-bit bases stay whole on every tp rank, each multiplying by its rows or columns of their values.
+    "tp": {"model": "qlora_llama", "strategy": {"tp": 2}, "dp": 1},
+    "tp_nosp": {"model": "qlora_llama", "strategy": {"tp": 2, "sequence_parallel": False}, "dp": 1},
 }
+JOBS_4 = {"tp_zero3": {"model": "qlora_llama", "strategy": {"tp": 2, "zero_stage": 3}, "dp": 2}}
 BASES = r"_proj\.base_layer\.weight$"
 
 
@@ -34,12 +40,12 @@ BASES = r"_proj\.base_layer\.weight$"
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp: Path = tmp_path_factory.mktemp("qlora")
     ref = run_jobs(tmp, [{**reference_job({"model": "qlora_llama"}), "record_init": True}], nproc=1, timeout=300)[0]
-    jobs = [*JOBS.values(), {"model": "qlora_llama", "strategy": "tp", "dp": 1, "expect_error": True}]
-    got = run_jobs(tmp, jobs, nproc=2, timeout=600)
-    return {"ref": ref, "got": dict(zip(JOBS, got, strict=False)), "tp": got[-1]}
+    got = dict(zip(JOBS, run_jobs(tmp, list(JOBS.values()), nproc=2, timeout=600), strict=True))
+    got.update(zip(JOBS_4, run_jobs(tmp, list(JOBS_4.values()), nproc=4, timeout=600), strict=True))
+    return {"ref": ref, "got": got}
 
 
-@pytest.mark.parametrize("name", list(JOBS))
+@pytest.mark.parametrize("name", [*JOBS, *JOBS_4])
 def test_qlora_matches_one_process(runs: dict[str, Any], name: str) -> None:
     got, ref = runs["got"][name], runs["ref"]
     assert len(got["losses"]) == len(ref["losses"]) == 3
@@ -77,8 +83,13 @@ def test_zero3_shards_the_four_bit_weights(runs: dict[str, Any]) -> None:
     assert zero3["grads"] == zero3["optim"] == trainable // 2
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_the_planner_prices_each_rank_exactly(runs: dict[str, Any], stage: int) -> None:
+@pytest.mark.parametrize(("name", "layout"), [
+    ("zero1", {"dp_shard": 2, "zero_stage": 1}),
+    ("zero3", {"dp_shard": 2, "zero_stage": 3}),
+    ("tp", {"tp": 2}),  # the 4-bit weights whole, the adapters split with their bases
+    ("tp_zero3", {"tp": 2, "dp_shard": 2, "zero_stage": 3}),
+])  # fmt: skip
+def test_the_planner_prices_each_rank_exactly(runs: dict[str, Any], name: str, layout: dict[str, int]) -> None:
     # The 4-bit weights at their stored bytes (split by ZeRO-3 but for their whole parts), nothing for their state.
     from _lora_models import QLoRALlama
 
@@ -86,14 +97,6 @@ def test_the_planner_prices_each_rank_exactly(runs: dict[str, Any], stage: int) 
     from lightning_par.planner.params import specs_from_module
     from lightning_par.planner.state import state_bytes
 
-    mem = runs["got"][f"zero{stage}"]["mem"]
-    layout = Layout(dp_shard=2, zero_stage=stage, precision="32-true")
-    want = state_bytes(specs_from_module(QLoRALlama()), layout, optimizer="sgd", rank=0)
+    mem = runs["got"][name]["mem"]
+    want = state_bytes(specs_from_module(QLoRALlama()), Layout(**layout, precision="32-true"), optimizer="sgd", rank=0)
     assert (mem["params"], mem["grads"], mem["optim"]) == (want.parameters, want.gradients, want.optimizer)
-
-
-def test_tensor_parallelism_refuses_a_quantised_base_before_the_first_step(runs: dict[str, Any]) -> None:
-    got = runs["tp"]
-    assert got["losses"] == [] and "TPPlanError" in got["error"]
-    assert "self_attn.q_proj.base_layer.weight is a quantised weight (NF4Tensor: a QLoRA base)" in got["error"]
-    assert "strategy='zero3', which shards the 4-bit weights themselves" in got["error"]

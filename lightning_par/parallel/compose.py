@@ -38,14 +38,13 @@ from lightning_par.parallel.pipeline.schedule import Shape
 from lightning_par.parallel.pipeline.slots import PipelineError
 from lightning_par.parallel.pipeline.split import PipelineSplit, split_pipeline
 from lightning_par.parallel.run import ParallelRun
-from lightning_par.parallel.tensor.adapters import adapter_names, dora_as_lora
+from lightning_par.parallel.tensor.adapters import adapter_names, dora_as_lora, quantised_as_plain
 from lightning_par.parallel.tensor.apply import apply_tensor_parallel
 from lightning_par.parallel.tensor.check import check_local_shapes, other_plans, preflight, tp_report
-from lightning_par.parallel.tensor.plan import TPPlan, TPPlanError, infer_tp_plan
+from lightning_par.parallel.tensor.plan import TPPlan, infer_tp_plan
 from lightning_par.parallel.tensor.plan_validate import validate_tp
 from lightning_par.parallel.zero.fsdp import StepRoot, apply_fsdp, sync_module_states
 from lightning_par.parallel.zero.replicated import ReplicatedZero
-from lightning_par.utils.dtensors import storages
 
 
 def parallelize(
@@ -302,13 +301,8 @@ def _tp_plans(
     """The trunk's plan, then other stacks' (an encoder-decoder's encoder), and a note per stack kept whole."""
     if config.tp == 1:
         return [], []
-    if quantised := next((n for n, p in module.named_parameters() if len(storages(p)) > 1), None):
-        raise TPPlanError(
-            f"{quantised} is a quantised weight ({type(module.get_parameter(quantised)).__name__}: a QLoRA base), "
-            "which tensor parallelism cannot split (its values are stored in blocks with their own scales); train it "
-            "with ZeRO (e.g. strategy='zero3', which shards the 4-bit weights themselves) or pipeline parallelism, tp=1"
-        )
-    with dora_as_lora(module):  # DoRA's magnitudes follow their bases: adapters.split_dora
+    # DoRA's magnitudes follow their bases (adapters.split_dora); a 4-bit base is seen as its values.
+    with dora_as_lora(module), quantised_as_plain(module):
         plan = infer_tp_plan(module, overrides=overrides)
         validate_tp(plan, config.tp)
         # Block 0 on per-rank shapes: code assuming full widths runs on gathered activations, or is refused here.

@@ -257,10 +257,8 @@ def _rank_bytes(
     params = grads = opt = 0
     for t in tensors:
         size = param_bytes(t.spec, layout.precision)
-        if t.spec.quantised is not None:  # frozen: no gradient, no state; ZeRO-3 splits all but its whole parts
-            stored, whole = t.spec.quantised
-            if layout.tp > 1:
-                raise LayoutError(f"{t.spec.name} is quantised (a QLoRA base): tensor parallelism refuses it; tp=1")
+        if t.spec.quantised is not None:  # frozen: no gradient, no state; whole on every tp rank (split_quantised),
+            stored, whole = t.spec.quantised  # ZeRO-3 splits all but the parts each shard carries whole
             params += (stored - whole) // n + whole if t.in_zero and zero == 3 else stored
             continue
         if t.in_zero and len(t.shape) == 0 and zero:

@@ -39,7 +39,7 @@ from lightning_par.checkpoint.pretrained.names import AdapterNames
 from lightning_par.parallel.tensor.heads import _params_as
 from lightning_par.parallel.tensor.plan_affine import Affine, affine
 from lightning_par.parallel.tensor.plan_types import TPPlanError
-from lightning_par.utils.dtensors import local
+from lightning_par.utils.dtensors import local, storages
 
 Pairs = tuple[tuple[str, str], ...]
 
@@ -247,3 +247,72 @@ def _dora_forward(layer: nn.Module, x: Tensor, *, lora_A: nn.Module, lora_B: nn.
 
 def _param(module: nn.Module, name: str) -> Tensor:
     return local(cast(Tensor, getattr(module, name)))
+
+
+def quantised_weights(root: nn.Module) -> list[str]:
+    """Names of ``root``'s parameters stored as a tensor subclass of other tensors (QLoRA's 4-bit NF4 bases)."""
+    return [n for n, p in root.named_parameters() if len(storages(p)) > 1]
+
+
+def _values(p: Tensor) -> Tensor:
+    # A quantised weight's values: torchao's NF4Tensor dequantises with get_original_weight, others with dequantize.
+    values = getattr(p, "get_original_weight", None) or p.dequantize
+    return cast(Tensor, values())
+
+
+@contextlib.contextmanager
+def quantised_as_plain(root: nn.Module) -> Iterator[None]:
+    """Inside, each quantised weight of ``root`` is a plain frozen parameter of its values: what the plan's probes
+    and value checks see (they slice weights, which a 4-bit tensor does not support)."""
+    swaps = []
+    for mod in root.modules():
+        for name, p in list(mod.named_parameters(recurse=False)):
+            if len(storages(p)) > 1:
+                swaps.append((mod, name, p))
+                mod.register_parameter(name, nn.Parameter(_values(p).detach(), requires_grad=False))
+    try:
+        yield
+    finally:
+        for mod, name, p in swaps:
+            mod.register_parameter(name, p)
+
+
+def split_quantised(name: str, mod: nn.Module, style: str, mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """A projection whose frozen weight is quantised (QLoRA's NF4 base), split over tp without splitting the weight:
+    the 4-bit weight stays whole on every rank (its values come in blocks with their own scales, which torchao splits
+    by rows only, across the double-quantised groups), and each forward dequantises it and multiplies by this rank's
+    rows (column split: the output's columns, as `ColwiseParallel` gives them) or columns (row split: a partial sum,
+    all-reduced, or reduce-scattered along the sequence under sequence parallelism), in DTensors, so that the input's
+    gradient is reduced as the plain split's is. Exact: one process multiplies by the same dequantised values.
+
+    Raises:
+        TPPlanError: the projection has a trainable bias, or a style other than a plain column or row split.
+    """
+    bias = getattr(mod, "bias", None)
+    if style not in ("colwise", "rowwise") or (bias is not None and bias.requires_grad):
+        raise TPPlanError(
+            f"{name} holds a quantised weight ({type(mod.weight).__name__}) and is split {style!r}"
+            + (" with a trainable bias" if bias is not None and bias.requires_grad else "")
+            + "; tensor parallelism splits a quantised base only by plain columns or rows with a frozen bias: train it "
+            "with ZeRO (e.g. strategy='zero3', which shards the 4-bit weights themselves) or pipeline parallelism"
+        )
+    weight, row = cast(Tensor, mod.weight), style == "rowwise"
+    tp, rank = mesh.size(), mesh.get_local_rank()
+    width = weight.shape[1 if row else 0] // tp
+    mine = slice(rank * width, (rank + 1) * width)
+
+    def forward(x: Tensor) -> Tensor:
+        values = _values(weight).to(x.dtype)
+        if row:
+            into = x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Shard(-1)])
+            w = DTensor.from_local(values[:, mine], mesh, [Shard(1)])
+            out = cast(DTensor, F.linear(into, w)).redistribute(mesh, [Shard(1) if sequence_parallel else Replicate()])
+        else:
+            into = x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Replicate()])
+            out = cast(DTensor, F.linear(into, DTensor.from_local(values[mine], mesh, [Shard(0)])))
+        local_out = out.to_local()
+        if bias is not None:
+            local_out = local_out + (local(cast(Tensor, bias)) if row else local(cast(Tensor, bias))[mine])
+        return local_out
+
+    object.__setattr__(mod, "forward", forward)

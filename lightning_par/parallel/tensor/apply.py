@@ -38,7 +38,14 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
 from lightning_par.blocks.trunk import trunk_at
-from lightning_par.parallel.tensor.adapters import adapter_styles, find_adapters, split_dora, whole_adapters
+from lightning_par.parallel.tensor.adapters import (
+    adapter_styles,
+    find_adapters,
+    quantised_weights,
+    split_dora,
+    split_quantised,
+    whole_adapters,
+)
 from lightning_par.parallel.tensor.affine import apply_affine
 from lightning_par.parallel.tensor.full_width import apply_full_width, as_whole
 from lightning_par.parallel.tensor.heads import (
@@ -219,6 +226,10 @@ def _apply_blocks(
         styles: dict[str, Any] = {}
         for rel, style in {**rel_styles, **{r: s for r, (s, _) in follows.items()}}.items():
             base = base_of[rel]
+            if style in _SPLIT and quantised_weights(block.get_submodule(rel)):  # a QLoRA base (tensor/adapters.py)
+                split_quantised(f"{name}.{rel}", block.get_submodule(rel), style, mesh, sequence_parallel)
+                changed[f"{name}.{rel}"] = style
+                continue
             if style in _SPLIT and isinstance(mha := block.get_submodule(rel), nn.MultiheadAttention):  # tensor/mha.py
                 apply_mha(mha, mesh, seq)
                 changed[f"{name}.{rel}"] = style
