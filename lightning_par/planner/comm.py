@@ -155,6 +155,9 @@ def _data_parallel(every: Sequence[Held], layout: Layout, n: int, r: int, m: int
     low = compute_bytes(prec)
 
     def gather(t: Held) -> int:  # mixed precision gathers the compute dtype (FSDP2's MixedPrecisionPolicy)
+        if t.spec.quantised is not None:  # a 4-bit base gathers its codes and scales (torchao's all-gather extension)
+            stored, whole = t.spec.quantised
+            return stored - whole
         return t.padded(n) * n * (param_bytes(t.spec, prec) if prec in ("32-true", "bf16-true") else low)
 
     gathered = sum(gather(t) for t in every)
