@@ -109,6 +109,15 @@ class QLoRALlama(HFLlama):
         return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
 
 
+def peft_phi3(dora: bool = False) -> Any:
+    """Hugging Face Phi-3 (fused ``qkv_proj`` and ``gate_up_proj``) with peft's LoRA (or DoRA) on every projection."""
+    from _families import HFPhi3
+
+    model = HFPhi3()
+    model.model = peft_lora(model.model, ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], dora=dora)
+    return model
+
+
 class PeftMixtralExperts(HFMixtralAux):
     """Hugging Face Mixtral with peft's LoRA on its stacked expert weights (``target_parameters``: one low-rank pair
     per stacked tensor, ``r`` rows of ``lora_A`` and columns of ``lora_B`` per expert) and on the attention."""

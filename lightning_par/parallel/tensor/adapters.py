@@ -36,6 +36,7 @@ from torch.distributed.tensor.parallel import SequenceParallel
 
 from lightning_par.checkpoint.fast_state import clean_name
 from lightning_par.checkpoint.pretrained.names import AdapterNames
+from lightning_par.parallel.tensor.affine import _GatherParts
 from lightning_par.parallel.tensor.heads import _params_as
 from lightning_par.parallel.tensor.plan_affine import Affine, affine
 from lightning_par.parallel.tensor.plan_types import TPPlanError
@@ -160,41 +161,46 @@ def dora_layers(wrapper: nn.Module) -> dict[str, nn.Module]:
 
 
 def split_dora(block_name: str, block: nn.Module, adapters: dict[str, Pairs], styles: dict[str, Any],
-               split: dict[str, str], mesh: DeviceMesh, sequence_parallel: bool) -> None:  # fmt: skip
+               split: dict[str, str], mesh: DeviceMesh, sequence_parallel: bool,
+               kv: Optional[dict[str, Tensor]] = None) -> None:  # fmt: skip
     """DoRA (Liu et al., arXiv 2402.09353) on the split bases of ``block``, once its styles are applied.
 
     peft's DoRA scales each output row of ``base(x) + s B A x`` by ``m / ||W + s B A||_row`` (the norm detached, the
     paper's section 4.3). Its magnitude ``m`` follows the base's output rows: split with them under a column split
     (each rank's rows have whole norms), whole under a row split, where each rank holds a slice of every row: the
-    squared norms are summed over tp before the root. Each magnitude module's forward becomes `_dora_forward` on the
-    rank's tensors; the formula is peft's.
+    squared norms are summed over tp before the root. Beside key/value heads replicated over the ranks (`kv_heads`:
+    each rank computes its head's rows, gathered from the even shards) ``m`` is gathered for the same rows, its
+    gradient summed back over the ranks sharing them, as the base's and ``B``'s are (`affine._GatherParts`). Each
+    magnitude module's forward becomes `_dora_forward` on the rank's tensors; the formula is peft's.
 
     Args:
         block_name: the block's name (for errors).
         styles: the torch styles applied to the block's plain ``nn.Linear`` projections (block-relative names).
         split: every split projection's style (``colwise``, ``rowwise``, ...), block-relative.
+        kv: the output rows this rank computes of each projection holding replicated key/value heads.
 
     Raises:
-        TPPlanError: a DoRA base split by lightning_par's own split (a fused projection, replicated key/value heads,
-            a ``Conv1D``), whose rows are regrouped per rank.
+        TPPlanError: a DoRA base split by lightning_par's own split with its rows regrouped (a fused projection, a
+            ``Conv1D``).
     """
+    kv = kv or {}
     for base in adapters:
         wrapper_name, _, _ = base.rpartition(".")
         layers = dora_layers(block.get_submodule(wrapper_name) if wrapper_name else block)
         style = split.get(base, "replicate")
         if not layers or style not in ("colwise", "colwise_fused", "rowwise"):
             continue
-        if base not in styles:
+        rows = kv.get(base) if style == "colwise" and isinstance(block.get_submodule(base), nn.Linear) else None
+        if base not in styles and rows is None:
             raise TPPlanError(
                 f"{block_name}.{wrapper_name} is a DoRA layer (peft use_dora=True) whose base lightning_par splits "
-                "with its own regrouped rows (key/value heads replicated over the ranks, a fused projection, or a "
-                "Conv1D); train it with a tp that divides the key/value heads (for separate projections), without "
-                "tensor parallelism (tp=1: zero3, pipe and the other layouts train DoRA), or with LoRA (use_dora=False)"
+                "with its own regrouped rows (a fused projection or a Conv1D); train it without tensor parallelism "
+                "(tp=1: zero3, pipe and the other layouts train DoRA), or with LoRA (use_dora=False)"
             )
         row = style == "rowwise"
         for layer in layers.values():
             distribute_module(layer, mesh, _params_as(Replicate() if row else Shard(0)))
-            forward = partial(_dora_forward, layer, mesh=mesh, row=row, sequence_parallel=sequence_parallel)
+            forward = partial(_dora_forward, layer, mesh=mesh, row=row, sequence_parallel=sequence_parallel, rows=rows)
             object.__setattr__(layer, "forward", forward)
 
 
@@ -219,21 +225,29 @@ def _lora_only(x: Tensor, *, lora_A: nn.Module, lora_B: nn.Module, scaling: floa
 
 def _dora_forward(layer: nn.Module, x: Tensor, *, lora_A: nn.Module, lora_B: nn.Module, scaling: float,
                   base_layer: nn.Module, base_result: Optional[Tensor] = None, adapter_name: str = "default",
-                  mesh: DeviceMesh, row: bool, sequence_parallel: bool) -> Tensor:  # fmt: skip
+                  mesh: DeviceMesh, row: bool, sequence_parallel: bool,
+                  rows: Optional[Tensor] = None) -> Tensor:  # fmt: skip
     """peft's ``DoraLinearLayer.forward`` on this rank's tensors (`split_dora`): what it adds to the base's output."""
-    weight = _param(base_layer, "weight")
+
+    def mine(t: Tensor) -> Tensor:  # this rank's output rows: its even shard, or its key/value head's rows
+        return t if rows is None else cast(Tensor, _GatherParts.apply(t, rows, mesh.get_group()))
+
+    weight = mine(_param(base_layer, "weight"))
     with torch.no_grad():  # peft detaches the norm and the low-rank product in it
-        rows = weight.to(x.dtype) + scaling * (_param(lora_B, "weight") @ _param(lora_A, "weight")).to(x.dtype)
-        squares = rows.pow(2).sum(dim=1)
+        full = weight.to(x.dtype) + scaling * (mine(_param(lora_B, "weight")) @ _param(lora_A, "weight")).to(x.dtype)
+        squares = full.pow(2).sum(dim=1)
         if row:  # each rank holds a slice of every row
             dist.all_reduce(squares, group=mesh.get_group())
         norm = squares.sqrt()
     magnitude = cast(Tensor, layer.weight)
     if row and sequence_parallel:  # each rank's output rows are its sequence shard's: its gradient is a partial sum
         magnitude = cast(DTensor, magnitude).to_local(grad_placements=[Partial()])
-    scale = (local(magnitude) / norm).view(1, -1)
+    scale = (mine(local(magnitude)) / norm).view(1, -1)
     lora_result = local(lora_B(lora_A(x)))
-    if base_result is None:  # lora dropout in training: peft recomputes the base on the dropped-out input
+    if base_result is None and rows is not None:  # as `affine` computes replicated heads' rows: a partial input grad
+        base_result = F.linear(cast(DTensor, x).to_local(grad_placements=[Partial()]) if isinstance(x, DTensor) else x,
+                               weight)  # fmt: skip
+    elif base_result is None:  # lora dropout in training: peft recomputes the base on the dropped-out input
         # As the base's style computes it, in DTensors, so that the input's gradient is reduced as the base's is.
         into = x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Shard(-1) if row else Replicate()])
         out = cast(DTensor, F.linear(into, cast(DTensor, base_layer.weight)))  # this rank's columns, or partial sums
@@ -241,7 +255,7 @@ def _dora_forward(layer: nn.Module, x: Tensor, *, lora_A: nn.Module, lora_B: nn.
             out = out.redistribute(mesh, [Shard(1) if sequence_parallel else Replicate()])
         base_result = out.to_local()
     elif base_layer.bias is not None:
-        base_result = local(base_result) - _param(base_layer, "bias")
+        base_result = local(base_result) - mine(_param(base_layer, "bias"))
     return (scale - 1) * local(base_result) + scale * lora_result * scaling
 
 

@@ -263,7 +263,7 @@ def _apply_blocks(
             stream = _stream_modules(block, rel_styles, regions)
             styles.update({r: s for r, s in stream.items() if r not in styles and r not in follows})
         parallelize_module(block, mesh, styles)  # type: ignore[arg-type]
-        split_dora(name, block, adapters, styles, rel_styles, mesh, sequence_parallel)  # magnitudes follow their bases
+        split_dora(name, block, adapters, styles, rel_styles, mesh, sequence_parallel, kv)  # magnitudes follow bases
         apply_full_width(block, plan, prefix, mesh)  # after the styles' hooks (parallel/tensor/full_width.py)
         for rel in (k[len(prefix) + 1 :] for k in plan.inplace if rel_styles.get(k[len(prefix) + 1 :]) in _SPLIT):
             # The code changes this output in place (Falcon's mlp_output += attention_output), which autograd forbids
