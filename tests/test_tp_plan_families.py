@@ -345,3 +345,21 @@ def test_a_norm_over_the_split_width_is_not_refused_by_the_value_check() -> None
     plan = infer_tp_plan(model)
     assert "colwise_norm" in plan.styles.values()
     check_local_shapes(model, plan, 2)
+
+
+def test_a_wrapped_fused_projection_is_read_through_the_adapters_sum() -> None:
+    # peft's LoRA on Phi-3: its fused gate_up_proj is chunked after the wrapper adds the adapter's output. The plan
+    # reads a wrapped projection's output through that sum (blocks/_probe.py `_see_through`), so the LoRA model gets
+    # the plain model's plan (it was refused: "an MLP or attention with fused projections?").
+    pytest.importorskip("peft")
+    from _families import HFPhi3
+    from _lora_models import peft_phi3
+
+    from lightning_par.parallel.tensor.plan import infer_tp_plan
+
+    def block_styles(model: Any) -> dict[str, str]:
+        styles = infer_tp_plan(model).styles.items()
+        return {k.split("layers.*.")[1].removesuffix(".base_layer"): v for k, v in styles if "layers.*." in k}
+
+    wrapped, plain = block_styles(peft_phi3()), block_styles(HFPhi3())
+    assert wrapped == plain and wrapped["mlp.gate_up_proj"] == "colwise_fused"

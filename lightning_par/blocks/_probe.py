@@ -162,18 +162,26 @@ def _trace(
 
 
 def _trace_blocks(
-    model: nn.Module, blocks: list[tuple[nn.Module, dict[str, nn.Module], set[str]]], outer: dict[str, nn.Module]
+    model: nn.Module,
+    blocks: list[tuple[nn.Module, dict[str, nn.Module], set[str]]],
+    outer: dict[str, nn.Module],
+    wrappers: tuple[dict[str, str], ...] = (),
 ) -> list[_Trace | str]:
     """`_trace` for several blocks (the first of each structure) in one forward pass: one `_Trace` per block, or
     for all of them why the forward failed. Each entry: (block, its modules by block-relative name, projections
-    among them and among ``outer``)."""
+    among them and among ``outer``). ``wrappers``: per block, adapter wrappers (block-relative) -> the projection
+    each wraps (peft's ``lora.Linear``: ``base(x) + s B A x``): what the model does with the wrapper's output is
+    what it does with the projection's (a fused [gate | up] chunked after the adapter's sum)."""
     traces = [_Trace([], {}, {}, 0, [], -1) for _ in blocks]
     all_outs: list[dict[Any, str]] = []  # per block: grad_fn of a projection's output -> the projection
     outer_order: list[str] = []
     watched: dict[int, tuple[torch.Tensor, str, dict[str, tuple[str, list[tuple[int, ...]]]]]] = {}
     first_use = _FirstUse(watched)
     handles = []
-    for tr, (block, inner, projections) in zip(traces, blocks):
+    for k, (tr, (block, inner, projections)) in enumerate(zip(traces, blocks)):
+        for wrapper, base in (wrappers[k] if k < len(wrappers) else {}).items():
+            see = partial(_see_through, tr, base, watched)
+            handles.append(block.get_submodule(wrapper).register_forward_hook(see))
         outs: dict[Any, str] = {}
         stop: set[Any] = set()
         all_outs.append(outs)
@@ -223,6 +231,13 @@ def _post(
         if name in projections and isinstance(out, torch.Tensor) and out.grad_fn is not None:
             outs[out.grad_fn] = name
             watched[id(out)] = (out, name, tr.consumers)
+
+
+def _see_through(tr: _Trace, base: str, watched: dict[int, Any], mod: nn.Module, args: Any, out: Any) -> None:
+    # The projection's output was first read by its wrapper's sum with the adapter: watch the sum in its place.
+    if isinstance(out, torch.Tensor) and tr.consumers.get(base, ("", []))[0] in ("add", "__add__", "add_", "__iadd__"):
+        del tr.consumers[base]
+        watched[id(out)] = (out, base, tr.consumers)
 
 
 def _post_outer(order: list[str], name: str, mod: nn.Module, args: tuple[Any, ...], out: Any) -> None:

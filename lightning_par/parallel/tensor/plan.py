@@ -17,6 +17,7 @@ from torch import nn
 from lightning_par.blocks._probe import _is_norm, _norm_size, _registration_order, _Trace, _trace_blocks
 from lightning_par.blocks.trunk import Trunk, find_trunk
 from lightning_par.parallel.experts.finder import find_moe_layers
+from lightning_par.parallel.tensor.adapters import find_adapters
 from lightning_par.parallel.tensor.mha import add_to_plan, check_pairs, splittable
 from lightning_par.parallel.tensor.plan_affine import affine, affine_modules
 from lightning_par.parallel.tensor.plan_pairs import _in, _Inference, _outer_roles, _Region, head_params
@@ -99,9 +100,13 @@ def infer_tp_plan(model: nn.Module, *, overrides: dict[str, str] | None = None, 
         probed.append((moe, kept, projections, inner))
     outer_proj = {n for n, m in outer.items() if affine(m) is not None}
     # One forward pass probes the first block of every structure.
+    # A projection inside an adapter wrapper is read through the wrapper's sum (parallel/tensor/adapters.py).
+    wrappers = tuple({b.rpartition(".")[0]: b for b in find_adapters(trunk.blocks[i[0]]) if "." in b}
+                     for i in groups.values())  # fmt: skip
     traces = _trace_blocks(
-        model, [(trunk.blocks[i[0]], p[3], set(p[2]) | outer_proj) for i, p in zip(groups.values(), probed)], outer
-    )
+        model, [(trunk.blocks[i[0]], p[3], set(p[2]) | outer_proj) for i, p in zip(groups.values(), probed)], outer,
+        wrappers,
+    )  # fmt: skip
     found = [
         _infer_group(model, trunk, idx, prefix, outer, marker, p, tr)
         for (prefix, idx), p, tr in zip(groups.items(), probed, traces)
