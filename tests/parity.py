@@ -69,6 +69,15 @@ def params_close(got: dict, ref: dict, rtol: float, atol: float) -> None:
         torch.testing.assert_close(got[k], ref[k], rtol=rtol, atol=max(atol, floor), msg=lambda m, k=k: f"{k}: {m}")
 
 
+def fp32_parity(got: dict, ref: dict, steps: int) -> None:
+    """An fp32 run against its one-process reference, the suite's bounds: ``steps`` losses on both sides, losses
+    and gradient norms within 1e-5 relative, every parameter within 1e-5 relative / 1e-7 absolute (`params_close`)."""
+    assert len(got["losses"]) == len(ref["losses"]) == steps
+    assert rel(got["losses"], ref["losses"]) < 1e-5
+    assert rel(got["grad_norms"], ref["grad_norms"]) < 1e-5
+    params_close(got["params"], ref["params"], rtol=1e-5, atol=1e-7)
+
+
 def clipped_fit_matches(got: dict, ref: dict, param_atol: float) -> None:
     """A fit with accumulation, clipping, validation and test against its reference: clipping is active (norms far
     above the clip value) and uses the true global norm; losses, parameters and the val/test metrics agree."""

@@ -13,12 +13,12 @@ Two spawns (2 and 4 ranks) and one reference process.
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from _chained import chain_stages, summed_grads
 from _looped_models import LoopedLM
 from conftest import reference_job
 from launch import run_jobs
@@ -77,31 +77,16 @@ def test_stages_of_calls_chained_by_hand_give_the_full_model_loss_and_gradients(
 
     ref = loss(full)
     ref.backward()
-    cuts = [copy.deepcopy(full) for _ in ranges]  # each stage on its own "rank"
-    for m in cuts:
-        m.zero_grad(set_to_none=True)
-    out: Any = None
-    pipes = []
-    for s, m in enumerate(cuts):
-        pipe = PipelineModel(m, find_trunk(m), ranges, [s], torch.device("cpu"))
-        pipe.install()
-        pipe.begin_step(lambda _mb, _spec, m=m: loss(m))
-        received = (out[0], out[1:]) if isinstance(out, tuple) else (out, ())
-        out = pipe.run_stage(pipe.specs[0], received[0], 0, received[1])
-        pipes.append(pipe)
+    outs, cuts, pipes = chain_stages(full, ranges, loss)  # each stage on its own "rank"
+    out = outs[-1]
     torch.testing.assert_close(out, ref, rtol=1e-6, atol=0)
     out.backward()  # the stages' graphs are chained in one process
     shared = set(pipes[0].ownership.everywhere)
     # A stage module's parameters: its own blocks and units, and every block that runs more than once (the middle
     # stage runs calls of the shared block alone).
     assert set(dict(pipes[1].stage_modules()[0].named_parameters())) == {f"everywhere.{k}" for k in range(len(shared))}
-    got: dict[str, torch.Tensor] = {}
-    alias = {n: names[0] for names in pipes[0].ownership.tied for n in names}  # ALBERT's head is its embedding
-    for m in cuts:  # a block held by every stage, a tied weight on both ends: the stages' shares sum
-        for n, p in m.named_parameters():
-            if p.grad is not None:
-                n = alias.get(n, n)
-                got[n] = got[n] + p.grad if n in got else p.grad
+    # A block held by every stage, a tied weight on both ends (ALBERT's head is its embedding): the stages' shares sum.
+    got = summed_grads(cuts, pipes[0].ownership.tied)
     for n, p in full.named_parameters():
         assert p.grad is not None
         torch.testing.assert_close(got[n], p.grad, rtol=1e-5, atol=1e-7, msg=lambda msg, n=n: f"{n}: {msg}")

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from _chained import chain_stages, summed_grads
 from _job_models import DictTrunkLM, SeqTrunkLM, _Residual
 from torch import nn
 
@@ -160,7 +161,6 @@ FAMILIES = ("LitGPTPythia", "LitGPTLlama", "HFGPT2", "HFQwen2Tied", "HFViT")
 
 @pytest.mark.parametrize("name", ["gpt", "llama", "seq", "dict", "gpt_tied", "one_table", *FAMILIES])
 def test_stages_chained_by_hand_give_the_full_model_loss_and_gradients(name: str) -> None:
-    import copy
 
     if name in FAMILIES:
         full = _family(name)
@@ -177,16 +177,9 @@ def test_stages_chained_by_hand_give_the_full_model_loss_and_gradients(name: str
     ref.backward()
     ref_grads = {n: p.grad.clone() for n, p in full.named_parameters()}
     ranges = [(0, 1), (1, 3), (3, 4)]
-    # Each stage on its own "rank": its own cut copy of the model.
-    cuts = [copy.deepcopy(full) for _ in ranges]
-    for m in cuts:
-        m.zero_grad(set_to_none=True)
-    pipes = [PipelineModel(m, find_trunk(m), ranges, [s], torch.device("cpu")) for s, m in enumerate(cuts)]
-    hidden = None
-    for pipe, m in zip(pipes, cuts, strict=True):
-        pipe.install()
-        pipe.begin_step(lambda _mb, _spec, m=m: loss_of(m, batch))
-        hidden = pipe.run_stage(pipe.specs[0], hidden, 0)  # activation, then activation, then the loss
+    # Each stage on its own "rank": its own cut copy of the model; activation, then activation, then the loss.
+    outs, cuts, pipes = chain_stages(full, ranges, lambda m: loss_of(m, batch))
+    hidden = outs[-1]
     torch.testing.assert_close(hidden, ref, rtol=1e-6, atol=0)
     # In one process the stages' graphs are chained, so one backward reaches every stage's parameters.
     hidden.backward()
@@ -384,7 +377,6 @@ CARRIED = {
 def test_what_a_block_returns_and_first_stage_outputs_read_later_travel_across_the_cut(name: str) -> None:
     # Once refused ("No cut of this trunk keeps the values"): such values now cross the boundary with the hidden
     # state, and the stages chained by hand give the whole model's loss and gradients.
-    import copy
 
     from lightning_par.parallel.pipeline.owners import find_ownership
 
@@ -400,28 +392,14 @@ def test_what_a_block_returns_and_first_stage_outputs_read_later_travel_across_t
     ref = loss(full)
     ref.backward()
     ranges = [(0, 1), (1, len(find_trunk(full).names))]
-    cuts = [copy.deepcopy(full) for _ in ranges]
-    for m in cuts:
-        m.zero_grad(set_to_none=True)
-    out: Any = None
-    for s, m in enumerate(cuts):
-        pipe = PipelineModel(m, find_trunk(m), ranges, [s], torch.device("cpu"))
-        pipe.install()
-        pipe.begin_step(lambda _mb, _spec, m=m: loss(m))
-        received = (out[0], out[1:]) if isinstance(out, tuple) else (out, ())
-        out = pipe.run_stage(pipe.specs[0], received[0], 0, received[1])
-        if s == 0:  # the hidden state, then the first-stage outputs and what block 0 returns (not block 1's)
-            crossing = [c for c in CARRIED[name] if c[0] == "before" or c[1] == 0]
-            assert isinstance(out, tuple) and len(out) == 1 + len(crossing)
+    outs, cuts, _ = chain_stages(full, ranges, loss)
+    # Stage 0 sends the hidden state, then the first-stage outputs and what block 0 returns (not block 1's).
+    crossing = [c for c in CARRIED[name] if c[0] == "before" or c[1] == 0]
+    assert isinstance(outs[0], tuple) and len(outs[0]) == 1 + len(crossing)
+    out = outs[-1]
     torch.testing.assert_close(out, ref, rtol=1e-6, atol=0)
     out.backward()
-    got: dict[str, torch.Tensor] = {}
-    alias = {n: names[0] for names in own.tied for n in names}  # T5's shared embedding is also its head
-    for m in cuts:  # a tied weight on both end stages (the last under the head's name): its gradients summed
-        for n, p in m.named_parameters():
-            if p.grad is not None:
-                n = alias.get(n, n)
-                got[n] = got[n] + p.grad if n in got else p.grad
+    got = summed_grads(cuts, own.tied)  # T5's shared embedding is also its head: on both end stages
     for n, p in full.named_parameters():
         if p.grad is not None:
             torch.testing.assert_close(got[n], p.grad, rtol=1e-5, atol=1e-7, msg=lambda msg, n=n: f"{n}: {msg}")

@@ -38,7 +38,7 @@ from lightning_par.parallel.pipeline.schedule import Shape
 from lightning_par.parallel.pipeline.slots import PipelineError
 from lightning_par.parallel.pipeline.split import PipelineSplit, split_pipeline
 from lightning_par.parallel.run import ParallelRun
-from lightning_par.parallel.tensor.adapters import adapter_names, dora_as_lora, quantised_as_plain
+from lightning_par.parallel.tensor.adapters import adapter_names, as_planned
 from lightning_par.parallel.tensor.apply import apply_tensor_parallel
 from lightning_par.parallel.tensor.check import check_local_shapes, other_plans, preflight, tp_report
 from lightning_par.parallel.tensor.plan import TPPlan, infer_tp_plan
@@ -301,8 +301,7 @@ def _tp_plans(
     """The trunk's plan, then other stacks' (an encoder-decoder's encoder), and a note per stack kept whole."""
     if config.tp == 1:
         return [], []
-    # DoRA's magnitudes follow their bases (adapters.split_dora); a 4-bit base is seen as its values.
-    with dora_as_lora(module), quantised_as_plain(module):
+    with as_planned(module):  # DoRA as LoRA, a 4-bit base as its values: each split by its own rule later
         plan = infer_tp_plan(module, overrides=overrides)
         validate_tp(plan, config.tp)
         # Block 0 on per-rank shapes: code assuming full widths runs on gathered activations, or is refused here.

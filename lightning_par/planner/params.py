@@ -277,11 +277,11 @@ def _tp_dims(
     from the inferred plans: the trunk's, and each other stack's (an encoder's: `parallel.tensor.check.other_plans`;
     priced as split when it can be planned, before the checks on real values that could keep it whole)."""
     from lightning_par.blocks.trunk import other_trunks
-    from lightning_par.parallel.tensor.adapters import dora_as_lora
+    from lightning_par.parallel.tensor.adapters import as_planned
     from lightning_par.parallel.tensor.plan import TPPlanError, infer_tp_plan
 
     try:
-        with dora_as_lora(module):  # as the strategies infer it (`compose._tp_plans`)
+        with as_planned(module):  # as the strategies infer it (`compose._tp_plans`)
             plan = infer_tp_plan(module, overrides=overrides)
     except TPPlanError:
         return {}, set(), {}  # the strategies refuse tp > 1 for this model: every tensor stays whole

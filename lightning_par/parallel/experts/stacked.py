@@ -38,6 +38,7 @@ from torch.func import functional_call
 
 from lightning_par.nn.moe import expert_counts
 from lightning_par.parallel.experts.dispatch import ExpertDispatch, expert_index
+from lightning_par.parallel.experts.structure import adapted_base
 
 
 def _check_call(name: str, hidden: Any, index: Any, weights: Any) -> None:
@@ -150,8 +151,6 @@ def local_expert_adapters(block: nn.Module, experts: nn.Module, first: int, n_lo
     """Make every parameter adapter around ``experts`` (inside ``block``) fold in experts ``[first, first + n_local)``
     only, the rows ``experts`` keeps (module docstring): peft's ``get_delta_factors`` / ``get_delta_weight`` of each
     wrapper, on that instance, return the local experts' slice of what they return for all."""
-    from lightning_par.parallel.experts.structure import adapted_base
-
     local = slice(first, first + n_local)
     for wrapper in block.modules():
         if adapted_base(wrapper) is None or not any(m is experts for m in wrapper.modules()):

@@ -330,3 +330,12 @@ def split_quantised(name: str, mod: nn.Module, style: str, mesh: DeviceMesh, seq
         return local_out
 
     object.__setattr__(mod, "forward", forward)
+
+
+@contextlib.contextmanager
+def as_planned(root: nn.Module) -> Iterator[None]:
+    """``root``'s adapters as the tensor-parallel plan's probes and value checks see them, wherever a plan is
+    inferred (the strategies, the planner): DoRA as LoRA (`dora_as_lora`), 4-bit bases as their values
+    (`quantised_as_plain`); each is split by its own rule afterwards (`split_dora`, `split_quantised`)."""
+    with dora_as_lora(root), quantised_as_plain(root):
+        yield
