@@ -452,6 +452,7 @@ MODELS: dict[str, Any] = _Models({
     "peft_llama_dora_drop": lambda: _lora_models().PeftLlama(dora=True, drop=True),  # DoRA recomputes the base
     "peft_llama_dora_sdpa": lambda: _lora_models().PeftLlama(dora=True, attn="sdpa"),  # for cp
     "peft_phi3": lambda: _lora_models().peft_phi3(),  # LoRA on fused projections
+    "peft_phi3_dora": lambda: _lora_models().peft_phi3(dora=True),  # DoRA on fused projections: refused under tp
     "peft_llama_sdpa": lambda: _lora_models().PeftLlama(attn="sdpa"),  # for cp
     "peft_mixtral": lambda: _lora_models().PeftMixtral(),  # LoRA on the attention of an MoE model
     "peft_mixtral_experts": lambda: _lora_models().PeftMixtralExperts(),  # LoRA on the stacked experts too

@@ -54,6 +54,8 @@ JOBS_4: dict[str, dict[str, Any]] = {
     "peft_llama_dora_drop_tp4": {"model": "peft_llama_dora_drop", "strategy": {"tp": 4}, "dp": 1},
 }
 ALL = {**JOBS_2, **JOBS_4}
+# DoRA on Phi-3's fused qkv_proj (rows regrouped per rank): refused before the first step.
+REFUSED = {"peft_phi3_dora_tp": {"model": "peft_phi3_dora", "strategy": TP, "dp": 1, "expect_error": True}}
 # The parameters tp=2 splits: the bases, their row-split biases excepted, and the split adapter of each pair.
 SPLIT = {
     "user_lora_tp": r"\.(q|k|v|out|up|down)\.base\.weight$|\.(q|k|v|up)\.(base\.bias|b\.weight)$|"
@@ -72,7 +74,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     models = sorted({j["model"] for j in ALL.values()})
     jobs = [{**reference_job({"model": m}), "record_init": True} for m in models]  # the parameters before any step
     refs = dict(zip(models, run_jobs(tmp, jobs, nproc=1, timeout=300), strict=True))
-    got = dict(zip(JOBS_2, run_jobs(tmp, list(JOBS_2.values()), nproc=2, timeout=600), strict=True))
+    two = run_jobs(tmp, [*JOBS_2.values(), *REFUSED.values()], nproc=2, timeout=600)
+    got = dict(zip([*JOBS_2, *REFUSED], two, strict=True))
     got.update(zip(JOBS_4, run_jobs(tmp, list(JOBS_4.values()), nproc=4, timeout=600), strict=True))
     return {"ref": refs, "got": got}
 
@@ -124,3 +127,13 @@ def test_the_planner_prices_each_rank_exactly(runs: dict[str, Any], name: str) -
                        optimizer="sgd", rank=0)  # fmt: skip
     assert (mem["params"], mem["grads"], mem["optim"]) == (want.parameters, want.gradients, want.optimizer)
     assert 0 < want.optimizer < want.parameters // 4  # the frozen bases hold no state
+
+
+def test_dora_on_a_fused_projection_is_refused_before_the_first_step(runs: dict[str, Any]) -> None:
+    got = runs["got"]["peft_phi3_dora_tp"]
+    assert got["losses"] == [] and "TPPlanError" in got["error"]
+    assert (
+        "layers.0.self_attn.qkv_proj is a DoRA layer (peft use_dora=True) whose base lightning_par splits"
+        in (got["error"])
+    )
+    assert "(a fused projection or a Conv1D); train it without tensor parallelism (tp=1" in got["error"]

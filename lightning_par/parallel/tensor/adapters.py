@@ -195,7 +195,7 @@ def split_dora(block_name: str, block: nn.Module, adapters: dict[str, Pairs], st
             raise TPPlanError(
                 f"{block_name}.{wrapper_name} is a DoRA layer (peft use_dora=True) whose base lightning_par splits "
                 "with its own regrouped rows (a fused projection or a Conv1D); train it without tensor parallelism "
-                "(tp=1: zero3, pipe and the other layouts train DoRA), or with LoRA (use_dora=False)"
+                "(tp=1: zero3, pipe and the other layouts train DoRA)"
             )
         row = style == "rowwise"
         for layer in layers.values():

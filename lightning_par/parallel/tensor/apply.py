@@ -39,6 +39,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from lightning_par.blocks.trunk import trunk_at
 from lightning_par.parallel.tensor.adapters import (
+    adapter_leaves,
     adapter_styles,
     find_adapters,
     quantised_weights,
@@ -221,6 +222,7 @@ def _apply_blocks(
     # Low-rank adapters split with their base projections (parallel/tensor/adapters.py): the split one of each pair.
     adapters = find_adapters(blocks[0][1]) if blocks else {}
     follows = adapter_styles(rel_styles, adapters)
+    leaves = adapter_leaves(blocks[0][1]) if blocks else set()
     base_of = {**{r: r for r in rel_styles}, **{r: base for r, (_, base) in follows.items()}}
     for name, block in blocks:
         styles: dict[str, Any] = {}
@@ -261,7 +263,8 @@ def _apply_blocks(
         styles.update(whole_adapters(block, adapters, follows, mesh, sequence_parallel))
         if sequence_parallel:
             stream = _stream_modules(block, rel_styles, regions)
-            styles.update({r: s for r, s in stream.items() if r not in styles and r not in follows})
+            # Adapters (DoRA's magnitudes too) follow their bases: split_dora places the magnitudes.
+            styles.update({r: s for r, s in stream.items() if r not in styles and r not in leaves})
         parallelize_module(block, mesh, styles)  # type: ignore[arg-type]
         split_dora(name, block, adapters, styles, rel_styles, mesh, sequence_parallel, kv)  # magnitudes follow bases
         apply_full_width(block, plan, prefix, mesh)  # after the styles' hooks (parallel/tensor/full_width.py)
