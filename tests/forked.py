@@ -70,7 +70,8 @@ class Launched:
 
     Args:
         returncode: 0 when every rank exited 0; else the first failing rank's code (negative: killed by a signal).
-        stdout: every rank's output (stdout and stderr together), rank by rank.
+        stdout: every rank's output (stdout and stderr together), rank by rank, the ranks that failed last, the one
+            that failed first at the end.
         timed_out: the job ran past its timeout and was killed.
     """
 
@@ -102,6 +103,7 @@ def _rank_main(target: str, argv: Sequence[str], env: dict[str, str], cwd: str, 
     os.dup2(fd, 2)
     os.close(fd)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a rank that ran past its timeout shows its stacks
+    faulthandler.enable(all_threads=True)  # a rank killed by SIGABRT / SIGSEGV (a C++ abort) shows where it was
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.reconfigure(line_buffering=True)  # type: ignore[attr-defined]
@@ -182,6 +184,7 @@ def launch(
         procs.append(ctx.Process(target=_rank_main, args=(target, list(argv), rank_env, str(cwd), str(logs[rank]),
                                                           os.getpid()), daemon=False))  # fmt: skip
     deadline, failed_at, timed_out = time.monotonic() + timeout, None, False
+    failed: list[int] = []  # ranks in the order their failure was seen: the first is usually the cause
     try:
         with _without_main():
             for p in procs:
@@ -191,7 +194,8 @@ def launch(
             if now > deadline:
                 timed_out = True
                 break
-            if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
+            failed += [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in failed]
+            if failed_at is None and failed:
                 failed_at = now  # torchrun's rule: one rank failed, the job ends
             if failed_at is not None and now > failed_at + grace:
                 break
@@ -204,14 +208,19 @@ def launch(
         if store is not None:
             del store
     codes = [p.exitcode if p.exitcode is not None else -signal.SIGKILL for p in procs]
-    returncode = next((c for c in codes if c != 0), 0)
+    failed += [r for r, c in enumerate(codes) if c != 0 and r not in failed]
+    returncode = codes[failed[0]] if failed else 0
     if timed_out:
         returncode = returncode or -signal.SIGKILL
-    out = []
-    for rank, log in enumerate(logs):
-        text = log.read_text(errors="replace") if log.exists() else ""
+    texts = []
+    for log in logs:
+        texts.append(log.read_text(errors="replace") if log.exists() else "")
         log.unlink(missing_ok=True)  # its text is in the result: a folder the ranks ran in (the checkout) stays clean
-        out.append(f"---- rank {rank} (exit {codes[rank]}) ----\n{text}")
+    # The rank that failed first goes last: a report that shows the output's tail shows the cause, not the other
+    # ranks' "connection closed by peer".
+    order = [r for r in range(nproc) if r not in failed] + failed[::-1]
+    out = [f"---- rank {r} (exit {codes[r]}{', failed first' if failed and r == failed[0] else ''}) ----\n{texts[r]}"
+           for r in order]  # fmt: skip
     return Launched(returncode, "\n".join(out), timed_out)
 
 

@@ -54,7 +54,7 @@ def _run(tmp: Path, job: dict[str, Any], nproc: int) -> tuple[dict[int, int], di
     start = time.monotonic()
     done = launch("_worker:main", [str(spec)], nproc, env=worker_env(), cwd=tmp, timeout=120, grace=60)
     seconds = time.monotonic() - start
-    parts = re.split(r"^---- rank (\d+) \(exit (-?\d+)\) ----$", done.stdout, flags=re.M)
+    parts = re.split(r"^---- rank (\d+) \(exit (-?\d+)(?:, failed first)?\) ----$", done.stdout, flags=re.M)
     codes = {int(parts[i]): int(parts[i + 1]) for i in range(1, len(parts), 3)}
     outputs = {int(parts[i]): parts[i + 2] for i in range(1, len(parts), 3)}
     return codes, outputs, seconds
