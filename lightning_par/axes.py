@@ -1,6 +1,7 @@
-"""The suite's vocabulary, defined once: the parallel axes and their properties, the pipeline schedules, and the
-message a degree that does not divide something gets. Config, mesh, names, planner, monitor and the techniques read
-these; none restates them (house style: torchtitan's mesh axis names).
+"""The suite's vocabulary, defined once: the parallel axes and their properties, how a world size splits over them
+(`split_world`), the pipeline schedules, and the message a degree that does not divide something gets. Config,
+mesh, names, planner, monitor and the techniques read these; none restates them (house style: torchtitan's mesh axis
+names).
 
 Pure Python, the bottom layer with `config`: no torch, no Lightning.
 """
@@ -8,6 +9,8 @@ Pure Python, the bottom layer with `config`: no torch, no Lightning.
 from __future__ import annotations
 
 import dataclasses
+import math
+from typing import Optional
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,3 +95,41 @@ def does_not_divide(degree: str, value: int, what: str, n: int, where: str = "")
     ``tp=4 does not divide n_heads=6 in blocks.0.attn; choose tp in {1, 2, 3, 6}``."""
     at = f" in {where}" if where else ""
     return f"{degree}={value} does not divide {what}={n}{at}; choose {degree} in {choices(n)}"
+
+
+def split_world(dims: tuple[str, ...], world_size: int, tp_cap: Optional[int] = None) -> dict[str, int]:
+    """Split ``world_size`` over the named dimensions as evenly as possible in powers of two.
+
+    The rule every registered name relies on (docs/strategies.md): factors of two go round-robin to the named
+    model dimensions in the order ``tp``, ``cp``, ``pp``, ``dp`` (tp first because it wants the fast intra-node
+    links, cp next because it exchanges keys and values every layer); data parallel takes whatever is left over
+    (including any odd factor). ``ep`` is carved out of the data-parallel ranks and does not take a share of its
+    own, but a name with ``ep`` gets data-parallel ranks as if it named ``dp`` (``tp_moe`` on 4 = tp 2 x dp 2, ep 2;
+    ``pipe_moe`` on 4 = pp 2 x dp 2, ep 2, like ``pipe_zero1``).
+
+    Args:
+        dims: a subset of ``("pp", "tp", "cp", "dp", "ep")`` named by the strategy.
+        world_size: number of processes.
+        tp_cap: devices per node: tp grows only while it divides them (a tp group must not span nodes); its
+            share goes on round-robin.
+
+    Returns:
+        degrees for ``pp``, ``tp`` and ``dp``, and for ``cp`` when it is named (the keys of the names without cp
+        stay as they were).
+    """
+    # ep lives inside dp, so a name with ep asks for data-parallel ranks too (tp_moe on 4 = tp 2 x ep 2 over dp 2).
+    order = [d for d in ("tp", "cp", "pp", "dp") if d in dims or (d == "dp" and "ep" in dims)]
+    degrees = {"pp": 1, "tp": 1, "dp": 1, **({"cp": 1} if "cp" in dims else {})}
+    twos = (world_size & -world_size).bit_length() - 1  # exponent of 2 in world_size
+    turn = 0
+    for _ in range(twos if order else 0):
+        dim = order[turn % len(order)]
+        if dim == "tp" and tp_cap is not None and tp_cap % (degrees["tp"] * 2):
+            order.remove("tp")  # tp is as large as a node allows; the rest goes to the other dimensions
+            if not order:
+                break
+            dim = order[turn % len(order)]
+        degrees[dim] *= 2
+        turn += 1
+    degrees["dp"] *= world_size // math.prod(degrees.values())
+    return degrees

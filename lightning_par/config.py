@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 import warnings
 from typing import Literal, Optional, Union
 
-from lightning_par.axes import AXIS_NAMES, MODEL_AXES, SCHEDULES, choices
+from lightning_par.axes import AXIS_NAMES, MODEL_AXES, SCHEDULES, choices, split_world
 
 AXES = AXIS_NAMES  # lightning_par.axes defines them, with their properties
 ZERO_STAGES = (0, 1, 2, 3)
@@ -84,6 +83,11 @@ class ParallelConfig:
             steps with an outer SGD step; ``None`` (default): gradients are reduced over every data-parallel rank
             at every step.
         outer_lr, outer_momentum: the outer SGD's learning rate and (Nesterov) momentum; DiLoCo's 0.7 and 0.9.
+        grad_compression: ``None`` (exact) or ``"powersgd"``: the data-parallel gradient all-reduce of ZeRO 0-1
+            approximates each gradient matrix at rank ``compression_rank`` with error feedback, after
+            ``compression_start`` exact steps (`lightning_par.parallel.compression`, docs/compression.md).
+        compression_rank, compression_start: PowerSGD's approximation rank and exact start (torch's
+            ``matrix_approximation_rank`` and ``start_powerSGD_iter``).
         auto_dims: for registered names: the dimensions (``"pp"``, ``"tp"``, ``"cp"``, ``"dp"``, ``"ep"``) whose
             degrees `resolve` splits from the world size (`split_world`; ``"ep"``: every data-parallel rank).
             ``None``: the explicit degrees are used as given.
@@ -114,6 +118,9 @@ class ParallelConfig:
     sync_every: Optional[int] = None
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
+    grad_compression: Optional[str] = None
+    compression_rank: int = 1
+    compression_start: int = 1000
 
     def __post_init__(self) -> None:
         for axis in AXES:
@@ -205,6 +212,7 @@ class ParallelConfig:
         if self.global_batch is not None and (not isinstance(self.global_batch, int) or self.global_batch < 1):
             raise ParallelConfigError(f"global_batch={self.global_batch!r} must be an int >= 1 (samples per step)")
         self._check_local_sgd()
+        self._check_compression()
         self.check_supported()
 
     def _check_local_sgd(self) -> None:
@@ -233,6 +241,29 @@ class ParallelConfig:
             raise ParallelConfigError(
                 f"sync_every={self.sync_every} synchronises the dp_replicate replicas, but dp_replicate=1; set "
                 "dp_replicate to the number of replicas (e.g. one per node, ZeRO inside it over dp_shard)"
+            )
+
+    def _check_compression(self) -> None:
+        if self.grad_compression is None:
+            return
+        if self.grad_compression != "powersgd":
+            raise ParallelConfigError(f"grad_compression={self.grad_compression!r} is unknown; use None or 'powersgd'")
+        for name, low in (("compression_rank", 1), ("compression_start", 2)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ParallelConfigError(f"{name}={value!r} must be an int >= {low} (error feedback needs 2 steps)")
+        if self.zero_stage > 1:
+            raise ParallelConfigError(
+                f"grad_compression='powersgd' with zero_stage={self.zero_stage}: PowerSGD compresses an all-reduce, "
+                "and ZeRO-2/3 reduce-scatter gradients into shards; use zero_stage=0 or 1 (strategy 'ddp' or "
+                "'zero1'), or drop grad_compression"
+            )
+        other = [self._degree(a) for a in ("pp", "tp", "cp", "ep", "dp_replicate") if self.uses(a)]
+        if other or self.sync_every is not None:
+            raise ParallelConfigError(
+                f"grad_compression='powersgd' runs on plain data parallelism (dp_shard, ZeRO 0-1) alone; "
+                f"{', '.join(other) or f'sync_every={self.sync_every}'} is not supported with it: drop "
+                "grad_compression, or train without those dimensions"
             )
 
     def uses(self, axis: str) -> bool:
@@ -351,41 +382,3 @@ class ParallelConfig:
     def layout(self) -> dict[str, Union[int, str, bool, tuple, None]]:
         """The resolved layout as a flat dict, for logs and the logger's config."""
         return dataclasses.asdict(self)
-
-
-def split_world(dims: tuple[str, ...], world_size: int, tp_cap: Optional[int] = None) -> dict[str, int]:
-    """Split ``world_size`` over the named dimensions as evenly as possible in powers of two.
-
-    The rule every registered name relies on (docs/strategies.md): factors of two go round-robin to the named
-    model dimensions in the order ``tp``, ``cp``, ``pp``, ``dp`` (tp first because it wants the fast intra-node
-    links, cp next because it exchanges keys and values every layer); data parallel takes whatever is left over
-    (including any odd factor). ``ep`` is carved out of the data-parallel ranks and does not take a share of its
-    own, but a name with ``ep`` gets data-parallel ranks as if it named ``dp`` (``tp_moe`` on 4 = tp 2 x dp 2, ep 2;
-    ``pipe_moe`` on 4 = pp 2 x dp 2, ep 2, like ``pipe_zero1``).
-
-    Args:
-        dims: a subset of ``("pp", "tp", "cp", "dp", "ep")`` named by the strategy.
-        world_size: number of processes.
-        tp_cap: devices per node: tp grows only while it divides them (a tp group must not span nodes); its
-            share goes on round-robin.
-
-    Returns:
-        degrees for ``pp``, ``tp`` and ``dp``, and for ``cp`` when it is named (the keys of the names without cp
-        stay as they were).
-    """
-    # ep lives inside dp, so a name with ep asks for data-parallel ranks too (tp_moe on 4 = tp 2 x ep 2 over dp 2).
-    order = [d for d in ("tp", "cp", "pp", "dp") if d in dims or (d == "dp" and "ep" in dims)]
-    degrees = {"pp": 1, "tp": 1, "dp": 1, **({"cp": 1} if "cp" in dims else {})}
-    twos = (world_size & -world_size).bit_length() - 1  # exponent of 2 in world_size
-    turn = 0
-    for _ in range(twos if order else 0):
-        dim = order[turn % len(order)]
-        if dim == "tp" and tp_cap is not None and tp_cap % (degrees["tp"] * 2):
-            order.remove("tp")  # tp is as large as a node allows; the rest goes to the other dimensions
-            if not order:
-                break
-            dim = order[turn % len(order)]
-        degrees[dim] *= 2
-        turn += 1
-    degrees["dp"] *= world_size // math.prod(degrees.values())
-    return degrees

@@ -35,7 +35,7 @@ from lightning_par.data import ByteTextDataModule  # noqa: E402
 from lightning_par.parallel.comm_counter import CommCounter  # noqa: E402
 from lightning_par.utils import clean_exit  # noqa: E402
 
-MEASURED = 1  # batch index of the measured step
+MEASURED = 1  # batch index of the measured step (a job may name another)
 
 
 def build(config: dict[str, Any]) -> torch.nn.Module:
@@ -81,29 +81,45 @@ def storage_bytes(tensors: Any) -> int:
 class Measure(L.Callback):
     """Tags the measured step for the counter and records what each rank holds around it."""
 
-    def __init__(self, counter: CommCounter) -> None:
-        self.counter = counter
+    def __init__(self, counter: CommCounter, measured: int) -> None:
+        self.counter, self.measured = counter, measured
         self.got: dict[str, Any] = {"gradients": 0}
 
     def _grads(self, module: Any, trainer: L.Trainer) -> int:
-        # The model's own gradients and the optimizer's (ZeRO 1-2 masters hold the reduced shards).
+        # The model's own gradients and the optimizer's (ZeRO 1-2 masters hold the reduced shards), and what
+        # PowerSGD keeps for them (each bucket's error, its P and Q).
         params = [*module.parameters(), *(p for o in trainer.optimizers for g in o.param_groups for p in g["params"])]
-        return storage_bytes(p.grad for p in params)
+        compression = getattr(getattr(trainer.strategy.parallel_run, "zero", None), "compression", None)
+        kept = [] if compression is None else [d.values() for d in (compression.state.error_dict,
+                                                                    compression.state.p_memory_dict,
+                                                                    compression.state.q_memory_dict)]  # fmt: skip
+        return storage_bytes(p.grad for p in params) + storage_bytes(t for d in kept for t in d)
 
     def on_train_batch_start(self, trainer: L.Trainer, module: Any, batch: Any, batch_idx: int) -> None:
-        self.counter.phase = "step" if batch_idx == MEASURED else f"step{batch_idx}"
+        self.counter.phase = "step" if batch_idx == self.measured else f"step{batch_idx}"
+        zero = getattr(trainer.strategy.parallel_run, "zero", None)
+        if batch_idx == self.measured and getattr(zero, "compression", None) is not None:
+            # PowerSGD reduces after the backward, before Lightning's on_after_backward: its peak (every full
+            # gradient, with the error and factors kept from the last step) is just before that reduction.
+            reduce = zero.reduce_gradients
+
+            def measured_reduce() -> None:
+                self.got["gradients"] = max(self.got["gradients"], self._grads(module, trainer))
+                reduce()
+
+            zero.reduce_gradients = measured_reduce
 
     def on_after_backward(self, trainer: L.Trainer, module: Any) -> None:
-        if trainer.global_step == MEASURED:
+        if trainer.global_step == self.measured:
             self.got["gradients"] = max(self.got["gradients"], self._grads(module, trainer))
 
     def on_before_optimizer_step(self, trainer: L.Trainer, module: Any, optimizer: Any) -> None:
-        if trainer.global_step == MEASURED:
+        if trainer.global_step == self.measured:
             self.got["gradients"] = max(self.got["gradients"], self._grads(module, trainer))
 
     def on_train_batch_end(self, trainer: L.Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.counter.phase = "after"
-        if batch_idx != MEASURED:
+        if batch_idx != self.measured:
             return
         self.got["parameters"] = storage_bytes(module.parameters())
         states = trainer.optimizers[0].state.values()
@@ -114,13 +130,14 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     L.seed_everything(0, verbose=False)
     model = LM(job["config"], job["optimizer"], job["aux"])
     counter = CommCounter(small=0)
-    measure = Measure(counter)
+    measured = job.get("measured", MEASURED)
+    measure = Measure(counter, measured)
     world = int(os.environ["WORLD_SIZE"])  # set by torchrun; the process group starts inside fit
     counter.install()
     try:
         trainer = L.Trainer(
             accelerator="cpu", devices=world, strategy=lightning_par.ParallelStrategy(**job["strategy"]),
-            precision=job["precision"], max_steps=MEASURED + 1, logger=False, enable_checkpointing=False,
+            precision=job["precision"], max_steps=measured + 1, logger=False, enable_checkpointing=False,
             enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
             callbacks=[measure],
         )  # fmt: skip

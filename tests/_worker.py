@@ -90,6 +90,10 @@ def run_job(job: Job) -> dict[str, Any]:
         from _local_sgd_sim import simulate
 
         return simulate(job, MODELS[job.model])
+    if job.simulate_powersgd:  # PowerSGD in one process (tests/_powersgd_sim.py)
+        from _powersgd_sim import simulate_powersgd
+
+        return simulate_powersgd(job, MODELS[job.model])
     world = job.world or int(os.environ.get("WORLD_SIZE", "1"))
     with STEP_ENDS:
         STEPS.update(ended=0, over=False, saves=[])
@@ -239,8 +243,8 @@ def run_job(job: Job) -> dict[str, Any]:
         "mem_all": mem_all,
         "total_param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         "param_shapes": {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in model.named_parameters()},
-        "losses": recorder.losses or [m["train_loss"] for m in (memory_logger.metrics if memory_logger else [])
-                                      if "train_loss" in m],
+        "losses": recorder.losses
+        or [m["train_loss"] for m in (memory_logger.metrics if memory_logger else []) if "train_loss" in m],
         "ema": ema.avg if ema is not None else None,
         "probe": {"early": model.early, "after_step": model.after_step} if isinstance(model, ProbeGPT) else None,
         "prefetch": prefetch_stats(trainer.strategy),
@@ -302,6 +306,13 @@ def run_job(job: Job) -> dict[str, Any]:
         zero = getattr(trainer.strategy.parallel_run, "zero", None)
         outer = getattr(zero, "outer", None)
         result["outer_syncs"] = outer.syncs if outer is not None else None  # local SGD's synchronisations
+        # ZeRO 0-2's buckets (parameter names, in reduction order): the PowerSGD simulation compresses by them.
+        names = getattr(zero, "names", None)
+        result["zero_buckets"] = [[names[p] for p in b.params] for b in zero.buckets] if names else None
+        compression = getattr(zero, "compression", None)
+        result["compressed_numel"] = (None if compression is None else
+                                      (compression.state.total_numel_before_compression,
+                                       compression.state.total_numel_after_compression))  # fmt: skip
         # Which param groups step with torch's multi-tensor kernels (ZeRO-3 and tp switch DTensor-only groups).
         result["optimizer_foreach"] = [g.get("foreach") for g in trainer.optimizers[0].param_groups]
         # How many DTensors the optimizer steps (tp at ZeRO-0 steps plain views of the shards: none).

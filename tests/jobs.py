@@ -93,6 +93,8 @@ class Job:
     lightning_fp16_reference: bool = False  # Lightning's fp16 AMP with a CPU GradScaler (the 16-mixed reference)
     # Local SGD simulated in one process (tests/_local_sgd_sim.py): {replicas, shards, every, lr, momentum}.
     simulate: Optional[dict[str, float]] = None
+    # PowerSGD simulated in one process (tests/_powersgd_sim.py): {dp, rank, start, buckets}.
+    simulate_powersgd: Optional[dict[str, Any]] = None
 
     @classmethod
     def from_dict(cls, job: Mapping[str, Any]) -> Job:

@@ -176,17 +176,24 @@ FAMILIES: dict[str, tuple[dict[str, Any], Layout, str, bool]] = {
                              "adamw", False),
     "moe_zero1": (MIXTRAL, Layout(dp_shard=4, ep=2, zero_stage=1, precision="32-true", **_ONE), "adamw", True),
     "moe_zero3": (MIXTRAL, Layout(dp_shard=4, ep=4, zero_stage=3, precision="bf16-mixed", **_ONE), "adamw", False),
+    # PowerSGD at rank 2: the P, Q and uncompressed all-reduce, the error and factors each rank keeps.
+    "zero1_powersgd": (LLAMA, Layout(dp_shard=4, zero_stage=1, powersgd_rank=2, precision="32-true", **_ONE), "adamw",
+                       False),
 }  # fmt: skip
+# Jobs measured past their first steps: PowerSGD compresses from its third (compression_start=2), and holds its
+# error from then on, so its fourth is the steady state the planner prices.
+LATER: dict[str, dict[str, Any]] = {"zero1_powersgd": {"measured": 3, "strategy": {"compression_start": 2}}}
 
 
 def _spawn(tmp: Path, nproc: int = 4) -> list[list[dict[str, Any]]]:
     from launch import run_forked
 
-    jobs = [
-        dict(config=c, strategy=layout.strategy_kwargs(), precision=layout.precision, optimizer=opt, aux=aux,
-             batch=BATCH, seq=SEQ)
-        for c, layout, opt, aux in FAMILIES.values()
-    ]  # fmt: skip
+    jobs = []
+    for name, (c, layout, opt, aux) in FAMILIES.items():
+        later = LATER.get(name, {})
+        jobs.append(dict(config=c, strategy={**layout.strategy_kwargs(), **later.get("strategy", {})},
+                         precision=layout.precision, optimizer=opt, aux=aux, batch=BATCH, seq=SEQ,
+                         measured=later.get("measured", 1)))  # fmt: skip
     out = tmp / "measured.pt"
     spec = tmp / "spec.json"
     spec.write_text(json.dumps({"out": str(out), "jobs": jobs}))

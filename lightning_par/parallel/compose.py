@@ -27,6 +27,7 @@ from lightning_par.config import ParallelConfig
 from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel.activation_checkpointing import apply_activation_checkpointing
 from lightning_par.parallel.compile import apply_compile
+from lightning_par.parallel.compression import PowerSGD, PowerSGDSettings
 from lightning_par.parallel.context.apply import apply_context_parallel
 from lightning_par.parallel.context.check import check_blocks_run_once
 from lightning_par.parallel.experts.apply import ExpertParallel, apply_expert_parallel
@@ -267,11 +268,15 @@ def _replicated_zero(module: nn.Module, parts: list[ModelPart], mesh: ParallelMe
     step; not compiled ones: its first step's stale-read check is a TorchFunctionMode over the forward, which dynamo
     would trace (the whole model is then one unit)."""
     local_sgd = LocalSGD(config.sync_every, config.outer_lr, config.outer_momentum) if config.sync_every else None
+    compression = None
+    if config.grad_compression == "powersgd":  # config: ZeRO 0-1 over dp_shard alone
+        compression = PowerSGD(mesh.dp_2d.get_group(1), PowerSGDSettings(config.compression_rank,
+                                                                          config.compression_start))  # fmt: skip
     return ReplicatedZero(module, mesh.dp_2d, config.zero_stage, config.bucket_cap_mb,
                           state_mesh=mesh.dp_tp if config.tp > 1 else None, exclude=exclude,
                           reduce_during_backward=cut is None,
                           blocks=parts[0].block_modules if cut is None and not config.compile else (),
-                          local_sgd=local_sgd, timeout=timeout)  # fmt: skip
+                          local_sgd=local_sgd, timeout=timeout, compression=compression)  # fmt: skip
 
 
 def _trunk(module: nn.Module, config: ParallelConfig) -> Optional[Trunk]:

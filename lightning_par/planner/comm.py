@@ -12,7 +12,8 @@ Covered, exactly (``tests/test_plan_state.py`` counts the same collectives on th
   stage 1 once per step); stage 3 (FSDP2) all-gathers each block for forward and again for backward (once under a
   pipeline, which keeps blocks gathered), the root (embedding, head) once, in the compute dtype under mixed
   precision, and reduce-scatters fp32 (or bf16 under ``bf16-true``) gradients; hybrid sharding all-reduces the
-  shards over ``dp_replicate``;
+  shards over ``dp_replicate``; with PowerSGD (``powersgd_rank``, ZeRO 0-1) one all-reduce of ``(n + m) r``
+  elements per compressed ``n x m`` gradient and ``n m`` per other, then stage 1's all-gather;
 - expert gradients all-reduced over the ranks holding the same experts (``edp``), and over tp when each tp rank
   computed a share of the tokens (`lightning_par.parallel.experts.apply`);
 - a router's logits gathered over the data-parallel ranks for the load-balancing loss (and all-reduced back when
@@ -34,6 +35,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Optional
 
+from lightning_par.parallel.compression.powersgd import compressed_numel
 from lightning_par.planner.layout import Layout, LayoutError, compute_bytes
 from lightning_par.planner.params import ParamSpec
 from lightning_par.planner.state import Held, coords, held, local_stages, param_bytes, stage_ranges
@@ -141,6 +143,10 @@ def _data_parallel(every: Sequence[Held], layout: Layout, n: int, r: int, m: int
     prec = layout.precision
     full = sum(t.numel * param_bytes(t.spec, prec) for t in tensors)
     padded = sum(t.padded(n) * n * param_bytes(t.spec, prec) for t in tensors)
+    if layout.powersgd_rank:  # ZeRO 0-1 over dp_shard alone: an all-reduce of P, Q and what is not compressed
+        sent = sum(compressed_numel([t.shape], layout.powersgd_rank) * param_bytes(t.spec, prec) for t in tensors)
+        shards = [("dp", "all_gather", _ring("all_gather", padded, n))] if layout.zero_stage else []
+        return [("dp", "all_reduce", _ring("all_reduce", sent, n)), *shards]
     if layout.zero_stage == 0:
         return [("dp", "all_reduce", _ring("all_reduce", full, n) + _ring("all_reduce", full, r))]
     if layout.zero_stage in (1, 2):

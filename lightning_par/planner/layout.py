@@ -61,6 +61,10 @@ class Layout:
         sequence_parallel: split the residual stream over tp between the tensor-parallel regions.
         offload: parameters and optimizer state in CPU memory between uses (zero_stage 3).
         precision: one of `PRECISIONS`.
+        powersgd_rank: ``0``: gradients reduced exactly; ``r``: PowerSGD at rank r (ZeRO 0-1 over plain data
+            parallelism, `lightning_par.parallel.compression`), priced once compression runs (after its exact
+            start): the all-reduce carries ``(n + m) r`` elements per compressed ``n x m`` gradient, and each rank
+            keeps its error (a full gradient) and the P, Q factors.
     """
 
     tp: int = 1
@@ -78,11 +82,14 @@ class Layout:
     sequence_parallel: bool = False
     offload: bool = False
     precision: str = "bf16-mixed"
+    powersgd_rank: int = 0
 
     def __post_init__(self) -> None:
         for name in (*axes.AXIS_NAMES, "vpp", "micro_batch_size"):
             if getattr(self, name) < 1:
                 raise LayoutError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.powersgd_rank < 0:
+            raise LayoutError(f"powersgd_rank={self.powersgd_rank} must be 0 (exact) or a rank >= 1")
         if self.zero_stage not in (0, 1, 2, 3):
             raise LayoutError(f"zero_stage={self.zero_stage} must be 0, 1, 2 or 3")
         if self.recompute not in RECOMPUTE:
@@ -192,6 +199,7 @@ class Layout:
         parts += [f"mbs={self.micro_batch_size}"] + (["sp"] if self.sequence_parallel else [])
         parts += [f"recompute={self.recompute}"] if self.recompute != "none" else []
         parts += ["offload"] if self.offload else []
+        parts += [f"powersgd={self.powersgd_rank}"] if self.powersgd_rank else []
         return " ".join(parts)
 
     def strategy_kwargs(self) -> dict[str, Any]:
@@ -208,4 +216,6 @@ class Layout:
             kwargs["sequence_parallel"] = self.sequence_parallel
         if self.offload:
             kwargs["offload"] = True
+        if self.powersgd_rank:
+            kwargs.update(grad_compression="powersgd", compression_rank=self.powersgd_rank)
         return {k: v for k, v in kwargs.items() if v is not None}

@@ -19,7 +19,8 @@ the
   backward passes of an accumulation (``accumulation > 1``) and reduce-scatters them during the backward that ends
   it, as stage 2 does in every backward: then a shard per bucket padded to ``ceil(d0/n)`` rows of every parameter
   (the reduce-scatter output). Under a pipeline both reduce after the step's last backward and so hold full
-  gradients first.
+  gradients first. PowerSGD (``powersgd_rank``) reduces after the backward, so full gradients are held, and keeps
+  per rank an error as large as the gradients and the P, Q factors of each compressed one.
 - ZeRO 3 (FSDP2 ``fully_shard``): parameters and gradients are ``ceil(d0/n)``-row shards padded on every rank;
   the optimizer state covers the rank's real rows only.
 - Optimizer state (torch's): Adam / AdamW keep two moments shaped like each master plus a 4-byte fp32 ``step``
@@ -41,6 +42,7 @@ import math
 from collections.abc import Sequence
 from typing import Optional
 
+from lightning_par.parallel.compression.powersgd import compressed_numel, compresses
 from lightning_par.parallel.pipeline.partition import even_split, partition
 from lightning_par.planner.layout import SCHEDULES, Layout, LayoutError, stored_bytes
 from lightning_par.planner.params import ParamSpec
@@ -268,8 +270,11 @@ def _rank_bytes(
         if not t.spec.trainable:
             continue
         full_grads = zero == 0 or (zero == 1 and accumulation > 1) or (zero in (1, 2) and layout.pp > 1)
-        full_grads = full_grads or not t.in_zero
+        full_grads = full_grads or not t.in_zero or bool(layout.powersgd_rank)
         grads += (t.numel if full_grads else t.padded(n)) * size
+        if layout.powersgd_rank and t.in_zero:  # its error (a full gradient), P and Q (compression.powersgd)
+            r = layout.powersgd_rank
+            grads += (t.numel + (compressed_numel([t.shape], r) if compresses(t.shape, r) else 0)) * size
         opt += (t.rows_of(n, shard) if sharded else t.numel) * size * moments
         opt += _STEP_BYTES if optimizer in ("adam", "adamw") else 0
     return StateBytes(params, grads, opt)

@@ -47,10 +47,10 @@ class ParallelStrategy(ProcessGroupStrategy):
     """One strategy for every combination of parallelism; `Trainer(strategy="zero2")` picks a preset of it.
 
     Args:
-        pp, dp_replicate, dp_shard, ep, tp, etp, cp, cp_mode, cp_uneven, zero_stage, offload,
-            activation_checkpointing, ac_every, sequence_parallel, pp_schedule, microbatches, bucket_cap_mb, pp_split,
-            pp_costs, compile, auto_dims, global_batch, sync_every, outer_lr, outer_momentum: see
-            `lightning_par.config.ParallelConfig` (listed one by one: LightningCLI recipes set them by name).
+        pp, dp_replicate, dp_shard, ep, tp, etp, cp, cp_mode, cp_uneven, zero_stage, offload, activation_checkpointing,
+            ac_every, sequence_parallel, pp_schedule, microbatches, bucket_cap_mb, pp_split, pp_costs, compile,
+            auto_dims, global_batch, sync_every, outer_lr, outer_momentum, grad_compression, compression_rank,
+            compression_start: see `lightning_par.config.ParallelConfig` (one by one: LightningCLI sets them by name).
         timeout_s: collective timeout in seconds; a rank stuck in a collective past this fails instead of hanging.
         process_group_backend: ``"gloo"`` / ``"nccl"``; default from the device.
         backend: ``"native"`` only (FSDP2, our ZeRO 0-2); DeepSpeed's: `DeepSpeedParallelStrategy` (docs/deepspeed.md).
@@ -98,6 +98,9 @@ class ParallelStrategy(ProcessGroupStrategy):
         sync_every: Optional[int] = None,
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
+        grad_compression: Optional[str] = None,
+        compression_rank: int = 1,
+        compression_start: int = 1000,
         timeout_s: float = 600.0,
         process_group_backend: Optional[str] = None,
         async_save: bool = False,
@@ -120,17 +123,16 @@ class ParallelStrategy(ProcessGroupStrategy):
         # follow once, when the processes exist (`ProcessGroupStrategy.setup_environment`).
         config = ParallelConfig(
             pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, ep=ep, tp=tp, etp=etp, cp=cp, cp_mode=cp_mode,
-            cp_uneven=cp_uneven, zero_stage=zero_stage,
-            offload=offload, activation_checkpointing=activation_checkpointing, ac_every=ac_every,
-            sequence_parallel=sequence_parallel, pp_schedule=pp_schedule, microbatches=microbatches,
-            bucket_cap_mb=bucket_cap_mb, pp_split=pp_split, pp_costs=pp_costs, compile=compile, auto_dims=auto_dims,
-            global_batch=global_batch, sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum,
+            cp_uneven=cp_uneven, zero_stage=zero_stage, offload=offload, ac_every=ac_every, compile=compile,
+            activation_checkpointing=activation_checkpointing, sequence_parallel=sequence_parallel, pp_split=pp_split,
+            pp_schedule=pp_schedule, microbatches=microbatches, bucket_cap_mb=bucket_cap_mb, pp_costs=pp_costs,
+            auto_dims=auto_dims, global_batch=global_batch, sync_every=sync_every, outer_lr=outer_lr,
+            outer_momentum=outer_momentum, grad_compression=grad_compression, compression_rank=compression_rank,
+            compression_start=compression_start,
         )  # fmt: skip
-        super().__init__(
-            config, timedelta(seconds=timeout_s), process_group_backend, accelerator=accelerator,
-            parallel_devices=parallel_devices, cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-        )  # fmt: skip
+        super().__init__(config, timedelta(seconds=timeout_s), process_group_backend, accelerator=accelerator,
+                         parallel_devices=parallel_devices, cluster_environment=cluster_environment,
+                         checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)  # fmt: skip
         self._tp_plan = dict(tp_plan) if tp_plan else None
         self._guards = guard_callbacks(check_replicas_every, sync_every, watchdog, timeout_s)
         self._pretrained = pretrained if pretrained is None or isinstance(pretrained, list) else str(pretrained)

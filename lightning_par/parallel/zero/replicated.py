@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_par import _compat
 from lightning_par.parallel import collectives
-from lightning_par.parallel.grad_norm import mark_sharded
+from lightning_par.parallel.compression import PowerSGD
 from lightning_par.parallel.local_sgd.outer import LocalSGD, OuterSync
 from lightning_par.parallel.optimizers import check_per_parameter, is_elementwise
 from lightning_par.parallel.param_tree import parameter_tree
@@ -35,8 +35,6 @@ from lightning_par.parallel.zero.prefetch import ParamPrefetch
 _reduce_scatter = collectives.reduce_scatter_single  # torch's, or direct sends on gloo
 _all_gather = collectives.all_gather_single
 
-# DDP's choice: a small first bucket so the first reduction starts early in backward and overlaps the rest.
-_FIRST_BUCKET_MB = 1.0
 # Stage-2 reductions in flight during backward; each holds a packed bucket, so this bounds the extra memory.
 _MAX_INFLIGHT = 2
 
@@ -64,6 +62,8 @@ class ReplicatedZero:
         local_sgd: synchronise the ``dp_replicate`` replicas every ``local_sgd.every`` steps (DiLoCo,
             `lightning_par.parallel.local_sgd.outer`) instead of reducing gradients over them every step.
         timeout: collective timeout of the group the deferred all-gather may get (`collectives.apart_from_default`).
+        compression: PowerSGD for the gradient all-reduce (stages 0-1 over ``dp_shard`` alone): each bucket is
+            reduced after the backward, one after another, by `PowerSGD.all_reduce`.
     """
 
     def __init__(
@@ -78,6 +78,7 @@ class ReplicatedZero:
         blocks: Sequence[nn.Module] = (),
         local_sgd: Optional[LocalSGD] = None,
         timeout: Optional[timedelta] = None,
+        compression: Optional[PowerSGD] = None,
     ) -> None:
         if stage not in (0, 1, 2):
             raise ValueError(f"ReplicatedZero handles stages 0-2, got {stage}; stage 3 is `apply_fsdp`")
@@ -88,12 +89,12 @@ class ReplicatedZero:
         self.world = mesh.size(1)
         self.rank = mesh.get_local_rank(1)
         # Gradients are averaged over dp_shard, and over dp_replicate too unless the replicas train apart (local SGD).
-        self.local_sgd, self.timeout = local_sgd, timeout
+        self.local_sgd, self.timeout, self.compression = local_sgd, timeout, compression
         self.reduce_replicas = mesh.size(0) > 1 and local_sgd is None
         self.dp = mesh.size() if local_sgd is None else self.world
         self.outer: Optional[OuterSync] = None  # built once the optimizer's layout is known (`shard_optimizer`)
         self.state_mesh = state_mesh
-        self._state_specs: dict[tuple[str, torch.dtype], Any] = {}  # distribute_state's DTensor specs
+        self._state_specs = zero_buckets.StateDTensors(mesh, state_mesh)  # distribute_state's DTensor specs
         self._masters_root: Optional[nn.Module] = None
         self.names: dict[nn.Parameter, str] = {}
         self.excluded = set(exclude)
@@ -109,19 +110,12 @@ class ReplicatedZero:
                     "shape (1,) instead"
                 )
             self.names[p] = name
-        self.buckets: list[Any] = self._make_buckets(list(self.names), bucket_cap_mb)  # Bucket or WholeBucket
+        # Bucket or WholeBucket
+        self.buckets: list[Any] = zero_buckets.make_buckets(list(self.names), bucket_cap_mb, self.world, self.rank)
         self.whole = False  # whole-parameter layout (`zero.whole`), chosen by the first optimizer that needs it
         self._wrapped = 0  # optimizers pointed at the masters
-        self.masters: dict[nn.Parameter, nn.Parameter] = {}
-        self._full_of: dict[str, nn.Parameter] = {}
-        if stage >= 1:
-            for bucket in self.buckets:
-                for p, shape, start in zip(bucket.params, bucket.local, bucket.starts):
-                    # A view: the optimizer's in-place update writes straight into the full weights.
-                    master = nn.Parameter(local_data(p).narrow(0, start, shape[0]))
-                    mark_sharded(master, (self.shard_group, *tp_groups(p)))
-                    self.masters[p] = master
-                    self._full_of[self.names[p]] = p
+        self.masters = zero_buckets.row_masters(self.buckets, self.shard_group) if stage >= 1 else {}
+        self._full_of: dict[str, nn.Parameter] = {self.names[p]: p for p in self.masters}
         self.local_views = LocalViews()  # stage 0 under tp: what element-wise optimizers step (zero_local_views)
         self._pending: list[tuple[Any, Bucket, torch.Tensor]] = []
         self._blocks = list(blocks)
@@ -132,27 +126,10 @@ class ReplicatedZero:
         # bucket as soon as its gradients are final, overlapping the rest of that backward. None: not told (a loop
         # that does not call `before_backward`), so they reduce after it, as before.
         self._final: Optional[bool] = None
-        if reduce_during_backward and (stage == 2 or self.dp > 1):
+        if reduce_during_backward and (stage == 2 or self.dp > 1) and compression is None:
             self._bucket_of: dict[nn.Parameter, Any] = {p: b for b in self.buckets for p in b.params}
             hook = zero_buckets.weak_grad_hook(self._on_grad_ready)  # a strong one kept a finished fit's memory
             self._hooks += [p.register_post_accumulate_grad_hook(hook) for p in self.names]
-
-    def _make_buckets(self, params: list[nn.Parameter], cap_mb: float) -> list[Bucket]:
-        # Reverse order: gradients become ready roughly back to front, so stage-2 buckets fill early.
-        buckets: list[Bucket] = []
-        current: list[nn.Parameter] = []
-        nbytes = 0
-        for p in reversed(params):
-            cap = min(cap_mb, _FIRST_BUCKET_MB) if not buckets else cap_mb
-            local = local_data(p)
-            if current and (nbytes + local.numel() * local.element_size() > cap * 2**20 or p.dtype != current[0].dtype):
-                buckets.append(Bucket(current, self.world, self.rank))
-                current, nbytes = [], 0
-            current.append(p)
-            nbytes += local.numel() * local.element_size()
-        if current:
-            buckets.append(Bucket(current, self.world, self.rank))
-        return buckets
 
     # ---- optimizer -------------------------------------------------------------------------------------------
     def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> Optional[str]:
@@ -242,7 +219,7 @@ class ReplicatedZero:
         self.buckets = zero_whole.whole_buckets(self.buckets, self.world, self.rank)
         self.masters = zero_whole.whole_masters(self.buckets, self.masters, self.shard_group)
         self._full_of = {self.names[p]: p for p in self.masters}
-        self._masters_root, self._state_specs = None, {}
+        self._masters_root, self._state_specs = None, zero_buckets.StateDTensors(self.mesh, self.state_mesh)
         if self.prefetch is not None:  # whole parameters are gathered by their owners' broadcasts, at once
             self.prefetch.wait_all()
             self.prefetch = None
@@ -281,18 +258,7 @@ class ReplicatedZero:
         full = self._full_of.get(name)
         if self.whole or full is None or not isinstance(value, torch.Tensor) or value.dim() == 0:
             return value
-        master = self.masters[full]
-        if value.shape != master.shape:
-            return value
-        # The spec depends only on the parameter and dtype: built once through the public constructor, then reused
-        # by the plain one (~2 us against ~20-50 us per tensor; a save wraps every moment of every parameter).
-        spec_key = (name, value.dtype)
-        spec = self._state_specs.get(spec_key)
-        if spec is not None:
-            return _compat.dtensor_from_spec(value, spec)
-        wrapped = zero_buckets.state_dtensor(full, value, self.mesh, self.state_mesh)
-        self._state_specs[spec_key] = _compat.dtensor_spec(wrapped)
-        return wrapped
+        return value if value.shape != self.masters[full].shape else self._state_specs.wrap(name, full, value)
 
     # ---- gradients -------------------------------------------------------------------------------------------
     def before_backward(self, accumulating: bool) -> None:
@@ -317,7 +283,12 @@ class ReplicatedZero:
         """Finish the gradient reduction of one optimizer step (after the last backward of accumulation): start
         what the backward did not (every bucket without hooks; buckets with an unused parameter, whose hook never
         fired, with zeros for it), then wait for all."""
-        for bucket in self.buckets:
+        for index, bucket in enumerate(self.buckets):
+            if self.compression is not None:  # one bucket after another, each complete (compression.powersgd)
+                flat = zero_buckets.flat_grads(bucket)
+                if flat is not None:
+                    self._pending.append(self.compression.reduce(index, flat, bucket, self.stage > 0, self.world))
+                continue
             if self.stage == 2 and self._hooks and not bucket.ready:
                 continue  # launched by its hooks (or every parameter unused: no gradient, as in one process)
             if self.stage < 2 and self._hooks and self._final and bucket.launched:
@@ -329,6 +300,8 @@ class ReplicatedZero:
         self._drain(0)
         for bucket in self.buckets:
             bucket.launched, bucket.ready = False, 0
+        if self.compression is not None:
+            self.compression.step_done()
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         if self.stage < 2 and not self._final:
@@ -388,7 +361,7 @@ class ReplicatedZero:
             work.wait()
             if self.reduce_replicas:
                 dist.all_reduce(out, group=self.replicate_group)
-            if self.dp > 1:
+            if self.dp > 1 and self.compression is None:  # PowerSGD hands back the mean
                 out.div_(self.dp)
             if self.stage == 0:  # the all-reduced full gradients go back to the parameters
                 self.local_views.set_full_grads(bucket.params, bucket.data, out)

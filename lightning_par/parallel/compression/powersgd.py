@@ -1,0 +1,151 @@
+"""PowerSGD gradient compression for the data-parallel all-reduce of ZeRO stages 0 and 1.
+
+The algorithm is torch's (`torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook`; Vogels et al., "PowerSGD:
+Practical Low-Rank Gradient Compression for Distributed Optimization", NeurIPS 2019, arXiv 1905.13727): each
+gradient matrix M (a parameter's gradient viewed as ``shape[0] x rest``) plus the error left by the last step's
+compression is approximated by ``P Q^T`` of rank r, with ``P = M Q`` all-reduced and orthonormalised and
+``Q = M^T P`` all-reduced and averaged (one step of subspace iteration, Q warm-started from the last step); the
+difference between M and the approximation is this rank's error, added to the next step's gradient (error
+feedback). Tensors that would not shrink (vectors, small matrices: ``(n + m) r`` not well below ``n m``) are
+all-reduced exactly, and so is every gradient during the first ``start`` optimizer steps.
+
+torch ships the algorithm as a DDP communication hook over a ``GradBucket``; this engine has buckets of its own, so
+`PowerSGD.all_reduce` hands the hook an object with the four methods it reads (`_Bucket`). The hook's state
+(error feedback, the warm-started P and Q) is per rank and per bucket; it is not part of checkpoints: a resumed run
+starts with zero error, re-draws Q, and all-reduces exactly for ``start`` steps again (docs/compression.md).
+
+Each bucket is compressed and reduced to the end before the next starts (`all_reduce` blocks): the hook's later
+collectives are issued from the completion callbacks of its first, and two buckets' callbacks racing on one
+process group could order their collectives differently on different ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
+
+# torch's default: a matrix is compressed only where (n + m) r is less than half of n m.
+MIN_COMPRESSION_RATE = 2.0
+
+
+@dataclasses.dataclass(frozen=True)
+class PowerSGDSettings:
+    """What `ParallelStrategy(grad_compression="powersgd", ...)` sets.
+
+    Args:
+        rank: the rank r of each gradient's approximation (torch's ``matrix_approximation_rank``); traffic per
+            compressed ``n x m`` gradient falls from ``n m`` to ``(n + m) r`` elements.
+        start: optimizer steps all-reduced exactly before compression starts (torch's ``start_powerSGD_iter``;
+            at least 2, error feedback needs it). Exact reduction first lets the early, large gradients through;
+            torch's default is 1,000.
+    """
+
+    rank: int = 1
+    start: int = 1000
+
+
+def compresses(shape: Sequence[int], rank: int) -> bool:
+    """Whether PowerSGD approximates a gradient of this shape (torch's rule, `_should_compress`): viewed as
+    ``shape[0] x rest``, its factors at rank ``min(n, m, rank)`` take less than half its elements."""
+    n = shape[0] if len(shape) else 1
+    m = math.prod(shape[1:]) if len(shape) > 1 else 1
+    r = min(n, m, rank)
+    return (n + m) * r * MIN_COMPRESSION_RATE < n * m
+
+
+def compressed_numel(shapes: Sequence[Sequence[int]], rank: int) -> int:
+    """Elements all-reduced per step for gradients of these shapes once compression runs: ``(n + m) r`` for each
+    compressed matrix (P, then Q), ``n m`` for the others."""
+    total = 0
+    for shape in shapes:
+        n = shape[0] if len(shape) else 1
+        m = math.prod(shape[1:]) if len(shape) > 1 else 1
+        total += (n + m) * min(n, m, rank) if compresses(shape, rank) else n * m
+    return total
+
+
+class _Bucket:
+    """The part of ``torch.distributed.GradBucket`` that torch's PowerSGD hook reads."""
+
+    def __init__(self, index: int, flat: torch.Tensor, shapes: Sequence[torch.Size]) -> None:
+        self._index, self._flat = index, flat
+        sizes = [math.prod(s) for s in shapes]
+        self._grads = [t.view(s) for t, s in zip(torch.split(flat, sizes), shapes)]
+
+    def index(self) -> int:
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        return self._flat
+
+    def gradients(self) -> list[torch.Tensor]:
+        return self._grads
+
+    def is_last(self) -> bool:
+        # The step count advances once per optimizer step, in `PowerSGD.step_done`, not per bucket.
+        return False
+
+
+class PowerSGD:
+    """PowerSGD over one data-parallel process group, with error feedback and warm start.
+
+    Args:
+        group: the data-parallel group the gradients are averaged over.
+        settings: rank and start step.
+        seed: the seed of the random starting Q's (the same on every rank, so the projections agree).
+    """
+
+    def __init__(self, group: dist.ProcessGroup, settings: PowerSGDSettings, seed: int = 0) -> None:
+        self.settings = settings
+        self.state = torch_powersgd.PowerSGDState(
+            process_group=group,
+            matrix_approximation_rank=settings.rank,
+            start_powerSGD_iter=settings.start,
+            min_compression_rate=MIN_COMPRESSION_RATE,
+            use_error_feedback=True,
+            warm_start=True,
+            random_seed=seed,
+        )
+
+    @property
+    def compressing(self) -> bool:
+        """Whether the coming reduction is compressed (past the exact start)."""
+        return self.state.iter >= self.state.start_powerSGD_iter
+
+    def all_reduce(self, index: int, flat: torch.Tensor, shapes: Sequence[torch.Size]) -> torch.Tensor:
+        """The data-parallel mean of bucket ``index``'s gradients (``flat``: their concatenation, overwritten),
+        compressed once past the start; blocks until it is complete.
+
+        Args:
+            index: the bucket's index, the same every step (its error and warm start are kept under it).
+            flat: this rank's gradients of the bucket, concatenated.
+            shapes: the shapes of the gradients in ``flat``, in order.
+        """
+        return torch_powersgd.powerSGD_hook(self.state, _Bucket(index, flat, shapes)).wait()  # type: ignore[arg-type]
+
+    def reduce(self, index: int, flat: torch.Tensor, bucket: Any, sharded: bool, world: int) -> tuple[Any, Any, Any]:
+        """A ZeRO 0-1 bucket's reduction (`lightning_par.parallel.zero.replicated`), complete: ``(work, bucket,
+        out)`` as the engine keeps one in flight, ``out`` the full mean (stage 0) or, with ``sharded`` (stage 1),
+        this rank's rows of it as the bucket lays them out (what the exact path's reduce-scatter leaves); the
+        parameters' full gradients are then freed."""
+        data = bucket.data  # the gradients' shapes, in bucket order
+        mean = self.all_reduce(index, flat, [d.shape for d in data])
+        if sharded:
+            full = [t.view_as(d) for t, d in zip(torch.split(mean, [d.numel() for d in data]), data)]
+            # A copy of this rank's row: a view would keep the whole packed buffer alive behind the masters' grads.
+            mean = bucket.pack(full, world, mean.dtype)[bucket.rank].clone()
+            for p in bucket.params:
+                p.grad = None
+        done: torch.futures.Future[None] = torch.futures.Future()
+        done.set_result(None)
+        return done, bucket, mean
+
+    def step_done(self) -> None:
+        """One optimizer step's gradients are reduced: count it (the exact start, the Q draws)."""
+        self.state.iter += 1
