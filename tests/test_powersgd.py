@@ -12,9 +12,12 @@
 - The elements PowerSGD all-reduces per step are ``(n + m) r`` per compressed ``n x m`` gradient and ``n m`` for
   the others (`lightning_par.parallel.compression.powersgd.compressed_numel`, what the planner prices); the hook's
   own count must equal it.
+- Checkpoints: each rank's error, the warm-started factors, the step count and the Q draws' generator are saved in
+  its own file; a run resumed inside the compressed phase continues the uninterrupted run (1e-6 relative). A
+  checkpoint without them (an exact run's) resumes with a warning that compression starts afresh.
 - Bad settings are refused when the strategy is built, naming the fix.
 
-Spawns: one 2-rank torchrun (4 jobs), one process (references and simulations).
+Spawns: one 2-rank torchrun (7 jobs), one process (references and simulations).
 """
 
 from __future__ import annotations
@@ -40,14 +43,22 @@ RUNS: dict[str, dict[str, Any]] = {
     # a model we did not write: Hugging Face Llama built from a config (GQA, RMSNorm, rotary, SwiGLU)
     "zero1_llama": {"model": "hf_llama_sgd", "strategy": {"zero_stage": 1, **PSGD}},
     "not_started": {"model": "gpt_sgd", "strategy": {"zero_stage": 1, **PSGD, "compression_start": STEPS + 1}},
+    "exact": {"model": "gpt_sgd", "strategy": {"zero_stage": 1}},
 }
+# Resumes: name -> (writer, step of its checkpoint), with PSGD on ZeRO-1 (the writers save after every step).
+RESUMES = {"zero1_from_3": ("zero1", 3), "zero1_from_exact": ("exact", 3)}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("powersgd")
-    done = run_jobs(tmp / "n2", [{**BASE, **j} for j in RUNS.values()], nproc=2, timeout=400)
-    got = dict(zip(RUNS, done, strict=True))
+    jobs = {name: {**BASE, **job} for name, job in RUNS.items()}
+    for writer in {w for w, _ in RESUMES.values()}:
+        jobs[writer].update(ckpt_dir=str(tmp / writer), ckpt_every_n_steps=1)
+    for name, (writer, step) in RESUMES.items():
+        jobs[name] = {**BASE, **RUNS["zero1"], "resume": str(tmp / writer / f"step={step}.ckpt"),
+                      "record_warnings": True}  # fmt: skip
+    got = dict(zip(jobs, run_jobs(tmp / "n2", list(jobs.values()), nproc=2, timeout=400), strict=True))
     one = {"ref": {"model": "gpt_sgd"}, "ref_llama": {"model": "hf_llama_sgd"}}
     for name in ("ddp", "zero1_llama"):  # the bucket layout is the run's (ZeRO-0 and 1 bucket alike)
         sim = {"dp": 2, "rank": RANK, "start": START, "buckets": got[name]["zero_buckets"]}
@@ -95,6 +106,24 @@ def test_the_elements_reduced_per_step_follow_the_formula(runs: dict[str, Any], 
     assert before == steps * sum(math.prod(s) for s in shapes)
     assert after == steps * compressed_numel(shapes, RANK)
     assert after < before / 4  # what the compression is for
+
+
+@pytest.mark.slow
+def test_a_resume_continues_the_uninterrupted_run(runs: dict[str, Any]) -> None:
+    # Saved after step 3, two steps into compression: each rank's error and the warm-started Q come back from its
+    # own file, with the step count and the generator of the Q draws.
+    got, ref = runs["zero1_from_3"], runs["zero1"]
+    assert got["start_step"] == 3 and got["resumed_from"] == "step=3.ckpt"
+    assert rel(got["losses"], ref["losses"][3:]) < 1e-6
+    params_close(got["params"], ref["params"], rtol=1e-6, atol=ATOL)
+    assert not [w for w in got["warnings"] if "PowerSGD" in w]
+
+
+@pytest.mark.slow
+def test_a_resume_without_the_state_starts_compression_afresh_with_a_warning(runs: dict[str, Any]) -> None:
+    got = runs["zero1_from_exact"]  # a checkpoint of an exact run, resumed with PowerSGD
+    assert got["start_step"] == 3 and len(got["losses"]) == STEPS - 3
+    assert any("PowerSGD's state" in w and "starts afresh" in w for w in got["warnings"]), got["warnings"]
 
 
 @pytest.mark.parametrize(

@@ -33,6 +33,8 @@ from lightning_par.checkpoint.dcp import (
 from lightning_par.checkpoint.pretrained.peft_in import base_source
 from lightning_par.checkpoint.reader import CheckpointError, read_meta
 from lightning_par.checkpoint.resume_state import KEY
+from lightning_par.parallel.compression.powersgd import POWERSGD
+from lightning_par.parallel.compression.powersgd import restore as restore_compression
 from lightning_par.parallel.local_sgd import state as local_sgd_state
 from lightning_par.parallel.run import ParallelRun
 from lightning_par.strategies._resume import ResumeState
@@ -131,6 +133,9 @@ class ShardedCheckpoints:
             tensors = local_sgd_state.save_layout(zero, tensors)
             checkpoint[KEY][LOCAL_SGD] = local_sgd_state.describe(zero)
         local = self.resume.rank_state(where.trainer, where.device)
+        compression = getattr(run.zero, "compression", None) if run is not None else None
+        if compression is not None:  # PowerSGD's error and factors differ per rank: in the rank's own file
+            local[POWERSGD] = compression.state_dict()
         if self.saver is not None and self.saving_async:
             deferred = self._staging_fence(module, entries)
             self.saver.save(filepath, tensors, checkpoint, where.rank, local, deferred=deferred)
@@ -207,6 +212,8 @@ class ShardedCheckpoints:
         local_sgd.finish()
         if where.trainer is not None and where.trainer.state.fn == TrainerFn.FITTING:
             self.resume.loaded(path, meta, where.rank, where.world_size)
+            if run is not None and run.zero is not None:
+                restore_compression(run.zero, self.resume.own(POWERSGD), path)
         return meta
 
     def remove(self, filepath: Path, is_global_zero: bool) -> None:

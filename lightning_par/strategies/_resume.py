@@ -39,6 +39,7 @@ class ResumeState:
         self._positions: list[Optional[dict[str, Any]]] = []  # loaded; one per training loader, in Lightning's order
         self._installed = 0  # training loaders processed since the positions were loaded
         self._rank_state: Optional[dict[str, Any]] = None  # loaded; restored at on_train_start
+        self._same_world = False  # the loaded checkpoint was written by as many ranks as run now
 
     def install(self, dataloader: object, epoch_fn: Callable[[], int]) -> None:
         """Make a training loader resumable (`install`; a `DataParallelStream` is already) and give it the loaded
@@ -104,6 +105,7 @@ class ResumeState:
             return
         self._positions = list(state.get("data", []))
         saved_world = int(state["world_size"])
+        self._same_world = saved_world == world_size
         self._rank_state = read_rank_state(path, rank % saved_world)
         if self._rank_state is None:
             raise CheckpointError(
@@ -118,6 +120,11 @@ class ResumeState:
                 "samples now). The data order carries over exactly (docs/checkpointing.md)",
                 stacklevel=2,
             )
+
+    def own(self, key: str) -> Any:
+        """An entry of this rank's loaded file that only this rank can use (PowerSGD's error): ``None`` when the
+        checkpoint has none, or was written by another number of ranks (rank r then reads rank r % saved's)."""
+        return self._rank_state.get(key) if self._rank_state is not None and self._same_world else None
 
     def rank_state(self, trainer: Any, device: torch.device) -> dict[str, Any]:
         """This rank's part, saved by every rank as `rank_file`: its RNG states and its training loaders'

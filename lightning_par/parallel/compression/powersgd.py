@@ -23,12 +23,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
+
+POWERSGD = "powersgd"  # the key of a rank's PowerSGD state in its own checkpoint file
 
 # torch's default: a matrix is compressed only where (n + m) r is less than half of n m.
 MIN_COMPRESSION_RATE = 2.0
@@ -149,3 +153,68 @@ class PowerSGD:
     def step_done(self) -> None:
         """One optimizer step's gradients are reduced: count it (the exact start, the Q draws)."""
         self.state.iter += 1
+
+    # ---- checkpoints: this rank's own state, in its per-rank file (`lightning_par.strategies._checkpointing`) ----
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state, as plain data on the CPU: the step count, the seed generator of the Q draws, and per
+        bucket its error and its P and Q (a full gradient's size and the factors)."""
+        name, keys, pos, has_gauss, gauss = self.state.rng.get_state(legacy=True)  # type: ignore[misc]
+        keys = np.asarray(keys)
+        tensors = {kind: {str(b): t.detach().cpu().clone() for b, t in memory.items()}
+                   for kind, memory in (("error", self.state.error_dict), ("p", self.state.p_memory_dict),
+                                        ("q", self.state.q_memory_dict))}  # fmt: skip
+        rng = {"name": name, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
+               "has_gauss": int(has_gauss), "gauss": float(gauss)}  # fmt: skip
+        return {"iter": int(self.state.iter), "rank": self.settings.rank, "rng": rng, **tensors}
+
+    def load_state_dict(self, saved: dict[str, Any], sizes: Sequence[int], device: torch.device) -> None:
+        """Continue from `state_dict`'s ``saved``.
+
+        Args:
+            saved: what `state_dict` returned on this rank.
+            sizes: the elements of each of this run's buckets, to check that the saved errors fit them.
+            device: where the gradients are.
+
+        Raises:
+            ValueError: the state is of another rank r or bucket layout (it cannot be used as it is).
+        """
+        if saved["rank"] != self.settings.rank:
+            raise ValueError(f"it was saved at compression_rank={saved['rank']}, not {self.settings.rank}")
+        for b, error in saved["error"].items():
+            if int(b) >= len(sizes) or error.numel() != sizes[int(b)]:
+                raise ValueError("its buckets differ from this run's (another model, or bucket_cap_mb)")
+        self.state.iter = int(saved["iter"])
+        rng = saved["rng"]
+        self.state.rng.set_state((rng["name"], rng["keys"].numpy().astype("uint32"), rng["pos"], rng["has_gauss"],
+                                  rng["gauss"]))  # fmt: skip
+        for kind, memory in (("error", self.state.error_dict), ("p", self.state.p_memory_dict),
+                             ("q", self.state.q_memory_dict)):  # fmt: skip
+            memory.clear()
+            memory.update({int(b): t.to(device) for b, t in saved[kind].items()})
+
+
+def restore(zero: Any, saved: Optional[dict[str, Any]], path: Any) -> None:
+    """Resume ``zero``'s PowerSGD (if it runs one) from this rank's ``saved`` state of checkpoint ``path``.
+
+    A checkpoint without it (saved without compression, or by another number of ranks, whose errors belong to other
+    ranks), or with a state of another rank r or bucket layout, starts the compression afresh, with a warning: zero
+    error, new Q draws, ``compression_start`` exact steps, so the run continues differently from an uninterrupted one.
+    """
+    compression: Optional[PowerSGD] = getattr(zero, "compression", None)
+    if compression is None:
+        return
+    why = "it holds none for this rank (saved without grad_compression, or by another number of ranks)"
+    if saved is not None:
+        try:
+            sizes = [sum(d.numel() for d in bucket.data) for bucket in zero.buckets]
+            compression.load_state_dict(saved, sizes, zero.buckets[0].data[0].device)
+            return
+        except ValueError as err:
+            why = str(err)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        warnings.warn(
+            f"checkpoint {path}: PowerSGD's state (each rank's error, the warm-started factors) is not resumed: "
+            f"{why}. Compression starts afresh (zero error, {compression.settings.start} exact steps first), so the "
+            "run continues differently from an uninterrupted one",
+            stacklevel=2,
+        )
