@@ -85,7 +85,7 @@ class ParallelConfig:
         outer_lr, outer_momentum: the outer SGD's learning rate and (Nesterov) momentum; DiLoCo's 0.7 and 0.9.
         grad_compression: ``None`` (exact) or ``"powersgd"``: the data-parallel gradient all-reduce of ZeRO 0-1
             approximates each gradient matrix at rank ``compression_rank`` with error feedback, after
-            ``compression_start`` exact steps (`lightning_par.parallel.compression`, docs/compression.md).
+            ``compression_start`` exact steps (`lightning_par.parallel.compression`; docs/strategies.md).
         compression_rank, compression_start: PowerSGD's approximation rank and exact start (torch's
             ``matrix_approximation_rank`` and ``start_powerSGD_iter``).
         auto_dims: for registered names: the dimensions (``"pp"``, ``"tp"``, ``"cp"``, ``"dp"``, ``"ep"``) whose

@@ -23,6 +23,7 @@ Spawns: one 2-rank torchrun (7 jobs), one process (references and simulations).
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import pytest
@@ -142,3 +143,11 @@ def test_a_resume_without_the_state_starts_compression_afresh_with_a_warning(run
 def test_bad_settings_are_refused_when_the_strategy_is_built(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ParallelConfigError, match=message):
         lightning_par.ParallelStrategy(**{"grad_compression": "powersgd", **kwargs})
+
+
+@pytest.mark.parametrize("kwargs", [{"grad_compression": "powersgd"}, {"dp_replicate": 2, "sync_every": 2}])
+def test_fabric_refuses_what_only_the_trainer_checkpoints(kwargs: dict[str, Any]) -> None:
+    name = next(iter(k for k in kwargs if k != "dp_replicate"))
+    fix = re.escape(f"use Trainer(strategy=ParallelStrategy(..., {name}=...))")
+    with pytest.raises(ValueError, match=rf"{name} .* runs under the Trainer's strategies only so far; {fix}"):
+        lightning_par.FabricParallelStrategy(**kwargs)

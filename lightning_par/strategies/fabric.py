@@ -88,9 +88,11 @@ class FabricParallelStrategy(ProcessView, _FabricParallel):
         if config.global_batch is not None:
             raise ValueError("FabricParallelStrategy: global_batch sets the Trainer's gradient accumulation, which a "
                              "Fabric loop does itself; accumulate in your loop (fabric.no_backward_sync)")  # fmt: skip
-        if config.sync_every is not None:
-            raise ValueError("FabricParallelStrategy: sync_every (local SGD) runs under the Trainer's strategies only "
-                             "so far; use Trainer(strategy=ParallelStrategy(..., sync_every=...))")  # fmt: skip
+        # PowerSGD's per-rank state (each rank's error) is saved by the Trainer's checkpoints only.
+        for name, what in (("sync_every", "local SGD"), ("grad_compression", "PowerSGD")):
+            if getattr(config, name) is not None:
+                raise ValueError(f"FabricParallelStrategy: {name} ({what}) runs under the Trainer's strategies only "
+                                 f"so far; use Trainer(strategy=ParallelStrategy(..., {name}=...))")  # fmt: skip
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s} must be > 0 seconds (600 is the default)")
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,

@@ -11,8 +11,9 @@ all-reduced exactly, and so is every gradient during the first ``start`` optimiz
 
 torch ships the algorithm as a DDP communication hook over a ``GradBucket``; this engine has buckets of its own, so
 `PowerSGD.all_reduce` hands the hook an object with the four methods it reads (`_Bucket`). The hook's state
-(error feedback, the warm-started P and Q) is per rank and per bucket; it is not part of checkpoints: a resumed run
-starts with zero error, re-draws Q, and all-reduces exactly for ``start`` steps again (docs/compression.md).
+(error feedback, the warm-started P and Q) is per rank and per bucket; checkpoints keep it in each rank's own file
+(`PowerSGD.state_dict`, `restore`), so a resume continues the uninterrupted run (docs/strategies.md, "Gradient
+compression (PowerSGD)").
 
 Each bucket is compressed and reduced to the end before the next starts (`all_reduce` blocks): the hook's later
 collectives are issued from the completion callbacks of its first, and two buckets' callbacks racing on one
