@@ -43,7 +43,8 @@ class Record(L.Callback):
         self.counter, self.start, self.losses = counter, start, []  # type: ignore[var-annotated]
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        self.counter.phase = "compressed" if batch_idx >= self.start else "exact"
+        # The optimizer step, not the batch index: the loader's epoch may end before the run does.
+        self.counter.phase = "compressed" if trainer.global_step >= self.start else "exact"
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.counter.phase = "between"

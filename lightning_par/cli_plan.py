@@ -44,7 +44,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 
 def estimate_parser() -> argparse.ArgumentParser:
-    """The options of ``lightning-par estimate`` (exactly those of issue 17, plus --profile and --schedule)."""
+    """The options of ``lightning-par estimate`` (exactly those of issue 17, plus --profile, --schedule and
+    --powersgd-rank)."""
     p = argparse.ArgumentParser(prog="lightning-par estimate", description="Predict memory and step time of a layout.")
     _model_args(p)
     for name in (*MODEL_AXES, "vpp", "dp"):
@@ -55,6 +56,8 @@ def estimate_parser() -> argparse.ArgumentParser:
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--schedule", default=None, choices=sorted(SCHEDULES),
                    help="pipeline schedule (default: 1f1b, interleaved_1f1b when --vpp > 1)")  # fmt: skip
+    p.add_argument("--powersgd-rank", type=int, default=0,
+                   help="price PowerSGD gradient compression at this rank (ZeRO 0-1; 0: exact)")  # fmt: skip
     return p
 
 
@@ -96,6 +99,7 @@ def run_estimate(argv: Sequence[str]) -> str:
         **{axis: getattr(args, axis) for axis in MODEL_AXES}, vpp=args.vpp, dp_shard=dp, zero_stage=args.zero,
         pp_schedule=schedule, microbatches=m if args.pp > 1 else None, micro_batch_size=args.micro_batch_size,
         recompute=args.recompute, sequence_parallel=args.sequence_parallel, precision=args.precision,
+        powersgd_rank=args.powersgd_rank,
     )  # fmt: skip
     est = estimate(desc, layout, _device(args), args.global_batch_size, args.seq_len, args.profile, specs)
     return json.dumps(est.as_dict(), indent=2) if args.json else format_estimate(est)

@@ -33,6 +33,7 @@ EXPECTED = {  # recipe -> (zero_stage, offload, dp_replicate, tp)
     "deepspeed_zero3": (3, False, 1, 1),
     "hf_finetune": (3, False, 1, 2),
     "lora_finetune": (3, False, 1, 2),
+    "powersgd": (1, False, 1, 1),
 }
 PP = {"pipe": 2}  # recipe -> pp; every other recipe has pp 1 (`3d` too until the world size splits it)
 
@@ -49,6 +50,9 @@ def _hf_folder(path: Path) -> Path:
 
 
 def _extra(recipe: str, tmp_path: Path) -> list[str]:
+    # PowerSGD compresses from its third step here (after 2 exact ones), so the 4 steps run both.
+    if recipe == "powersgd":
+        return ["--trainer.max_steps=4", "--trainer.strategy.init_args.compression_start=2"]
     # The fine-tuning recipe names a local folder; the test writes one.
     if recipe not in ("hf_finetune", "lora_finetune"):
         return []
@@ -175,11 +179,13 @@ def test_every_recipe_trains_a_few_steps(tmp_path):
     got = torch.load(out, weights_only=False)
     assert set(got) == {r.stem for r in RECIPES}
     for name, r in got.items():
-        assert r["steps"] == 2 and math.isfinite(r["loss"]), (name, r)  # its value: the parity tests
+        assert r["steps"] == (4 if name == "powersgd" else 2) and math.isfinite(r["loss"]), (name, r)  # parity: tests
     assert got["deepspeed_zero3"]["strategy"] == "_NamedDeepSpeedStrategy"
     assert (got["pipe"]["layout"]["pp"], got["pipe"]["layout"]["dp_shard"]) == (2, 2)
     assert got["hybrid_zero3"]["layout"]["dp_replicate"] == 2 and got["cp_zero3"]["layout"]["cp"] == 2
     assert got["3d"]["layout"]["pp"] * got["3d"]["layout"]["tp"] == 4
+    assert (got["powersgd"]["layout"]["grad_compression"], got["powersgd"]["layout"]["compression_start"]) == (
+        "powersgd", 2)  # its last 2 steps compressed  # fmt: skip
     # LoRA: the adapters alone train (r 16 on 7 projections of a 64-wide 2-layer Llama: 0 < share < 1/2).
     lora = got["lora_finetune"]
     full = got["hf_finetune"]

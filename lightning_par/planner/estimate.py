@@ -14,6 +14,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, Optional
 
+from lightning_par.parallel.compression.powersgd import compressed_numel
 from lightning_par.planner.activations import activation_bytes
 from lightning_par.planner.compute import peak_flops
 from lightning_par.planner.devices import GIB, Device
@@ -95,14 +96,18 @@ def estimate(
     layout.check(desc, layout.world, global_batch, seq_len, suite=profile != "megatron")
     framework = "megatron" if profile == "megatron" else "lightning_par"
     accumulation = layout.m(global_batch) if layout.pp == 1 else 1
-    state = state_bytes(specs if specs is not None else specs_from_desc(desc), layout, framework=framework,
-                        accumulation=accumulation)  # fmt: skip
+    specs = specs if specs is not None else specs_from_desc(desc)
+    state = state_bytes(specs, layout, framework=framework, accumulation=accumulation)
     acts = activation_bytes(
         desc, layout, seq_len, profile=profile, dropout=desc.dropout if profile == "torch" else None
     )
     local = state.parameters / (2 if framework == "megatron" else stored_bytes(layout.precision))
     local *= layout.shard_group if layout.zero_stage == 3 else 1
-    t = step_time(desc, layout, dev, global_batch, seq_len, profile=profile, local_params=local)
+    sent = None
+    if layout.powersgd_rank:  # the share of the gradient elements PowerSGD all-reduces
+        trained = [s for s in specs if s.trainable]
+        sent = compressed_numel([s.shape for s in trained], layout.powersgd_rank) / sum(s.numel for s in trained)
+    t = step_time(desc, layout, dev, global_batch, seq_len, profile=profile, local_params=local, dp_sent=sent)
     on_gpu = (0, 0, 0) if layout.offload else (state.parameters, state.gradients, state.optimizer)
     return Estimate(
         layout=layout, parameters=on_gpu[0], gradients=on_gpu[1], optimizer=on_gpu[2], activations=acts.peak,

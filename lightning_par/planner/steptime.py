@@ -168,6 +168,7 @@ def step_time(
     seq_len: int,
     profile: str = "torch",
     local_params: float | None = None,
+    dp_sent: float | None = None,
 ) -> StepTime:
     """Predicted time of one optimizer step.
 
@@ -177,6 +178,7 @@ def step_time(
         seq_len: tokens per sample.
         profile: which kernels run (`lightning_par.planner.compute.PROFILES`).
         local_params: parameters this GPU updates (default: the model's share under tp, pp, ep and ZeRO).
+        dp_sent: under PowerSGD (``layout.powersgd_rank``), the share of the gradient elements its all-reduce sends.
     """
     m = layout.m(global_batch)
     comp, comm = _block_time(desc, layout, seq_len, dev, profile)
@@ -223,6 +225,9 @@ def step_time(
         rounds = m if zs >= 2 else 1
         backward = compute_total * 2 / 3 * (1.0 if zs >= 2 else 1.0 / m)
         hidden = backward * dev.comm_overlap if profile == "torch" or zs >= 2 else 0.0
+        if layout.powersgd_rank:  # three all-reduces per bucket after the backward (P, Q, the rest): none hidden
+            per = collective_time("all_reduce", grads * (dp_sent or 1.0), n, bw, dev) + 2 * dev.collective_latency_s
+            hidden = 0.0
         dp_comm = max(0.0, rounds * per - hidden) + once
         if profile == "torch":
             copies = _ENGINE_PASSES[layout.zero_stage] * share * el_grad
