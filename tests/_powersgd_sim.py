@@ -103,12 +103,14 @@ def simulate_powersgd(job: Job, make_model: Callable[[], Any]) -> dict[str, Any]
     optimizer = configured["optimizer"] if isinstance(configured, dict) else configured
     params = dict(model.named_parameters())
     state = _Simulated(dp, sim["rank"], sim["start"], sim["buckets"])
-    data = ByteTextDataModule(seq_len=seq_len, batch_size=global_batch // dp, num_samples=steps * global_batch, seed=0)
+    samples = steps * global_batch * job.accumulate  # as the worker's loader: global_batch per micro-batch
+    data = ByteTextDataModule(seq_len=seq_len, batch_size=global_batch // dp, num_samples=samples, seed=0)
     data.setup()
     dataset = data._train
     # The order a DistributedSampler(shuffle=True, seed=0) gives at epoch 0; data-parallel rank i reads order[i::dp].
     order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(0)).tolist()
-    per_rank = global_batch // dp
+    # A step's micro-batches together: the mean of their equal-sized means is the mean over all their samples.
+    per_rank = global_batch // dp * job.accumulate
     losses = []
     for step in range(steps):
         grads, rank_losses = [], []
