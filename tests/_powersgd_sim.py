@@ -47,6 +47,7 @@ class _Simulated:
         self.rng = np.random.RandomState(0)
         self.errors: dict[int, list[torch.Tensor]] = {}
         self.qs: dict[str, torch.Tensor] = {}
+        self.seeded: set[int] = set()
         self.step = 0
 
     def mean(self, grads: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -64,9 +65,11 @@ class _Simulated:
                 flat = torch.cat([grads[i][n].reshape(-1) for n in names]) + errors[i]
                 ms.append([t.view_as(grads[0][n]) for t, n in zip(torch.split(flat, sizes), names, strict=True)])
             compressed = [n for n in names if _compressed(grads[0][n].shape, self.rank)]
-            if compressed and compressed[0] not in self.qs:
-                # The first compressed step of this bucket: one seed per bucket, then a Gaussian Q per matrix,
-                # the matrices taken shape by shape in order of first appearance.
+            if b not in self.seeded:
+                # The first compressed step of this bucket: one seed per bucket (drawn even when it holds no matrix
+                # to compress), then a Gaussian Q per matrix, the matrices taken shape by shape in order of first
+                # appearance.
+                self.seeded.add(b)
                 seed = self.rng.randint(1_000_000_000)
                 by_shape: dict[tuple[int, int], list[str]] = {}
                 for n in compressed:

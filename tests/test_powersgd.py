@@ -3,11 +3,11 @@
 - Past ``compression_start`` the data-parallel mean is PowerSGD's low-rank approximation, with error feedback and
   a warm-started Q: the run's losses (every step) and final weights must match `tests/_powersgd_sim.py`, which
   computes each rank's gradient in one process and averages them by the algorithm as published (1e-5 relative on
-  losses and weights), under ZeRO-0 and ZeRO-1 (and with two micro-batches a step), on our GPT and a Hugging Face
-  Llama built from a config, both with SGD: AdamW divides by the gradient's own scale, so the fp32 noise of a
-  near-zero approximated gradient (a rarely seen token's embedding row) becomes a step-sized difference (measured:
-  6 % of a step in 0.3 % of the embedding). The simulation itself is far from the exact run (checked), so matching
-  it is not matching the exact run.
+  losses and weights), under ZeRO-0 and ZeRO-1 (with several buckets, with two micro-batches a step), on our GPT
+  and a Hugging Face Llama built from a config, both with SGD: AdamW divides by the gradient's own scale, so the
+  fp32 noise of a near-zero approximated gradient (a rarely seen token's embedding row) becomes a step-sized
+  difference (measured: 6 % of a step in 0.3 % of the embedding). The simulation itself is far from the exact run
+  (checked), so matching it is not matching the exact run.
 - Before ``compression_start`` the reduction is exact: a run that never reaches it matches the one-process run.
 - The elements PowerSGD all-reduces per step are ``(n + m) r`` per compressed ``n x m`` gradient and ``n m`` for
   the others (`lightning_par.parallel.compression.powersgd.compressed_numel`, what the planner prices); the hook's
@@ -17,7 +17,7 @@
   checkpoint without them (an exact run's) resumes with a warning that compression starts afresh.
 - Bad settings are refused when the strategy is built, naming the fix.
 
-Spawns: one 2-rank torchrun (8 jobs), one process (references and simulations).
+Spawns: one 2-rank torchrun (9 jobs), one process (references and simulations).
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ PSGD = {"grad_compression": "powersgd", "compression_rank": RANK, "compression_s
 RUNS: dict[str, dict[str, Any]] = {
     "ddp": {"model": "gpt_sgd", "strategy": {"zero_stage": 0, **PSGD}},
     "zero1": {"model": "gpt_sgd", "strategy": {"zero_stage": 1, **PSGD}},
+    # buckets of 16 KB: several, each with its own error, factors and seed, reduced one after another
+    "zero1_buckets": {"model": "gpt_sgd", "strategy": {"zero_stage": 1, **PSGD, "bucket_cap_mb": 1 / 64}},
     # two micro-batches per step: the gradients accumulate, then one compressed reduction
     "zero1_accum": {"model": "gpt_sgd", "strategy": {"zero_stage": 1, **PSGD}, "accumulate": 2},
     # a model we did not write: Hugging Face Llama built from a config (GQA, RMSNorm, rotary, SwiGLU)
@@ -65,7 +67,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     got = dict(zip(jobs, run_jobs(tmp / "n2", list(jobs.values()), nproc=2, timeout=400), strict=True))
     one = {"ref": {"model": "gpt_sgd"}, "ref_llama": {"model": "hf_llama_sgd"}}
     # The bucket layout is the run's (ZeRO-0 and 1 bucket alike).
-    for name, sim_name in (("ddp", "sim_gpt"), ("zero1_llama", "sim_llama"), ("zero1_accum", "sim_gpt_accum")):
+    sims = {"ddp": "sim_gpt", "zero1_llama": "sim_llama", "zero1_accum": "sim_gpt_accum",
+            "zero1_buckets": "sim_gpt_buckets"}  # fmt: skip
+    for name, sim_name in sims.items():
         sim = {"dp": 2, "rank": RANK, "start": START, "buckets": got[name]["zero_buckets"]}
         one[sim_name] = {"model": RUNS[name]["model"], "simulate_powersgd": sim,
                          "accumulate": RUNS[name].get("accumulate", 1)}  # fmt: skip
@@ -75,9 +79,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "sim"), [("ddp", "sim_gpt"), ("zero1", "sim_gpt"), ("zero1_llama", "sim_llama"),
-                                           ("zero1_accum", "sim_gpt_accum")])  # fmt: skip
+                                           ("zero1_accum", "sim_gpt_accum"),
+                                           ("zero1_buckets", "sim_gpt_buckets")])  # fmt: skip
 def test_powersgd_matches_the_one_process_simulation(runs: dict[str, Any], name: str, sim: str) -> None:
     got, want = runs[name], runs[sim]
+    if name == "zero1_buckets":
+        assert len(got["zero_buckets"]) > 3
     parts = RUNS[name].get("accumulate", 1)  # the run logs each micro-batch's loss; the simulation each step's
     losses = [sum(got["losses"][i : i + parts]) / parts for i in range(0, len(got["losses"]), parts)]
     assert len(losses) == len(want["losses"]) == STEPS
