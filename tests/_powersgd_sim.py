@@ -7,7 +7,8 @@ error feedback and warm start): for each gradient matrix M_i (rank i's gradient 
 rank i's error becomes ``M_i`` minus what it received. Matrices that would not shrink by more than 2x, and every
 gradient of the first ``start`` steps, are averaged exactly. Written from the paper and torch's documented
 conventions (the per-bucket error and warm start, the seeded draw of the first Q per bucket, grouped by shape),
-not from lightning_par's code; the bucket layout is the run's (``buckets``: parameter names per bucket).
+not from lightning_par's code; the bucket layout is the run's (``stages``: per pipeline stage, the parameter names
+per bucket and those averaged exactly).
 """
 
 from __future__ import annotations
@@ -51,12 +52,14 @@ class _Simulated:
         self.step = 0
 
     def mean(self, grads: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """The gradient every rank receives, from each rank's own."""
+        """The gradient every rank receives for this state's buckets, from each rank's own."""
         if self.step < self.start:
             self.step += 1
-            return {n: torch.stack([g[n] for g in grads]).mean(0) for n in grads[0]}
+            return {}
         out: dict[str, torch.Tensor] = {}
         for b, names in enumerate(self.buckets):
+            if not names:
+                continue  # every parameter of the bucket is averaged exactly: the hook never sees it
             errors = self.errors.setdefault(b, [torch.zeros(sum(grads[0][n].numel() for n in names))
                                                  for _ in range(self.dp)])  # fmt: skip
             sizes = [grads[0][n].numel() for n in names]
@@ -97,7 +100,8 @@ class _Simulated:
 
 
 def simulate_powersgd(job: Job, make_model: Callable[[], Any]) -> dict[str, Any]:
-    """Train as ``job.simulate_powersgd`` = {dp, rank, start, buckets} says; returns losses and parameters."""
+    """Train as ``job.simulate_powersgd`` = {dp, rank, start, stages: [{buckets, exact}]} says; returns losses and
+    parameters."""
     sim = job.simulate_powersgd or {}
     dp, steps, global_batch, seq_len = sim["dp"], job.steps, job.global_batch, job.seq_len
     L.seed_everything(job.seed, verbose=False)
@@ -105,7 +109,12 @@ def simulate_powersgd(job: Job, make_model: Callable[[], Any]) -> dict[str, Any]
     configured = model.configure_optimizers()
     optimizer = configured["optimizer"] if isinstance(configured, dict) else configured
     params = dict(model.named_parameters())
-    state = _Simulated(dp, sim["rank"], sim["start"], sim["buckets"])
+    # One state per pipeline stage (each compresses apart); a stage's always-exact parameters (a weight it holds a
+    # copy of, as another stage does) and the names one process does not have (a tied weight's second copy) leave
+    # its buckets: their mean is exact.
+    states = [_Simulated(dp, sim["rank"], sim["start"], [[n for n in bucket if n in params and n not in stage["exact"]]
+                                                         for bucket in stage["buckets"]])
+              for stage in sim["stages"]]  # fmt: skip
     samples = steps * global_batch * job.accumulate  # as the worker's loader: global_batch per micro-batch
     data = ByteTextDataModule(seq_len=seq_len, batch_size=global_batch // dp, num_samples=samples, seed=0)
     data.setup()
@@ -126,8 +135,13 @@ def simulate_powersgd(job: Job, make_model: Callable[[], Any]) -> dict[str, Any]
             loss.backward()
             grads.append({n: p.grad.detach().clone() for n, p in params.items() if p.grad is not None})
             rank_losses.append(float(loss))
-        for n, g in state.mean(grads).items():
+        means = {n: torch.stack([g[n] for g in grads]).mean(0) for n in grads[0]}
+        for state in states:
+            means.update(state.mean(grads))
+        for n, g in means.items():
             params[n].grad = g
         optimizer.step()
         losses.append(sum(rank_losses) / dp)  # the logged loss: the mean over the data-parallel ranks
-    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    # Every name of a tied weight, as the worker reports a run's (each end stage holds a copy under its name).
+    named = model.named_parameters(remove_duplicate=False)
+    return {"losses": losses, "params": {n: p.detach().clone() for n, p in named}}

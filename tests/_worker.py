@@ -313,6 +313,10 @@ def run_job(job: Job) -> dict[str, Any]:
         result["compressed_numel"] = (None if compression is None else
                                       (compression.state.total_numel_before_compression,
                                        compression.state.total_numel_after_compression))  # fmt: skip
+        # Every rank's buckets and always-exact parameters (a pipeline's stages compress apart), for the simulation.
+        result["powersgd_ranks"] = gathered_objects(None if compression is None else {
+            "dp_rank": zero.rank, "buckets": result["zero_buckets"],
+            "exact": sorted(names[p] for p in compression.exact)})  # fmt: skip
         # Which param groups step with torch's multi-tensor kernels (ZeRO-3 and tp switch DTensor-only groups).
         result["optimizer_foreach"] = [g.get("foreach") for g in trainer.optimizers[0].param_groups]
         # How many DTensors the optimizer steps (tp at ZeRO-0 steps plain views of the shards: none).

@@ -93,7 +93,7 @@ class Job:
     lightning_fp16_reference: bool = False  # Lightning's fp16 AMP with a CPU GradScaler (the 16-mixed reference)
     # Local SGD simulated in one process (tests/_local_sgd_sim.py): {replicas, shards, every, lr, momentum}.
     simulate: Optional[dict[str, float]] = None
-    # PowerSGD simulated in one process (tests/_powersgd_sim.py): {dp, rank, start, buckets}.
+    # PowerSGD simulated in one process (tests/_powersgd_sim.py): {dp, rank, start, stages}.
     simulate_powersgd: Optional[dict[str, Any]] = None
 
     @classmethod

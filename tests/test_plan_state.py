@@ -179,10 +179,14 @@ FAMILIES: dict[str, tuple[dict[str, Any], Layout, str, bool]] = {
     # PowerSGD at rank 2: the P, Q and uncompressed all-reduce, the error and factors each rank keeps.
     "zero1_powersgd": (LLAMA, Layout(dp_shard=4, zero_stage=1, powersgd_rank=2, precision="32-true", **_ONE), "adamw",
                        False),
+    # ... and under a pipeline: GPT-2's tied embedding, a copy on each end stage, is averaged exactly.
+    "pipe_zero1_powersgd_tied_gpt2": (GPT2, Layout(pp=2, dp_shard=2, zero_stage=1, microbatches=2, powersgd_rank=2,
+                                                   precision="32-true"), "adamw", False),
 }  # fmt: skip
 # Jobs measured past their first steps: PowerSGD compresses from its third (compression_start=2), and holds its
 # error from then on, so its fourth is the steady state the planner prices.
-LATER: dict[str, dict[str, Any]] = {"zero1_powersgd": {"measured": 3, "strategy": {"compression_start": 2}}}
+LATER: dict[str, dict[str, Any]] = {name: {"measured": 3, "strategy": {"compression_start": 2}}
+                                     for name in ("zero1_powersgd", "pipe_zero1_powersgd_tied_gpt2")}  # fmt: skip
 
 
 def _spawn(tmp: Path, nproc: int = 4) -> list[list[dict[str, Any]]]:

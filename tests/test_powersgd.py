@@ -17,7 +17,10 @@
   checkpoint without them (an exact run's) resumes with a warning that compression starts afresh.
 - Bad settings are refused when the strategy is built, naming the fix.
 
-Spawns: one 2-rank torchrun (9 jobs), one process (references and simulations).
+- Under a pipeline (pp 2 x dp 2) each stage compresses its own buckets; a tied weight's copies on the two end
+  stages are averaged exactly, so they stay one weight: the run matches the simulation and the copies are equal.
+
+Spawns: one 2-rank torchrun (9 jobs), one 4-rank torchrun (2 jobs), one process (references and simulations).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import re
 from typing import Any
 
 import pytest
+import torch
 from launch import run_jobs
 from parity import params_close, rel
 
@@ -51,6 +55,12 @@ RUNS: dict[str, dict[str, Any]] = {
     "not_started": {"model": "gpt_sgd", "strategy": {"zero_stage": 1, **PSGD, "compression_start": STEPS + 1}},
     "exact": {"model": "gpt_sgd", "strategy": {"zero_stage": 1}},
 }
+# Under a pipeline (pp 2 x dp 2): each stage compresses its own buckets with a state of its own; the tied
+# embedding, a copy on each end stage, is averaged exactly (so the copies stay equal).
+PIPE: dict[str, dict[str, Any]] = {
+    "pipe_zero1_tied": {"model": "gpt4_tied_sgd", "strategy": {"pp": 2, "zero_stage": 1, **PSGD}},
+    "pipe_llama": {"model": "hf_llama_sgd", "strategy": {"pp": 2, "zero_stage": 0, **PSGD}},
+}
 # Resumes: name -> (writer, step of its checkpoint), with PSGD on ZeRO-1 (the writers save after every step).
 RESUMES = {"zero1_from_3": ("zero1", 3), "zero1_from_exact": ("exact", 3)}
 
@@ -65,27 +75,37 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         jobs[name] = {**BASE, **RUNS["zero1"], "resume": str(tmp / writer / f"step={step}.ckpt"),
                       "record_warnings": True}  # fmt: skip
     got = dict(zip(jobs, run_jobs(tmp / "n2", list(jobs.values()), nproc=2, timeout=400), strict=True))
-    one = {"ref": {"model": "gpt_sgd"}, "ref_llama": {"model": "hf_llama_sgd"}}
+    pipe = run_jobs(tmp / "n4", [{**BASE, "dp": 2, **job} for job in PIPE.values()], nproc=4, timeout=400)
+    got.update(zip(PIPE, pipe, strict=True))
+    one = {"ref": {"model": "gpt_sgd"}, "ref_llama": {"model": "hf_llama_sgd"}, "ref_tied": {"model": "gpt4_tied_sgd"}}
     # The bucket layout is the run's (ZeRO-0 and 1 bucket alike).
     sims = {"ddp": "sim_gpt", "zero1_llama": "sim_llama", "zero1_accum": "sim_gpt_accum",
-            "zero1_buckets": "sim_gpt_buckets"}  # fmt: skip
+            "zero1_buckets": "sim_gpt_buckets", "pipe_zero1_tied": "sim_pipe_tied",
+            "pipe_llama": "sim_pipe_llama"}  # fmt: skip
     for name, sim_name in sims.items():
-        sim = {"dp": 2, "rank": RANK, "start": START, "buckets": got[name]["zero_buckets"]}
-        one[sim_name] = {"model": RUNS[name]["model"], "simulate_powersgd": sim,
-                         "accumulate": RUNS[name].get("accumulate", 1)}  # fmt: skip
+        stages = [r for r in got[name]["powersgd_ranks"] if r["dp_rank"] == 0]  # one per pipeline stage
+        sim = {"dp": 2, "rank": RANK, "start": START, "stages": stages}
+        run = RUNS.get(name) or PIPE[name]
+        one[sim_name] = {"model": run["model"], "simulate_powersgd": sim, "accumulate": run.get("accumulate", 1)}
     got.update(zip(one, run_jobs(tmp / "n1", [{**BASE, **j} for j in one.values()], nproc=1, timeout=400), strict=True))
     return got
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "sim"), [("ddp", "sim_gpt"), ("zero1", "sim_gpt"), ("zero1_llama", "sim_llama"),
-                                           ("zero1_accum", "sim_gpt_accum"),
-                                           ("zero1_buckets", "sim_gpt_buckets")])  # fmt: skip
+                                           ("zero1_accum", "sim_gpt_accum"), ("zero1_buckets", "sim_gpt_buckets"),
+                                           ("pipe_zero1_tied", "sim_pipe_tied"),
+                                           ("pipe_llama", "sim_pipe_llama")])  # fmt: skip
 def test_powersgd_matches_the_one_process_simulation(runs: dict[str, Any], name: str, sim: str) -> None:
     got, want = runs[name], runs[sim]
     if name == "zero1_buckets":
         assert len(got["zero_buckets"]) > 3
-    parts = RUNS[name].get("accumulate", 1)  # the run logs each micro-batch's loss; the simulation each step's
+    if name.startswith("pipe"):  # two stages, each its own buckets; the tied copies' mean exact
+        assert len([r for r in got["powersgd_ranks"] if r["dp_rank"] == 0]) == 2
+        assert name != "pipe_zero1_tied" or all(r["exact"] for r in got["powersgd_ranks"])
+    if name == "pipe_zero1_tied":  # the first stage's copy and the last's, still one weight
+        assert torch.equal(got["params"]["lm_head.weight"], got["params"]["transformer.wte.weight"])
+    parts = (RUNS.get(name) or PIPE[name]).get("accumulate", 1)  # the run logs each micro-batch's loss
     losses = [sum(got["losses"][i : i + parts]) / parts for i in range(0, len(got["losses"]), parts)]
     assert len(losses) == len(want["losses"]) == STEPS
     assert rel(losses, want["losses"]) < 1e-5
@@ -147,7 +167,7 @@ def test_a_resume_without_the_state_starts_compression_afresh_with_a_warning(run
         ({"zero_stage": 2}, "use zero_stage=0 or 1"),
         ({"zero_stage": 3}, "use zero_stage=0 or 1"),
         ({"zero_stage": 1, "tp": 2}, "tp=2 is not supported with it"),
-        ({"zero_stage": 1, "pp": 2}, "pp=2 is not supported with it"),
+        ({"zero_stage": 1, "cp": 2}, "cp=2 is not supported with it"),
         ({"zero_stage": 1, "dp_replicate": 2}, "dp_replicate=2 is not supported with it"),
         ({"compression_rank": 0}, "compression_rank=0 must be an int >= 1"),
         ({"compression_start": 1}, "compression_start=1 must be an int >= 2"),

@@ -38,7 +38,15 @@ from typing import Optional
 from lightning_par.parallel.compression.powersgd import compressed_numel
 from lightning_par.planner.layout import Layout, LayoutError, compute_bytes
 from lightning_par.planner.params import ParamSpec
-from lightning_par.planner.state import Held, coords, held, local_stages, param_bytes, stage_ranges
+from lightning_par.planner.state import (
+    Held,
+    coords,
+    held,
+    local_stages,
+    param_bytes,
+    pipeline_copies,
+    stage_ranges,
+)
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather")
 
@@ -79,7 +87,8 @@ def comm_terms(
     m = (layout.microbatches or 2 * layout.pp) if layout.pp > 1 else layout.m(global_batch)
     tokens = global_batch // layout.dp * seq_len  # through this rank's blocks per step, all microbatches
     terms: list[tuple[str, str, float]] = []
-    terms += _data_parallel([t for t in every if t.in_zero], layout, n, r, m)
+    copies = pipeline_copies(specs, layout, pp_rank, every) if layout.powersgd_rank else set()
+    terms += _data_parallel([t for t in every if t.in_zero], layout, n, r, m, copies)
     experts = sum(t.numel * param_bytes(t.spec, prec) for t in tensors if not t.in_zero)
     if experts:
         terms.append(("experts", "all_reduce", _ring("all_reduce", experts, layout.dp // layout.ep)))
@@ -132,7 +141,8 @@ def comm_bytes(
     return best
 
 
-def _data_parallel(every: Sequence[Held], layout: Layout, n: int, r: int, m: int) -> list[tuple[str, str, float]]:
+def _data_parallel(every: Sequence[Held], layout: Layout, n: int, r: int, m: int,
+                   exact: set[str]) -> list[tuple[str, str, float]]:  # fmt: skip
     """Gradient and parameter traffic of the ZeRO engine (stage 0-2) or FSDP2 (stage 3) over ``n x r`` ranks.
 
     The engine of stages 0-2 handles trainable parameters only; FSDP2 gathers frozen ones too.
@@ -143,8 +153,10 @@ def _data_parallel(every: Sequence[Held], layout: Layout, n: int, r: int, m: int
     prec = layout.precision
     full = sum(t.numel * param_bytes(t.spec, prec) for t in tensors)
     padded = sum(t.padded(n) * n * param_bytes(t.spec, prec) for t in tensors)
-    if layout.powersgd_rank:  # ZeRO 0-1 over dp_shard alone: an all-reduce of P, Q and what is not compressed
-        sent = sum(compressed_numel([t.shape], layout.powersgd_rank) * param_bytes(t.spec, prec) for t in tensors)
+    if layout.powersgd_rank:  # ZeRO 0-1 over dp_shard: an all-reduce of P, Q, what is not compressed and ``exact``
+        rank = layout.powersgd_rank
+        sent = sum((t.numel if t.spec.name in exact else compressed_numel([t.shape], rank)) * param_bytes(t.spec, prec)
+                   for t in tensors)  # fmt: skip
         shards = [("dp", "all_gather", _ring("all_gather", padded, n))] if layout.zero_stage else []
         return [("dp", "all_reduce", _ring("all_reduce", sent, n)), *shards]
     if layout.zero_stage == 0:

@@ -61,8 +61,8 @@ class Layout:
         sequence_parallel: split the residual stream over tp between the tensor-parallel regions.
         offload: parameters and optimizer state in CPU memory between uses (zero_stage 3).
         precision: one of `PRECISIONS`.
-        powersgd_rank: ``0``: gradients reduced exactly; ``r``: PowerSGD at rank r (ZeRO 0-1 over plain data
-            parallelism, `lightning_par.parallel.compression`), priced once compression runs (after its exact
+        powersgd_rank: ``0``: gradients reduced exactly; ``r``: PowerSGD at rank r (ZeRO 0-1 over dp_shard, with or
+            without a pipeline, `lightning_par.parallel.compression`), priced once compression runs (after its exact
             start): the all-reduce carries ``(n + m) r`` elements per compressed ``n x m`` gradient, and each rank
             keeps its error (a full gradient) and the P, Q factors.
     """

@@ -242,6 +242,17 @@ def state_bytes(
     )  # fmt: skip
 
 
+def pipeline_copies(specs: Sequence[ParamSpec], layout: Layout, pp_rank: int, tensors: Sequence[Held]) -> set[str]:
+    """Names of the parameters of which a pipeline keeps a copy on several stages (a tied weight's ends on two
+    ranks, what every stage holds): PowerSGD averages their gradients exactly, so the copies stay equal."""
+    if layout.pp == 1:
+        return set()
+    stages = local_stages(layout, pp_rank)
+    both_here = 0 in stages and len(stage_ranges(specs, layout)) - 1 in stages  # the V schedules: one module
+    return {t.spec.name for t in tensors
+            if t.spec.end == "every" or t.spec.calls or (t.spec.end == "both" and not both_here)}  # fmt: skip
+
+
 def _rank_bytes(
     specs: Sequence[ParamSpec],
     layout: Layout,
@@ -257,6 +268,7 @@ def _rank_bytes(
         return _megatron(tensors, layout, optimizer)
     zero, moments = layout.zero_stage, OPTIMIZERS[optimizer]
     params = grads = opt = 0
+    copies = pipeline_copies(specs, layout, pp_rank, tensors) if layout.powersgd_rank else set()
     for t in tensors:
         size = param_bytes(t.spec, layout.precision)
         if t.spec.quantised is not None:  # frozen: no gradient, no state; whole on every tp rank (split_quantised),
@@ -272,7 +284,7 @@ def _rank_bytes(
         full_grads = zero == 0 or (zero == 1 and accumulation > 1) or (zero in (1, 2) and layout.pp > 1)
         full_grads = full_grads or not t.in_zero or bool(layout.powersgd_rank)
         grads += (t.numel if full_grads else t.padded(n)) * size
-        if layout.powersgd_rank and t.in_zero:  # its error (a full gradient), P and Q (compression.powersgd)
+        if layout.powersgd_rank and t.in_zero and t.spec.name not in copies:  # its error, P and Q (powersgd)
             r = layout.powersgd_rank
             grads += (t.numel + (compressed_numel([t.shape], r) if compresses(t.shape, r) else 0)) * size
         opt += (t.rows_of(n, shard) if sharded else t.numel) * size * moments

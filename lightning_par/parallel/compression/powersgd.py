@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Optional
 
 import numpy as np
@@ -104,10 +104,14 @@ class PowerSGD:
         group: the data-parallel group the gradients are averaged over.
         settings: rank and start step.
         seed: the seed of the random starting Q's (the same on every rank, so the projections agree).
+        exact: parameters whose mean is always exact (a pipeline's copies of one weight on several stages: each
+            stage compresses with a state of its own, which would set the copies apart).
     """
 
-    def __init__(self, group: dist.ProcessGroup, settings: PowerSGDSettings, seed: int = 0) -> None:
-        self.settings = settings
+    def __init__(self, group: dist.ProcessGroup, settings: PowerSGDSettings, seed: int = 0,
+                 exact: Iterable[torch.Tensor] = ()) -> None:  # fmt: skip
+        self.settings, self.group = settings, group
+        self.exact = set(exact)
         self.state = torch_powersgd.PowerSGDState(
             process_group=group,
             matrix_approximation_rank=settings.rank,
@@ -140,7 +144,11 @@ class PowerSGD:
         this rank's rows of it as the bucket lays them out (what the exact path's reduce-scatter leaves); the
         parameters' full gradients are then freed."""
         data = bucket.data  # the gradients' shapes, in bucket order
-        mean = self.all_reduce(index, flat, [d.shape for d in data])
+        exact = [p in self.exact for p in bucket.params]
+        if any(exact):
+            mean = self._with_exact(index, flat, data, exact)
+        else:
+            mean = self.all_reduce(index, flat, [d.shape for d in data])
         if sharded:
             full = [t.view_as(d) for t, d in zip(torch.split(mean, [d.numel() for d in data]), data)]
             # A copy of this rank's row: a view would keep the whole packed buffer alive behind the masters' grads.
@@ -150,6 +158,23 @@ class PowerSGD:
         done: torch.futures.Future[None] = torch.futures.Future()
         done.set_result(None)
         return done, bucket, mean
+
+    def _with_exact(self, index: int, flat: torch.Tensor, data: Sequence[torch.Tensor], exact: list[bool]) -> Any:
+        """`all_reduce` of the bucket's other gradients, and the exact mean of those flagged ``exact``."""
+        parts = torch.split(flat, [d.numel() for d in data])
+        plain = torch.cat([t for t, e in zip(parts, exact) if e])
+        dist.all_reduce(plain, group=self.group)
+        plain.div_(self.group.size())
+        rest = [(t, d.shape) for t, d, e in zip(parts, data, exact) if not e]
+        # The hook's state for this bucket covers the others alone, the same every step.
+        squeezed = self.all_reduce(index, torch.cat([t for t, _ in rest]), [s for _, s in rest]) if rest else plain
+        pieces, i, j = [], 0, 0
+        for t, e in zip(parts, exact):
+            source = plain if e else squeezed
+            k = i if e else j
+            pieces.append(source[k : k + t.numel()])
+            i, j = (i + t.numel(), j) if e else (i, j + t.numel())
+        return torch.cat(pieces)
 
     def step_done(self) -> None:
         """One optimizer step's gradients are reduced: count it (the exact start, the Q draws)."""

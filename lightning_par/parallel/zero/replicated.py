@@ -62,8 +62,8 @@ class ReplicatedZero:
         local_sgd: synchronise the ``dp_replicate`` replicas every ``local_sgd.every`` steps (DiLoCo,
             `lightning_par.parallel.local_sgd.outer`) instead of reducing gradients over them every step.
         timeout: collective timeout of the group the deferred all-gather may get (`collectives.apart_from_default`).
-        compression: PowerSGD for the gradient all-reduce (stages 0-1 over ``dp_shard`` alone): each bucket is
-            reduced after the backward, one after another, by `PowerSGD.all_reduce`.
+        compression: PowerSGD for the gradient all-reduce (stages 0-1 over ``dp_shard``): each bucket is reduced
+            after the backward, one after another, by `PowerSGD.reduce`.
     """
 
     def __init__(
