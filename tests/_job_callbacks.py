@@ -236,6 +236,13 @@ def _dequantised(t: torch.Tensor) -> torch.Tensor:
 
 
 def full_params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    from torch.distributed.fsdp import FSDPModule
+
+    if any(isinstance(m, FSDPModule) for m in module.modules()):
+        # A unit FSDP2 left gathered (the root, after a forward without backward) registers its gathered values,
+        # in the compute dtype (or int8's, under zero_quantized_weights); a state dict switches every unit back to
+        # its full-precision shards, which are the weights.
+        module.state_dict()
     out = {}
     for name, p in module.named_parameters():
         if (hasattr(p, "ds_id") or hasattr(p, "_hp_mapping")) and p.requires_grad:  # set on every rank

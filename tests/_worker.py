@@ -94,6 +94,10 @@ def run_job(job: Job) -> dict[str, Any]:
         from _powersgd_sim import simulate_powersgd
 
         return simulate_powersgd(job, MODELS[job.model])
+    if job.simulate_quantized:  # ZeRO-3's int8 weight all-gather in one process (tests/_quantized_sim.py)
+        from _quantized_sim import simulate_quantized
+
+        return simulate_quantized(job, MODELS[job.model])
     world = job.world or int(os.environ.get("WORLD_SIZE", "1"))
     with STEP_ENDS:
         STEPS.update(ended=0, over=False, saves=[])
@@ -302,6 +306,14 @@ def run_job(job: Job) -> dict[str, Any]:
 
         units = [m for m in trainer.strategy.model.modules() if isinstance(m, FSDPModule)]
         groups = [m._get_fsdp_state()._fsdp_param_group for m in units]  # type: ignore[operator]
+        # Each unit's parameters in its all-gather's order, on every rank (the quantized all-gather's simulation).
+        where = {id(m): n for n, m in model.named_modules()}
+        runner = trainer.strategy.parallel_run.pipeline  # a pipeline's stage modules are its parts' roots
+        roots = [m for m in (runner.model.stage_modules() if runner is not None else []) if isinstance(m, FSDPModule)]
+        every = [m._get_fsdp_state()._fsdp_param_group for m in dict.fromkeys([*units, *roots])]  # type: ignore[operator]
+        result["fsdp_unit_params"] = gathered_objects([
+            [f"{where[id(fp._module_info.module)]}.{fp._module_info.param_name}".lstrip(".") for fp in g.fsdp_params]
+            for g in every if g is not None])  # fmt: skip
         result["fsdp_units"] = len(units)
         zero = getattr(trainer.strategy.parallel_run, "zero", None)
         outer = getattr(zero, "outer", None)

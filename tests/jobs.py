@@ -95,6 +95,8 @@ class Job:
     simulate: Optional[dict[str, float]] = None
     # PowerSGD simulated in one process (tests/_powersgd_sim.py): {dp, rank, start, stages}.
     simulate_powersgd: Optional[dict[str, Any]] = None
+    # ZeRO-3's int8 weight all-gather simulated in one process (tests/_quantized_sim.py): {world, units}.
+    simulate_quantized: Optional[dict[str, Any]] = None
 
     @classmethod
     def from_dict(cls, job: Mapping[str, Any]) -> Job:

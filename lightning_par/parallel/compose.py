@@ -28,6 +28,7 @@ from lightning_par.mesh import ParallelMesh
 from lightning_par.parallel.activation_checkpointing import apply_activation_checkpointing
 from lightning_par.parallel.compile import apply_compile
 from lightning_par.parallel.compression import PowerSGD, PowerSGDSettings
+from lightning_par.parallel.compression.quantized import QuantizedAllGather
 from lightning_par.parallel.context.apply import apply_context_parallel
 from lightning_par.parallel.context.check import check_blocks_run_once
 from lightning_par.parallel.experts.apply import ExpertParallel, apply_expert_parallel
@@ -220,7 +221,8 @@ def _fsdp(parts: list[ModelPart], mesh: ParallelMesh, config: ParallelConfig, ex
     for part in parts:
         apply_fsdp(part.root, part.block_modules, mesh.dp_2d, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                    offload=config.offload, ignored_params=set(exclude) or None,
-                   reshard_after_forward=not pipelined)  # fmt: skip
+                   reshard_after_forward=not pipelined,
+                   all_gather=QuantizedAllGather() if config.zero_quantized_weights else None)  # fmt: skip
 
 
 def _values(module: nn.Module, experts: Optional[ExpertParallel], templates: Optional[InitTemplates],

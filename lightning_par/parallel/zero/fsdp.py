@@ -61,6 +61,7 @@ def apply_fsdp(
     reduce_dtype: Optional[torch.dtype] = None,
     offload: bool = False,
     ignored_params: Optional[set[nn.Parameter]] = None,
+    all_gather: Optional[Any] = None,
 ) -> nn.Module:
     """Shard ``root`` with FSDP2 (ZeRO-3), one communication unit per block plus the root for the rest.
 
@@ -73,6 +74,8 @@ def apply_fsdp(
         reduce_dtype: dtype gradients are reduce-scattered in.
         offload: keep sharded parameters, gradients and optimizer state in CPU memory between uses.
         ignored_params: parameters FSDP2 must leave alone (expert shards, reduced by expert parallelism).
+        all_gather: every unit's all-gather instead of FSDP2's (`FSDPModule.set_custom_all_gather`; the int8 one of
+            `lightning_par.parallel.compression.quantized`).
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     # Pinned memory needs an accelerator (docs/testing.md); pinning only matters for async H2D copies anyway.
@@ -87,6 +90,9 @@ def apply_fsdp(
     fully_shard(
         root, mesh=mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=off, ignored_params=ignored_params
     )
+    if all_gather is not None:
+        for unit in (*blocks, root):
+            unit.set_custom_all_gather(all_gather)  # type: ignore[operator]
     return root
 
 
