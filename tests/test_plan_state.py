@@ -179,6 +179,11 @@ FAMILIES: dict[str, tuple[dict[str, Any], Layout, str, bool]] = {
     # PowerSGD at rank 2: the P, Q and uncompressed all-reduce, the error and factors each rank keeps.
     "zero1_powersgd": (LLAMA, Layout(dp_shard=4, zero_stage=1, powersgd_rank=2, precision="32-true", **_ONE), "adamw",
                        False),
+    # ZeRO-3's weights gathered as int8 codes with a scale per 256 elements, in units of a Llama and of GPT-2's stages.
+    "zero3_int8_gather": (LLAMA, Layout(dp_shard=4, zero_stage=3, zero_quantized_weights=True, precision="bf16-mixed",
+                                        **_ONE), "adamw", False),
+    "pipe_zero3_int8_gather_gpt2": (GPT2, Layout(pp=2, dp_shard=2, zero_stage=3, microbatches=2,
+                                                 zero_quantized_weights=True, precision="32-true"), "adamw", False),
     # ... and under a pipeline: GPT-2's tied embedding, a copy on each end stage, is averaged exactly.
     "pipe_zero1_powersgd_tied_gpt2": (GPT2, Layout(pp=2, dp_shard=2, zero_stage=1, microbatches=2, powersgd_rank=2,
                                                    precision="32-true"), "adamw", False),

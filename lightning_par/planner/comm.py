@@ -12,8 +12,9 @@ Covered, exactly (``tests/test_plan_state.py`` counts the same collectives on th
   stage 1 once per step); stage 3 (FSDP2) all-gathers each block for forward and again for backward (once under a
   pipeline, which keeps blocks gathered), the root (embedding, head) once, in the compute dtype under mixed
   precision, and reduce-scatters fp32 (or bf16 under ``bf16-true``) gradients; hybrid sharding all-reduces the
-  shards over ``dp_replicate``; with PowerSGD (``powersgd_rank``, ZeRO 0-1) one all-reduce of ``(n + m) r``
-  elements per compressed ``n x m`` gradient and ``n m`` per other, then stage 1's all-gather;
+  shards over ``dp_replicate``; with ``zero_quantized_weights`` each unit's all-gather carries int8 codes and an fp32
+  scale per 256 elements of a rank's padded input; with PowerSGD (``powersgd_rank``, ZeRO 0-1) one all-reduce of
+  ``(n + m) r`` elements per compressed ``n x m`` gradient and ``n m`` per other, then stage 1's all-gather;
 - expert gradients all-reduced over the ranks holding the same experts (``edp``), and over tp when each tp rank
   computed a share of the tokens (`lightning_par.parallel.experts.apply`);
 - a router's logits gathered over the data-parallel ranks for the load-balancing loss (and all-reduced back when
@@ -36,6 +37,7 @@ from collections.abc import Sequence
 from typing import Optional
 
 from lightning_par.parallel.compression.powersgd import compressed_numel
+from lightning_par.parallel.compression.quantized import quantized_bytes
 from lightning_par.planner.layout import Layout, LayoutError, compute_bytes
 from lightning_par.planner.params import ParamSpec
 from lightning_par.planner.state import (
@@ -180,6 +182,12 @@ def _data_parallel(every: Sequence[Held], layout: Layout, n: int, r: int, m: int
 
     gathered = sum(gather(t) for t in every)
     blocks = sum(gather(t) for t in every if t.spec.block is not None)
+    if layout.zero_quantized_weights:  # each unit's shards as int8 codes with an fp32 scale per block of its input
+        units: dict[Optional[int], int] = defaultdict(int)  # a trunk block's, or the root's (what runs outside)
+        for t in every:
+            units[t.spec.block] += t.padded(n)
+        wire = {unit: n * quantized_bytes(numel) for unit, numel in units.items()}
+        gathered, blocks = sum(wire.values()), sum(b for unit, b in wire.items() if unit is not None)
     # Blocks are re-gathered for backward (reshard after forward) except under a pipeline; the root unit (what runs
     # outside the trunk) stays gathered from forward to backward. Without a pipeline every microbatch repeats it.
     times = 1 if layout.pp > 1 else m

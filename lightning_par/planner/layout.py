@@ -65,6 +65,8 @@ class Layout:
             without a pipeline, `lightning_par.parallel.compression`), priced once compression runs (after its exact
             start): the all-reduce carries ``(n + m) r`` elements per compressed ``n x m`` gradient, and each rank
             keeps its error (a full gradient) and the P, Q factors.
+        zero_quantized_weights: ZeRO-3 all-gathers each unit's weights as int8 codes with a scale per 256 elements
+            (`lightning_par.parallel.compression.quantized`).
     """
 
     tp: int = 1
@@ -83,6 +85,7 @@ class Layout:
     offload: bool = False
     precision: str = "bf16-mixed"
     powersgd_rank: int = 0
+    zero_quantized_weights: bool = False
 
     def __post_init__(self) -> None:
         for name in (*axes.AXIS_NAMES, "vpp", "micro_batch_size"):
@@ -200,6 +203,7 @@ class Layout:
         parts += [f"recompute={self.recompute}"] if self.recompute != "none" else []
         parts += ["offload"] if self.offload else []
         parts += [f"powersgd={self.powersgd_rank}"] if self.powersgd_rank else []
+        parts += ["int8-gather"] if self.zero_quantized_weights else []
         return " ".join(parts)
 
     def strategy_kwargs(self) -> dict[str, Any]:
@@ -218,4 +222,6 @@ class Layout:
             kwargs["offload"] = True
         if self.powersgd_rank:
             kwargs.update(grad_compression="powersgd", compression_rank=self.powersgd_rank)
+        if self.zero_quantized_weights:
+            kwargs["zero_quantized_weights"] = True
         return {k: v for k, v in kwargs.items() if v is not None}

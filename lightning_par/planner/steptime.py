@@ -216,9 +216,10 @@ def step_time(
             per = collective_time("reduce_scatter", grads, n, bw, dev)
             params = share * (2 if profile == "megatron" else stored_bytes(layout.precision))
             once = collective_time("all_gather", params, n, bw, dev)
-        else:  # FSDP2 gathers each block twice in the compute dtype
+        else:  # FSDP2 gathers each block twice in the compute dtype (int8 and a scale per 256 under qwZ)
             per = collective_time("reduce_scatter", grads, n, bw, dev)
-            per += 2 * collective_time("all_gather", share * compute_bytes(layout.precision), n, bw, dev)
+            gathered = (1 + 4 / 256) if layout.zero_quantized_weights else compute_bytes(layout.precision)
+            per += 2 * collective_time("all_gather", share * gathered, n, bw, dev)
         # ZeRO 2 and 3 reduce in every micro-batch's backward, ZeRO 0 and 1 in the one that ends the accumulation;
         # each hides behind the backward it runs in (the backward's two thirds of that compute). Megatron-LM's
         # published runs did not overlap the data-parallel all-reduce.

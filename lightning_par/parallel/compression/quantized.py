@@ -24,6 +24,13 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 BLOCK = 256  # elements per scale: 1.6 % of the int8 bytes in fp32 scales
 
 
+def quantized_bytes(numel: int, block: int = BLOCK) -> int:
+    """Bytes one rank sends for an all-gather input of ``numel`` elements: a byte per element, padded to whole
+    blocks, and a 4-byte scale per block."""
+    blocks = -(-numel // block)
+    return blocks * (block + 4)
+
+
 def quantize(flat: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """``flat``'s int8 codes, ``(blocks, block)``, and fp32 scales, ``(blocks, 1)``: each block of ``block``
     elements (the last zero-padded) divided by its largest magnitude over 127, rounded half to even."""
