@@ -7,11 +7,13 @@ one-process simulation and the exact run.
   weights with the gradient of the quantized ones (1e-5 relative; SGD, so fp32 noise stays noise), under `zero3`
   on our GPT and a Hugging Face Llama, and under `pipe_zero3` (each stage's units). The simulation is not the exact
   run (checked), so matching it says the quantization is the one described.
+- A checkpoint holds the exact weights, not the read-back ones: a run resumed from it continues the uninterrupted
+  run (1e-6).
 - The bytes the all-gathers move are the int8 codes and fp32 scales: counted in tests/test_plan_state.py against
   the planner's formula.
 - Bad settings are refused when the strategy is built, naming the fix.
 
-Spawns: one 2-rank torchrun (2 jobs), one 4-rank torchrun (1 job), one process (references and simulations).
+Spawns: one 2-rank torchrun (3 jobs), one 4-rank torchrun (1 job), one process (references and simulations).
 """
 
 from __future__ import annotations
@@ -45,8 +47,12 @@ REFS = {"zero3": "ref_gpt", "zero3_llama": "ref_llama", "pipe_zero3": "ref_tied"
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("qwz")
-    got = dict(zip(TWO, run_jobs(tmp / "n2", [{**BASE, **j} for j in TWO.values()], nproc=2, timeout=400),
-                   strict=True))  # fmt: skip
+    # The GPT run saves after every step; a run resumed from step 2 must continue it: the checkpoint holds the exact
+    # weights, not the read-back ones (FSDP2's state dict switches every unit to its shards first).
+    two = {name: {**BASE, **job} for name, job in TWO.items()}
+    two["zero3"].update(ckpt_dir=str(tmp / "ckpts"), ckpt_every_n_steps=1)
+    two["zero3_from_2"] = {**two["zero3"], "ckpt_dir": None, "resume": str(tmp / "ckpts" / "step=2.ckpt")}
+    got = dict(zip(two, run_jobs(tmp / "n2", list(two.values()), nproc=2, timeout=400), strict=True))
     got.update(zip(FOUR, run_jobs(tmp / "n4", [{**BASE, **j} for j in FOUR.values()], nproc=4, timeout=400),
                    strict=True))  # fmt: skip
     one = {}
@@ -72,6 +78,14 @@ def test_the_quantized_all_gather_matches_the_one_process_simulation(runs: dict[
     assert rel(want["losses"], exact["losses"]) > 1e-5
     with pytest.raises(AssertionError):
         params_close(want["params"], exact["params"], rtol=1e-5, atol=ATOL)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_holds_the_exact_weights_and_a_resume_continues(runs: dict[str, Any]) -> None:
+    got, ref = runs["zero3_from_2"], runs["zero3"]
+    assert got["start_step"] == 2 and got["resumed_from"] == "step=2.ckpt"
+    assert rel(got["losses"], ref["losses"][2:]) < 1e-6
+    params_close(got["params"], ref["params"], rtol=1e-6, atol=ATOL)
 
 
 def test_quantize_rounds_each_block_to_127_steps_of_its_largest_magnitude() -> None:
