@@ -287,6 +287,11 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
     PrivateAPI("torch", f"{_D}.ProcessGroup._get_sequence_number_for_group",
                "lightning_par.guards.blocked tells ranks that reached a collective from those that did not with",
                ("group_sequence_number",), lambda: _attr(f"{_D}.ProcessGroup._get_sequence_number_for_group")),
+    PrivateAPI("torch", f"{_D}.fsdp._fully_shard._fsdp_api.AllGather",
+               "lightning_par.parallel.compression.quantized sends ZeRO-3's weights as int8 through (with "
+               "FSDPModule.set_custom_all_gather)", ("FSDPAllGather",),
+               lambda: (_attr(f"{_D}.fsdp._fully_shard._fsdp_api.AllGather").allocate,
+                        _attr(f"{_D}.fsdp.FSDPModule.set_custom_all_gather"))),
     PrivateAPI("torch", f"{_D}.fsdp._fully_shard._fsdp_param_group.FSDPParamGroup._module_fqn",
                "lightning_par.guards.blocked names the FSDP2 parameters a stuck all-gather is for with",
                ("fsdp_group_name",), lambda: _sets(f"{_D}.fsdp._fully_shard._fsdp_param_group.FSDPParamGroup",

@@ -308,7 +308,8 @@ def run_job(job: Job) -> dict[str, Any]:
         groups = [m._get_fsdp_state()._fsdp_param_group for m in units]  # type: ignore[operator]
         # Each unit's parameters in its all-gather's order, on every rank (the quantized all-gather's simulation).
         where = {id(m): n for n, m in model.named_modules()}
-        runner = trainer.strategy.parallel_run.pipeline  # a pipeline's stage modules are its parts' roots
+        run = trainer.strategy.parallel_run  # None under the DeepSpeed backend
+        runner = run.pipeline if run is not None else None  # a pipeline's stage modules are its parts' roots
         roots = [m for m in (runner.model.stage_modules() if runner is not None else []) if isinstance(m, FSDPModule)]
         every = [m._get_fsdp_state()._fsdp_param_group for m in dict.fromkeys([*units, *roots])]  # type: ignore[operator]
         result["fsdp_unit_params"] = gathered_objects([

@@ -141,6 +141,15 @@ def _resolve(module: str, name: str) -> Any:
         return type(name, (), {"__new__": staticmethod(moved)})
 
 
+# ---- torch: FSDP2 -------------------------------------------------------------------------------------------------
+if TYPE_CHECKING:
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as FSDPAllGather
+else:
+    # AllGather, torch 2.11 + 2.13: the interface of a unit's all-gather that `FSDPModule.set_custom_all_gather`
+    # takes (ZeRO-3's int8 weight all-gather, lightning_par.parallel.compression.quantized).
+    FSDPAllGather = _resolve("torch.distributed.fsdp._fully_shard._fsdp_api", "AllGather")
+
+
 # ---- torch: DTensor and DeviceMesh ------------------------------------------------------------------------------
 if TYPE_CHECKING:
     from torch.distributed.tensor.placement_types import _StridedShard as StridedShard

@@ -19,7 +19,8 @@ from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
+
+from lightning_par._compat import FSDPAllGather
 
 BLOCK = 256  # elements per scale: 1.6 % of the int8 bytes in fp32 scales
 
@@ -45,7 +46,7 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, numel: int) -> torch.Te
     return (codes.float() * scale).view(-1)[:numel]
 
 
-class QuantizedAllGather(AllGather):
+class QuantizedAllGather(FSDPAllGather):  # type: ignore[misc]
     """FSDP2's all-gather of a unit's parameters, sent as int8 codes with a scale per block (module docstring).
 
     Args:
