@@ -210,3 +210,10 @@ def test_the_planner_prices_the_compressed_all_reduce_and_the_kept_error() -> No
     assert compressed.layout.strategy_kwargs()["grad_compression"] == "powersgd"
     with pytest.raises(LayoutError, match="use zero_stage=0 or 1"):
         estimate(desc, Layout(dp_shard=8, zero_stage=2, micro_batch_size=8, powersgd_rank=4), h100, 64, 2048)
+
+
+@pytest.mark.parametrize("kwargs", [{"zero_stage": 1, "grad_compression": "powersgd"},
+                                    {"zero_stage": 3, "zero_quantized_weights": True}])  # fmt: skip
+def test_deepspeed_refuses_the_native_compressions_naming_its_own(kwargs: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match=r"run on the native engines .* or DeepSpeed's own ZeRO\+\+"):
+        lightning_par.DeepSpeedParallelStrategy(**kwargs)

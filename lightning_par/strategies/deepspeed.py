@@ -178,6 +178,12 @@ class DeepSpeedParallelStrategy(ParallelStrategy):
                 "sync_every (local SGD) runs on the native ZeRO 0-2 engine, not DeepSpeed's; use "
                 "lightning_par.ParallelStrategy(zero_stage=1 or 2, dp_replicate=..., sync_every=...)"
             )
+        if self.config.grad_compression is not None or self.config.zero_quantized_weights:
+            raise ValueError(
+                "grad_compression and zero_quantized_weights run on the native engines (ZeRO 0-1, FSDP2), not "
+                "DeepSpeed's; use lightning_par.ParallelStrategy(...) with them, or DeepSpeed's own ZeRO++ "
+                "(deepspeed_config={'zero_optimization': {'zero_quantized_weights': True}})"
+            )
         self._torch_linear = torch.nn.functional.linear  # before any zero.Init of this run replaces it (`teardown`)
         # A dimension DeepSpeed cannot combine with is refused here with its reason, also once it runs natively.
         check_deepspeed_layout(self.config)
