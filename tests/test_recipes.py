@@ -34,6 +34,7 @@ EXPECTED = {  # recipe -> (zero_stage, offload, dp_replicate, tp)
     "hf_finetune": (3, False, 1, 2),
     "lora_finetune": (3, False, 1, 2),
     "powersgd": (1, False, 1, 1),
+    "zero3_int8": (3, False, 1, 1),
 }
 PP = {"pipe": 2}  # recipe -> pp; every other recipe has pp 1 (`3d` too until the world size splits it)
 
@@ -186,6 +187,7 @@ def test_every_recipe_trains_a_few_steps(tmp_path):
     assert got["3d"]["layout"]["pp"] * got["3d"]["layout"]["tp"] == 4
     assert (got["powersgd"]["layout"]["grad_compression"], got["powersgd"]["layout"]["compression_start"]) == (
         "powersgd", 2)  # its last 2 steps compressed  # fmt: skip
+    assert got["zero3_int8"]["layout"]["zero_quantized_weights"] is True
     # LoRA: the adapters alone train (r 16 on 7 projections of a 64-wide 2-layer Llama: 0 < share < 1/2).
     lora = got["lora_finetune"]
     full = got["hf_finetune"]
