@@ -122,11 +122,6 @@ class PowerSGD:
             random_seed=seed,
         )
 
-    @property
-    def compressing(self) -> bool:
-        """Whether the coming reduction is compressed (past the exact start)."""
-        return self.state.iter >= self.state.start_powerSGD_iter
-
     def all_reduce(self, index: int, flat: torch.Tensor, shapes: Sequence[torch.Size]) -> torch.Tensor:
         """The data-parallel mean of bucket ``index``'s gradients (``flat``: their concatenation, overwritten),
         compressed once past the start; blocks until it is complete.
