@@ -90,7 +90,8 @@ class ParallelConfig:
             ``matrix_approximation_rank`` and ``start_powerSGD_iter``).
         zero_quantized_weights: ZeRO-3 all-gathers the weights as int8 codes with a scale per 256 elements, as
             ZeRO++ does (`lightning_par.parallel.compression.quantized`): about a quarter of fp32's bytes; what the
-            forward and backward compute with is quantized, the shards, gradients and optimizer are not.
+            forward and backward compute with is quantized, the shards, gradients and optimizer are not. With or
+            without a pipeline and offload; not with tp, cp or ep.
         auto_dims: for registered names: the dimensions (``"pp"``, ``"tp"``, ``"cp"``, ``"dp"``, ``"ep"``) whose
             degrees `resolve` splits from the world size (`split_world`; ``"ep"``: every data-parallel rank).
             ``None``: the explicit degrees are used as given.
@@ -251,12 +252,12 @@ class ParallelConfig:
         if not isinstance(self.zero_quantized_weights, bool):
             raise ParallelConfigError(f"zero_quantized_weights={self.zero_quantized_weights!r} must be True or False")
         if self.zero_quantized_weights:
-            other = [self._degree(a) for a in ("tp", "cp", "ep") if self.uses(a)] + ["offload"] * self.offload
+            other = [self._degree(a) for a in ("tp", "cp", "ep") if self.uses(a)]
             if self.zero_stage != 3 or other:
                 raise ParallelConfigError(
                     f"zero_quantized_weights=True quantizes ZeRO-3's weight all-gather, with or without a pipeline; "
                     f"here zero_stage={self.zero_stage}{''.join(', ' + o for o in other)}: use zero_stage=3 without "
-                    "tp, cp, ep and offload, or drop zero_quantized_weights"
+                    "tp, cp and ep, or drop zero_quantized_weights"
                 )
         if self.grad_compression is None:
             return

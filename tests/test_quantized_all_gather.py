@@ -5,15 +5,15 @@ one-process simulation and the exact run.
   read them back: the run's losses (every step) and final weights must match `tests/_quantized_sim.py`, which
   applies the same quantization to the shards of FSDP2's layout in one process and steps the full-precision
   weights with the gradient of the quantized ones (1e-5 relative; SGD, so fp32 noise stays noise), under `zero3`
-  on our GPT and a Hugging Face Llama, and under `pipe_zero3` (each stage's units). The simulation is not the exact
-  run (checked), so matching it says the quantization is the one described.
+  on our GPT and a Hugging Face Llama, `zero3_offload`, and `pipe_zero3` (each stage's units). The simulation is
+  not the exact run (checked), so matching it says the quantization is the one described.
 - A checkpoint holds the exact weights, not the read-back ones: a run resumed from it continues the uninterrupted
   run (1e-6).
 - The bytes the all-gathers move are the int8 codes and fp32 scales: counted in tests/test_plan_state.py against
   the planner's formula.
 - Bad settings are refused when the strategy is built, naming the fix.
 
-Spawns: one 2-rank torchrun (3 jobs), one 4-rank torchrun (1 job), one process (references and simulations).
+Spawns: one 2-rank torchrun (4 jobs), one 4-rank torchrun (1 job), one process (references and simulations).
 """
 
 from __future__ import annotations
@@ -39,9 +39,11 @@ QWZ = {"zero_stage": 3, "zero_quantized_weights": True}
 TWO = {
     "zero3": {"model": "gpt_sgd", "strategy": QWZ},
     "zero3_llama": {"model": "hf_llama_sgd", "strategy": QWZ},
+    # the shards (and the optimizer) in host memory between uses: the gather's input comes from there
+    "zero3_offload": {"model": "gpt_sgd", "strategy": {**QWZ, "offload": True}},
 }
 FOUR = {"pipe_zero3": {"model": "gpt4_tied_sgd", "dp": 2, "strategy": {**QWZ, "pp": 2}}}
-REFS = {"zero3": "ref_gpt", "zero3_llama": "ref_llama", "pipe_zero3": "ref_tied"}
+REFS = {"zero3": "ref_gpt", "zero3_llama": "ref_llama", "zero3_offload": "ref_gpt", "pipe_zero3": "ref_tied"}
 
 
 @pytest.fixture(scope="module")
@@ -102,9 +104,9 @@ def test_quantize_rounds_each_block_to_127_steps_of_its_largest_magnitude() -> N
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"zero_stage": 2}, "use zero_stage=3 without tp, cp, ep and offload"),
+        ({"zero_stage": 2}, "use zero_stage=3 without tp, cp and ep"),
         ({"zero_stage": 3, "tp": 2}, r"zero_stage=3, tp=2: use zero_stage=3"),
-        ({"zero_stage": 3, "offload": True}, r"zero_stage=3, offload: use zero_stage=3"),
+        ({"zero_stage": 3, "cp": 2}, r"zero_stage=3, cp=2: use zero_stage=3"),
         ({"zero_stage": 3, "zero_quantized_weights": "int8"}, "must be True or False"),
     ],
 )
