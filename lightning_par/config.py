@@ -273,10 +273,10 @@ class ParallelConfig:
                 "and ZeRO-2/3 reduce-scatter gradients into shards; use zero_stage=0 or 1 (strategy 'ddp' or "
                 "'zero1'), or drop grad_compression"
             )
-        other = [self._degree(a) for a in ("tp", "cp", "ep", "dp_replicate") if self.uses(a)]
+        other = [self._degree(a) for a in ("tp", "cp", "ep") if self.uses(a)]
         if other or self.sync_every is not None:
             raise ParallelConfigError(
-                f"grad_compression='powersgd' runs on data parallelism (dp_shard, ZeRO 0-1), with or without a "
+                f"grad_compression='powersgd' runs on data parallelism (ZeRO 0-1, hybrid too), with or without a "
                 f"pipeline; {', '.join(other) or f'sync_every={self.sync_every}'} is not supported with it: drop "
                 "grad_compression, or train without those dimensions"
             )

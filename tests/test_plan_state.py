@@ -184,6 +184,9 @@ FAMILIES: dict[str, tuple[dict[str, Any], Layout, str, bool]] = {
                                         **_ONE), "adamw", False),
     "pipe_zero3_int8_gather_gpt2": (GPT2, Layout(pp=2, dp_shard=2, zero_stage=3, microbatches=2,
                                                  zero_quantized_weights=True, precision="32-true"), "adamw", False),
+    # ... over hybrid sharding's 2 replicas of 2 ZeRO-1 ranks (the mean over all 4, the gather inside a replica) ...
+    "hybrid_zero1_powersgd": (LLAMA, Layout(dp_replicate=2, dp_shard=2, zero_stage=1, powersgd_rank=2,
+                                            precision="32-true", **_ONE), "adamw", False),
     # ... and under a pipeline: GPT-2's tied embedding, a copy on each end stage, is averaged exactly.
     "pipe_zero1_powersgd_tied_gpt2": (GPT2, Layout(pp=2, dp_shard=2, zero_stage=1, microbatches=2, powersgd_rank=2,
                                                    precision="32-true"), "adamw", False),
@@ -191,7 +194,8 @@ FAMILIES: dict[str, tuple[dict[str, Any], Layout, str, bool]] = {
 # Jobs measured past their first steps: PowerSGD compresses from its third (compression_start=2), and holds its
 # error from then on, so its fourth is the steady state the planner prices.
 LATER: dict[str, dict[str, Any]] = {name: {"measured": 3, "strategy": {"compression_start": 2}}
-                                     for name in ("zero1_powersgd", "pipe_zero1_powersgd_tied_gpt2")}  # fmt: skip
+                                     for name in ("zero1_powersgd", "hybrid_zero1_powersgd",
+                                                  "pipe_zero1_powersgd_tied_gpt2")}  # fmt: skip
 
 
 def _spawn(tmp: Path, nproc: int = 4) -> list[list[dict[str, Any]]]:

@@ -26,6 +26,7 @@ Spawns: one 2-rank torchrun (9 jobs), one 4-rank torchrun (2 jobs), one process 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 from typing import Any
@@ -60,6 +61,12 @@ RUNS: dict[str, dict[str, Any]] = {
 PIPE: dict[str, dict[str, Any]] = {
     "pipe_zero1_tied": {"model": "gpt4_tied_sgd", "strategy": {"pp": 2, "zero_stage": 1, **PSGD}},
     "pipe_llama": {"model": "hf_llama_sgd", "strategy": {"pp": 2, "zero_stage": 0, **PSGD}},
+    # hybrid sharding: ZeRO-1 inside 2 replicas of 2 ranks; the mean is over all 4 (the simulation's dp 4)
+    "hybrid_zero1": {
+        "model": "gpt_sgd",
+        "dp": 4,
+        "strategy": {"dp_replicate": 2, "dp_shard": 2, "zero_stage": 1, **PSGD},
+    },
 }
 # Resumes: name -> (writer, step of its checkpoint), with PSGD on ZeRO-1 (the writers save after every step).
 RESUMES = {"zero1_from_3": ("zero1", 3), "zero1_from_exact": ("exact", 3)}
@@ -81,10 +88,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     # The bucket layout is the run's (ZeRO-0 and 1 bucket alike).
     sims = {"ddp": "sim_gpt", "zero1_llama": "sim_llama", "zero1_accum": "sim_gpt_accum",
             "zero1_buckets": "sim_gpt_buckets", "pipe_zero1_tied": "sim_pipe_tied",
-            "pipe_llama": "sim_pipe_llama"}  # fmt: skip
+            "pipe_llama": "sim_pipe_llama", "hybrid_zero1": "sim_hybrid"}  # fmt: skip
     for name, sim_name in sims.items():
-        stages = [r for r in got[name]["powersgd_ranks"] if r["dp_rank"] == 0]  # one per pipeline stage
-        sim = {"dp": 2, "rank": RANK, "start": START, "stages": stages}
+        # One state per pipeline stage (hybrid sharding's replicas hold the same buckets: one state for them).
+        first = [r for r in got[name]["powersgd_ranks"] if r["dp_rank"] == 0]
+        stages = list({json.dumps(r, sort_keys=True): r for r in first}.values())
+        dp = (RUNS.get(name) or PIPE[name]).get("dp", 2)
+        sim = {"dp": dp, "rank": RANK, "start": START, "stages": stages}
         run = RUNS.get(name) or PIPE[name]
         one[sim_name] = {"model": run["model"], "simulate_powersgd": sim, "accumulate": run.get("accumulate", 1)}
     got.update(zip(one, run_jobs(tmp / "n1", [{**BASE, **j} for j in one.values()], nproc=1, timeout=400), strict=True))
@@ -95,13 +105,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 @pytest.mark.parametrize(("name", "sim"), [("ddp", "sim_gpt"), ("zero1", "sim_gpt"), ("zero1_llama", "sim_llama"),
                                            ("zero1_accum", "sim_gpt_accum"), ("zero1_buckets", "sim_gpt_buckets"),
                                            ("pipe_zero1_tied", "sim_pipe_tied"),
-                                           ("pipe_llama", "sim_pipe_llama")])  # fmt: skip
+                                           ("pipe_llama", "sim_pipe_llama"),
+                                           ("hybrid_zero1", "sim_hybrid")])  # fmt: skip
 def test_powersgd_matches_the_one_process_simulation(runs: dict[str, Any], name: str, sim: str) -> None:
     got, want = runs[name], runs[sim]
     if name == "zero1_buckets":
         assert len(got["zero_buckets"]) > 3
     if name.startswith("pipe"):  # two stages, each its own buckets; the tied copies' mean exact
-        assert len([r for r in got["powersgd_ranks"] if r["dp_rank"] == 0]) == 2
+        assert len({json.dumps(r["buckets"]) for r in got["powersgd_ranks"]}) == 2
         assert name != "pipe_zero1_tied" or all(r["exact"] for r in got["powersgd_ranks"])
     if name == "pipe_zero1_tied":  # the first stage's copy and the last's, still one weight
         assert torch.equal(got["params"]["lm_head.weight"], got["params"]["transformer.wte.weight"])
@@ -168,7 +179,7 @@ def test_a_resume_without_the_state_starts_compression_afresh_with_a_warning(run
         ({"zero_stage": 3}, "use zero_stage=0 or 1"),
         ({"zero_stage": 1, "tp": 2}, "tp=2 is not supported with it"),
         ({"zero_stage": 1, "cp": 2}, "cp=2 is not supported with it"),
-        ({"zero_stage": 1, "dp_replicate": 2}, "dp_replicate=2 is not supported with it"),
+        ({"zero_stage": 1, "ep": 2}, "ep=2 is not supported with it"),
         ({"compression_rank": 0}, "compression_rank=0 must be an int >= 1"),
         ({"compression_start": 1}, "compression_start=1 must be an int >= 2"),
         ({"grad_compression": "topk"}, "use None or 'powersgd'"),

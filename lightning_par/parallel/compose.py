@@ -271,12 +271,12 @@ def _replicated_zero(module: nn.Module, parts: list[ModelPart], mesh: ParallelMe
     would trace (the whole model is then one unit)."""
     local_sgd = LocalSGD(config.sync_every, config.outer_lr, config.outer_momentum) if config.sync_every else None
     compression = None
-    if config.grad_compression == "powersgd":  # config: ZeRO 0-1 over dp_shard, with or without a pipeline
+    if config.grad_compression == "powersgd":  # config: ZeRO 0-1 over the data-parallel ranks, with or without pp
         # A pipeline's copies of one weight (a tied weight's two ends, what every stage holds) must stay equal, and
         # each stage compresses with a state of its own: their mean is exact.
         copies = [p for held in (cut.tied, cut.everywhere) if held is not None for p in held.params()] if cut else []
         settings = PowerSGDSettings(config.compression_rank, config.compression_start)
-        compression = PowerSGD(mesh.dp_2d.get_group(1), settings, exact=copies)
+        compression = PowerSGD(mesh.dp.get_group(), settings, exact=copies)  # every replica's ranks, as one
     return ReplicatedZero(module, mesh.dp_2d, config.zero_stage, config.bucket_cap_mb,
                           state_mesh=mesh.dp_tp if config.tp > 1 else None, exclude=exclude,
                           reduce_during_backward=cut is None,

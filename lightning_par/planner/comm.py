@@ -155,12 +155,12 @@ def _data_parallel(every: Sequence[Held], layout: Layout, n: int, r: int, m: int
     prec = layout.precision
     full = sum(t.numel * param_bytes(t.spec, prec) for t in tensors)
     padded = sum(t.padded(n) * n * param_bytes(t.spec, prec) for t in tensors)
-    if layout.powersgd_rank:  # ZeRO 0-1 over dp_shard: an all-reduce of P, Q, what is not compressed and ``exact``
+    if layout.powersgd_rank:  # ZeRO 0-1: an all-reduce of P, Q, what is not compressed and ``exact``, over all dp
         rank = layout.powersgd_rank
         sent = sum((t.numel if t.spec.name in exact else compressed_numel([t.shape], rank)) * param_bytes(t.spec, prec)
                    for t in tensors)  # fmt: skip
         shards = [("dp", "all_gather", _ring("all_gather", padded, n))] if layout.zero_stage else []
-        return [("dp", "all_reduce", _ring("all_reduce", sent, n)), *shards]
+        return [("dp", "all_reduce", _ring("all_reduce", sent, n * r)), *shards]  # over every replica's ranks
     if layout.zero_stage == 0:
         return [("dp", "all_reduce", _ring("all_reduce", full, n) + _ring("all_reduce", full, r))]
     if layout.zero_stage in (1, 2):

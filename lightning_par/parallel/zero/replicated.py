@@ -62,8 +62,9 @@ class ReplicatedZero:
         local_sgd: synchronise the ``dp_replicate`` replicas every ``local_sgd.every`` steps (DiLoCo,
             `lightning_par.parallel.local_sgd.outer`) instead of reducing gradients over them every step.
         timeout: collective timeout of the group the deferred all-gather may get (`collectives.apart_from_default`).
-        compression: PowerSGD for the gradient all-reduce (stages 0-1 over ``dp_shard``): each bucket is reduced
-            after the backward, one after another, by `PowerSGD.reduce`.
+        compression: PowerSGD for the gradient all-reduce (stages 0-1, over every data-parallel rank: hybrid
+            sharding's replicas too): each bucket is reduced after the backward, one after another, by
+            `PowerSGD.reduce`.
     """
 
     def __init__(
@@ -359,10 +360,11 @@ class ReplicatedZero:
         while len(self._pending) > keep:
             work, bucket, out = self._pending.pop(0)
             work.wait()
-            if self.reduce_replicas:
-                dist.all_reduce(out, group=self.replicate_group)
-            if self.dp > 1 and self.compression is None:  # PowerSGD hands back the mean
-                out.div_(self.dp)
+            if self.compression is None:  # PowerSGD hands back the mean over every data-parallel rank
+                if self.reduce_replicas:
+                    dist.all_reduce(out, group=self.replicate_group)
+                if self.dp > 1:
+                    out.div_(self.dp)
             if self.stage == 0:  # the all-reduced full gradients go back to the parameters
                 self.local_views.set_full_grads(bucket.params, bucket.data, out)
                 continue
