@@ -14,10 +14,8 @@ from typing import Any
 
 import lightning as L
 import torch
-import torch.nn.functional as F
+from _sim_data import loss_on, optimizer_and_scheduler, sampler_order
 from jobs import Job
-
-from lightning_par.data import ByteTextDataModule
 
 
 def simulate(job: Job, make_model: Callable[[], Any]) -> dict[str, Any]:
@@ -30,22 +28,10 @@ def simulate(job: Job, make_model: Callable[[], Any]) -> dict[str, Any]:
     L.seed_everything(job.seed, verbose=False)
     base = make_model()
     models = [copy.deepcopy(base) for _ in range(replicas)]
-    optimizers, schedulers = [], []
-    for model in models:
-        configured = model.configure_optimizers()
-        if isinstance(configured, dict):
-            optimizers.append(configured["optimizer"])
-            schedulers.append(configured["lr_scheduler"]["scheduler"])
-        else:
-            optimizers.append(configured)
-            schedulers.append(None)
+    optimizers, schedulers = zip(*(optimizer_and_scheduler(model) for model in models), strict=True)
     theta = [p.detach().clone().requires_grad_(True) for p in base.parameters()]
     outer = torch.optim.SGD(theta, lr=sim["lr"], momentum=sim["momentum"], nesterov=sim["momentum"] > 0)
-    data = ByteTextDataModule(seq_len=seq_len, batch_size=global_batch // dp, num_samples=steps * global_batch, seed=0)
-    data.setup()
-    dataset = data._train
-    # The order a DistributedSampler(shuffle=True, seed=0) gives at epoch 0; data-parallel rank i reads order[i::dp].
-    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(0)).tolist()
+    dataset, order = sampler_order(seq_len, steps * global_batch)
     per_rank = global_batch // dp
     losses = []
     for step in range(steps):
@@ -55,9 +41,7 @@ def simulate(job: Job, make_model: Callable[[], Any]) -> dict[str, Any]:
             for s in range(shards):  # the replica's ranks average their gradients: the mean of their mean losses
                 rank = r * shards + s
                 rows = order[rank::dp][step * per_rank : (step + 1) * per_rank]
-                x = torch.stack([dataset[i][0] for i in rows])
-                y = torch.stack([dataset[i][1] for i in rows])
-                rank_losses.append(F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()))
+                rank_losses.append(loss_on(model, dataset, rows))
             loss = torch.stack(rank_losses).mean()
             optimizer.zero_grad(set_to_none=True)
             loss.backward()

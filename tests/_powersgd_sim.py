@@ -20,10 +20,8 @@ from typing import Any
 import lightning as L
 import numpy as np
 import torch
-import torch.nn.functional as F
+from _sim_data import loss_on, optimizer_and_scheduler, sampler_order
 from jobs import Job
-
-from lightning_par.data import ByteTextDataModule
 
 
 def _orthonormal(m: torch.Tensor) -> torch.Tensor:
@@ -106,8 +104,7 @@ def simulate_powersgd(job: Job, make_model: Callable[[], Any]) -> dict[str, Any]
     dp, steps, global_batch, seq_len = sim["dp"], job.steps, job.global_batch, job.seq_len
     L.seed_everything(job.seed, verbose=False)
     model = make_model()
-    configured = model.configure_optimizers()
-    optimizer = configured["optimizer"] if isinstance(configured, dict) else configured
+    optimizer, _ = optimizer_and_scheduler(model)
     params = dict(model.named_parameters())
     # One state per pipeline stage (each compresses apart); a stage's always-exact parameters (a weight it holds a
     # copy of, as another stage does) and the names one process does not have (a tied weight's second copy) leave
@@ -116,22 +113,15 @@ def simulate_powersgd(job: Job, make_model: Callable[[], Any]) -> dict[str, Any]
                                                          for bucket in stage["buckets"]])
               for stage in sim["stages"]]  # fmt: skip
     samples = steps * global_batch * job.accumulate  # as the worker's loader: global_batch per micro-batch
-    data = ByteTextDataModule(seq_len=seq_len, batch_size=global_batch // dp, num_samples=samples, seed=0)
-    data.setup()
-    dataset = data._train
-    # The order a DistributedSampler(shuffle=True, seed=0) gives at epoch 0; data-parallel rank i reads order[i::dp].
-    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(0)).tolist()
+    dataset, order = sampler_order(seq_len, samples)
     # A step's micro-batches together: the mean of their equal-sized means is the mean over all their samples.
     per_rank = global_batch // dp * job.accumulate
     losses = []
     for step in range(steps):
         grads, rank_losses = [], []
         for rank in range(dp):
-            rows = order[rank::dp][step * per_rank : (step + 1) * per_rank]
-            x = torch.stack([dataset[i][0] for i in rows])
-            y = torch.stack([dataset[i][1] for i in rows])
             model.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+            loss = loss_on(model, dataset, order[rank::dp][step * per_rank : (step + 1) * per_rank])
             loss.backward()
             grads.append({n: p.grad.detach().clone() for n, p in params.items() if p.grad is not None})
             rank_losses.append(float(loss))

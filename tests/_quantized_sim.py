@@ -19,9 +19,8 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
+from _sim_data import loss_on, optimizer_and_scheduler, sampler_order
 from jobs import Job
-
-from lightning_par.data import ByteTextDataModule
 
 BLOCK = 256
 
@@ -55,25 +54,16 @@ def simulate_quantized(job: Job, make_model: Callable[[], Any]) -> dict[str, Any
     world, units = sim["world"], sim["units"]
     L.seed_everything(job.seed, verbose=False)
     model = make_model()
-    configured = model.configure_optimizers()
-    optimizer = configured["optimizer"] if isinstance(configured, dict) else configured
+    optimizer, _ = optimizer_and_scheduler(model)
     params = dict(model.named_parameters())
     # A tied weight's other names: under a pipeline each end stage gathers (and quantizes) its own copy in units of
     # its own, so each use computes with its own values; the step sums both uses' gradients into the one weight.
     first = {id(p): n for n, p in reversed(list(model.named_parameters(remove_duplicate=False)))}
     aliases = {n: first[id(p)] for n, p in model.named_parameters(remove_duplicate=False) if n not in params}
-    samples = job.steps * job.global_batch
-    data = ByteTextDataModule(seq_len=job.seq_len, batch_size=job.global_batch, num_samples=samples, seed=0)
-    data.setup()
-    dataset = data._train
-    # The order a DistributedSampler(shuffle=True, seed=0) gives at epoch 0: the global batch of step k is
-    # perm[k*B:(k+1)*B], however the data-parallel ranks split it.
-    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(0)).tolist()
+    dataset, order = sampler_order(job.seq_len, job.steps * job.global_batch)  # step k's global batch: k*B:(k+1)*B
     losses = []
     for step in range(job.steps):
         rows = order[step * job.global_batch : (step + 1) * job.global_batch]
-        x = torch.stack([dataset[i][0] for i in rows])
-        y = torch.stack([dataset[i][1] for i in rows])
         exact = {n: p.detach().clone() for n, p in params.items()}
         every = {**params, **{a: params[n] for a, n in aliases.items()}}
         copies = {}
@@ -86,7 +76,7 @@ def simulate_quantized(job: Job, make_model: Callable[[], Any]) -> dict[str, Any
                 else:
                     params[n].copy_(value)
         optimizer.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+        loss = loss_on(model, dataset, rows)
         loss.backward()
         with torch.no_grad():
             for n, copy in copies.items():  # the tie back, both uses' gradients in the one weight

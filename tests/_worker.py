@@ -327,7 +327,8 @@ def run_job(job: Job) -> dict[str, Any]:
                                       (compression.state.total_numel_before_compression,
                                        compression.state.total_numel_after_compression))  # fmt: skip
         # Every rank's buckets and always-exact parameters (a pipeline's stages compress apart), for the simulation.
-        result["powersgd_ranks"] = gathered_objects(None if compression is None else {
+        # (Every rank has the same config, so all of them gather, or none: no collective for other jobs.)
+        result["powersgd_ranks"] = None if compression is None else gathered_objects({
             "dp_rank": zero.rank, "buckets": result["zero_buckets"],
             "exact": sorted(names[p] for p in compression.exact)})  # fmt: skip
         # Which param groups step with torch's multi-tensor kernels (ZeRO-3 and tp switch DTensor-only groups).

@@ -163,13 +163,9 @@ class PowerSGD:
         rest = [(t, d.shape) for t, d, e in zip(parts, data, exact) if not e]
         # The hook's state for this bucket covers the others alone, the same every step.
         squeezed = self.all_reduce(index, torch.cat([t for t, _ in rest]), [s for _, s in rest]) if rest else plain
-        pieces, i, j = [], 0, 0
-        for t, e in zip(parts, exact):
-            source = plain if e else squeezed
-            k = i if e else j
-            pieces.append(source[k : k + t.numel()])
-            i, j = (i + t.numel(), j) if e else (i, j + t.numel())
-        return torch.cat(pieces)
+        means = iter(torch.split(plain, [t.numel() for t, e in zip(parts, exact) if e]))
+        approximations = iter(torch.split(squeezed, [t.numel() for t, _ in rest]))
+        return torch.cat([next(means) if e else next(approximations) for e in exact])
 
     def step_done(self) -> None:
         """One optimizer step's gradients are reduced: count it (the exact start, the Q draws)."""
