@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -105,11 +106,30 @@ def run_jobs(tmp: Path, jobs: list[dict[str, Any]], nproc: int = 1, timeout: flo
     return _run_jobs(tmp, jobs, nproc, timeout)
 
 
+_NATIVE_CRASH = (-signal.SIGABRT, -signal.SIGSEGV, -signal.SIGBUS)
+
+
+def _launch(target: str, argv: list[str], nproc: int, *, env: dict[str, str], cwd: Path, timeout: float) -> Launched:
+    """`forked.launch`, run once more when a rank died of a native crash.
+
+    A rank killed by glibc's heap check (``malloc(): unaligned tcache chunk detected``, SIGABRT) was seen in about
+    one clean-clone run in five, in different spawns, and never reproduced alone (docs/testing.md, "A native crash
+    in a forked rank"). Such a job runs once more, and pytest's summary says so with the crashed rank's output; a
+    second crash fails the test, and any other failure is reported at once.
+    """
+    done = launch(target, argv, nproc, env=env, cwd=cwd, timeout=timeout)
+    if done.returncode in _NATIVE_CRASH and not done.timed_out:
+        warnings.warn(f"a forked rank crashed ({done.returncode}); the job runs again:\n{done.stdout[-3000:]}",
+                      stacklevel=3)  # fmt: skip
+        done = launch(target, argv, nproc, env=env, cwd=cwd, timeout=timeout)
+    return done
+
+
 def _run_jobs(tmp: Path, jobs: list[dict[str, Any]], nproc: int, timeout: float) -> list[dict[str, Any]]:
     out = tmp / f"result_{nproc}_{abs(hash(json.dumps(jobs, sort_keys=True)))}.pt"
     spec = tmp / (out.stem + ".json")
     write_spec(spec, out, jobs)
-    done = launch("_worker:main", [str(spec)], nproc, env=worker_env(), cwd=tmp, timeout=capped(timeout))
+    done = _launch("_worker:main", [str(spec)], nproc, env=worker_env(), cwd=tmp, timeout=capped(timeout))
     if done.returncode != 0 or not out.exists():
         why = f"ran past {capped(timeout):.0f} s" if done.timed_out else f"failed ({done.returncode})"
         raise AssertionError(f"worker {why}:\n{done.stdout[-10000:]}")
@@ -126,7 +146,7 @@ def write_spec(spec: Path, out: Path, jobs: list[dict[str, Any]]) -> None:
 def run_forked(script: Path, argv: list[str], nproc: int, *, cwd: Path, timeout: float,
                env: Optional[dict[str, str]] = None) -> Launched:  # fmt: skip
     """Run a test script's ``__main__`` as ``nproc`` forked torchrun-style ranks (tests/forked.py)."""
-    return launch(str(script), argv, nproc, env=env or worker_env(), cwd=cwd, timeout=capped(timeout))
+    return _launch(str(script), argv, nproc, env=env or worker_env(), cwd=cwd, timeout=capped(timeout))
 
 
 def split_gradients(tmp: Path, models: tuple[str, ...]) -> dict[str, dict[str, Any]]:

@@ -3,6 +3,7 @@ failing rank that must end the whole job with its own error instead of hanging."
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import sys
@@ -150,3 +151,32 @@ def test_children_do_not_inherit_what_a_launcher_set(monkeypatch):
     env = worker_env()
     assert not launcher_keys(env) and "MASTER_PORT" not in env and env["LP_KEEP"] == "1"
     assert env["OMP_NUM_THREADS"] == "1" and env["WANDB_MODE"] == "offline"
+
+
+_CRASH_ONCE = """
+import os, sys
+from pathlib import Path
+marks = Path(sys.argv[1])
+rank = os.environ["RANK"]
+seen = len(list(marks.glob(f"attempt_*_{rank}")))  # this rank's earlier attempts
+(marks / f"attempt_{seen}_{rank}").touch()
+if rank == "1" and seen < int(sys.argv[2]):
+    os.abort()  # what glibc's heap check does
+if sys.argv[3] == "fail":
+    raise SystemExit(3)
+"""
+
+
+@pytest.mark.parametrize(("crashes", "then", "code", "attempts"),
+                         [(1, "pass", 0, 2), (2, "pass", -6, 2), (0, "fail", 3, 1)])  # fmt: skip
+def test_a_forked_job_runs_again_only_after_a_native_crash(tmp_path, crashes, then, code, attempts):
+    # tests/launch.py `_launch` (docs/testing.md, "A native crash in a forked rank"): one SIGABRT is run again with
+    # a warning, a second is the result, and an ordinary failure is never run again.
+    from launch import run_forked
+
+    script = tmp_path / "crash.py"
+    script.write_text(_CRASH_ONCE)
+    with pytest.warns(UserWarning, match="crashed") if crashes else contextlib.nullcontext():
+        done = run_forked(script, [str(tmp_path), str(crashes), then], 2, cwd=tmp_path, timeout=60)
+    assert done.returncode == code, done.stdout
+    assert len(list(tmp_path.glob("attempt_*_1"))) == attempts
