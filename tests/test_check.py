@@ -165,3 +165,18 @@ def test_pipelines_name_the_cuts_skip_connections_leave_and_refuse_when_none_is_
     unet = _verdicts("skip_unet", strategies=["pipe", "pipe_zero1", "zero3"])
     assert not unet["pipe"].ok and unet["zero3"].ok and unet["pipe_zero1"].reason == unet["pipe"].reason
     assert "No cut of this trunk keeps the values: train without pipeline parallelism" in unet["pipe"].reason
+
+
+def test_blocks_nested_in_lists_of_lists_are_the_trunk():
+    # x-transformers: each depth is a list [norms, attention or feed-forward, residual]; the trunk is each depth's
+    # one composite module. tp plans both structures (trained with parity: test_tp_families.py::xt_decoder), zero3
+    # wraps each one, and a pipeline is refused: the norms and residual adds between them run in the decoder's loop.
+    from lightning_par.blocks.trunk import find_trunk
+
+    trunk = find_trunk(MODELS["xt_decoder"]())
+    assert trunk is not None and trunk.path == "model.attn_layers.layers"
+    assert trunk.names == tuple(f"model.attn_layers.layers.{i}.1" for i in range(4))
+    got = _verdicts("xt_decoder", strategies=["tp", "pipe", "zero3"])
+    assert got["tp"].ok and "over 2 block structures" in got["tp"].reason, got["tp"].reason
+    assert got["zero3"].ok and "4 blocks of model.attn_layers.layers" in got["zero3"].reason
+    assert not got["pipe"].ok and "No cut of this trunk keeps the values" in got["pipe"].reason

@@ -83,6 +83,10 @@ FAMILIES = {
     # A norm inside the experts of an MoE layer kept whole (Ergo's post_expert_norm): a replicated style with no
     # shape entry, which the divisibility check used to look up (KeyError before the first step).
     "hf_ergo": {"model": "zoo:ergo"},
+    # x-transformers: each depth a list [norms, attention or feed-forward, residual] in a list of depths (blocks
+    # nested in lists of lists); its head split is an einops layer with the head count built in, so the attention's
+    # values differ on a rank's slice and it runs on gathered outputs; the feed-forward is split.
+    "xt_decoder": {"model": "xt_decoder"},
     # With per-head q/k norms it is refused (below); the fix the refusal names trains exactly.
     "nano_gpt_qk_norm_fix": {"model": "nano_gpt_qk_norm", "strategy": {"tp": 2, "tp_plan": {
         "transformer.h.*.attn.c_attn": "replicate", "transformer.h.*.attn.c_proj": "replicate"}}},
@@ -100,6 +104,7 @@ SPLIT = {
     "hf_falcon_mqa": r"\.h\.\d+\.(self_attention\.(query_key_value|dense)|mlp\.dense_(h_to_4h|4h_to_h))\.weight$",
     "mqa_lm": r"^h\.\d+\.(attn\.[qkv]|attn\.proj|fc|proj)\.weight$|^h\.\d+\.(attn\.[qkv]|fc)\.bias$",
     "user_inner_norm": r"^layers\.\d+\.fn\.(q|k|v|out|up|down)\.weight$|^layers\.\d+\.fn\.(q|v|up)\.bias$",
+    "xt_decoder": r"\.layers\.\d\.1\.(to_[qkv]|to_out|ff\.0\.0|ff\.2)\.weight$|\.layers\.\d\.1\.ff\.0\.0\.bias$",
     "hf_bert": r"\.layer\.\d+\.(attention\.self\.(query|key|value)|attention\.output\.dense|intermediate\.dense|"
     r"output\.dense)\.weight$|\.layer\.\d+\.(attention\.self\.(query|key|value)|intermediate\.dense)\.bias$",
 }
@@ -207,7 +212,8 @@ def test_code_assuming_full_widths_runs_on_gathered_outputs_and_says_so(runs: di
     # line names the region whose code runs whole.
     for name, region in (("nano_gpt", "transformer.h.*.attn"), ("nano_lm", "h.*.attn"),
                          ("hf_codegen", "model.transformer.h.*.attn"),
-                         ("hf_bloom", "model.transformer.h.*.self_attention")):  # fmt: skip
+                         ("hf_bloom", "model.transformer.h.*.self_attention"),
+                         ("xt_decoder", "model.attn_layers.layers.{0.1,2.1}")):  # fmt: skip
         (line,) = [x for x in runs["tp"][name]["startup"] if x.startswith("tensor parallel tp=2")]
         assert line.endswith(f"; run on the full width (outputs gathered): {region}"), line
     assert not any("run on the full width" in x for x in runs["tp"]["hf_gpt2"]["startup"])  # split by heads

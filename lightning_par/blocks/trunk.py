@@ -83,13 +83,22 @@ def find_trunk(model: nn.Module) -> Trunk | None:
             continue
         if len(children) < 2:
             continue
+        prefix = f"{path}." if path else ""
+        if isinstance(children[0][1], _CONTAINERS):
+            # Lists of lists (x-transformers: each depth a list of [norms, block, residual]): the trunk is each
+            # entry's one composite module with matrices, when every entry has exactly one.
+            nested = _nested_blocks(children, prefix)
+            if nested is not None:
+                score = (True, sum(_numel(b) for b in nested.blocks))
+                if best is None or score > best[0]:
+                    best = (score, nested)
+            continue
         kinds = Counter(type(child) for _, child in children)
         kind, count = kinds.most_common(1)[0]
         # A trunk is made of one repeated block class (a final norm in a Sequential must not count).
-        if count < 2 or isinstance(children[0][1], _CONTAINERS):
+        if count < 2:
             continue
         picked = [(name, child) for name, child in children if type(child) is kind]
-        prefix = f"{path}." if path else ""
         trunk = Trunk(path, tuple(prefix + name for name, _ in picked), tuple(child for _, child in picked))
         composite = any(True for _ in picked[0][1].children())
         score = (composite, sum(_numel(child) for _, child in picked))
@@ -98,6 +107,23 @@ def find_trunk(model: nn.Module) -> Trunk | None:
     if best is None:
         return None if single is None else single[1]
     return best[1]
+
+
+def _nested_blocks(children: list[tuple[str, nn.Module]], prefix: str) -> Trunk | None:
+    """The blocks of a container whose children are containers, one block per child: the child's only composite
+    module with matrices (the rest being norms, residual functions, ``None``); ``None`` when a child has none or
+    several, or the blocks are fewer than two."""
+    names, blocks = [], []
+    for name, entry in children:
+        if not isinstance(entry, _CONTAINERS):
+            return None
+        inner = [(n, m) for n, m in entry.named_children() if not isinstance(m, _CONTAINERS)
+                 and any(True for _ in m.children()) and any(p.dim() >= 2 for p in m.parameters())]  # fmt: skip
+        if len(inner) != 1:
+            return None
+        names.append(f"{prefix}{name}.{inner[0][0]}")
+        blocks.append(inner[0][1])
+    return Trunk(prefix.rstrip("."), tuple(names), tuple(blocks)) if len(blocks) >= 2 else None
 
 
 def trunk_at(model: nn.Module, path: str) -> Trunk | None:
@@ -112,8 +138,10 @@ def trunk_at(model: nn.Module, path: str) -> Trunk | None:
     children = list(container.named_children())
     if not children:
         return None
-    kind = Counter(type(child) for _, child in children).most_common(1)[0][0]
     prefix = f"{path}." if path else ""
+    if isinstance(children[0][1], _CONTAINERS):
+        return _nested_blocks(children, prefix)
+    kind = Counter(type(child) for _, child in children).most_common(1)[0][0]
     picked = [(name, child) for name, child in children if type(child) is kind]
     return Trunk(path, tuple(prefix + name for name, _ in picked), tuple(child for _, child in picked))
 

@@ -195,9 +195,9 @@ def _groups(trunk: Trunk) -> dict[str, list[int]]:
     for i, block in enumerate(trunk.blocks):
         by_sig.setdefault(repr(_signature(block)), []).append(i)
     head = f"{trunk.path}." if trunk.path else ""
-    if len(by_sig) == 1:
-        return {f"{head}*": list(range(len(trunk.blocks)))}
     keys = [n[len(head) :] for n in trunk.names]
+    if len(by_sig) == 1 and not any("." in k for k in keys):  # blocks nested in lists of lists: explicit keys
+        return {f"{head}*": list(range(len(trunk.blocks)))}
 
     def token(idx: list[int]) -> str:
         return keys[idx[0]] if len(idx) == 1 else "{" + ",".join(keys[j] for j in idx) + "}"

@@ -23,8 +23,8 @@ from lightning_par.parallel.tensor.plan_affine import Affine
 from lightning_par.parallel.tensor.plan_types import STYLES, HeadInfo, ModuleShape
 
 _HEAD_DIM = ("head_dim", "head_size", "attention_head_size", "d_head")
-_N_HEADS = ("n_heads", "n_head", "num_heads", "num_attention_heads")
-_N_KV = ("n_kv_heads", "num_key_value_heads", "n_kv_head", "num_kv_heads", "n_head_kv", "n_query_groups")
+_N_HEADS = ("n_heads", "n_head", "num_heads", "num_attention_heads", "heads")
+_N_KV = ("n_kv_heads", "num_key_value_heads", "n_kv_head", "num_kv_heads", "n_head_kv", "n_query_groups", "kv_heads")
 _SPLITS = ("split", "split_with_sizes", "chunk", "tensor_split", "unsafe_split")
 _WIDTH = ("n_embd", "hidden_size", "embed_dim", "all_head_size")
 # Query heads per key/value head (Hugging Face's num_key_value_groups): changes only when k/v heads are replicated.
