@@ -168,7 +168,6 @@ class ScalarsLM(_TinyLM):
         self.emb = torch.nn.Embedding(256, 32)
         self.blocks = torch.nn.ModuleList(_MixBlock() for _ in range(4))
         self.norm, self.head = torch.nn.LayerNorm(32), torch.nn.Linear(32, 256)
-        # (1,), not 0-dim: the ZeRO engine refuses a 0-dim parameter (a limit of its own: docs/strategies.md).
         self.scale = torch.nn.Parameter(torch.ones(1))
         self.lambdas = torch.nn.Parameter(torch.tensor([[1.0, 0.5]] * 4))
         self.out_scale = torch.nn.Parameter(torch.ones(1))
@@ -181,6 +180,34 @@ class ScalarsLM(_TinyLM):
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+class _GateBlock(_MixBlock):
+    """`_MixBlock` whose MLP output is scaled by a 0-dim gate of its own (ReZero's ``alpha``, here starting at 1)."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__(d)
+        self.gate = torch.nn.Parameter(torch.tensor(1.0))
+
+    def forward(self, h: torch.Tensor, x0: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
+        h = lam[0] * h + lam[1] * x0
+        return h + self.gate * self.down(torch.nn.functional.gelu(self.up(self.norm(h))))
+
+
+class Scalars0LM(ScalarsLM):
+    """`ScalarsLM` with 0-dim parameters, as users write them: the scales on the model, a gate in every block, and a
+    temperature the forward never uses (no gradient: one process leaves it untouched)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_GateBlock() for _ in range(4))
+        self.scale = torch.nn.Parameter(torch.tensor(1.0))
+        self.out_scale = torch.nn.Parameter(torch.tensor(1.0))
+        self.unused = torch.nn.Parameter(torch.tensor(0.5))
+
+    def configure_optimizers(self) -> Any:
+        # Weight decay would move the unused parameter if it got a (zero) gradient.
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
 
 
 class AdafactorGPT(GPT):
@@ -470,6 +497,7 @@ MODELS: dict[str, Any] = _Models({
     "skip_groups": lambda: SkipLM("groups"),  # skip connections inside groups of blocks: one cut keeps the values
     "skip_unet": lambda: SkipLM("unet"),  # skip connections across every cut: pipelines refuse it
     "scalars_lm": ScalarsLM,  # learned scalars on the model that holds the blocks (modded-nanoGPT)
+    "scalars0_lm": Scalars0LM,  # 0-dim parameters: on the model, in every block, and one never used
     "torch_encoder": TorchEncoderLM,  # nn.TransformerEncoder: its forward reads the first layer's attributes
     "torch_causal_encoder": lambda: _mha_models().CausalEncoderLM(),  # sequence-first, float mask, is_causal
     "user_mha": lambda: _mha_models().UserMHALM(),  # nn.MultiheadAttention called by the user's blocks

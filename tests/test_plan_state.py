@@ -133,6 +133,19 @@ def test_zero_traffic_is_the_papers_when_nothing_pads() -> None:
     assert tp == []  # no row-parallel projection, nothing tp reduces
 
 
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_a_0_dim_parameter_is_whole_on_every_rank_under_every_zero_stage(zero: int) -> None:
+    # lightning_par.parallel.zero.scalars: not sharded (a 4-byte value), its gradient averaged apart.
+    specs = [ParamSpec("w", (8, 4), block=0), ParamSpec("s", (), block=0)]
+    layout = Layout(dp_shard=4, zero_stage=zero, precision="32-true")
+    both = state_bytes(specs, layout, optimizer="sgd")
+    alone = state_bytes(specs[:1], layout, optimizer="sgd")
+    assert (both.parameters - alone.parameters, both.gradients - alone.gradients) == (4, 4)
+    assert both.optimizer - alone.optimizer == 4  # its momentum, whole
+    traffic = {t[0]: t[2] for t in comm_terms(specs, layout, 8, 4, 4)}
+    assert traffic["scalars"] == 2 * 8 * 3 / 4  # its value and a flag, fp32, a ring all-reduce over 4 ranks
+
+
 def test_errors_name_the_fix() -> None:
     specs = _toy()
     with pytest.raises(ValueError, match="optimizer='lion' is not modelled; choose one of"):
@@ -145,8 +158,6 @@ def test_errors_name_the_fix() -> None:
         state_bytes(specs, Layout(dp_shard=2, zero_stage=3), framework="megatron")
     with pytest.raises(LayoutError, match="tp=3 does not divide dim 0"):
         state_bytes([ParamSpec("w", (10, 4), tp_dim=0, block=0)], Layout(tp=3))
-    with pytest.raises(ValueError, match=r"0-dim scalar.*shape \(1,\)"):
-        state_bytes([ParamSpec("s", (), block=0)], Layout(dp_shard=2, zero_stage=1))
     with pytest.raises(ValueError, match="give exactly one of block="):
         ParamSpec("w", (4,), block=0, end="first")
     with pytest.raises(LayoutError, match="set vpp=2"):

@@ -47,6 +47,7 @@ from lightning_par.parallel.tensor.plan import TPPlan, infer_tp_plan
 from lightning_par.parallel.tensor.plan_validate import validate_tp
 from lightning_par.parallel.zero.fsdp import StepRoot, apply_fsdp, sync_module_states
 from lightning_par.parallel.zero.replicated import ReplicatedZero
+from lightning_par.parallel.zero.scalars import ScalarGrads, scalar_params
 
 
 def parallelize(
@@ -110,7 +111,10 @@ def parallelize(
                                        compiled=config.compile)  # fmt: skip
         if config.compile:
             apply_compile(part.block_modules)
-    exclude = experts.params if experts is not None else []
+    exclude = list(experts.params) if experts is not None else []
+    # 0-dim parameters stay whole on every rank under every ZeRO stage, their gradients averaged apart (scalars.py).
+    scalars = _scalars(module, mesh, config, exclude)
+    exclude += [p for _, p in scalars.named]
     if config.zero_stage == 3:
         _fsdp(parts, mesh, config, exclude, param_dtype, reduce_dtype, pipelined=cut is not None)
     # 7. A meta-built model gets storage for what this rank holds, and values: initialised, or read from `pretrained`.
@@ -125,7 +129,7 @@ def parallelize(
     model = parts[0].root if config.zero_stage == 3 and cut is None else module
     norm_groups = (mesh.root.get_group("pp"),) if cut is not None else ()
     return ParallelRun(model=model, module=module, zero=zero, experts=experts, norm_groups=norm_groups,
-                       pipeline=runner, notes=tuple(notes))  # fmt: skip
+                       pipeline=runner, notes=tuple(notes), scalars=scalars)  # fmt: skip
 
 
 def _sync_replicas(module: nn.Module, mesh: ParallelMesh, tensor_parallel: bool) -> None:
@@ -282,6 +286,15 @@ def _replicated_zero(module: nn.Module, parts: list[ModelPart], mesh: ParallelMe
                           reduce_during_backward=cut is None,
                           blocks=parts[0].block_modules if cut is None and not config.compile else (),
                           local_sgd=local_sgd, timeout=timeout, compression=compression)  # fmt: skip
+
+
+def _scalars(module: nn.Module, mesh: ParallelMesh, config: ParallelConfig, exclude: list[nn.Parameter]) -> ScalarGrads:
+    """This rank's trainable 0-dim parameters, averaged over the ranks the others are averaged over: every
+    data-parallel rank (``cp`` inside ``dp_shard``), or each replica's ``dp_shard`` alone under local SGD."""
+    dp = mesh.dp_2d
+    groups = [dp.get_group(1)] if config.sync_every else [dp.get_group(0), dp.get_group(1)]
+    size = dp.size(1) if config.sync_every else dp.size()
+    return ScalarGrads(scalar_params(module, exclude), groups, size)
 
 
 def _trunk(module: nn.Module, config: ParallelConfig) -> Optional[Trunk]:

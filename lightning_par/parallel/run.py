@@ -33,6 +33,7 @@ from lightning_par.parallel.experts.apply import ExpertParallel
 from lightning_par.parallel.optimizers import check_dtensor_step, prefer_foreach_on_dtensors
 from lightning_par.parallel.pipeline.schedule import PipelineRunner
 from lightning_par.parallel.zero.replicated import ReplicatedZero
+from lightning_par.parallel.zero.scalars import ScalarGrads
 
 Distribute = Callable[[str, Any], Any]  # (qualified name, tensor) -> the tensor as its DTensor, for checkpoints
 
@@ -50,6 +51,7 @@ class ParallelRun:
         norm_groups: groups over which ranks hold different parameters altogether (pipeline stages): the gradient
             norm sums its squares over them too.
         notes: start-up log lines of set-up (meta-device construction, pretrained weights read).
+        scalars: the 0-dim parameters, whole on every rank, with their gradient averaging (`zero.scalars`).
     """
 
     model: nn.Module
@@ -59,6 +61,7 @@ class ParallelRun:
     pipeline: Optional[PipelineRunner] = None
     norm_groups: tuple[dist.ProcessGroup, ...] = ()
     notes: tuple[str, ...] = ()
+    scalars: Optional[ScalarGrads] = None
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> list[str]:
         """Make an optimizer built over the module's parameters step on this rank's shards (in place).
@@ -117,6 +120,8 @@ class ParallelRun:
             self.zero.after_backward(accumulating)
         if self.experts is not None and not accumulating:
             self.experts.reduce_gradients()
+        if self.scalars is not None and not accumulating:
+            self.scalars.reduce()
 
     def optimizer_owner(self) -> tuple[nn.Module, Optional[Distribute]]:
         """The module whose parameter names key the optimizer's state, and how to wrap that state for DCP."""

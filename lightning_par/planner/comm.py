@@ -91,7 +91,10 @@ def comm_terms(
     terms: list[tuple[str, str, float]] = []
     copies = pipeline_copies(specs, layout, pp_rank, every) if layout.powersgd_rank else set()
     terms += _data_parallel([t for t in every if t.in_zero], layout, n, r, m, copies)
-    experts = sum(t.numel * param_bytes(t.spec, prec) for t in tensors if not t.in_zero)
+    experts = sum(t.numel * param_bytes(t.spec, prec) for t in tensors if not t.in_zero and t.shape)
+    scalars = sum(1 for t in tensors if not t.shape)
+    if scalars:  # their fp32 values and a flag each, over dp_replicate then dp_shard (zero/scalars.py)
+        terms += [("scalars", "all_reduce", _ring("all_reduce", 8 * scalars, size)) for size in (r, n)]
     if experts:
         terms.append(("experts", "all_reduce", _ring("all_reduce", experts, layout.dp // layout.ep)))
         if layout.tp > 1:  # each tp rank computed a share of the tokens (etp = 1): summed over tp too

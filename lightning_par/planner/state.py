@@ -80,7 +80,8 @@ class Held:
     Args:
         spec: the parameter.
         shape: its shape on this rank.
-        in_zero: the ZeRO engine manages it (experts are reduced by expert parallelism instead).
+        in_zero: the ZeRO engine manages it (experts are reduced by expert parallelism instead; 0-dim parameters
+            stay whole, their gradients averaged apart).
     """
 
     spec: ParamSpec
@@ -197,8 +198,9 @@ def held(specs: Sequence[ParamSpec], layout: Layout, pp_rank: int = 0, framework
             if s.expert[0] // (s.expert[1] // layout.ep):
                 continue  # ep rank 0's whole experts stand for every ep rank's: each holds E/ep of them
         # Experts leave ZeRO only when ep > 1: at ep = 1 expert parallelism shards nothing and excludes nothing.
+        # 0-dim parameters stay whole on every rank (`lightning_par.parallel.zero.scalars`).
         expert = s.expert_axis is not None or s.expert is not None
-        out.append(Held(s, tuple(shape), not (expert and layout.ep > 1)))
+        out.append(Held(s, tuple(shape), not (expert and layout.ep > 1) and len(shape) > 0))
     return out
 
 
@@ -222,7 +224,7 @@ def state_bytes(
             full gradients through all but the last.
 
     Raises:
-        ValueError: an unknown optimizer or framework, a 0-dim parameter under ZeRO, or a layout the framework does
+        ValueError: an unknown optimizer or framework, or a layout the framework does
             not run; `LayoutError` when a degree does not divide a tensor.
     """
     if optimizer not in OPTIMIZERS:
@@ -275,8 +277,6 @@ def _rank_bytes(
             stored, whole = t.spec.quantised  # ZeRO-3 splits all but the parts each shard carries whole
             params += (stored - whole) // n + whole if t.in_zero and zero == 3 else stored
             continue
-        if t.in_zero and len(t.shape) == 0 and zero:
-            raise ValueError(f"{t.spec.name} is a 0-dim scalar, which ZeRO cannot shard; store it with shape (1,)")
         sharded = t.in_zero and zero >= 1
         params += (t.padded(n) if t.in_zero and zero == 3 else t.numel) * size
         if not t.spec.trainable:

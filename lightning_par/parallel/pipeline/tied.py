@@ -108,7 +108,15 @@ def _mark_replicas(params: Sequence[nn.Parameter], masters: Optional[dict[nn.Par
 
 @torch.no_grad()
 def _sum_grads(params: Sequence[nn.Parameter], group: dist.ProcessGroup) -> None:
-    for p in params:
+    if not params:
+        return
+    # A copy no stage used this step (a parameter the forward skips) keeps no gradient, as in one process, where an
+    # optimizer then leaves it alone; one that some stage used gets zeros on the others before the sum.
+    used = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=params[0].device)
+    dist.all_reduce(used, group=group)
+    for p, seen in zip(params, used.tolist()):
+        if seen == 0:
+            continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         dist.all_reduce(dtensors.local(p.grad), group=group)

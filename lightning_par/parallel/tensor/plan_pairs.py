@@ -22,13 +22,15 @@ from lightning_par.parallel.tensor.adapters import adapter_leaves, find_adapters
 from lightning_par.parallel.tensor.plan_affine import Affine
 from lightning_par.parallel.tensor.plan_types import STYLES, HeadInfo, ModuleShape
 
-_HEAD_DIM = ("head_dim", "head_size", "attention_head_size", "d_head")
-_N_HEADS = ("n_heads", "n_head", "num_heads", "num_attention_heads", "heads")
-_N_KV = ("n_kv_heads", "num_key_value_heads", "n_kv_head", "num_kv_heads", "n_head_kv", "n_query_groups", "kv_heads")
+_HEAD_DIM: tuple[str, ...] = ("head_dim", "head_size", "attention_head_size", "d_head")
+_N_HEADS: tuple[str, ...] = ("n_heads", "n_head", "num_heads", "num_attention_heads", "heads")
+_N_KV: tuple[str, ...] = (
+    "n_kv_heads", "num_key_value_heads", "n_kv_head", "num_kv_heads", "n_head_kv", "n_query_groups", "kv_heads",
+)  # fmt: skip
 _SPLITS = ("split", "split_with_sizes", "chunk", "tensor_split", "unsafe_split")
-_WIDTH = ("n_embd", "hidden_size", "embed_dim", "all_head_size")
+_WIDTH: tuple[str, ...] = ("n_embd", "hidden_size", "embed_dim", "all_head_size")
 # Query heads per key/value head (Hugging Face's num_key_value_groups): changes only when k/v heads are replicated.
-_GROUPS = ("num_key_value_groups", "n_rep", "num_queries_per_kv", "q_per_kv")
+_GROUPS: tuple[str, ...] = ("num_key_value_groups", "n_rep", "num_queries_per_kv", "q_per_kv")
 _QKV_HINTS = (("q", "wq", "q_proj", "query"), ("k", "wk", "k_proj", "key"), ("v", "wv", "v_proj", "value"))
 
 

@@ -107,8 +107,8 @@ class ReplicatedZero:
                 continue
             if p.dim() == 0:
                 raise ValueError(
-                    f"parameter {name} is a 0-dim scalar, which ZeRO cannot shard along dim 0; store it with "
-                    "shape (1,) instead"
+                    f"parameter {name} is a 0-dim scalar, which ZeRO cannot shard along dim 0; pass it in exclude "
+                    "and average its gradient apart (lightning_par.parallel.zero.scalars, as parallelize does)"
                 )
             self.names[p] = name
         # Bucket or WholeBucket
@@ -143,8 +143,10 @@ class ReplicatedZero:
         not element-wise over tensor-parallel shards.
         """
         if self.local_sgd is not None:  # stage 0: a post-hook of its own; stages 1-2: `_after_step`, before the gather
+            # The excluded parameters are the 0-dim ones here (local SGD refuses ep): whole, synchronised too.
             parts = lambda: ([(self.names[p], m) for p, m in self.masters.items()] if self.stage  # noqa: E731
-                             else [(n, local_data(p)) for p, n in self.names.items()])  # fmt: skip
+                             else [(n, local_data(p)) for p, n in self.names.items()]) + [
+                (n, local_data(p)) for n, p in self._excluded_names.items()]  # fmt: skip
             self.outer = OuterSync.attach(optimizer, parts, self.replicate_group, self.local_sgd, self.stage == 0,
                                           self.outer)  # fmt: skip
         if self.stage == 0:
