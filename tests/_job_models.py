@@ -475,6 +475,8 @@ MODELS: dict[str, Any] = _Models({
     "user_post_norm": lambda: _tp_mixed_models().PostNormLM(),  # residual + norm inside the attention module
     "user_lora": lambda: _lora_models().UserLoRALM(),  # a user's LoRA wrappers on every projection
     "peft_llama": lambda: _lora_models().PeftLlama(),  # peft.get_peft_model(LoRA) on Hugging Face Llama
+    # peft's default targets for Llama: q and v alone (k and o, gate, up, down plain beside them)
+    "peft_llama_qv": lambda: _lora_models().PeftLlama(targets=("q_proj", "v_proj")),
     "peft_llama_dora": lambda: _lora_models().PeftLlama(dora=True),  # DoRA: a magnitude vector per projection
     "peft_llama_dora_drop": lambda: _lora_models().PeftLlama(dora=True, drop=True),  # DoRA recomputes the base
     "peft_llama_dora_sdpa": lambda: _lora_models().PeftLlama(dora=True, attn="sdpa"),  # for cp

@@ -68,12 +68,15 @@ class _TokenDrop(nn.Module):
 
 
 class PeftLlama(HFLlama):
-    """Hugging Face Llama wrapped by ``peft.get_peft_model``: LoRA (r 4) on every attention and MLP projection;
-    ``attn="sdpa"`` for context parallelism; ``drop``: a fixed-token dropout on the adapters' input (`_TokenDrop`)."""
+    """Hugging Face Llama wrapped by ``peft.get_peft_model``: LoRA (r 4) on every attention and MLP projection, or on
+    ``targets``; ``attn="sdpa"`` for context parallelism; ``drop``: a fixed-token dropout on the adapters' input
+    (`_TokenDrop`)."""
 
-    def __init__(self, dora: bool = False, attn: str = "eager", drop: bool = False) -> None:
+    def __init__(self, dora: bool = False, attn: str = "eager", drop: bool = False,
+                 targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                             "down_proj")) -> None:  # fmt: skip
         super().__init__(attn=attn)
-        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        targets = list(targets)
         self.model: Any = peft_lora(self.model, targets, dora)
         for m in self.model.modules() if drop else ():
             if isinstance(getattr(m, "lora_dropout", None), nn.ModuleDict):

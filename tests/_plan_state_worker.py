@@ -39,11 +39,17 @@ MEASURED = 1  # batch index of the measured step (a job may name another)
 
 
 def build(config: dict[str, Any]) -> torch.nn.Module:
-    """The Hugging Face causal LM of ``config`` (a dict with ``model_type``), initialised, not downloaded."""
+    """The Hugging Face causal LM of ``config`` (a dict with ``model_type``), initialised, not downloaded; with
+    ``lora`` (peft ``LoraConfig`` arguments) wrapped by peft's ``get_peft_model``, its base frozen."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    kwargs = {k: v for k, v in config.items() if k != "model_type"}
-    return AutoModelForCausalLM.from_config(AutoConfig.for_model(config["model_type"], **kwargs))
+    kwargs = {k: v for k, v in config.items() if k not in ("model_type", "lora")}
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(config["model_type"], **kwargs))
+    if "lora" in config:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(**config["lora"]))
+    return model
 
 
 class LM(L.LightningModule):

@@ -33,14 +33,15 @@ MIXTRAL = dict(LLAMA, model_type="mixtral", num_local_experts=4, num_experts_per
 GPT2 = dict(model_type="gpt2", vocab_size=250, n_positions=66, n_embd=32, n_layer=4, n_head=4, resid_pdrop=0.0,
             embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager")  # fmt: skip
 QWEN3 = dict(LLAMA, model_type="qwen3", head_dim=8, tie_word_embeddings=True)
+# peft LoRA on the attention's q and v and the MLP's up and down projections: the base frozen.
+LLAMA_LORA = dict(LLAMA, lora=dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"]))
 
 
 def _meta(config: dict[str, Any]) -> torch.nn.Module:
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from _plan_state_worker import build
 
-    cfg = AutoConfig.for_model(config["model_type"], **{k: v for k, v in config.items() if k != "model_type"})
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(cfg)
+        return build(config)
 
 
 def _desc_specs(config: dict[str, Any]) -> list[ParamSpec]:
@@ -201,6 +202,12 @@ FAMILIES: dict[str, tuple[dict[str, Any], Layout, str, bool]] = {
     # ... and under a pipeline: GPT-2's tied embedding, a copy on each end stage, is averaged exactly.
     "pipe_zero1_powersgd_tied_gpt2": (GPT2, Layout(pp=2, dp_shard=2, zero_stage=1, microbatches=2, powersgd_rank=2,
                                                    precision="32-true"), "adamw", False),
+    # LoRA: the frozen base gathered by ZeRO-3 but never reduced; only the adapters' gradients travel (and under tp
+    # each adapter follows its base's split: lora_A's gradient summed over tp for a column-split base).
+    "zero1_lora": (LLAMA_LORA, Layout(dp_shard=4, zero_stage=1, precision="32-true", **_ONE), "adamw", False),
+    "zero3_lora": (LLAMA_LORA, Layout(dp_shard=4, zero_stage=3, precision="bf16-mixed", **_ONE), "adamw", False),
+    "tp_zero1_lora_sp": (LLAMA_LORA, Layout(tp=2, dp_shard=2, zero_stage=1, sequence_parallel=True,
+                                            precision="32-true", **_ONE), "adamw", False),
 }  # fmt: skip
 # Jobs measured past their first steps: PowerSGD compresses from its third (compression_start=2), and holds its
 # error from then on, so its fourth is the steady state the planner prices.
@@ -233,7 +240,9 @@ def test_predicted_state_and_traffic_equal_the_strategies_on_4_ranks(tmp_path: P
     failures = []
     for (name, (config, layout, opt, aux)), ranks in zip(FAMILIES.items(), measured, strict=True):
         hidden = config.get("hidden_size") or config["n_embd"]
-        sources = {"module": specs_from_module(_meta(config)), "desc": _desc_specs(config)}
+        sources = {"module": specs_from_module(_meta(config))}
+        if "lora" not in config:  # a config.json describes no adapters
+            sources["desc"] = _desc_specs(config)
         for source, specs in sources.items():
             for rank, got in enumerate(ranks):
                 want = state_bytes(specs, layout, rank=rank, optimizer=opt)

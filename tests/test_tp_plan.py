@@ -371,6 +371,23 @@ def test_registration_order_fallback_when_forward_fails(broken: type, working: t
     assert (plan.output, plan.vocab_size, plan.embedding) == (ref.output, ref.vocab_size, ref.embedding)
 
 
+def test_a_lightning_module_without_a_forward_is_probed_through_the_model_it_wraps() -> None:
+    # Its training_step calls self.model(...): the probes call the module it wraps (blocks._probe.probe_target).
+    # peft's default LoRA targets for Llama (q and v): by registration order alone the attention was not seen and
+    # stayed whole, and under sequence parallelism it crashed in the first step (tests/test_plan_state.py measures
+    # that layout's traffic).
+    import lightning as L
+
+    class Wrapper(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = Llama()
+
+    plan, ref = infer_tp_plan(Wrapper()), infer_tp_plan(Llama())
+    assert plan.traced and not plan.notes
+    assert plan.styles == {f"model.{k}": v for k, v in ref.styles.items()}
+
+
 def test_meta_device_model_traces_like_a_real_one() -> None:
     with torch.device("meta"):
         meta = Llama()

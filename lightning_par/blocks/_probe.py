@@ -124,9 +124,34 @@ def all_trainable(model: nn.Module) -> Iterator[None]:
             p.requires_grad_(False)
 
 
+# What a module calls when its class defines no forward: torch's stub, and LightningModule's pass-through to it.
+_STUB_FORWARDS = ("Module._forward_unimplemented", "LightningModule.forward")
+
+
+def _no_forward(module: nn.Module) -> bool:
+    return getattr(type(module).forward, "__qualname__", "") in _STUB_FORWARDS
+
+
+def probe_target(model: nn.Module) -> nn.Module:
+    """The module a probe calls: ``model``, or, when it defines no ``forward`` and gives no ``example_input_array``
+    (a LightningModule whose ``training_step`` calls the model it wraps: ``self.model(input_ids=x)``), its child
+    holding the most parameter tensors, descending until a module has a forward of its own."""
+    target = model
+    while _no_forward(target) and getattr(target, "example_input_array", None) is None:
+        children = list(target.children())
+        if not children:
+            break
+        # Counted by tensors, not elements: no torch call on a parameter (a probe's TorchFunctionMode, active
+        # around this call, would take it for a use of the parameter).
+        target = max(children, key=lambda c: sum(1 for _ in c.parameters()))
+    return target
+
+
 def probe_call(model: nn.Module) -> None:
     """Call ``model`` once on its ``example_input_array`` (the LightningModule convention: a tensor, a tuple of
-    positional arguments or a dict of keyword arguments), or else on a (1, 8) batch of token 0."""
+    positional arguments or a dict of keyword arguments), or else on a (1, 8) batch of token 0; a model without a
+    forward of its own through the module it wraps (`probe_target`)."""
+    model = probe_target(model)
     param = next(model.parameters(), None)
     device = param.device if param is not None else None
     example = getattr(model, "example_input_array", None)

@@ -102,7 +102,7 @@ def comm_terms(
     terms += _router(tensors, layout, tokens, m, router_aux)
     terms += _tied(specs, tensors, layout, pp_rank, shard, n)
     terms += _on_every_stage(tensors, layout)
-    terms += _tensor_parallel(tensors, layout, tokens, hidden, n)
+    terms += _tensor_parallel(every, layout, tokens, hidden, n)
     return [t for t in terms if t[2]]
 
 
@@ -236,7 +236,9 @@ def _tied(
         if t.spec.end == "both":
             # Under ZeRO-3 the copies are FSDP2 shards by then: this rank's real rows.
             numel = t.rows_of(n, shard) if layout.zero_stage == 3 else t.numel
-            out.append(("tied", "all_reduce", _ring("all_reduce", numel * param_bytes(t.spec, layout.precision), 2)))
+            # ... and a flag beside it, in the same all-reduce: whether a stage used it (tied.py, `_sum_grads`).
+            out.append(("tied", "all_reduce",
+                        _ring("all_reduce", (numel + 1) * param_bytes(t.spec, layout.precision), 2)))  # fmt: skip
     return out
 
 
@@ -246,14 +248,17 @@ def _on_every_stage(tensors: Sequence[Held], layout: Layout) -> list[tuple[str, 
     every = [t for t in tensors if t.spec.end == "every" or t.spec.calls]
     if layout.pp == 1 or not every:
         return []
-    size = sum(t.numel * param_bytes(t.spec, layout.precision) for t in every)
+    size = sum((t.numel + 1) * param_bytes(t.spec, layout.precision) for t in every)  # each with its flag
     return [("every stage", "all_reduce", _ring("all_reduce", size, layout.pp))]
 
 
 def _tensor_parallel(
-    tensors: Sequence[Held], layout: Layout, tokens: int, hidden: int, n: int
+    every: Sequence[Held], layout: Layout, tokens: int, hidden: int, n: int
 ) -> list[tuple[str, str, float]]:
-    """Activations of the split regions (and the sequence-parallel ends and norms) over tp."""
+    """Activations of the split regions (and the sequence-parallel ends and norms) over tp, and the adapters of
+    split bases. A backward collective runs only where a gradient flows: into a region when a trainable parameter is
+    in it or before it, out of its input when one is before it (a frozen base with adapters: none before the
+    first adapter)."""
     tp = layout.tp
     if tp == 1:
         return []
@@ -263,19 +268,63 @@ def _tensor_parallel(
     # ones (fp32 under autocast, bf16 under bf16-true), or under ZeRO-3 mixed precision FSDP2's low-precision copies
     # (the embedding's output, and so the whole stream, is then in the compute dtype).
     stream = 2 if prec == "bf16-true" else low if layout.zero_stage == 3 else 4
-    regions = sum(1 for t in tensors if t.spec.tp_row)
     act = tokens * hidden  # elements of one region's input, whole over the sequence
     sp = layout.sequence_parallel and layout.pp == 1  # pipeline stages run without it (boundaries travel whole)
-    if not sp:
-        per_region = _ring("all_reduce", act * low, tp) + _ring("all_reduce", act * stream, tp)
-        return [("tp", "all_reduce", regions * per_region)]
-    m_ag = regions * (_ring("all_gather", act * stream, tp) + _ring("all_gather", act * low, tp))
-    m_rs = regions * (_ring("reduce_scatter", act * low, tp) + _ring("reduce_scatter", act * stream, tp))
-    ends = 2 * _ring("all_gather", act * stream, tp)  # the trunk's exit gather, its entry's gradient gather
-    terms = [("tp", "all_gather", m_ag + ends), ("tp", "reduce_scatter", m_rs)]
-    norms = [t for t in tensors if t.spec.role == "norm" and t.spec.block is not None]
-    # Their gradients cover this rank's tokens only: summed over tp, on the whole tensor (ZeRO 0-2) or on FSDP2's
-    # gradient shard (ZeRO-3).
-    per = sum((t.padded(n) if layout.zero_stage == 3 else t.numel) * param_bytes(t.spec, prec) for t in norms)
-    terms.append(("sp_norms", "all_reduce", _ring("all_reduce", per, tp) if len(norms) else 0.0))
+    fwd, out_bwd, in_bwd, entry = _gradient_flow(every)
+    ag = rs = ar = 0.0
+    if sp:
+        ag += fwd * _ring("all_gather", act * stream, tp) + out_bwd * _ring("all_gather", act * low, tp)
+        rs += fwd * _ring("reduce_scatter", act * low, tp) + in_bwd * _ring("reduce_scatter", act * stream, tp)
+        ag += _ring("all_gather", act * stream, tp) * (1 + entry)  # the trunk's exit gather, its entry's gradient's
+    else:
+        ar += fwd * _ring("all_reduce", act * low, tp) + in_bwd * _ring("all_reduce", act * stream, tp)
+    # Gradients covering this rank's tokens or its slice of a sum (sequence-parallel norms and a row split's whole
+    # adapter under sequence parallelism; a column split's whole adapter): summed over tp, on the whole tensor
+    # (ZeRO 0-2) or on FSDP2's gradient shard (ZeRO-3).
+    partial = [t for t in every if t.spec.trainable and t.spec.block is not None and (
+        (sp and t.spec.role == "norm") or (t.spec.role == "adapter_a" and not t.spec.tp_row)
+        or (sp and t.spec.role == "adapter_b" and t.spec.tp_dim is None))]  # fmt: skip
+    per = sum((t.padded(n) if layout.zero_stage == 3 else t.numel) * param_bytes(t.spec, prec) for t in partial)
+    # A row split's adapter `a` reduces its rank-r output as its base does (reduce-scattered, its gradient gathered
+    # under sequence parallelism).
+    rank = sum(t.shape[0] for t in every if t.spec.role == "adapter_a" and t.spec.tp_row)
+    if sp:
+        rs += _ring("reduce_scatter", tokens * rank * low, tp)
+        ag += _ring("all_gather", tokens * rank * low, tp)
+    else:
+        ar += _ring("all_reduce", tokens * rank * low, tp)
+    terms = [("tp", "all_gather", ag), ("tp", "reduce_scatter", rs), ("tp", "all_reduce", ar)]
+    terms.append(("sp_norms" if sp else "tp_partial", "all_reduce", _ring("all_reduce", per, tp)))
     return terms
+
+
+def _gradient_flow(every: Sequence[Held]) -> tuple[int, int, int, int]:
+    """Over the split regions in forward order (their row-parallel weights' order): how many run, how many get
+    their output's gradient, how many pass a gradient to their input, and whether the trunk's entry gets one (1/0).
+    Parameters in a block outside its regions (norms) count as before the block's regions."""
+    flowing = any(t.spec.trainable for t in every if t.spec.block is None and t.spec.end in ("first", "both", "every"))
+    entry = int(flowing)
+    blocks: dict[int, list[str]] = {}
+    inside: dict[str, bool] = {}
+    loose: dict[int, bool] = {}
+    for t in every:
+        b = t.spec.block
+        if b is None:
+            continue
+        if t.spec.tp_row and not t.spec.role.startswith("adapter"):
+            key = t.spec.region or t.spec.name
+            blocks.setdefault(b, []).append(key)
+            inside[key] = inside.get(key, False) or t.spec.trainable
+        elif t.spec.region:
+            inside[t.spec.region] = inside.get(t.spec.region, False) or t.spec.trainable
+        else:
+            loose[b] = loose.get(b, False) or t.spec.trainable
+    fwd = out_bwd = in_bwd = 0
+    for b in sorted(set(blocks) | set(loose)):
+        flowing = flowing or loose.get(b, False)
+        for key in blocks.get(b, []):
+            fwd += 1
+            out_bwd += int(flowing or inside[key])
+            in_bwd += int(flowing)
+            flowing = flowing or inside[key]
+    return fwd, out_bwd, in_bwd, entry

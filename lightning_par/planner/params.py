@@ -30,7 +30,7 @@ ENDS = ("first", "last", "both", "every")
 # "norm": a norm on a block's residual stream (replicated under tp; sequence parallelism sums its gradient over tp);
 # "head_norm": a per-head q/k norm (replicated; its gradient is always summed over tp when the heads are split);
 # "router": the router of a stacked-experts layer (the suite gathers its logits over the token group).
-ROLES = ("", "norm", "head_norm", "router")
+ROLES = ("", "norm", "head_norm", "router", "adapter_a", "adapter_b")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,12 +54,16 @@ class ParamSpec:
         tied_with: the other names of the same tensor.
         lookup: it is an embedding table (on the first stage: a lookup, no FLOPs, so the pipeline split does not
             charge it; a tied table is charged to the last stage, where it is the head's matmul).
-        role: one of `ROLES`.
+        role: one of `ROLES` (``adapter_a`` / ``adapter_b``: the two projections of a low-rank adapter whose base
+            tensor parallelism splits).
         trainable: ``requires_grad`` (frozen parameters hold no gradient and no optimizer state).
         calls: where its block runs more than once in one forward, the trunk calls it runs at: every pipeline stage
             holds it, and each call costs a stage its compute.
         quantised: a weight stored in a quantised format (QLoRA's NF4): ``(its bytes, the bytes every ZeRO-3 shard
             carries whole)``; `quantised_bytes`.
+        region: the attention or MLP module holding it that tensor parallelism splits (its qualified name), or
+            ``""``: where its gradient starts to flow backward decides which of a region's collectives run
+            (`lightning_par.planner.comm`).
     """
 
     name: str
@@ -77,6 +81,7 @@ class ParamSpec:
     trainable: bool = True
     calls: tuple[int, ...] = ()
     quantised: Optional[tuple[int, int]] = None
+    region: str = ""
 
     def __post_init__(self) -> None:
         for dim, what in ((self.tp_dim, "tp_dim"), (self.expert_axis, "expert_axis")):
@@ -109,9 +114,17 @@ def specs_from_desc(desc: ModelDesc) -> list[ParamSpec]:
     Args:
         desc: the model's shapes (`lightning_par.planner.from_hf_config`).
     """
-    if desc.layernorm and not desc.gated_mlp and not desc.experts:
-        return _gpt2_specs(desc)
-    return _llama_specs(desc)
+    specs = _gpt2_specs(desc) if desc.layernorm and not desc.gated_mlp and not desc.experts else _llama_specs(desc)
+    return [dataclasses.replace(s, region=_desc_region(s.name, desc)) for s in specs]
+
+
+def _desc_region(name: str, desc: ModelDesc) -> str:
+    # The split attention and MLP modules of these namings (an MoE layer is kept whole under tp: no region).
+    parts = name.split(".")
+    for token in ("self_attn", "attn", "mlp"):
+        if token in parts and not (token == "mlp" and desc.experts):
+            return ".".join(parts[: parts.index(token) + 1])
+    return ""
 
 
 def _norm(prefix: str, desc: ModelDesc, **kw: object) -> list[ParamSpec]:
@@ -214,7 +227,8 @@ def specs_from_module(module: nn.Module, *, tp_plan: Optional[dict[str, str]] = 
     block_of: dict[str, int] = {}
     for i, block_name in enumerate(trunk.names if trunk is not None else ()):
         block_of.update({f"{block_name}.{n}": i for n, _ in module.get_submodule(block_name).named_parameters()})
-    dims, rows, roles = _tp_dims(module, trunk.names, tp_plan) if trunk is not None else ({}, set(), {})
+    regions: dict[str, str] = {}
+    dims, rows, roles = _tp_dims(module, trunk.names, tp_plan, regions) if trunk is not None else ({}, set(), {})
     experts, moe_roles = _expert_axes(module, find_moe_layers(module))
     roles.update(moe_roles)
     ends: dict[str, str] = {}
@@ -252,6 +266,7 @@ def specs_from_module(module: nn.Module, *, tp_plan: Optional[dict[str, str]] = 
             expert=expert, block=block, end=None if block is not None else ends.get(name, "first"),
             tied_with=tuple(names_of[id(p)][1:]), lookup=name in lookups, role=roles.get(name, ""),
             trainable=p.requires_grad, calls=calls.get(name, ()), quantised=quantised_bytes(p),
+            region=regions.get(name, ""),
         ))  # fmt: skip
     return specs
 
@@ -271,11 +286,12 @@ def quantised_bytes(p: nn.Parameter) -> Optional[tuple[int, int]]:
 
 
 def _tp_dims(
-    module: nn.Module, block_names: tuple[str, ...], overrides: Optional[dict[str, str]]
+    module: nn.Module, block_names: tuple[str, ...], overrides: Optional[dict[str, str]], regions: dict[str, str]
 ) -> tuple[dict[str, int], set[str], dict[str, str]]:
-    """Parameter name -> the dim tp splits, the row-parallel weights, and name -> role (``norm`` / ``head_norm``),
-    from the inferred plans: the trunk's, and each other stack's (an encoder's: `parallel.tensor.check.other_plans`;
-    priced as split when it can be planned, before the checks on real values that could keep it whole)."""
+    """Parameter name -> the dim tp splits, the row-parallel weights, and name -> role (``norm`` / ``head_norm``,
+    the adapters of split bases), from the inferred plans: the trunk's, and each other stack's (an encoder's:
+    `parallel.tensor.check.other_plans`; priced as split when it can be planned, before the checks on real values
+    that could keep it whole). Fills ``regions``: parameter name -> the split region holding it."""
     from lightning_par.blocks.trunk import other_trunks
     from lightning_par.parallel.tensor.adapters import as_planned
     from lightning_par.parallel.tensor.plan import TPPlanError, infer_tp_plan
@@ -296,7 +312,7 @@ def _tp_dims(
     rows: set[str] = set()
     roles: dict[str, str] = {}
     for each, names in plans:
-        _plan_dims(module, each, names, dims, rows, roles)
+        _plan_dims(module, each, names, dims, rows, roles, regions)
     return dims, rows, roles
 
 
@@ -307,6 +323,7 @@ def _plan_dims(
     dims: dict[str, int],
     rows: set[str],
     roles: dict[str, str],
+    regions: dict[str, str],
 ) -> None:
     from lightning_par.parallel.tensor.adapters import adapter_styles, dora_layers, find_adapters
     from lightning_par.parallel.tensor.plan_affine import affine
@@ -331,8 +348,22 @@ def _plan_dims(
                     at = f"{wrapper}." if wrapper else ""
                     owner_of = module.get_submodule(f"{block}.{wrapper}" if wrapper else block)
                     follows.update({f"{at}lora_magnitude_vector.{k}": "colwise" for k in dora_layers(owner_of)})
+            # Each split attention / MLP module, block-relative; the longest holding a parameter is its region.
+            split = [
+                i.region[len(star) + 1 :]
+                for i in (*sub.heads.values(), *sub.mlps.values())
+                if i.region.startswith(star + ".") and any(sub.styles.get(p) in _SPLIT for p in i.projections)
+            ]
+            for base, pairs in adapters.items():
+                if rel.get(base) in _SPLIT:
+                    roles.update(
+                        {f"{block}.{n}.weight": r for a, b in pairs for n, r in ((a, "adapter_a"), (b, "adapter_b"))}
+                    )
             for name, _ in module.get_submodule(block).named_parameters():
                 owner, _, leaf = name.rpartition(".")
+                holder = max((r for r in split if name.startswith(r + ".")), key=len, default=None)
+                if holder is not None:
+                    regions[f"{block}.{name}"] = f"{block}.{holder}"
                 style = follows.get(owner) or sub.styles.get(f"{star}.{owner}" if owner else star)
                 full = f"{block}.{name}"
                 if f"{star}.{name}" in head_params:
@@ -348,6 +379,9 @@ def _plan_dims(
                     rows.add(full)
                 if style in ("sequence_parallel", "head_norm"):
                     roles[full] = "norm" if style == "sequence_parallel" else "head_norm"
+
+
+_SPLIT = ("colwise", "colwise_fused", "rowwise")
 
 
 def _style_dim(style: Optional[str], layout: object, leaf: str) -> Optional[int]:

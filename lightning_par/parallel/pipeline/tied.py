@@ -108,18 +108,27 @@ def _mark_replicas(params: Sequence[nn.Parameter], masters: Optional[dict[nn.Par
 
 @torch.no_grad()
 def _sum_grads(params: Sequence[nn.Parameter], group: dist.ProcessGroup) -> None:
-    if not params:
-        return
-    # A copy no stage used this step (a parameter the forward skips) keeps no gradient, as in one process, where an
-    # optimizer then leaves it alone; one that some stage used gets zeros on the others before the sum.
-    used = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=params[0].device)
-    dist.all_reduce(used, group=group)
-    for p, seen in zip(params, used.tolist()):
-        if seen == 0:
-            continue
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        dist.all_reduce(dtensors.local(p.grad), group=group)
+    """Sum the copies' gradients over ``group``: one all-reduce per gradient dtype, of every gradient (zeros where
+    this rank has none) and a flag each. A copy no rank used this step keeps no gradient, as in one process, where an
+    optimizer then leaves it alone; one that some rank used gets the sum."""
+    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+    for p in params:
+        by_dtype.setdefault(p.dtype, []).append(p)
+    for dtype, group_params in by_dtype.items():
+        grads = [dtensors.local(p.grad) for p in group_params]
+        held = [g if g is not None else torch.zeros_like(dtensors.local_data(p)) for p, g in zip(group_params, grads)]
+        flags = torch.tensor([g is not None for g in grads], dtype=dtype, device=held[0].device)
+        flat = torch.cat([*(t.reshape(-1) for t in held), flags])
+        dist.all_reduce(flat, group=group)
+        sizes = [t.numel() for t in held]
+        parts = flat[: sum(sizes)].split(sizes)
+        for p, g, part, seen in zip(group_params, grads, parts, flat[sum(sizes) :].tolist()):
+            if seen == 0:
+                continue
+            if g is None:
+                p.grad = dtensors.like(part.view_as(dtensors.local_data(p)).clone(), p)
+            else:
+                g.copy_(part.view_as(g))
 
 
 def tie_group(first_rank: int, last_rank: int, timeout: Optional[timedelta]) -> Optional[dist.ProcessGroup]:

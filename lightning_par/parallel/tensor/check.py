@@ -33,7 +33,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_par import _compat
-from lightning_par.blocks._probe import _is_norm, eval_mode, probe_call, running_modules
+from lightning_par.blocks._probe import _is_norm, eval_mode, probe_call, probe_target, running_modules
 from lightning_par.blocks.trunk import other_trunks, trunk_at
 from lightning_par.parallel.tensor.adapters import adapter_leaves
 from lightning_par.parallel.tensor.full_width import as_whole, fallback_for
@@ -78,6 +78,7 @@ def _call_on_distinct_tokens(model: nn.Module) -> None:
     if getattr(model, "example_input_array", None) is not None:
         probe_call(model)
         return
+    model = probe_target(model)
     param = next(model.parameters(), None)
     try:
         model(torch.arange(8, device=param.device if param is not None else None).remainder(2).unsqueeze(0))
