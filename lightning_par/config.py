@@ -92,6 +92,8 @@ class ParallelConfig:
             ZeRO++ does (`lightning_par.parallel.compression.quantized`): about a quarter of fp32's bytes; what the
             forward and backward compute with is quantized, the shards, gradients and optimizer are not. With or
             without a pipeline and offload; not with tp, cp or ep.
+        trunk: the qualified name of the container of the model's repeated blocks (``"model.layers"``), where
+            `lightning_par.blocks.find_trunk` picks another or none; every layout then uses its blocks.
         auto_dims: for registered names: the dimensions (``"pp"``, ``"tp"``, ``"cp"``, ``"dp"``, ``"ep"``) whose
             degrees `resolve` splits from the world size (`split_world`; ``"ep"``: every data-parallel rank).
             ``None``: the explicit degrees are used as given.
@@ -126,8 +128,11 @@ class ParallelConfig:
     compression_rank: int = 1
     compression_start: int = 1000
     zero_quantized_weights: bool = False
+    trunk: Optional[str] = None
 
     def __post_init__(self) -> None:
+        if self.trunk is not None and (not isinstance(self.trunk, str) or not self.trunk):
+            raise ParallelConfigError(f"trunk={self.trunk!r} must be a module's qualified name, e.g. 'model.layers'")
         for axis in AXES:
             value = getattr(self, axis)
             if not isinstance(value, int) or isinstance(value, bool):

@@ -182,6 +182,24 @@ class ScalarsLM(_TinyLM):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
+class TwoStacksLM(_TinyLM):
+    """Two stacks of blocks run one after the other: ``front`` (3 blocks, the larger: what `find_trunk` picks) and
+    ``blocks`` (2): a model whose trunk the user names (``ParallelStrategy(trunk="blocks")``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(256, 32)
+        self.front = torch.nn.ModuleList(_Residual(32) for _ in range(3))
+        self.blocks = torch.nn.ModuleList(_Residual(32) for _ in range(2))
+        self.norm, self.head = torch.nn.LayerNorm(32), torch.nn.Linear(32, 256)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        for block in (*self.front, *self.blocks):
+            h = block(h)
+        return self.head(self.norm(h))
+
+
 class _GateBlock(_MixBlock):
     """`_MixBlock` whose MLP output is scaled by a 0-dim gate of its own (ReZero's ``alpha``, here starting at 1)."""
 
@@ -499,6 +517,7 @@ MODELS: dict[str, Any] = _Models({
     "skip_groups": lambda: SkipLM("groups"),  # skip connections inside groups of blocks: one cut keeps the values
     "skip_unet": lambda: SkipLM("unet"),  # skip connections across every cut: pipelines refuse it
     "scalars_lm": ScalarsLM,  # learned scalars on the model that holds the blocks (modded-nanoGPT)
+    "two_stacks_lm": TwoStacksLM,  # two stacks of blocks: the trunk named by the user
     "scalars0_lm": Scalars0LM,  # 0-dim parameters: on the model, in every block, and one never used
     "torch_encoder": TorchEncoderLM,  # nn.TransformerEncoder: its forward reads the first layer's attributes
     "torch_causal_encoder": lambda: _mha_models().CausalEncoderLM(),  # sequence-first, float mask, is_causal

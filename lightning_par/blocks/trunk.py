@@ -146,6 +146,24 @@ def trunk_at(model: nn.Module, path: str) -> Trunk | None:
     return Trunk(path, tuple(prefix + name for name, _ in picked), tuple(child for _, child in picked))
 
 
+def named_trunk(model: nn.Module, path: str) -> Trunk:
+    """The trunk the user named (``ParallelStrategy(trunk="model.layers")``): the container at ``path``, its blocks
+    the children of its most common class (or, in a list of lists, each entry's one composite module).
+
+    Raises:
+        ValueError: ``path`` names no ``ModuleList`` / ``Sequential`` / ``ModuleDict`` of >= 1 block, listing
+            the containers the model has.
+    """
+    trunk = trunk_at(model, path)
+    if trunk is not None and trunk.blocks:
+        return trunk
+    found = [n for n, m in model.named_modules() if isinstance(m, _CONTAINERS) and n and len(list(m.children())) > 1]
+    raise ValueError(
+        f"trunk={path!r} is not a ModuleList / Sequential / ModuleDict of blocks in {type(model).__name__}; its "
+        f"containers of several modules: {', '.join(found[:8]) or 'none'}"
+    )
+
+
 def other_trunks(model: nn.Module, main: str, share: float = 0.1) -> list[Trunk]:
     """Containers of >= 2 same-class composite blocks with matrices outside the trunk at ``main`` and not inside one
     another, each holding at least ``share`` of the model's parameters: an encoder-decoder's encoder (T5's

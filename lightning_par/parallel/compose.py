@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from lightning_par.blocks.trunk import Trunk, find_trunk, trunk_at
+from lightning_par.blocks.trunk import Trunk, find_trunk, named_trunk, trunk_at
 from lightning_par.checkpoint.dcp import model_state
 from lightning_par.checkpoint.fast_state import clean_name
 from lightning_par.checkpoint.pretrained.load import prepare_pretrained
@@ -298,6 +298,8 @@ def _scalars(module: nn.Module, mesh: ParallelMesh, config: ParallelConfig, excl
 
 
 def _trunk(module: nn.Module, config: ParallelConfig) -> Optional[Trunk]:
+    if config.trunk is not None:  # the user's hint
+        return named_trunk(module, config.trunk)
     trunk = find_trunk(module)
     if trunk is not None:
         return trunk
@@ -325,7 +327,7 @@ def _tp_plans(
     if config.tp == 1:
         return [], []
     with as_planned(module):  # DoRA as LoRA, a 4-bit base as its values: each split by its own rule later
-        plan = infer_tp_plan(module, overrides=overrides)
+        plan = infer_tp_plan(module, overrides=overrides, trunk=_trunk(module, config) if config.trunk else None)
         validate_tp(plan, config.tp)
         # Block 0 on per-rank shapes: code assuming full widths runs on gathered activations, or is refused here.
         plan = check_local_shapes(module, plan, config.tp)
