@@ -4,6 +4,7 @@ Launch with p ranks (p = 2 or 4), one thread each:
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 benchmarks/bench_pipeline_bubble.py [--quick]
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 benchmarks/bench_pipeline_bubble.py [--quick]
+    ... --schedules interleaved_1f1b looped_bfs interleaved_zb --vpp 3 4 --skip-throughput   (stages per rank)
 
 1. Bubble: stages whose compute is a calibrated sleep (forward F, input-gradient B and weight-gradient W of
    ``--f-ms`` each, the zero-bubble paper's F = B = W, arXiv 2401.10241), driven by torch's schedules through
@@ -40,7 +41,7 @@ from torch.distributed.pipelining import PipelineStage  # noqa: E402
 
 from lightning_par import _compat  # noqa: E402
 from lightning_par.analysis.pipeline_timeline import compute_actions, one_f_one_b_order, replay  # noqa: E402
-from lightning_par.parallel.pipeline.schedule import SCHEDULES, local_stages, n_stages  # noqa: E402
+from lightning_par.parallel.pipeline.schedule import SCHEDULES, local_stages, n_stages, stages_per_rank  # noqa: E402
 from lightning_par.utils import clean_exit  # noqa: E402
 
 BUSY = [0.0]  # seconds this rank spent in its stages' work (sleeps), as measured, not as requested
@@ -133,17 +134,18 @@ class Row:
     peak: int  # first stage's peak microbatches in flight
 
 
-def bubble(name: str, m: int, f: float, steps: int) -> Row:
-    """Run schedule ``name`` with ``m`` microbatches ``steps`` times (after one warm-up step) and measure it."""
+def bubble(name: str, m: int, f: float, steps: int, vpp: int | None = None) -> Row:
+    """Run schedule ``name`` with ``m`` microbatches ``steps`` times (after one warm-up step) and measure it;
+    ``vpp``: stages per rank of a looped interleaved schedule (`ParallelStrategy(vpp=...)`)."""
     p, rank = dist.get_world_size(), dist.get_rank()
     info = SCHEDULES[name]
-    v = info.virtual
+    v = stages_per_rank(name, vpp)
     stages, modules = [], []
-    for s in local_stages(name, p, rank):
+    for s in local_stages(name, p, rank, vpp):
         mod = SleepStage(f / v)
         modules.append(mod)
         meta = torch.empty(1, 4, device="meta", requires_grad=True)
-        stages.append(PipelineStage(mod, s, n_stages(name, p), torch.device("cpu"), input_args=(meta,),
+        stages.append(PipelineStage(mod, s, n_stages(name, p, vpp), torch.device("cpu"), input_args=(meta,),
                                     output_args=meta, group=dist.group.WORLD))  # fmt: skip
     loss_fn = lambda out, _t: out.sum()  # noqa: E731
     sched = info.cls(stages[0], m, loss_fn=loss_fn) if v == 1 else info.cls(stages, m, loss_fn=loss_fn)
@@ -180,7 +182,8 @@ def bubble(name: str, m: int, f: float, steps: int) -> Row:
     dist.all_reduce(mean_overhead)
     stats = (statistics.median((per_step / p).tolist()), float(mean_overhead) / p)
     first = next((mod for mod, s in zip(modules, stages) if s.is_first), None)
-    return Row(name, m, statistics.median(times), float(stats[0]), theory, _closed_form(name, p, m, v),
+    label = f"{name} (v = {v})" if vpp else name
+    return Row(label, m, statistics.median(times), float(stats[0]), theory, _closed_form(name, p, m, v),
                float(stats[1]) * 1000, first.counter[1] if first else -1)  # fmt: skip
 
 
@@ -243,6 +246,8 @@ def main() -> None:
     parser.add_argument("--ks", nargs="*", type=int, default=[1, 2, 4, 8], help="microbatches m = k x p, these k")
     parser.add_argument("--skip-throughput", action="store_true", help="only the bubble and in-flight tables")
     parser.add_argument("--skip-bubble", action="store_true", help="only the throughput comparison (p = 2)")
+    parser.add_argument("--vpp", nargs="*", type=int, default=[],
+                        help="also run the looped interleaved schedules with these stages per rank")  # fmt: skip
     args = parser.parse_args()
     dist.init_process_group("gloo")
     p, rank = dist.get_world_size(), dist.get_rank()
@@ -255,6 +260,8 @@ def main() -> None:
             if (name == "dualpipev" and m < 2 * p) or (name == "1f1b" and m < p):
                 continue
             rows.append(bubble(name, m, f, steps))
+            if SCHEDULES[name].virtual > 1 and SCHEDULES[name].style == "loop":
+                rows += [bubble(name, m, f, steps, v) for v in args.vpp]
     if rank == 0 and rows:
         print(f"\n## Bubble, p = {p}, F = B = W = {args.f_ms} ms per microbatch per rank\n")
         print(

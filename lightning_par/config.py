@@ -92,6 +92,8 @@ class ParallelConfig:
             ZeRO++ does (`lightning_par.parallel.compression.quantized`): about a quarter of fp32's bytes; what the
             forward and backward compute with is quantized, the shards, gradients and optimizer are not. With or
             without a pipeline and offload; not with tp, cp or ep.
+        vpp: stages per pipeline rank under a looped interleaved schedule (``interleaved_1f1b``, ``looped_bfs``,
+            ``interleaved_zb``; Megatron's virtual pipeline size): ``None`` is their 2; up to the blocks per rank.
         trunk: the qualified name of the container of the model's repeated blocks (``"model.layers"``), where
             `lightning_par.blocks.find_trunk` picks another or none; every layout then uses its blocks.
         auto_dims: for registered names: the dimensions (``"pp"``, ``"tp"``, ``"cp"``, ``"dp"``, ``"ep"``) whose
@@ -129,6 +131,7 @@ class ParallelConfig:
     compression_start: int = 1000
     zero_quantized_weights: bool = False
     trunk: Optional[str] = None
+    vpp: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.trunk is not None and (not isinstance(self.trunk, str) or not self.trunk):
@@ -188,6 +191,7 @@ class ParallelConfig:
             )
         if self.pp_schedule not in PP_SCHEDULES:
             raise ParallelConfigError(f"pp_schedule={self.pp_schedule!r} is unknown; choose one of {PP_SCHEDULES}")
+        self._check_vpp()
         split_backward = SCHEDULES[self.pp_schedule].split_backward  # zero bubble: input, weight gradients apart
         if self.pp > 1 and self.activation_checkpointing == "selective_op" and split_backward:
             raise ParallelConfigError(
@@ -224,6 +228,18 @@ class ParallelConfig:
         self._check_local_sgd()
         self._check_compression()
         self.check_supported()
+
+    def _check_vpp(self) -> None:
+        if self.vpp is None:
+            return
+        schedule = SCHEDULES[self.pp_schedule]
+        looped = [n for n, s in SCHEDULES.items() if s.virtual > 1 and s.style == "loop"]
+        if not isinstance(self.vpp, int) or isinstance(self.vpp, bool) or self.vpp < 2 or schedule.virtual == 1 \
+                or schedule.style != "loop":  # fmt: skip
+            raise ParallelConfigError(
+                f"vpp={self.vpp!r} sets the stages per rank of a looped interleaved schedule ({', '.join(looped)}): an "
+                f"int >= 2 with one of them (pp_schedule={self.pp_schedule!r} runs {schedule.virtual}); drop vpp"
+            )
 
     def _check_local_sgd(self) -> None:
         if self.sync_every is None:

@@ -511,6 +511,7 @@ MODELS: dict[str, Any] = _Models({
     "llama4": lambda: Llama(vocab_size=256, max_seq_len=32, dim=32, n_layers=4, n_heads=4, n_kv_heads=2,
                             ffn_hidden=64, lr=3e-3),
     "gpt4_sgd": lambda: SGDGPT(vocab_size=256, block_size=32, n_layer=4, n_head=4, n_embd=32),
+    "gpt8_sgd": lambda: SGDGPT(vocab_size=256, block_size=32, n_layer=8, n_head=4, n_embd=32),  # vpp up to 4 at pp 2
     "gpt_adafactor": lambda: AdafactorGPT(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=32),
     "muon_lm": MuonLM,
     "seq_trunk": lambda: SeqTrunkLM(),

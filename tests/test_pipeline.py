@@ -51,6 +51,11 @@ JOBS_2: dict[str, dict[str, Any]] = {
     "sgd_ac_selective_op": {"model": "gpt4_sgd", "strategy": {"pp": 2, "activation_checkpointing": "selective_op",
                                                               "pp_schedule": "interleaved_1f1b"}},
     "sgd_ac_selective": {"model": "gpt4_sgd", "strategy": {"pp": 2, "activation_checkpointing": "selective"}},
+    # More stages per rank than the looped interleaved schedules' 2 (vpp; 8 blocks: 6 or 8 stages over 2 ranks).
+    "sgd_interleaved_vpp4": {"model": "gpt8_sgd", "strategy": {"pp": 2, "pp_schedule": "interleaved_1f1b", "vpp": 4}},
+    "sgd_looped_bfs_vpp3": {"model": "gpt8_sgd", "strategy": {"pp": 2, "pp_schedule": "looped_bfs", "vpp": 3}},
+    "sgd_interleaved_zb_vpp3_accum": {"model": "gpt8_sgd", "strategy": {"pp": 2, "pp_schedule": "interleaved_zb",
+                                                                        "vpp": 3}, "accumulate": 2},
 }  # fmt: skip
 
 # 4 ranks, pp 2 x dp 2.

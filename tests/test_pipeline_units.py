@@ -575,6 +575,8 @@ def test_stage_to_rank_maps() -> None:
     assert local_stages("zbv", 2, 0) == [0, 3] and local_stages("dualpipev", 4, 1) == [1, 6]
     assert n_stages("interleaved_zb", 4) == 8 and n_stages("gpipe", 4) == 4
     assert set(SCHEDULES) == set(PP_SCHEDULES)
+    # vpp: any number of stages per rank under the looped interleaved schedules (Megatron's virtual pipeline size).
+    assert local_stages("interleaved_1f1b", 2, 1, vpp=3) == [1, 3, 5] and n_stages("looped_bfs", 4, vpp=4) == 16
 
 
 @pytest.mark.parametrize(
@@ -583,11 +585,14 @@ def test_stage_to_rank_maps() -> None:
         ("dualpipev", 2, 3, r"'dualpipev' needs microbatches >= 4 \(pp x 2 virtual stages\).*microbatches=4"),
         ("interleaved_1f1b", 4, 9, r"multiple of max\(1, microbatches // pp\) = 2; got 9: use a multiple of pp=4"),
         ("1f1b", 4, 3, r"'1f1b' needs microbatches >= 4 stages; got 3"),
+        ("interleaved_1f1b:5", 4, 8, r"pp=4 with pp_schedule='interleaved_1f1b' and vpp=5 needs 20 stages but the "
+                                     r"trunk has 16 blocks .*; use vpp <= 4"),
     ],
 )
 def test_schedule_rules_are_checked_up_front(schedule: str, pp: int, m: int, message: str) -> None:
+    name, _, vpp = schedule.partition(":")
     with pytest.raises(PipelineError, match=message):
-        check_schedule(schedule, pp, m, 16)
+        check_schedule(name, pp, m, 16, int(vpp) if vpp else None)
 
 
 def test_microbatches_split_tensors_tuples_and_dicts_along_dim_0() -> None:
@@ -617,6 +622,11 @@ def test_microbatches_split_tensors_tuples_and_dicts_along_dim_0() -> None:
             r"'selective_op' cannot run under pp_schedule='zbv'.*'full'",
         ),
         ({"pp_split": (2, 0)}, ParallelConfigError, r"pp_split=\(2, 0\) must be positive block counts"),
+        ({"pp": 2, "pp_schedule": "zbv", "vpp": 3}, ParallelConfigError,
+         r"vpp=3 sets the stages per rank of a looped interleaved schedule \(interleaved_1f1b, looped_bfs, "
+         r"interleaved_zb\).*pp_schedule='zbv' runs 2\); drop vpp"),
+        ({"pp": 2, "pp_schedule": "1f1b", "vpp": 2}, ParallelConfigError, r"pp_schedule='1f1b' runs 1\); drop vpp"),
+        ({"pp": 2, "pp_schedule": "interleaved_1f1b", "vpp": 1}, ParallelConfigError, r"an int >= 2"),
         ({"pp_costs": (1.0, -1.0)}, ParallelConfigError, r"pp_costs=.* must be >= 0"),
     ],
 )

@@ -151,7 +151,7 @@ def test_megatron_extensions_scale_their_own_terms() -> None:
 
 
 # ---- pipeline schedules: closed forms against torch's tables -----------------------------------------------------
-def torch_table(name: str, p: int, m: int) -> dict[int, list[Any]]:
+def torch_table(name: str, p: int, m: int, v: int = 2) -> dict[int, list[Any]]:
     """The action table torch builds for ``name`` (its own rank-order function; the stages themselves are not
     needed), or the suite's replay of 1F1B / GPipe, whose torch tables are descriptive only."""
     from torch.distributed.pipelining import schedules as S
@@ -165,15 +165,16 @@ def torch_table(name: str, p: int, m: int) -> dict[int, list[Any]]:
     cls = {"interleaved_1f1b": S.ScheduleInterleaved1F1B, "looped_bfs": S.ScheduleLoopedBFS,
            "interleaved_zb": S.ScheduleInterleavedZeroBubble, "zbv": S.ScheduleZBVZeroBubble,
            "dualpipev": S.ScheduleDualPipeV}[name]  # fmt: skip
-    ns = SimpleNamespace(n_local_stages=2, pp_group_size=p, _n_microbatches=m, num_stages=2 * p, _stages=[0, 0],
+    ns = SimpleNamespace(n_local_stages=v, pp_group_size=p, _n_microbatches=m, num_stages=v * p, _stages=[0] * v,
                          microbatches_per_round=m // max(1, m // p))  # fmt: skip
     return {r: cls._calculate_single_rank_operations(ns, r) for r in range(p)}
 
 
 def test_inflight_closed_forms_match_torch_schedule_tables() -> None:
     checked = 0
-    for name in ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev"):
-        v = 1 if name in ("gpipe", "1f1b") else 2
+    looped = ("interleaved_1f1b", "looped_bfs", "interleaved_zb")  # any stages per rank (vpp): 2, 3 and 4 here
+    runs = [(n, 1 if n in ("gpipe", "1f1b") else 2) for n in ("gpipe", "1f1b", *looped, "zbv", "dualpipev")]
+    for name, v in runs + [(n, v) for n in looped for v in (3, 4)]:
         for p in (2, 3, 4, 8):
             for m in range(1, 4 * p + 1):
                 # What the suite accepts (parallel/pipeline/schedule.check_schedule).
@@ -181,11 +182,11 @@ def test_inflight_closed_forms_match_torch_schedule_tables() -> None:
                     continue
                 if name in ("interleaved_1f1b", "interleaved_zb", "looped_bfs") and m % max(1, m // p):
                     continue
-                table = inflight_from_table(torch_table(name, p, m), v)
+                table = inflight_from_table(torch_table(name, p, m, v), v)
                 for r in range(p):
-                    assert inflight_microbatches(name, p, m, r) == table[r], (name, p, m, r)
+                    assert inflight_microbatches(name, p, m, r, virtual=v) == table[r], (name, p, m, r, v)
                     checked += 1
-    assert checked > 500
+    assert checked > 1000
 
 
 def test_a_rank_holds_its_stages_blocks_and_the_ends_where_they_run() -> None:

@@ -161,7 +161,9 @@ def test_errors_name_the_fix() -> None:
         state_bytes([ParamSpec("w", (10, 4), tp_dim=0, block=0)], Layout(tp=3))
     with pytest.raises(ValueError, match="give exactly one of block="):
         ParamSpec("w", (4,), block=0, end="first")
-    with pytest.raises(LayoutError, match="set vpp=2"):
+    with pytest.raises(LayoutError, match="set vpp=2, or use a looped interleaved schedule"):
+        state_bytes(_toy(), Layout(pp=2, vpp=3, pp_schedule="zbv"))
+    with pytest.raises(LayoutError, match=r"2 blocks cannot fill 6 pipeline stages; lower pp \(or vpp\)"):
         state_bytes(_toy(), Layout(pp=2, vpp=3, pp_schedule="interleaved_1f1b"))
     with pytest.raises(LayoutError, match="context parallelism"):
         comm_bytes(specs, Layout(cp=2), 2, 8, 4)
@@ -202,6 +204,10 @@ FAMILIES: dict[str, tuple[dict[str, Any], Layout, str, bool]] = {
     # ... and under a pipeline: GPT-2's tied embedding, a copy on each end stage, is averaged exactly.
     "pipe_zero1_powersgd_tied_gpt2": (GPT2, Layout(pp=2, dp_shard=2, zero_stage=1, microbatches=2, powersgd_rank=2,
                                                    precision="32-true"), "adamw", False),
+    # Interleaved 1F1B with 3 stages per rank (vpp): each rank holds the blocks of its 3 stages.
+    "pipe_zero1_vpp3": (dict(LLAMA, num_hidden_layers=6), Layout(pp=2, vpp=3, dp_shard=2, zero_stage=1, microbatches=2,
+                                                                 pp_schedule="interleaved_1f1b", precision="32-true"),
+                        "adamw", False),
     # LoRA: the frozen base gathered by ZeRO-3 but never reduced; only the adapters' gradients travel (and under tp
     # each adapter follows its base's split: lora_A's gradient summed over tp for a column-split base).
     "zero1_lora": (LLAMA_LORA, Layout(dp_shard=4, zero_stage=1, precision="32-true", **_ONE), "adamw", False),

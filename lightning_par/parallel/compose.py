@@ -380,7 +380,7 @@ def _split(
     cut = split_pipeline(
         module, trunk, schedule=config.pp_schedule, pp=config.pp, pp_rank=mesh.root.get_local_rank("pp"),
         group=mesh.root.get_group("pp"), microbatches=config.microbatches or 2 * config.pp, device=device,
-        split=config.pp_split, costs=config.pp_costs, timeout=timeout,
+        split=config.pp_split, costs=config.pp_costs, timeout=timeout, vpp=config.vpp,
     )  # fmt: skip
     if config.zero_stage == 3 and cut.everywhere is not None:
         runs = "runs" if len(cut.model.shared) == 1 else "run"

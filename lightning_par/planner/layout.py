@@ -181,7 +181,8 @@ class Layout:
             )
 
     def _check_suite(self, world: int) -> None:
-        if self.pp > 1 and self.vpp != SCHEDULES[self.pp_schedule]:
+        looped = SCHEDULES[self.pp_schedule] > 1 and self.pp_schedule not in ("zbv", "dualpipev")
+        if self.pp > 1 and self.vpp != SCHEDULES[self.pp_schedule] and not (looped and self.vpp > 1):
             raise LayoutError(
                 f"this suite runs {SCHEDULES[self.pp_schedule]} stage(s) per rank under {self.pp_schedule!r}, not "
                 f"vpp={self.vpp}; use --vpp {SCHEDULES[self.pp_schedule]} or another schedule"
@@ -214,6 +215,8 @@ class Layout:
         }  # fmt: skip
         if self.pp > 1:
             kwargs.update(pp_schedule=self.pp_schedule, microbatches=self.microbatches)
+            if self.vpp > SCHEDULES[self.pp_schedule] > 1 or 1 < self.vpp < SCHEDULES[self.pp_schedule]:
+                kwargs["vpp"] = self.vpp  # another number of stages per rank than the schedule's own
         if self.recompute != "none":
             kwargs["activation_checkpointing"] = _TO_SUITE_AC[self.recompute]
         if self.tp > 1:

@@ -68,7 +68,9 @@ def candidates(
                 dp = world // (tp * pp * cp)
                 batch = global_batch if global_batch is not None else dp * (per_rank_batch or 0)
                 eps = [e for e in _divisors(dp) if desc.experts % e == 0] if desc.experts else [1]
-                schedules = [("1f1b", 1), ("interleaved_1f1b", 2)] if pp > 1 else [("1f1b", 1)]
+                # Interleaved with 2 stages per rank and, where the blocks allow, 3 and 4 (Megatron's virtual sizes).
+                looped = [("interleaved_1f1b", v) for v in (2, 3, 4) if pp * v <= desc.layers]
+                schedules = [("1f1b", 1), *looped] if pp > 1 else [("1f1b", 1)]
                 sizes = (1, 2, 4, 8) if global_batch is not None or pp > 1 else (per_rank_batch or 1,)
                 for zero, ep, (sched, vpp), mbs, recompute in itertools.product(
                     range(4) if dp > 1 else [0], eps, schedules, sizes, ("none", "selective", "full")

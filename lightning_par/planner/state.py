@@ -110,17 +110,18 @@ def param_bytes(spec: ParamSpec, precision: str) -> int:
 
 
 def virtual_stages(layout: Layout, framework: str = "lightning_par") -> int:
-    """Stages per pipeline rank: the suite's count for the schedule (2 for the interleaved and V ones), or Megatron's
-    ``vpp``."""
+    """Stages per pipeline rank: ``vpp`` under the looped interleaved schedules (the suite's 2 when ``vpp = 1``),
+    2 under the V ones, 1 otherwise; Megatron's ``vpp``."""
     if framework == "megatron" or layout.pp == 1:
         return layout.vpp if layout.pp > 1 else 1
     suite = SCHEDULES[layout.pp_schedule]
-    if layout.vpp not in (1, suite):
+    looped = suite > 1 and layout.pp_schedule not in _V_STYLE
+    if layout.vpp not in (1, suite) and not looped:
         raise LayoutError(
             f"vpp={layout.vpp}: this suite runs {suite} stage(s) per rank under pp_schedule={layout.pp_schedule!r}; "
-            f"set vpp={suite}"
+            f"set vpp={suite}, or use a looped interleaved schedule (interleaved_1f1b, looped_bfs, interleaved_zb)"
         )
-    return suite
+    return layout.vpp if looped and layout.vpp > 1 else suite
 
 
 def local_stages(layout: Layout, pp_rank: int, framework: str = "lightning_par") -> list[int]:

@@ -50,8 +50,8 @@ class ParallelStrategy(ProcessGroupStrategy):
         pp, dp_replicate, dp_shard, ep, tp, etp, cp, cp_mode, cp_uneven, zero_stage, offload, activation_checkpointing,
             ac_every, sequence_parallel, pp_schedule, microbatches, bucket_cap_mb, pp_split, pp_costs, compile,
             auto_dims, global_batch, sync_every, outer_lr, outer_momentum, grad_compression, compression_rank,
-            compression_start, zero_quantized_weights, trunk: see `lightning_par.config.ParallelConfig` (one by
-            one: LightningCLI sets them by name).
+            compression_start, zero_quantized_weights, trunk, vpp: see `lightning_par.config.ParallelConfig` (one
+            by one: LightningCLI sets them by name).
         timeout_s: collective timeout in seconds; a rank stuck in a collective past this fails instead of hanging.
         process_group_backend: ``"gloo"`` / ``"nccl"``; default from the device.
         backend: ``"native"`` only (FSDP2, our ZeRO 0-2); DeepSpeed's: `DeepSpeedParallelStrategy` (docs/deepspeed.md).
@@ -104,6 +104,7 @@ class ParallelStrategy(ProcessGroupStrategy):
         compression_start: int = 1000,
         zero_quantized_weights: bool = False,
         trunk: Optional[str] = None,
+        vpp: Optional[int] = None,
         timeout_s: float = 600.0,
         process_group_backend: Optional[str] = None,
         async_save: bool = False,
@@ -131,7 +132,7 @@ class ParallelStrategy(ProcessGroupStrategy):
             pp_schedule=pp_schedule, microbatches=microbatches, bucket_cap_mb=bucket_cap_mb, pp_costs=pp_costs,
             auto_dims=auto_dims, global_batch=global_batch, sync_every=sync_every, outer_lr=outer_lr,
             outer_momentum=outer_momentum, grad_compression=grad_compression, compression_rank=compression_rank,
-            compression_start=compression_start, zero_quantized_weights=zero_quantized_weights, trunk=trunk,
+            compression_start=compression_start, zero_quantized_weights=zero_quantized_weights, trunk=trunk, vpp=vpp,
         )  # fmt: skip
         super().__init__(config, timedelta(seconds=timeout_s), process_group_backend, accelerator=accelerator,
                          parallel_devices=parallel_devices, cluster_environment=cluster_environment,

@@ -71,20 +71,25 @@ SCHEDULES: dict[str, ScheduleInfo] = {
 }
 
 
-def n_stages(schedule: str, pp: int) -> int:
-    """Total pipeline stages for ``pp`` ranks under ``schedule``."""
-    return pp * SCHEDULES[schedule].virtual
+def stages_per_rank(schedule: str, vpp: Optional[int] = None) -> int:
+    """Stages each rank runs: ``vpp`` for a looped interleaved schedule that sets it, else the schedule's own."""
+    return vpp or SCHEDULES[schedule].virtual
 
 
-def local_stages(schedule: str, pp: int, pp_rank: int) -> list[int]:
+def n_stages(schedule: str, pp: int, vpp: Optional[int] = None) -> int:
+    """Total pipeline stages for ``pp`` ranks under ``schedule`` (``vpp``: stages per rank, `stages_per_rank`)."""
+    return pp * stages_per_rank(schedule, vpp)
+
+
+def local_stages(schedule: str, pp: int, pp_rank: int, vpp: Optional[int] = None) -> list[int]:
     """The stage indices rank ``pp_rank`` of the pipeline group runs, in increasing order."""
     info = SCHEDULES[schedule]
     if info.style == "v":
         return sorted({pp_rank, 2 * pp - 1 - pp_rank})
-    return [pp_rank + k * pp for k in range(info.virtual)]
+    return [pp_rank + k * pp for k in range(stages_per_rank(schedule, vpp))]
 
 
-def check_schedule(schedule: str, pp: int, microbatches: int, n_blocks: int) -> None:
+def check_schedule(schedule: str, pp: int, microbatches: int, n_blocks: int, vpp: Optional[int] = None) -> None:
     """Reject a schedule / microbatch / trunk combination torch would refuse, before any step runs.
 
     Args:
@@ -92,14 +97,17 @@ def check_schedule(schedule: str, pp: int, microbatches: int, n_blocks: int) -> 
         pp: pipeline ranks.
         microbatches: microbatches per step.
         n_blocks: blocks in the trunk.
+        vpp: stages per rank of a looped interleaved schedule (default: the schedule's).
     """
     if schedule not in SCHEDULES:
         raise PipelineError(f"pp_schedule={schedule!r} is unknown; choose one of {tuple(SCHEDULES)}")
-    stages = n_stages(schedule, pp)
+    stages = n_stages(schedule, pp, vpp)
     if stages > n_blocks:
-        fix = "use a smaller pp" if SCHEDULES[schedule].virtual == 1 else "use pp_schedule='1f1b' or a smaller pp"
+        fix = ("use a smaller pp" if SCHEDULES[schedule].virtual == 1 else
+               f"use vpp <= {n_blocks // pp}" if vpp else "use pp_schedule='1f1b' or a smaller pp")  # fmt: skip
+        per = f" and vpp={vpp}" if vpp else ""
         raise PipelineError(
-            f"pp={pp} with pp_schedule={schedule!r} needs {stages} stages but the trunk has {n_blocks} blocks "
+            f"pp={pp} with pp_schedule={schedule!r}{per} needs {stages} stages but the trunk has {n_blocks} blocks "
             f"(each stage needs >= 1); {fix}"
         )
     if schedule == "1f1b" and microbatches < stages:
@@ -161,6 +169,7 @@ class PipelineRunner:
         everywhere: the parameters every stage holds, whose gradients each step sums over the pipeline group.
         wire_shape: the hidden state's shape between stages from its shape entering the trunk (default: the
             same): context parallelism sends this rank's sequence chunks only.
+        vpp: stages per rank of a looped interleaved schedule (default: the schedule's).
     """
 
     def __init__(
@@ -173,11 +182,12 @@ class PipelineRunner:
         tied: Optional[TiedWeights] = None,
         everywhere: Optional[OnEveryStage] = None,
         wire_shape: Optional[Callable[[Shape], Shape]] = None,
+        vpp: Optional[int] = None,
     ) -> None:
-        self.model, self.schedule_name, self.group = model, schedule, group
+        self.model, self.schedule_name, self.group, self.vpp = model, schedule, group, vpp
         self.microbatches = microbatches
         self.pp = dist.get_world_size(group)
-        self._first_rank, self._last_rank = end_ranks(schedule, group)
+        self._first_rank, self._last_rank = end_ranks(schedule, group, vpp)
         self._cache: dict[tuple, Any] = {}
         self.tied, self.everywhere = tied, everywhere
         self._loss_fn: Callable[[Tensor], Tensor] = lambda t: t
@@ -275,7 +285,7 @@ class PipelineRunner:
         info = SCHEDULES[self.schedule_name]
         loss_fn = (lambda out, _target: self._loss_fn(out)) if training else None
         try:
-            if info.virtual == 1:
+            if stages_per_rank(self.schedule_name, self.vpp) == 1:
                 # Forward only, GPipe's order is 1F1B's without the minimum microbatch count (a short last batch).
                 cls = info.cls if training else ScheduleGPipe
                 sched = cls(stages[0], n_microbatches=len(mbs), loss_fn=loss_fn, scale_grads=False)
@@ -352,7 +362,7 @@ class PipelineRunner:
         if self.model.sides is not None:
             self.model.sides.meta = side
         stages = {mod.spec.index: mod for mod in modules}
-        owner = {s: r for r in range(self.pp) for s in local_stages(self.schedule_name, self.pp, r)}
+        owner = {s: r for r in range(self.pp) for s in local_stages(self.schedule_name, self.pp, r, self.vpp)}
         me = dist.get_rank(self.group)
         device = self.model.device
         sends = []
@@ -379,10 +389,10 @@ class PipelineRunner:
             work.wait()
 
 
-def end_ranks(schedule: str, group: dist.ProcessGroup) -> tuple[int, int]:
+def end_ranks(schedule: str, group: dist.ProcessGroup, vpp: Optional[int] = None) -> tuple[int, int]:
     """The global ranks that run the first and the last stage of ``schedule`` over ``group``."""
     pp = dist.get_world_size(group)
-    last = n_stages(schedule, pp) - 1
+    last = n_stages(schedule, pp, vpp) - 1
     # Stage 0 is on the group's first rank under every schedule.
     return dist.get_global_rank(group, 0), dist.get_global_rank(group, next(
-        r for r in range(pp) if last in local_stages(schedule, pp, r)))
+        r for r in range(pp) if last in local_stages(schedule, pp, r, vpp)))

@@ -45,7 +45,7 @@ class PipelineSplit:
         model: the cut model (`PipelineModel`).
         parts: one `ModelPart` per stage this rank runs, in stage order.
         tied: on an end stage's rank of a model with a weight used before and after the trunk, its two copies.
-        schedule, group, microbatches: the runner's (`PipelineRunner`).
+        schedule, group, microbatches, vpp: the runner's (`PipelineRunner`).
         everywhere: parameters directly on a module that contains the trunk, held by every stage.
     """
 
@@ -56,6 +56,7 @@ class PipelineSplit:
     group: dist.ProcessGroup
     microbatches: int
     everywhere: Optional[OnEveryStage] = None
+    vpp: Optional[int] = None
 
     def mark_replicas(self, masters: Optional[dict[nn.Parameter, nn.Parameter]] = None) -> None:
         """Once ZeRO built its masters: the copies the gradient norm must not count again (a tied weight's second
@@ -75,7 +76,7 @@ class PipelineSplit:
         self.model.install()
         self.model.install_probe_hooks()
         return PipelineRunner(self.model, self.schedule, self.group, self.microbatches, tied=self.tied,
-                              wire_shape=wire_shape, everywhere=self.everywhere)  # fmt: skip
+                              wire_shape=wire_shape, everywhere=self.everywhere, vpp=self.vpp)  # fmt: skip
 
 
 def _outer_cost(modules: Sequence[nn.Module]) -> float:
@@ -99,6 +100,7 @@ def split_pipeline(
     split: Optional[Sequence[int]] = None,
     costs: Optional[Sequence[float]] = None,
     timeout: Optional[timedelta] = None,
+    vpp: Optional[int] = None,
 ) -> PipelineSplit:
     """Cut ``module`` in place for pipeline rank ``pp_rank``; return its stages (`PipelineSplit.install` gives the
     runner of its steps).
@@ -115,24 +117,25 @@ def split_pipeline(
         `lightning_par.parallel.pipeline.partition.measure_block_times`
             measures times).
         timeout: collective timeout of the group that sums tied weights' gradients (default: the backend's).
+        vpp: stages per rank of a looped interleaved schedule (default: the schedule's).
     """
     # Decided on the whole model, before the cut: who runs before and after the trunk, and whether a block runs
     # more than once (one layer called at every depth, ALBERT's): then the stages cut the trunk's calls.
     own = find_ownership(module, trunk)
     trunk = own.calls or trunk
-    check_schedule(schedule, pp, microbatches, len(trunk.blocks))
+    check_schedule(schedule, pp, microbatches, len(trunk.blocks), vpp)
     block_costs = list(costs) if costs is not None else param_costs(trunk.blocks)
     if len(block_costs) != len(trunk.blocks):
         raise PipelineError(f"pp_costs has {len(block_costs)} entries but the trunk has {len(trunk.blocks)} blocks")
-    stages = n_stages(schedule, pp)
+    stages = n_stages(schedule, pp, vpp)
     if (why := no_split_possible(own.cut_conflicts, trunk.names, stages)) is not None:
         raise PipelineError(why)
     ranges = partition(
         block_costs, stages, first_extra=_outer_cost([m for _, m in own.pre]),
         last_extra=_outer_cost([m for _, m in own.post]), split=split, forbidden=own.cut_conflicts,
     )  # fmt: skip
-    model = PipelineModel(module, trunk, ranges, local_stages(schedule, pp, pp_rank), device, own)
-    first, last = end_ranks(schedule, group)
+    model = PipelineModel(module, trunk, ranges, local_stages(schedule, pp, pp_rank, vpp), device, own)
+    first, last = end_ranks(schedule, group, vpp)
     tied = None
     if own.tied and first != last:
         tie = tie_group(first, last, timeout)
@@ -152,4 +155,4 @@ def split_pipeline(
     if own.everywhere:  # a parameter on a module that contains the trunk: on every stage, gradients summed
         everywhere = OnEveryStage(module, own.everywhere, group, model.owns_first)
         everywhere.sync_values()
-    return PipelineSplit(model, parts, tied, schedule, group, microbatches, everywhere)
+    return PipelineSplit(model, parts, tied, schedule, group, microbatches, everywhere, vpp)
