@@ -400,11 +400,7 @@ class ParallelConfig:
         (before the world size is known), so a bad combination fails at construction, before any process starts.
         Every combination of pp, tp, cp, ep and ZeRO composes (docs/compatibility.md, "Combinations").
         """
-        if self.uses("pp") and self.uses("tp") and self.sequence_parallel:
-            raise ParallelConfigError(
-                f"sequence_parallel=True with {self._degree('pp')} x {self._degree('tp')}: pipeline stages exchange "
-                "whole activations, so sequence parallelism is off inside them; pass sequence_parallel=None or False"
-            )
+        return None  # every combination of the axes composes (docs/compatibility.md, "Combinations")
 
     def describe(self, world_size: int) -> str:
         """The resolved layout in one line, printed at start-up (every mesh axis, then ep and the techniques)."""

@@ -316,6 +316,8 @@ def run_job(job: Job) -> dict[str, Any]:
             [f"{where[id(fp._module_info.module)]}.{fp._module_info.param_name}".lstrip(".") for fp in g.fsdp_params]
             for g in every if g is not None])  # fmt: skip
         result["fsdp_units"] = len(units)
+        # The shape a (2, 32, 32) hidden state travels between pipeline stages in (sequence parallelism: its shard).
+        result["pipe_wire"] = runner.wire_shape((2, 32, 32)) if runner is not None else None
         zero = getattr(trainer.strategy.parallel_run, "zero", None)
         outer = getattr(zero, "outer", None)
         result["outer_syncs"] = outer.syncs if outer is not None else None  # local SGD's synchronisations

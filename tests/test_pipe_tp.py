@@ -1,8 +1,9 @@
 """Pipeline x tensor parallelism (`pipe_tp` on 4 ranks, `3d` = `pipe_tp_zero1` on 8) against one process.
 
 Each pipeline stage shards its own blocks over tp (the plan is inferred on the whole model before the cut);
-sequence parallelism is off inside stages. Tolerances as in test_zero.py / test_tensor_parallel.py: losses 1e-5
-relative, parameters after SGD rtol 1e-5 / atol 1e-7, after AdamW atol 2% of lr.
+sequence parallelism stays on inside stages (wherever exact, as without a pipeline): the stages hand on each tp
+rank's sequence shard; with ``sequence_parallel=False``, the whole hidden state. Tolerances as in test_zero.py /
+test_tensor_parallel.py: losses 1e-5 relative, parameters after SGD rtol 1e-5 / atol 1e-7, after AdamW atol 2% of lr.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ MODELS = ["gpt4", "llama4", "gpt4_sgd"]
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    results = run_jobs(tmp_path_factory.mktemp("pptp_ref"), [{"model": m} for m in MODELS], nproc=1)
-    return dict(zip(MODELS, results, strict=True))
+    jobs = [{"model": m} for m in MODELS] + [{"model": "gpt_sgd", "seq_len": 17}]
+    results = run_jobs(tmp_path_factory.mktemp("pptp_ref"), jobs, nproc=1)
+    return dict(zip([*MODELS, "odd"], results, strict=True))
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +36,9 @@ def pipe_tp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     jobs = [{"model": m, "strategy": "pipe_tp", "dp": 1} for m in MODELS]
     jobs += [
         {"model": "gpt4", "strategy": {"pp": 2, "tp": 2, "pp_schedule": "interleaved_1f1b"}, "dp": 1},
+        {"model": "gpt4_sgd", "strategy": {"pp": 2, "tp": 2, "sequence_parallel": False}, "dp": 1},
+        # 17 tokens: the stream padded to 18 on the first stage, cut back by every stage's regions.
+        {"model": "gpt_sgd", "strategy": {"pp": 2, "tp": 2}, "dp": 1, "seq_len": 17},
         # A checkpoint written under pipe_tp resumes under tp_zero3 (tp 2 x dp 2): same loss curve.
         {"model": "gpt4", "strategy": "pipe_tp", "dp": 1, "epoch_steps": 1, "max_steps": 4, "ckpt_dir": ckpt},
         {"model": "gpt4", "strategy": "tp_zero3", "dp": 2, "epoch_steps": 1, "max_steps": 4,
@@ -41,7 +46,7 @@ def pipe_tp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     ]  # fmt: skip
     results = run_jobs(tmp, jobs, nproc=4, timeout=600)
     out = dict(zip(MODELS, results[: len(MODELS)], strict=True))
-    out["interleaved"], out["ckpt_full"], out["ckpt_resumed"] = results[len(MODELS) :]
+    out["interleaved"], out["no_sp"], out["odd"], out["ckpt_full"], out["ckpt_resumed"] = results[len(MODELS) :]
     return out
 
 
@@ -74,12 +79,17 @@ def test_interleaved_schedule_with_tp(pipe_tp, references):
     _check(pipe_tp["interleaved"], references["gpt4"], "gpt4")
 
 
-def test_sequence_parallel_inside_stages_is_rejected_before_training():
-    import lightning_par
-    from lightning_par.config import ParallelConfigError
+def test_sequence_parallel_stays_on_inside_stages_and_the_stages_hand_on_shards(pipe_tp, references):
+    def sp(got: dict) -> bool:
+        (line,) = [x for x in got["startup"] if x.startswith("tensor parallel tp=2")]
+        return "(norm, on the sequence shard)" in line
 
-    with pytest.raises(ParallelConfigError, match=r"sequence_parallel=True with pp=2 x tp=2.*pass sequence_parallel"):
-        lightning_par.ParallelStrategy(pp=2, tp=2, sequence_parallel=True)
+    assert sp(pipe_tp["gpt4_sgd"]) and pipe_tp["gpt4_sgd"]["pipe_wire"] == (2, 16, 32)
+    assert not sp(pipe_tp["no_sp"]) and pipe_tp["no_sp"]["pipe_wire"] == (2, 32, 32)
+    _check(pipe_tp["no_sp"], references["gpt4_sgd"], "gpt4_sgd")
+    # A length tp does not divide: padded on the stream (shards of 9), exact.
+    assert sp(pipe_tp["odd"]) and pipe_tp["odd"]["pipe_wire"] == (2, 16, 32)
+    _check(pipe_tp["odd"], references["odd"], "gpt_sgd")
 
 
 def test_pipe_tp_checkpoint_resumes_under_tp_zero3(pipe_tp):

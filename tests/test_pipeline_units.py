@@ -612,11 +612,6 @@ def test_microbatches_split_tensors_tuples_and_dicts_along_dim_0() -> None:
     ("kwargs", "exc", "message"),
     [
         (
-            {"pp": 2, "tp": 2, "sequence_parallel": True},
-            ParallelConfigError,
-            r"sequence_parallel=True with pp=2 x tp=2",
-        ),
-        (
             {"pp": 2, "pp_schedule": "zbv", "activation_checkpointing": "selective_op"},
             ParallelConfigError,
             r"'selective_op' cannot run under pp_schedule='zbv'.*'full'",

@@ -204,6 +204,10 @@ FAMILIES: dict[str, tuple[dict[str, Any], Layout, str, bool]] = {
     # ... and under a pipeline: GPT-2's tied embedding, a copy on each end stage, is averaged exactly.
     "pipe_zero1_powersgd_tied_gpt2": (GPT2, Layout(pp=2, dp_shard=2, zero_stage=1, microbatches=2, powersgd_rank=2,
                                                    precision="32-true"), "adamw", False),
+    # Sequence parallelism inside pipeline stages: each stage's regions, the trunk's ends on the end stages.
+    "pipe_tp_sp": (dict(LLAMA, num_hidden_layers=4), Layout(pp=2, tp=2, dp_shard=1, zero_stage=0, microbatches=2,
+                                                            sequence_parallel=True, precision="32-true"),
+                   "adamw", False),
     # Interleaved 1F1B with 3 stages per rank (vpp): each rank holds the blocks of its 3 stages.
     "pipe_zero1_vpp3": (dict(LLAMA, num_hidden_layers=6), Layout(pp=2, vpp=3, dp_shard=2, zero_stage=1, microbatches=2,
                                                                  pp_schedule="interleaved_1f1b", precision="32-true"),

@@ -84,7 +84,7 @@ def test_candidates_per_rank_batch_scale_the_global_batch() -> None:
     assert pool and all(batch == 4 * layout.dp for layout, batch in pool)
     assert all(layout.micro_batch_size == 4 for layout, _ in pool if layout.pp == 1)
     assert {layout.tp for layout, _ in pool} == {1, 2, 4, 8}
-    assert not any(layout.sequence_parallel and layout.pp > 1 for layout, _ in pool)
+    assert all(layout.sequence_parallel == (layout.tp > 1) for layout, _ in pool)  # inside pipeline stages too
     with pytest.raises(ValueError, match="exactly one of"):
         next(candidates(GPT, 8, 8))
 

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from lightning_par.blocks.trunk import Trunk, find_trunk, named_trunk, trunk_at
+from lightning_par.blocks.trunk import Trunk, find_trunk, named_trunk
 from lightning_par.checkpoint.dcp import model_state
 from lightning_par.checkpoint.fast_state import clean_name
 from lightning_par.checkpoint.pretrained.load import prepare_pretrained
@@ -40,11 +40,8 @@ from lightning_par.parallel.pipeline.schedule import Shape
 from lightning_par.parallel.pipeline.slots import PipelineError
 from lightning_par.parallel.pipeline.split import PipelineSplit, split_pipeline
 from lightning_par.parallel.run import ParallelRun
-from lightning_par.parallel.tensor.adapters import adapter_names, as_planned
-from lightning_par.parallel.tensor.apply import apply_tensor_parallel
-from lightning_par.parallel.tensor.check import check_local_shapes, other_plans, preflight, tp_report
-from lightning_par.parallel.tensor.plan import TPPlan, infer_tp_plan
-from lightning_par.parallel.tensor.plan_validate import validate_tp
+from lightning_par.parallel.tensor.adapters import adapter_names
+from lightning_par.parallel.tensor_stages import sequence_shard, tell_lengths, tensor_parallel, tp_plans
 from lightning_par.parallel.zero.fsdp import StepRoot, apply_fsdp, sync_module_states
 from lightning_par.parallel.zero.replicated import ReplicatedZero
 from lightning_par.parallel.zero.scalars import ScalarGrads, scalar_params
@@ -89,7 +86,7 @@ def parallelize(
     base, adapter_files = split_sources(pretrained)
     # A base checkpoint fills the layers the adapters wrap; a PEFT folder, the adapters.
     adapters = adapter_names(module) if base or adapter_files else None
-    plans, stack_notes = _tp_plans(module, config, tp_plan)
+    plans, stack_notes = tp_plans(module, config, tp_plan, _trunk(module, config) if config.trunk else None)
     if config.cp > 1 and trunk is not None:
         check_blocks_run_once(module, trunk)  # a recurrent-depth loop, even one run without gradients
     moe_layers = bool(find_moe_layers(module))
@@ -100,9 +97,14 @@ def parallelize(
     if templates is None:
         _sync_replicas(module, mesh, bool(plans))
     # 3. Tensor parallelism: which slice of each weight a rank holds.
-    tp_notes = [_tensor_parallel(module, parts, mesh, plans, config.sequence_parallel), *stack_notes] if plans else []
+    tp_line, staged = tensor_parallel(module, parts, mesh, plans, config.sequence_parallel, trunk, cut) if plans \
+        else ("", [])  # fmt: skip
+    tp_notes = [tp_line, *stack_notes] if plans else []
     # 4. Context parallelism: hooks after tensor parallelism's, attention modes before recomputation wraps them.
     wire_shape = _context_parallel(module, trunk, cut, mesh, config) if config.cp > 1 else None
+    cp_shape = wire_shape
+    if staged:  # stages hand on this rank's sequence-parallel shard
+        wire_shape = sequence_shard(wire_shape, mesh.tp.size())
     # 5. Expert parallelism: dispatch hooks on the experts module, inside any recomputed block.
     experts = _expert_parallel(module, mesh, config, cut, moe_layers) if config.ep > 1 or moe_layers else None
     # 6. Activation checkpointing, then torch.compile per block, then FSDP2 (ZeRO-3) outside both.
@@ -123,6 +125,8 @@ def parallelize(
     zero = None if config.zero_stage == 3 else _replicated_zero(module, parts, mesh, config, exclude, cut, timeout)
     # 9. The pipeline's own hooks last, outside every wrapping above; a tied weight's second copy marked after ZeRO.
     runner = cut.install(wire_shape) if cut is not None else None
+    if runner is not None and staged:  # each stage's sequence-parallel hooks learn the true length per step
+        runner.shape_listeners.append(functools.partial(tell_lengths, staged, cp_shape))
     if cut is not None:
         cut.mark_replicas(zero.masters if zero is not None else None)
     # Under ZeRO-3 without a pipeline the trainer calls the StepRoot, so that FSDP2's root hooks fire.
@@ -140,41 +144,6 @@ def _sync_replicas(module: nn.Module, mesh: ParallelMesh, tensor_parallel: bool)
         sync_module_states(module, mesh.cp)
     if tensor_parallel:
         sync_module_states(module, mesh.tp)
-
-
-def _tensor_parallel(module: nn.Module, parts: list[ModelPart], mesh: ParallelMesh, plans: list[TPPlan],
-                     sp: Optional[bool]) -> str:  # fmt: skip
-    """Step 3. Sequence parallelism needs the trunk's two ends in one part; a stage's boundary activations travel
-    whole. ``plans``: the trunk's, then other stacks' (sequence parallelism there wherever it is exact; under a
-    pipeline, on the rank whose stage holds the stack, without it). Returns the start-up line saying what was split
-    and what kept whole."""
-    plan, stacks = plans[0], plans[1:]
-    sequence_parallel = sp
-    for part in parts:
-        blocks = None if part.whole_trunk else list(part.blocks)
-        sequence_parallel = sp if part.whole_trunk else False
-        info = apply_tensor_parallel(module, mesh.tp, plan, sequence_parallel=sequence_parallel, blocks=blocks)
-        sequence_parallel = info.sequence_parallel
-    whole = parts[0].whole_trunk
-    held = []
-    for other in stacks:
-        blocks = [(n, module.get_submodule(n)) for n in _stack_names(module, other)]
-        if not whole and not all(any(True for _ in b.parameters()) for _, b in blocks):
-            continue  # another stage holds it (this rank has its stand-ins)
-        apply_tensor_parallel(module, mesh.tp, other, sequence_parallel=None if whole and sp is not False else False,
-                              blocks=None if whole else blocks)  # fmt: skip
-        held.append(other)
-    # Where the plan's probe ran the whole model (a pipeline stage cannot run it alone: its own pre-flight does).
-    if parts[0].whole_trunk and plan.traced:
-        preflight(module, mesh.tp.size(), bool(sequence_parallel))
-    split = [b for part in parts for b in part.blocks]
-    split += [(n, module.get_submodule(n)) for other in held for n in _stack_names(module, other)]
-    return tp_report(split, mesh.tp.size(), [g for p in [plan, *held] for g in p.gathered])
-
-
-def _stack_names(module: nn.Module, plan: TPPlan) -> list[str]:
-    stack = trunk_at(module, plan.trunk)
-    return list(stack.names) if stack is not None else []
 
 
 def _context_parallel(module: nn.Module, trunk: Optional[Trunk], cut: Optional[PipelineSplit], mesh: ParallelMesh,
@@ -318,21 +287,6 @@ def _trunk(module: nn.Module, config: ParallelConfig) -> Optional[Trunk]:
             "forward yourself (docs/strategies.md, 'torch.compile')"
         )
     return None
-
-
-def _tp_plans(
-    module: nn.Module, config: ParallelConfig, overrides: Optional[dict[str, str]]
-) -> tuple[list[TPPlan], list[str]]:
-    """The trunk's plan, then other stacks' (an encoder-decoder's encoder), and a note per stack kept whole."""
-    if config.tp == 1:
-        return [], []
-    with as_planned(module):  # DoRA as LoRA, a 4-bit base as its values: each split by its own rule later
-        plan = infer_tp_plan(module, overrides=overrides, trunk=_trunk(module, config) if config.trunk else None)
-        validate_tp(plan, config.tp)
-        # Block 0 on per-rank shapes: code assuming full widths runs on gathered activations, or is refused here.
-        plan = check_local_shapes(module, plan, config.tp)
-        stacks, notes = other_plans(module, plan, config.tp, overrides)
-    return [plan, *stacks], notes
 
 
 def _whole(module: nn.Module, trunk: Optional[Trunk]) -> ModelPart:

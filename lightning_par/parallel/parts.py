@@ -20,8 +20,7 @@ class ModelPart:
         root: the module whose ``__call__`` runs the part's whole forward (a pipeline stage module, or a
             `lightning_par.parallel.zero.fsdp.StepRoot` around the user's module): FSDP2 makes it the part's root.
         blocks: the part's trunk blocks as (qualified name, block), in execution order.
-        whole_trunk: the part holds every trunk block, so the residual stream may be split along the sequence
-            between its first and last block (sequence parallelism); a pipeline stage exchanges whole activations.
+        whole_trunk: the part holds every trunk block (no pipeline); a pipeline stage's part holds its own.
     """
 
     root: nn.Module

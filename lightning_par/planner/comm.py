@@ -102,7 +102,7 @@ def comm_terms(
     terms += _router(tensors, layout, tokens, m, router_aux)
     terms += _tied(specs, tensors, layout, pp_rank, shard, n)
     terms += _on_every_stage(tensors, layout)
-    terms += _tensor_parallel(every, layout, tokens, hidden, n)
+    terms += _tensor_parallel(specs, every, layout, tokens, hidden, n)
     return [t for t in terms if t[2]]
 
 
@@ -253,7 +253,7 @@ def _on_every_stage(tensors: Sequence[Held], layout: Layout) -> list[tuple[str, 
 
 
 def _tensor_parallel(
-    every: Sequence[Held], layout: Layout, tokens: int, hidden: int, n: int
+    specs: Sequence[ParamSpec], every: Sequence[Held], layout: Layout, tokens: int, hidden: int, n: int
 ) -> list[tuple[str, str, float]]:
     """Activations of the split regions (and the sequence-parallel ends and norms) over tp, and the adapters of
     split bases. A backward collective runs only where a gradient flows: into a region when a trainable parameter is
@@ -269,13 +269,14 @@ def _tensor_parallel(
     # (the embedding's output, and so the whole stream, is then in the compute dtype).
     stream = 2 if prec == "bf16-true" else low if layout.zero_stage == 3 else 4
     act = tokens * hidden  # elements of one region's input, whole over the sequence
-    sp = layout.sequence_parallel and layout.pp == 1  # pipeline stages run without it (boundaries travel whole)
-    fwd, out_bwd, in_bwd, entry = _gradient_flow(every)
+    sp = layout.sequence_parallel  # under a pipeline too: the stages hand on each rank's sequence shard
+    fwd, out_bwd, in_bwd, (first, last, entry) = _gradient_flow(specs, every)
     ag = rs = ar = 0.0
     if sp:
         ag += fwd * _ring("all_gather", act * stream, tp) + out_bwd * _ring("all_gather", act * low, tp)
         rs += fwd * _ring("reduce_scatter", act * low, tp) + in_bwd * _ring("reduce_scatter", act * stream, tp)
-        ag += _ring("all_gather", act * stream, tp) * (1 + entry)  # the trunk's exit gather, its entry's gradient's
+        # The trunk's exit gather (where its last block runs), its entry's gradient gather (where its first does).
+        ag += _ring("all_gather", act * stream, tp) * (last + first * entry)
     else:
         ar += fwd * _ring("all_reduce", act * low, tp) + in_bwd * _ring("all_reduce", act * stream, tp)
     # Gradients covering this rank's tokens or its slice of a sum (sequence-parallel norms and a row split's whole
@@ -298,33 +299,39 @@ def _tensor_parallel(
     return terms
 
 
-def _gradient_flow(every: Sequence[Held]) -> tuple[int, int, int, int]:
-    """Over the split regions in forward order (their row-parallel weights' order): how many run, how many get
-    their output's gradient, how many pass a gradient to their input, and whether the trunk's entry gets one (1/0).
-    Parameters in a block outside its regions (norms) count as before the block's regions."""
-    flowing = any(t.spec.trainable for t in every if t.spec.block is None and t.spec.end in ("first", "both", "every"))
+def _gradient_flow(specs: Sequence[ParamSpec], every: Sequence[Held]) -> tuple[int, int, int, tuple[int, int, int]]:
+    """Over the split regions in forward order (their row-parallel weights' order) of the blocks this rank holds
+    (``every``; the whole model's ``specs`` say where a gradient flows): how many run, how many get their output's
+    gradient, how many pass a gradient to their input; and (1/0) whether this rank runs the trunk's first block,
+    its last, and whether the trunk's entry gets a gradient. Parameters in a block outside its regions (norms)
+    count as before the block's regions."""
+    flowing = any(s.trainable for s in specs if s.block is None and s.end in ("first", "both", "every"))
     entry = int(flowing)
     blocks: dict[int, list[str]] = {}
     inside: dict[str, bool] = {}
     loose: dict[int, bool] = {}
-    for t in every:
-        b = t.spec.block
+    for spec in specs:
+        b = spec.block
         if b is None:
             continue
-        if t.spec.tp_row and not t.spec.role.startswith("adapter"):
-            key = t.spec.region or t.spec.name
+        if spec.tp_row and not spec.role.startswith("adapter"):
+            key = spec.region or spec.name
             blocks.setdefault(b, []).append(key)
-            inside[key] = inside.get(key, False) or t.spec.trainable
-        elif t.spec.region:
-            inside[t.spec.region] = inside.get(t.spec.region, False) or t.spec.trainable
+            inside[key] = inside.get(key, False) or spec.trainable
+        elif spec.region:
+            inside[spec.region] = inside.get(spec.region, False) or spec.trainable
         else:
-            loose[b] = loose.get(b, False) or t.spec.trainable
+            loose[b] = loose.get(b, False) or spec.trainable
+    mine = {t.spec.block for t in every if t.spec.block is not None}
+    everything = set(blocks) | set(loose)
     fwd = out_bwd = in_bwd = 0
-    for b in sorted(set(blocks) | set(loose)):
+    for b in sorted(everything):
         flowing = flowing or loose.get(b, False)
         for key in blocks.get(b, []):
-            fwd += 1
-            out_bwd += int(flowing or inside[key])
-            in_bwd += int(flowing)
+            if b in mine:
+                fwd += 1
+                out_bwd += int(flowing or inside[key])
+                in_bwd += int(flowing)
             flowing = flowing or inside[key]
-    return fwd, out_bwd, in_bwd, entry
+    ends = (int(min(everything, default=-1) in mine), int(max(everything, default=-1) in mine), entry)
+    return fwd, out_bwd, in_bwd, ends

@@ -69,7 +69,7 @@ def candidates(
                 batch = global_batch if global_batch is not None else dp * (per_rank_batch or 0)
                 eps = [e for e in _divisors(dp) if desc.experts % e == 0] if desc.experts else [1]
                 # Interleaved with 2 stages per rank and, where the blocks allow, 3 and 4 (Megatron's virtual sizes).
-                looped = [("interleaved_1f1b", v) for v in (2, 3, 4) if pp * v <= desc.layers]
+                looped = [("interleaved_1f1b", v) for v in (2, 3, 4) if v == 2 or pp * v <= desc.layers]
                 schedules = [("1f1b", 1), *looped] if pp > 1 else [("1f1b", 1)]
                 sizes = (1, 2, 4, 8) if global_batch is not None or pp > 1 else (per_rank_batch or 1,)
                 for zero, ep, (sched, vpp), mbs, recompute in itertools.product(
@@ -80,7 +80,7 @@ def candidates(
                     base = Layout(
                         tp=tp, pp=pp, vpp=vpp, dp_shard=dp, zero_stage=zero, ep=ep, cp=cp, pp_schedule=sched,
                         microbatches=batch // (dp * mbs) if pp > 1 else None, micro_batch_size=mbs,
-                        recompute=recompute, sequence_parallel=tp > 1 and pp == 1, precision=precision,
+                        recompute=recompute, sequence_parallel=tp > 1, precision=precision,
                     )  # fmt: skip
                     yield base, batch
                     inner = gpus_per_node // (tp * cp) if gpus_per_node % (tp * cp) == 0 else 0

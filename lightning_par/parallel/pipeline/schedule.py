@@ -193,6 +193,9 @@ class PipelineRunner:
         self._loss_fn: Callable[[Tensor], Tensor] = lambda t: t
         self.wire_shape: Callable[[Shape], Shape] = wire_shape if wire_shape is not None else (lambda shape: shape)
         self.trace = StepTrace()  # this rank's actions and waits in the latest training step
+        # Told the hidden state's whole shape entering each trunk block whenever a step's schedule is chosen.
+        self.shape_listeners: list[Callable[[list[Shape]], None]] = []
+        self._full_shapes: list[Shape] = []
 
     @property
     def last_stage_rank(self) -> int:
@@ -248,12 +251,21 @@ class PipelineRunner:
             meta = [([tuple(t.shape) for t in seen], seen[0].dtype)]
         dist.broadcast_object_list(meta, src=self._first_rank, group=self.group)
         shapes, dtype = meta[0]
+        self._full_shapes = [tuple(shape) for shape in shapes]
+        self._tell_shapes(self._full_shapes)
         return [self.wire_shape(shape) for shape in shapes], dtype
+
+    def _tell_shapes(self, shapes: list[Shape]) -> None:
+        """Hand the hidden state's whole shape entering each trunk block to `shape_listeners` (sequence
+        parallelism's true length on a stage that receives shards), before anything of a step runs."""
+        for listen in self.shape_listeners:
+            listen(shapes)
 
     def _schedule(self, mbs: list[Any], step_fn: Callable[[Any, StageSpec], Any], training: bool) -> Any:
         key = (_signature(mbs[0]), len(mbs), training, torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled())
         if key in self._cache:
-            return self._cache[key]
+            self._tell_shapes(self._cache[key][2])
+            return self._cache[key][:2]
         shapes, dtype = self._hidden_meta(mbs[0], step_fn)
         self.model.hidden_dtype = dtype
         side = preflight(self.model, shapes, dtype, self.group)
@@ -293,8 +305,8 @@ class PipelineRunner:
                 sched = info.cls(stages, n_microbatches=len(mbs), loss_fn=loss_fn, scale_grads=False)
         except ValueError as err:
             raise PipelineError(f"pp_schedule={self.schedule_name!r} with {len(mbs)} microbatches: {err}") from err
-        self._cache[key] = (sched, side)
-        return self._cache[key]
+        self._cache[key] = (sched, side, self._full_shapes)
+        return sched, side
 
     def _side_slots(self, end: int) -> list[int]:
         return self.model.sides.before(end) if self.model.sides is not None else []
@@ -356,8 +368,9 @@ class PipelineRunner:
             shapes, dtype = self._hidden_meta(mbs[0], step_fn)
             self.model.hidden_dtype = dtype
             side = preflight(self.model, shapes, dtype, self.group)
-            self._cache[key] = ((shapes, dtype), side, self.model.stage_modules())
-        (shapes, dtype), side, modules = self._cache[key]
+            self._cache[key] = ((shapes, dtype), side, self.model.stage_modules(), self._full_shapes)
+        (shapes, dtype), side, modules, full = self._cache[key]
+        self._tell_shapes(full)
         self.model.hidden_dtype = dtype
         if self.model.sides is not None:
             self.model.sides.meta = side

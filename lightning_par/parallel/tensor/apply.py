@@ -82,12 +82,15 @@ class TensorParallelInfo:
         styles: concrete module name -> style, for every module that was changed (and ``"head_param"`` for each
             per-head parameter split with the heads, by its name).
         regions: concrete names of the attention / MLP modules whose input is made a replicated DTensor.
+        sequence: under sequence parallelism, the state its hooks share (a pipeline stage after the first is told
+            the sequence's true length through it: `sequence.SequenceState`).
     """
 
     tp: int
     sequence_parallel: bool
     styles: dict[str, str]
     regions: tuple[str, ...]
+    sequence: SequenceState | None = None
 
 
 def sequence_parallel_blocker(plan: TPPlan, block: nn.Module) -> str | None:
@@ -125,6 +128,7 @@ def apply_tensor_parallel(
     *,
     sequence_parallel: bool | None = None,
     blocks: Sequence[tuple[str, nn.Module]] | None = None,
+    ends: tuple[bool, bool] = (True, True),
 ) -> TensorParallelInfo:
     """Shard the trunk blocks of ``model`` over the 1-D tensor-parallel ``mesh`` as ``plan`` says, in place.
 
@@ -135,8 +139,10 @@ def apply_tensor_parallel(
         sequence_parallel: split the residual stream along the sequence; ``None``: wherever it is exact (see
             `sequence_parallel_blocker`), ``True``: required (an error names why it is not exact).
         blocks: (name, block) pairs to shard instead of the whole trunk: a pipeline stage's own blocks, or the
-            blocks of another stack a stage holds (an encoder). Sequence parallelism is then off (a stage's boundary
-            activations travel whole between stages).
+            blocks of another stack a stage holds (an encoder).
+        ends: whether ``blocks`` start and end the trunk. Under sequence parallelism the trunk's first block
+            scatters the sequence and its last gathers it; a pipeline stage's blocks between them get and hand on
+            this rank's sequence shard, which is what travels between stages.
 
     Raises:
         TPPlanError: a style this function cannot apply (a sharded embedding or head), naming the ``tp_plan``
@@ -148,13 +154,6 @@ def apply_tensor_parallel(
         if trunk is None or trunk.names[0] != plan.first_block:
             raise TPPlanError("the model's trunk changed since the plan was inferred; infer the plan again")
         blocks = list(zip(trunk.names, trunk.blocks))
-    else:
-        if sequence_parallel:
-            raise TPPlanError(
-                "sequence_parallel=True is not supported inside pipeline stages (their boundary activations travel "
-                "whole); pass sequence_parallel=False or None"
-            )
-        sequence_parallel = False
     prefix = f"{plan.trunk}.*" if plan.trunk else "*"
     outer = [k for k, s in plan.group_plans()[0].styles.items() if not k.startswith(prefix + ".") and s != "replicate"]
     if outer:
@@ -180,9 +179,13 @@ def apply_tensor_parallel(
     for block, pname in frozen:
         block.get_parameter(pname).requires_grad_(False)
     if seq is not None and blocks:
-        blocks[0][1].register_forward_pre_hook(partial(scatter_sequence, mesh, seq), with_kwargs=True)
-        blocks[-1][1].register_forward_hook(partial(gather_sequence, mesh, seq))
-    return TensorParallelInfo(tp, bool(sequence_parallel), changed, tuple(sorted(regions)))
+        # A later pipeline stage's first block gets the shard the stage before handed on; the pipeline tells the
+        # state the sequence's true length (compose.py).
+        if ends[0]:
+            blocks[0][1].register_forward_pre_hook(partial(scatter_sequence, mesh, seq), with_kwargs=True)
+        if ends[1]:
+            blocks[-1][1].register_forward_hook(partial(gather_sequence, mesh, seq))
+    return TensorParallelInfo(tp, bool(sequence_parallel), changed, tuple(sorted(regions)), seq)
 
 
 def _groups(plan: TPPlan) -> list[tuple[TPPlan, set[str] | None]]:

@@ -24,7 +24,9 @@ _SEQ = 1  # batch-first models: (batch, sequence, hidden)
 
 @dataclasses.dataclass
 class SequenceState:
-    """The true sequence length of the forward pass under way (set when the trunk is entered)."""
+    """The true sequence length of the forward pass under way: set when the trunk is entered, or, on a pipeline
+    stage after the first (whose input is the shard the stage before handed on), by the pipeline before each step
+    (`PipelineRunner.shape_listeners`)."""
 
     length: int = 0
     warned: bool = False
@@ -58,6 +60,11 @@ def region_input(
     if isinstance(x, DTensor):
         return None
     full: Any
+    if state is not None and not state.length <= x.shape[_SEQ] * mesh.size() < state.length + mesh.size():
+        raise RuntimeError(
+            f"a sequence shard of {x.shape[_SEQ]} rows reached {type(mod).__name__} while the sequence has "
+            f"{state.length} tokens over tp={mesh.size()}; pass sequence_parallel=False"
+        )
     if state is not None:
         full = DTensor.from_local(x, mesh, [Shard(_SEQ)], run_check=False).redistribute(mesh, [Replicate()])
         if full.shape[_SEQ] > state.length:
@@ -79,12 +86,16 @@ def pad_region_output(mesh: DeviceMesh, state: SequenceState, mod: nn.Module, ar
     return None
 
 
-def scatter_sequence(mesh: DeviceMesh, state: SequenceState, mod: nn.Module, args: Any, kwargs: Any) -> Any:
-    """Entering the trunk: keep this rank's slice of the sequence (no communication; all-gather in backward)."""
-    where, x = next(
+def _first_tensor(args: Any, kwargs: Any) -> tuple[Any, Any]:
+    return next(
         ((i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)),
         next(((k, a) for k, a in kwargs.items() if isinstance(a, torch.Tensor)), (None, None)),
     )
+
+
+def scatter_sequence(mesh: DeviceMesh, state: SequenceState, mod: nn.Module, args: Any, kwargs: Any) -> Any:
+    """Entering the trunk: keep this rank's slice of the sequence (no communication; all-gather in backward)."""
+    where, x = _first_tensor(args, kwargs)
     if x is None or where is None:
         raise RuntimeError("the first block got no tensor input to split along the sequence")
     tp, length = mesh.size(), int(x.shape[_SEQ])
