@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 import lightning_par
+from lightning_par.checkpoint import full_tensor
 from lightning_par.checkpoint.dcp import model_state
 from lightning_par.parallel.flops import active_param_count
 
@@ -79,7 +80,7 @@ def _slice(batch: tuple[Tensor, Tensor], part: int, parts: int) -> tuple[Tensor,
 
 def _full(module: nn.Module, run: Any) -> dict[str, Tensor]:
     state = model_state(module, run.distribute_model() if run is not None else None)
-    full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
+    full = {k: full_tensor(v) for k, v in state.items()}  # explicit collectives for ZeRO-3 over tp (strided.py)
     return {k: v.detach().float().cpu().clone() for k, v in full.items()}
 
 

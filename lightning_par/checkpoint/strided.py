@@ -123,11 +123,43 @@ def restore(swaps: list[_Swap]) -> None:
         s.original.to_local().copy_(local_of_fused(full.to_local(), s.original))
 
 
+def _nested_split(t: DTensor) -> tuple[int, int] | None:
+    """(tp mesh dim, tensor dim) when ``t`` is ZeRO-3 over tensor parallelism: one plain ``Shard(d)`` (tp) and
+    data-parallel ``_StridedShard(d)`` splitting each tp-local tensor's rows (FSDP2's 2-D layout); else ``None``."""
+    placements: list[Any] = list(t.placements)
+    plain = [(i, int(pl.dim)) for i, pl in enumerate(placements)
+             if pl.is_shard() and not isinstance(pl, _compat.StridedShard)]  # fmt: skip
+    strided = [pl for pl in placements if isinstance(pl, _compat.StridedShard)]
+    if len(plain) != 1 or not strided or any(int(pl.dim) != plain[0][1] for pl in strided):
+        return None
+    return plain[0]
+
+
+def _full_of_nested(t: DTensor, tp_dim: int, dim: int) -> torch.Tensor:
+    """The full tensor of FSDP2-over-tp layout with our own collectives (list all-gathers into buffers we own):
+    the data-parallel shards of this tp rank's rows first, then the tp ranks' parts along ``dim`` (torch.chunk
+    order, possibly uneven: padded for gloo, trimmed after). torch's own redistribution of this layout runs two
+    all-gathers in an order it warns about."""
+    mesh, n = t.device_mesh, t.shape[dim]
+    tp, chunk = mesh.size(tp_dim), -(-t.shape[dim] // mesh.size(tp_dim))
+    sizes = [max(0, min(n - r * chunk, chunk)) for r in range(tp)]
+    local = t.to_local().movedim(dim, 0)
+    for i in reversed(_row_dims(t, tp_dim)):
+        local = _all_gather_rows(local, mesh.get_group(i), sizes[mesh.get_local_rank(tp_dim)])
+    padded = F.pad(local, (0, 0) * (local.dim() - 1) + (0, chunk - local.shape[0])).contiguous()
+    parts = [torch.empty_like(padded) for _ in range(tp)]
+    dist.all_gather(parts, padded, group=mesh.get_group(tp_dim))
+    return torch.cat([p[:k] for p, k in zip(parts, sizes)]).movedim(0, dim)
+
+
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """The full tensor behind a (possibly sharded) parameter or state tensor; collective for DTensors.
 
-    Like ``DTensor.full_tensor()``, but also exact for fused tensor-parallel projections nested under ZeRO.
+    Like ``DTensor.full_tensor()``, but also exact for fused tensor-parallel projections nested under ZeRO, and
+    gathered with explicit collectives for ZeRO-3 over tensor parallelism (`_full_of_nested`).
     """
     if is_fused(t):
         return full_of_fused(t)  # type: ignore[arg-type]
+    if isinstance(t, DTensor) and (nested := _nested_split(t)) is not None:
+        return _full_of_nested(t, *nested)
     return t.full_tensor() if isinstance(t, DTensor) else t
