@@ -281,9 +281,7 @@ def _why(mod: nn.Module, params: list[nn.Parameter]) -> str:
     return next((why for kind, why in _WHY.items() if isinstance(mod, kind)), type(mod).__name__)
 
 
-def tp_report(
-    blocks: Sequence[tuple[str, nn.Module]], tp: int, gathered: Sequence[str] = (), shown: int = 6
-) -> str:
+def tp_report(blocks: Sequence[tuple[str, nn.Module]], tp: int, gathered: Sequence[str] = (), shown: int = 6) -> str:
     """One line for the start-up log, after `apply_tensor_parallel` split ``blocks`` (this rank's: a pipeline
     stage's under ``pipe_tp``): the share of their parameters one rank holds (``1 / tp`` when all is split), the
     modules whose parameters stay whole, by pattern, with the reason, and the regions run on the full width
