@@ -36,11 +36,12 @@ from lightning_par.parallel.experts.finder import find_moe_layers
 from lightning_par.parallel.local_sgd.outer import LocalSGD
 from lightning_par.parallel.materialize import InitTemplates, base_seed, capture_init, has_meta, materialize
 from lightning_par.parallel.parts import ModelPart
-from lightning_par.parallel.pipeline.schedule import Shape
+from lightning_par.parallel.pipeline.schedule import PipelineRunner, Shape
 from lightning_par.parallel.pipeline.slots import PipelineError
 from lightning_par.parallel.pipeline.split import PipelineSplit, split_pipeline
 from lightning_par.parallel.run import ParallelRun
 from lightning_par.parallel.tensor.adapters import adapter_names
+from lightning_par.parallel.tensor.sequence import SequenceState
 from lightning_par.parallel.tensor_stages import sequence_shard, tell_lengths, tensor_parallel, tp_plans
 from lightning_par.parallel.zero.fsdp import StepRoot, apply_fsdp, sync_module_states
 from lightning_par.parallel.zero.replicated import ReplicatedZero
@@ -86,7 +87,7 @@ def parallelize(
     base, adapter_files = split_sources(pretrained)
     # A base checkpoint fills the layers the adapters wrap; a PEFT folder, the adapters.
     adapters = adapter_names(module) if base or adapter_files else None
-    plans, stack_notes = tp_plans(module, config, tp_plan, _trunk(module, config) if config.trunk else None)
+    plans, stack_notes = tp_plans(module, config, tp_plan, trunk if config.trunk else None)
     if config.cp > 1 and trunk is not None:
         check_blocks_run_once(module, trunk)  # a recurrent-depth loop, even one run without gradients
     moe_layers = bool(find_moe_layers(module))
@@ -101,10 +102,7 @@ def parallelize(
         else ("", [])  # fmt: skip
     tp_notes = [tp_line, *stack_notes] if plans else []
     # 4. Context parallelism: hooks after tensor parallelism's, attention modes before recomputation wraps them.
-    wire_shape = _context_parallel(module, trunk, cut, mesh, config) if config.cp > 1 else None
-    cp_shape = wire_shape
-    if staged:  # stages hand on this rank's sequence-parallel shard
-        wire_shape = sequence_shard(wire_shape, mesh.tp.size())
+    cp_shape = _context_parallel(module, trunk, cut, mesh, config) if config.cp > 1 else None
     # 5. Expert parallelism: dispatch hooks on the experts module, inside any recomputed block.
     experts = _expert_parallel(module, mesh, config, cut, moe_layers) if config.ep > 1 or moe_layers else None
     # 6. Activation checkpointing, then torch.compile per block, then FSDP2 (ZeRO-3) outside both.
@@ -124,16 +122,26 @@ def parallelize(
     # 8. ZeRO 0-2: the bucketed engine, whose masters are views of the values just set.
     zero = None if config.zero_stage == 3 else _replicated_zero(module, parts, mesh, config, exclude, cut, timeout)
     # 9. The pipeline's own hooks last, outside every wrapping above; a tied weight's second copy marked after ZeRO.
-    runner = cut.install(wire_shape) if cut is not None else None
-    if runner is not None and staged:  # each stage's sequence-parallel hooks learn the true length per step
-        runner.shape_listeners.append(functools.partial(tell_lengths, staged, cp_shape))
-    if cut is not None:
-        cut.mark_replicas(zero.masters if zero is not None else None)
+    runner = _install(cut, cp_shape, staged, mesh, zero) if cut is not None else None
     # Under ZeRO-3 without a pipeline the trainer calls the StepRoot, so that FSDP2's root hooks fire.
     model = parts[0].root if config.zero_stage == 3 and cut is None else module
     norm_groups = (mesh.root.get_group("pp"),) if cut is not None else ()
     return ParallelRun(model=model, module=module, zero=zero, experts=experts, norm_groups=norm_groups,
                        pipeline=runner, notes=tuple(notes), scalars=scalars)  # fmt: skip
+
+
+def _install(cut: PipelineSplit, cp_shape: Optional[Callable[[Shape], Shape]],
+             staged: list[tuple[int, SequenceState]], mesh: ParallelMesh,
+             zero: Optional[ReplicatedZero]) -> PipelineRunner:  # fmt: skip
+    """Step 9: the stages send what context parallelism keeps of the hidden state (``cp_shape``), and of that this
+    tp rank's sequence shard where the stages keep sequence parallelism (``staged``: their hooks then learn the
+    true length before each step); a tied weight's second copy is marked once ZeRO built its masters."""
+    wire = sequence_shard(cp_shape, mesh.tp.size()) if staged else cp_shape
+    runner = cut.install(wire)
+    if staged:
+        runner.shape_listeners.append(functools.partial(tell_lengths, staged, cp_shape))
+    cut.mark_replicas(zero.masters if zero is not None else None)
+    return runner
 
 
 def _sync_replicas(module: nn.Module, mesh: ParallelMesh, tensor_parallel: bool) -> None:
