@@ -41,10 +41,6 @@ class ScalarGrads:
         self.groups = [g for g in groups if dist.get_world_size(g) > 1]
         self.size = size
 
-    @property
-    def names(self) -> list[str]:
-        return [n for n, _ in self.named]
-
     def reduce(self) -> None:
         """Average every gradient over the groups (collective over each group); call once per optimizer step, after
         the last backward of an accumulation."""
