@@ -15,6 +15,7 @@ import warnings
 from typing import Literal, Optional, Union
 
 from lightning_par.axes import AXIS_NAMES, MODEL_AXES, SCHEDULES, choices, split_world
+from lightning_par.config_checks import ParallelConfigError, TechniqueChecks
 
 AXES = AXIS_NAMES  # lightning_par.axes defines them, with their properties
 ZERO_STAGES = (0, 1, 2, 3)
@@ -29,12 +30,8 @@ AUTO = -1  # a degree left for `resolve` to fill from the world size
 ACMode = Optional[Literal["full", "selective", "selective_op", "offload"]]
 
 
-class ParallelConfigError(ValueError):
-    """A parallel layout that cannot run; the message names the fix."""
-
-
 @dataclasses.dataclass
-class ParallelConfig:
+class ParallelConfig(TechniqueChecks):
     """Degrees of every mesh axis plus the techniques applied along them.
 
     Args:
@@ -94,6 +91,10 @@ class ParallelConfig:
             without a pipeline and offload; not with tp, cp or ep.
         vpp: stages per pipeline rank under a looped interleaved schedule (``interleaved_1f1b``, ``looped_bfs``,
             ``interleaved_zb``; Megatron's virtual pipeline size): ``None`` is their 2; up to the blocks per rank.
+        fp8: ``True``: the trunk's linear layers train in fp8 with tensor-wise dynamic scaling (torchao's float8
+            recipe; under ZeRO-3 their weights are all-gathered in fp8): CUDA devices of compute capability >= 8.9;
+            ``"emulate"``: the same casts, multiplied in the training precision (any device, to check numerics);
+            ``False``: off. `lightning_par.parallel.fp8`; docs/strategies.md, "fp8 training".
         trunk: the qualified name of the container of the model's repeated blocks (``"model.layers"``), where
             `lightning_par.blocks.find_trunk` picks another or none; every layout then uses its blocks.
         auto_dims: for registered names: the dimensions (``"pp"``, ``"tp"``, ``"cp"``, ``"dp"``, ``"ep"``) whose
@@ -132,6 +133,7 @@ class ParallelConfig:
     zero_quantized_weights: bool = False
     trunk: Optional[str] = None
     vpp: Optional[int] = None
+    fp8: Union[bool, str] = False
 
     def __post_init__(self) -> None:
         if self.trunk is not None and (not isinstance(self.trunk, str) or not self.trunk):
@@ -227,6 +229,7 @@ class ParallelConfig:
             raise ParallelConfigError(f"global_batch={self.global_batch!r} must be an int >= 1 (samples per step)")
         self._check_local_sgd()
         self._check_compression()
+        self._check_fp8()
         self.check_supported()
 
     def _check_vpp(self) -> None:
@@ -240,75 +243,6 @@ class ParallelConfig:
                 f"vpp={self.vpp!r} sets the stages per rank of a looped interleaved schedule ({', '.join(looped)}): an "
                 f"int >= 2 with one of them (pp_schedule={self.pp_schedule!r} runs {schedule.virtual}); drop vpp"
             )
-
-    def _check_local_sgd(self) -> None:
-        if self.sync_every is None:
-            return
-        if not isinstance(self.sync_every, int) or isinstance(self.sync_every, bool) or self.sync_every < 1:
-            raise ParallelConfigError(f"sync_every={self.sync_every!r} must be an int >= 1 (steps between syncs)")
-        if not self.outer_lr > 0 or not 0 <= self.outer_momentum < 1:
-            raise ParallelConfigError(
-                f"outer_lr={self.outer_lr} must be > 0 and outer_momentum={self.outer_momentum} in [0, 1); DiLoCo "
-                "uses 0.7 and 0.9"
-            )
-        for axis, why in (("pp", "a pipeline's stages would each need the outer loop of its own parameters"),
-                          ("ep", "experts are sharded over the data-parallel ranks, not replicated")):  # fmt: skip
-            if self.uses(axis):
-                raise ParallelConfigError(
-                    f"sync_every={self.sync_every} with {self._degree(axis)}: local SGD is not supported there "
-                    f"({why}); drop sync_every, or train without {axis}"
-                )
-        if self.zero_stage > 2:
-            raise ParallelConfigError(
-                f"sync_every={self.sync_every} with zero_stage=3: local SGD runs on the ZeRO 0-2 engine; use "
-                "zero_stage=1 or 2 inside each replica (dp_shard), or drop sync_every"
-            )
-        if self.dp_replicate == 1:
-            raise ParallelConfigError(
-                f"sync_every={self.sync_every} synchronises the dp_replicate replicas, but dp_replicate=1; set "
-                "dp_replicate to the number of replicas (e.g. one per node, ZeRO inside it over dp_shard)"
-            )
-
-    def _check_compression(self) -> None:
-        if not isinstance(self.zero_quantized_weights, bool):
-            raise ParallelConfigError(f"zero_quantized_weights={self.zero_quantized_weights!r} must be True or False")
-        if self.zero_quantized_weights:
-            other = [self._degree(a) for a in ("tp", "cp", "ep") if self.uses(a)]
-            if self.zero_stage != 3 or other:
-                raise ParallelConfigError(
-                    f"zero_quantized_weights=True quantizes ZeRO-3's weight all-gather, with or without a pipeline; "
-                    f"here zero_stage={self.zero_stage}{''.join(', ' + o for o in other)}: use zero_stage=3 without "
-                    "tp, cp and ep, or drop zero_quantized_weights"
-                )
-        if self.grad_compression is None:
-            return
-        if self.grad_compression != "powersgd":
-            raise ParallelConfigError(f"grad_compression={self.grad_compression!r} is unknown; use None or 'powersgd'")
-        for name, low in (("compression_rank", 1), ("compression_start", 2)):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ParallelConfigError(f"{name}={value!r} must be an int >= {low} (error feedback needs 2 steps)")
-        if self.zero_stage > 1:
-            raise ParallelConfigError(
-                f"grad_compression='powersgd' with zero_stage={self.zero_stage}: PowerSGD compresses an all-reduce, "
-                "and ZeRO-2/3 reduce-scatter gradients into shards; use zero_stage=0 or 1 (strategy 'ddp' or "
-                "'zero1'), or drop grad_compression"
-            )
-        other = [self._degree(a) for a in ("tp", "cp", "ep") if self.uses(a)]
-        if other or self.sync_every is not None:
-            raise ParallelConfigError(
-                f"grad_compression='powersgd' runs on data parallelism (ZeRO 0-1, hybrid too), with or without a "
-                f"pipeline; {', '.join(other) or f'sync_every={self.sync_every}'} is not supported with it: drop "
-                "grad_compression, or train without those dimensions"
-            )
-
-    def uses(self, axis: str) -> bool:
-        """Whether the layout has more than one rank along ``axis``, or leaves it to the world size (a name)."""
-        named = {"dp": ("dp_shard", "dp_replicate")}.get(axis, (axis,))
-        return any(getattr(self, a) > 1 for a in named) or axis in (self.auto_dims or ())
-
-    def _degree(self, axis: str) -> str:
-        return f"{axis}={getattr(self, axis)}" if axis not in (self.auto_dims or ()) else f"{axis} from the world size"
 
     @property
     def dp(self) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import re
 import signal
 import sys
 import threading
@@ -377,3 +378,26 @@ class InitRecorder(L.Callback):
             dist.all_gather_object(every, state)
             state = {k: v for d in every for k, v in d.items()}
         self.state = state
+
+
+# The one-process fp8 reference's rule, written here apart from the library's (lightning_par.parallel.fp8): the
+# linear layers of the repeated blocks (``h.3``, ``layers.3``), both dimensions multiples of 16.
+FP8_BLOCK = re.compile(r"(^|\.)(h|layers|blocks)\.\d+\.")
+
+
+class TorchaoFp8(L.Callback):
+    """The one-process reference of fp8 training: torchao converts the trunk's linear layers (emulated fp8) once
+    the model is built and on its device; the parameters stay the same objects, so the optimizer needs nothing."""
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        def chosen(mod: torch.nn.Module, fqn: str) -> bool:
+            return bool(FP8_BLOCK.search(fqn)) and mod.in_features % 16 == 0 and mod.out_features % 16 == 0
+
+        convert_to_float8_training(pl_module, config=Float8LinearConfig(emulate=True), module_filter_fn=chosen)
+
+
+def fp8_names(module: torch.nn.Module) -> list[str]:
+    """The layers of ``module`` that train in fp8 (torchao's ``Float8Linear``)."""
+    return [n for n, m in module.named_modules() if type(m).__name__ == "Float8Linear"]

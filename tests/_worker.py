@@ -38,6 +38,8 @@ from _job_callbacks import (  # noqa: E402
     Recorder,
     RoutingRecorder,
     SigKill,
+    TorchaoFp8,
+    fp8_names,
     full_params,
     local_bytes,
 )
@@ -128,6 +130,10 @@ def run_job(job: Job) -> dict[str, Any]:
         data.setup()
         order = data._train.order
         data._train.order = order[torch.randperm(len(order), generator=torch.Generator().manual_seed(0))]
+        if job.rank_order > 1:  # rank r of `rank_order` data-parallel ranks reads every r-th sample of a step's
+            step = global_batch * accumulate
+            data._train.order = data._train.order.view(-1, step // job.rank_order, job.rank_order).transpose(1, 2)\
+                .reshape(-1)  # fmt: skip
     recorder = Recorder(job.fail_at_step)
     memory_logger = MemoryLogger() if job.memory_logger else None
     optim_recorder = OptimizerRecorder()
@@ -154,6 +160,8 @@ def run_job(job: Job) -> dict[str, Any]:
         extra.append(ReplicaCheck(job.replica_callback))
     if job.rank_seed:
         extra.append(RankSeed())
+    if job.torchao_fp8:
+        extra.append(TorchaoFp8())
     ckpt_dir = job.ckpt_dir
     listing_before = sorted(os.listdir(ckpt_dir)) if ckpt_dir and os.path.isdir(ckpt_dir) else []
     found = lightning_par.checkpoint.latest(ckpt_dir) if ckpt_dir else None
@@ -284,6 +292,8 @@ def run_job(job: Job) -> dict[str, Any]:
         "replica_checks": gathered_objects(
             [(len(c.seconds), c.compared) for c in trainer.callbacks if isinstance(c, ReplicaCheck)]
         ),
+        # Which linear layers train in fp8 (torchao's Float8Linear), on any rank (a pipeline's stages hold theirs).
+        "fp8_layers": sorted({n for names in gathered_objects(fp8_names(model)) for n in names}),
         "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
         "expert_load": monitor.expert_load if monitor is not None else None,
         "flops_per_token": monitor.flops_per_token if monitor is not None else None,

@@ -98,6 +98,12 @@ class Job:
     # ZeRO-3's int8 weight all-gather simulated in one process (tests/_quantized_sim.py): {world, units}.
     simulate_quantized: Optional[dict[str, Any]] = None
 
+    # fp8 (tests/test_fp8.py): the one-process reference converts its trunk's linear layers with torchao itself
+    # (`_job_callbacks.TorchaoFp8`), and reads each global batch as ``rank_order`` sub-batches in the order the
+    # data-parallel ranks read them (each sub-batch then has the activation scales that rank's has).
+    torchao_fp8: bool = False
+    rank_order: int = 1
+
     @classmethod
     def from_dict(cls, job: Mapping[str, Any]) -> Job:
         """The `Job` a dict describes; raises `UnknownJobKey` naming each key that is no field and the closest one."""

@@ -23,7 +23,7 @@ import import_graph as ig
 LEVELS = [
     "_compat",
     "utils",
-    "config names mesh axes",
+    "config config_checks names mesh axes",
     "nn blocks checkpoint guards",
     "parallel",
     "streams precision",

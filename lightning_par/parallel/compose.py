@@ -33,6 +33,7 @@ from lightning_par.parallel.context.apply import apply_context_parallel
 from lightning_par.parallel.context.check import check_blocks_run_once
 from lightning_par.parallel.experts.apply import ExpertParallel, apply_expert_parallel
 from lightning_par.parallel.experts.finder import find_moe_layers
+from lightning_par.parallel.fp8 import check_fp8_device, convert_fp8, precompute_scales, select_fp8
 from lightning_par.parallel.local_sgd.outer import LocalSGD
 from lightning_par.parallel.materialize import InitTemplates, base_seed, capture_init, has_meta, materialize
 from lightning_par.parallel.parts import ModelPart
@@ -41,6 +42,7 @@ from lightning_par.parallel.pipeline.slots import PipelineError
 from lightning_par.parallel.pipeline.split import PipelineSplit, split_pipeline
 from lightning_par.parallel.run import ParallelRun
 from lightning_par.parallel.tensor.adapters import adapter_names
+from lightning_par.parallel.tensor.plan_types import TPPlan
 from lightning_par.parallel.tensor.sequence import SequenceState
 from lightning_par.parallel.tensor_stages import sequence_shard, tell_lengths, tensor_parallel, tp_plans
 from lightning_par.parallel.zero.fsdp import StepRoot, apply_fsdp, sync_module_states
@@ -90,7 +92,9 @@ def parallelize(
     plans, stack_notes = tp_plans(module, config, tp_plan, trunk if config.trunk else None)
     if config.cp > 1 and trunk is not None:
         check_blocks_run_once(module, trunk)  # a recurrent-depth loop, even one run without gradients
-    moe_layers = bool(find_moe_layers(module))
+    moe_layers = [layer.name for layer in find_moe_layers(module)]
+    # fp8 swaps layers for torchao's: before any layout holds them (the initialisers were read from the originals).
+    fp8_notes = _fp8(module, trunk, moe_layers, plans, config, device) if config.fp8 else []
     # 1. The pipeline first: it removes other stages' modules, so every later step sees only this rank's parameters.
     cut = _split(module, trunk, mesh, config, timeout, device) if config.pp > 1 else None
     parts = cut.parts if cut is not None else [_whole(module, trunk)]
@@ -100,11 +104,11 @@ def parallelize(
     # 3. Tensor parallelism: which slice of each weight a rank holds.
     tp_line, staged = tensor_parallel(module, parts, mesh, plans, config.sequence_parallel, trunk, cut) if plans \
         else ("", [])  # fmt: skip
-    tp_notes = [tp_line, *stack_notes] if plans else []
+    tp_notes = [*fp8_notes, tp_line, *stack_notes] if plans else fp8_notes
     # 4. Context parallelism: hooks after tensor parallelism's, attention modes before recomputation wraps them.
     cp_shape = _context_parallel(module, trunk, cut, mesh, config) if config.cp > 1 else None
     # 5. Expert parallelism: dispatch hooks on the experts module, inside any recomputed block.
-    experts = _expert_parallel(module, mesh, config, cut, moe_layers) if config.ep > 1 or moe_layers else None
+    experts = _expert_parallel(module, mesh, config, cut, bool(moe_layers)) if config.ep > 1 or moe_layers else None
     # 6. Activation checkpointing, then torch.compile per block, then FSDP2 (ZeRO-3) outside both.
     for part in parts:
         apply_activation_checkpointing(part.block_modules, config.activation_checkpointing, config.ac_every, module,
@@ -204,6 +208,8 @@ def _fsdp(parts: list[ModelPart], mesh: ParallelMesh, config: ParallelConfig, ex
                    offload=config.offload, ignored_params=set(exclude) or None,
                    reshard_after_forward=not pipelined,
                    all_gather=QuantizedAllGather() if config.zero_quantized_weights else None)  # fmt: skip
+        if config.fp8:  # every fp8 weight's scale from the whole weight, not one tp rank's slice (fp8/scales.py)
+            precompute_scales(part.root)
 
 
 def _values(module: nn.Module, experts: Optional[ExpertParallel], templates: Optional[InitTemplates],
@@ -272,6 +278,16 @@ def _scalars(module: nn.Module, mesh: ParallelMesh, config: ParallelConfig, excl
     groups = [dp.get_group(1)] if config.sync_every else [dp.get_group(0), dp.get_group(1)]
     size = dp.size(1) if config.sync_every else dp.size()
     return ScalarGrads(scalar_params(module, exclude), groups, size)
+
+
+def _fp8(module: nn.Module, trunk: Optional[Trunk], moe: list[str], plans: list[TPPlan], config: ParallelConfig,
+         device: torch.device) -> list[str]:  # fmt: skip
+    """fp8 training (parallel/fp8): the trunk's eligible linear layers become torchao's, whose weights ZeRO-3 then
+    all-gathers in fp8. Returns the start-up lines naming what is in fp8 and what is kept, and why."""
+    check_fp8_device(config.fp8, device)
+    layers = select_fp8(module, trunk, moe, plans, config.tp)
+    convert_fp8(module, layers, emulate=config.fp8 == "emulate", zero3=config.zero_stage == 3)
+    return layers.notes()
 
 
 def _trunk(module: nn.Module, config: ParallelConfig) -> Optional[Trunk]:

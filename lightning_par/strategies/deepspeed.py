@@ -178,9 +178,9 @@ class DeepSpeedParallelStrategy(ParallelStrategy):
                 "sync_every (local SGD) runs on the native ZeRO 0-2 engine, not DeepSpeed's; use "
                 "lightning_par.ParallelStrategy(zero_stage=1 or 2, dp_replicate=..., sync_every=...)"
             )
-        if self.config.grad_compression is not None or self.config.zero_quantized_weights:
+        if self.config.grad_compression is not None or self.config.zero_quantized_weights or self.config.fp8:
             raise ValueError(
-                "grad_compression and zero_quantized_weights run on the native engines (ZeRO 0-1, FSDP2), not "
+                "grad_compression, zero_quantized_weights and fp8 run on the native engines (ZeRO 0-1, FSDP2), not "
                 "DeepSpeed's; use lightning_par.ParallelStrategy(...) with them, or DeepSpeed's own ZeRO++ "
                 "(deepspeed_config={'zero_optimization': {'zero_quantized_weights': True}})"
             )

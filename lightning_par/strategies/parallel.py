@@ -50,8 +50,8 @@ class ParallelStrategy(ProcessGroupStrategy):
         pp, dp_replicate, dp_shard, ep, tp, etp, cp, cp_mode, cp_uneven, zero_stage, offload, activation_checkpointing,
             ac_every, sequence_parallel, pp_schedule, microbatches, bucket_cap_mb, pp_split, pp_costs, compile,
             auto_dims, global_batch, sync_every, outer_lr, outer_momentum, grad_compression, compression_rank,
-            compression_start, zero_quantized_weights, trunk, vpp: see `lightning_par.config.ParallelConfig` (one
-            by one: LightningCLI sets them by name).
+            compression_start, zero_quantized_weights, trunk, vpp, fp8: see `lightning_par.config.ParallelConfig`
+            (one by one: LightningCLI sets them by name).
         timeout_s: collective timeout in seconds; a rank stuck in a collective past this fails instead of hanging.
         process_group_backend: ``"gloo"`` / ``"nccl"``; default from the device.
         backend: ``"native"`` only (FSDP2, our ZeRO 0-2); DeepSpeed's: `DeepSpeedParallelStrategy` (docs/deepspeed.md).
@@ -105,6 +105,7 @@ class ParallelStrategy(ProcessGroupStrategy):
         zero_quantized_weights: bool = False,
         trunk: Optional[str] = None,
         vpp: Optional[int] = None,
+        fp8: Union[bool, str] = False,
         timeout_s: float = 600.0,
         process_group_backend: Optional[str] = None,
         async_save: bool = False,
@@ -130,9 +131,9 @@ class ParallelStrategy(ProcessGroupStrategy):
             cp_uneven=cp_uneven, zero_stage=zero_stage, offload=offload, ac_every=ac_every, compile=compile,
             activation_checkpointing=activation_checkpointing, sequence_parallel=sequence_parallel, pp_split=pp_split,
             pp_schedule=pp_schedule, microbatches=microbatches, bucket_cap_mb=bucket_cap_mb, pp_costs=pp_costs,
-            auto_dims=auto_dims, global_batch=global_batch, sync_every=sync_every, outer_lr=outer_lr,
+            auto_dims=auto_dims, global_batch=global_batch, sync_every=sync_every, outer_lr=outer_lr, trunk=trunk,
             outer_momentum=outer_momentum, grad_compression=grad_compression, compression_rank=compression_rank,
-            compression_start=compression_start, zero_quantized_weights=zero_quantized_weights, trunk=trunk, vpp=vpp,
+            compression_start=compression_start, zero_quantized_weights=zero_quantized_weights, vpp=vpp, fp8=fp8,
         )  # fmt: skip
         super().__init__(config, timedelta(seconds=timeout_s), process_group_backend, accelerator=accelerator,
                          parallel_devices=parallel_devices, cluster_environment=cluster_environment,
