@@ -56,15 +56,16 @@ def _model(args: argparse.Namespace) -> GPT:
     return GPT(vocab_size=256, block_size=args.seq, n_layer=args.layers, n_head=4, n_embd=args.embd)
 
 
-def run(quantized: bool, args: argparse.Namespace) -> tuple[dict[str, float], list[float]]:
-    """One fit: (MiB per step on this rank by collective kind, after the first step; the loss curve)."""
+def run(layout: dict[str, Any], args: argparse.Namespace) -> tuple[dict[str, float], list[float]]:
+    """One fit under ZeRO-3 and ``layout`` (more `ParallelStrategy` arguments): (MiB per step on this rank by
+    collective kind, after the first step; the loss curve)."""
     L.seed_everything(0, verbose=False)
     world = int(os.environ["WORLD_SIZE"])
     counter = CommCounter()
     record = Record(counter)
     counter.install()
     try:
-        strategy = lightning_par.ParallelStrategy(zero_stage=3, zero_quantized_weights=quantized)
+        strategy = lightning_par.ParallelStrategy(zero_stage=3, **layout)
         trainer = L.Trainer(
             accelerator="cpu", devices=world, strategy=strategy, precision="bf16-mixed", max_steps=args.steps,
             logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -91,8 +92,8 @@ def main() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
     if args.quick:
         args.steps, args.layers, args.embd, args.seq = 12, 2, 64, 32
-    exact_bytes, exact = run(False, args)
-    int8_bytes, int8 = run(True, args)
+    exact_bytes, exact = run({}, args)
+    int8_bytes, int8 = run({"zero_quantized_weights": True}, args)
     if dist.get_rank() == 0:
         n = dist.get_world_size()
         specs = specs_from_module(_model(args))

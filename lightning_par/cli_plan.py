@@ -45,7 +45,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 def estimate_parser() -> argparse.ArgumentParser:
     """The options of ``lightning-par estimate`` (exactly those of issue 17, plus --profile, --schedule,
-    --powersgd-rank and --zero-quantized-weights)."""
+    --powersgd-rank, --zero-quantized-weights and --fp8)."""
     p = argparse.ArgumentParser(prog="lightning-par estimate", description="Predict memory and step time of a layout.")
     _model_args(p)
     for name in (*MODEL_AXES, "vpp", "dp"):
@@ -60,6 +60,8 @@ def estimate_parser() -> argparse.ArgumentParser:
                    help="price PowerSGD gradient compression at this rank (ZeRO 0-1; 0: exact)")  # fmt: skip
     p.add_argument("--zero-quantized-weights", action="store_true",
                    help="price ZeRO-3's weight all-gather in int8 with block scales (ZeRO++'s qwZ)")  # fmt: skip
+    p.add_argument("--fp8", action="store_true",
+                   help="price fp8 training of the blocks' projections (GEMMs, casts, ZeRO-3 gathers)")  # fmt: skip
     return p
 
 
@@ -101,7 +103,7 @@ def run_estimate(argv: Sequence[str]) -> str:
         **{axis: getattr(args, axis) for axis in MODEL_AXES}, vpp=args.vpp, dp_shard=dp, zero_stage=args.zero,
         pp_schedule=schedule, microbatches=m if args.pp > 1 else None, micro_batch_size=args.micro_batch_size,
         recompute=args.recompute, sequence_parallel=args.sequence_parallel, precision=args.precision,
-        powersgd_rank=args.powersgd_rank, zero_quantized_weights=args.zero_quantized_weights,
+        powersgd_rank=args.powersgd_rank, zero_quantized_weights=args.zero_quantized_weights, fp8=args.fp8,
     )  # fmt: skip
     est = estimate(desc, layout, _device(args), args.global_batch_size, args.seq_len, args.profile, specs)
     return json.dumps(est.as_dict(), indent=2) if args.json else format_estimate(est)

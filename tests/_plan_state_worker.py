@@ -79,9 +79,18 @@ def storage_bytes(tensors: Any) -> int:
         if t is None:
             continue
         local = t.to_local() if isinstance(t, DTensor) else t
-        storage = local.untyped_storage()
-        seen[(storage.data_ptr(), storage.nbytes())] = storage.nbytes()
+        for inner in _inner(local):
+            storage = inner.untyped_storage()
+            seen[(storage.data_ptr(), storage.nbytes())] = storage.nbytes()
     return sum(seen.values())
+
+
+def _inner(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors a wrapper subclass holds (fp8 training's weights wrap their fp32 values), or ``t`` itself."""
+    if type(t) in (torch.Tensor, torch.nn.Parameter) or not hasattr(t, "__tensor_flatten__"):
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    return [x for name in names for x in _inner(getattr(t, name))]
 
 
 class Measure(L.Callback):

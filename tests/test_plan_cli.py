@@ -15,7 +15,7 @@ import pytest
 
 from lightning_par import cli, cli_plan
 from lightning_par.planner import from_hf_config
-from lightning_par.planner.layout import Layout
+from lightning_par.planner.layout import Layout, LayoutError
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA = {"model_type": "llama", "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8,
@@ -80,6 +80,14 @@ def test_estimate_follows_the_layout(config: str) -> None:
     assert all(moved["memory_gib"][k] == 0 for k in state) and moved["memory_gib"]["host"] > 0
     assert moved["memory_gib"]["host"] == pytest.approx(sum(kept["memory_gib"][k] for k in state))
     assert moved["step_time_s"] > kept["step_time_s"]
+    # fp8 (H100): faster, the same memory (no persistent state changes); refused on a GPU without fp8.
+    h100 = [*base[:3], "H100", *base[4:]]
+    bf16 = json.loads(cli_plan.run_estimate([*h100, "--dp", "8", "--zero", "3"]))
+    fp8 = json.loads(cli_plan.run_estimate([*h100, "--dp", "8", "--zero", "3", "--fp8"]))
+    assert fp8["step_time_s"] < bf16["step_time_s"] and fp8["memory_gib"] == bf16["memory_gib"]
+    assert "fp8" in fp8["layout"]
+    with pytest.raises(LayoutError, match="no fp8 tensor cores"):
+        run("--dp", "8", "--zero", "3", "--fp8")
 
 
 def test_plan_ranks_feasible_layouts_and_says_why_others_fail(tmp_path: Path, capsys: Any, monkeypatch: Any) -> None:

@@ -63,3 +63,27 @@ def test_table5_predicts_the_speedup_of_sp_selective() -> None:
     for full, sel in zip(table[::2], table[1::2], strict=True):
         measured = float(full["iteration_s"]) / float(sel["iteration_s"])
         assert predicted(full) / predicted(sel) == pytest.approx(measured, rel=0.06), full["model"]
+
+
+# torchtitan's published Llama-3.1-8B run on 8 H100 (FSDP over 8, sequence 8,192, local batch 1, torch.compile):
+# 6,667 tokens/s/GPU in bf16, 8,532 with float8 linear layers (torchtitan's docs/performance.md), +28 %. The
+# planner's fp8 line (lightning_par.planner.fp8: the projections at the fp8 rate, plus the casts' bytes) predicts
+# +23 % for it (measured 2026-12-06); its absolute rate is 43 % above torchtitan's, the torch profile's known
+# optimism on GPU figures it was never fitted to (docs/planner.md, "fp8").
+LLAMA31_8B = ModelDesc(layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128, ffn=14336, vocab=128256)
+
+
+def test_the_fp8_gain_of_torchtitans_llama_8b_run() -> None:
+    def tokens_per_s(fp8: bool) -> float:
+        run = Layout(dp_shard=8, zero_stage=3, micro_batch_size=1, fp8=fp8)
+        return 8192 / step_time(LLAMA31_8B, run, device("H100"), 8, 8192, profile="torch").total
+
+    gain = tokens_per_s(True) / tokens_per_s(False) - 1
+    assert abs(gain - (8532 / 6667 - 1)) < 0.10, gain
+
+
+def test_fp8_is_refused_on_a_device_without_it() -> None:
+    from lightning_par.planner.layout import LayoutError
+
+    with pytest.raises(LayoutError, match="A100-SXM4-80GB has no fp8 tensor cores"):
+        step_time(LLAMA31_8B, Layout(dp_shard=8, zero_stage=3, fp8=True), device("A100"), 8, 8192)

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from lightning_par.planner.comm import comm_bytes, comm_terms
+from lightning_par.planner.fp8 import mark_fp8
 from lightning_par.planner.layout import SCHEDULES, Layout, LayoutError
 from lightning_par.planner.model import from_hf_config
 from lightning_par.planner.params import ParamSpec, specs_from_desc, specs_from_module
@@ -218,6 +219,10 @@ FAMILIES: dict[str, tuple[dict[str, Any], Layout, str, bool]] = {
     "zero3_lora": (LLAMA_LORA, Layout(dp_shard=4, zero_stage=3, precision="bf16-mixed", **_ONE), "adamw", False),
     "tp_zero1_lora_sp": (LLAMA_LORA, Layout(tp=2, dp_shard=2, zero_stage=1, sequence_parallel=True,
                                             precision="32-true", **_ONE), "adamw", False),
+    # fp8: the projections' weights gathered at one byte each, the scales all-reduced before every forward.
+    "zero3_fp8": (LLAMA, Layout(dp_shard=4, zero_stage=3, fp8=True, precision="bf16-mixed", **_ONE), "adamw", False),
+    "pipe_zero3_fp8": (dict(LLAMA, num_hidden_layers=4), Layout(pp=2, dp_shard=2, zero_stage=3, microbatches=2,
+                                                                fp8=True, precision="32-true"), "adamw", False),
 }  # fmt: skip
 # Jobs measured past their first steps: PowerSGD compresses from its third (compression_start=2), and holds its
 # error from then on, so its fourth is the steady state the planner prices.
@@ -232,7 +237,8 @@ def _spawn(tmp: Path, nproc: int = 4) -> list[list[dict[str, Any]]]:
     jobs = []
     for name, (c, layout, opt, aux) in FAMILIES.items():
         later = LATER.get(name, {})
-        jobs.append(dict(config=c, strategy={**layout.strategy_kwargs(), **later.get("strategy", {})},
+        emulated = {"fp8": "emulate"} if layout.fp8 else {}  # a CPU has no fp8 matmul: the same casts, emulated
+        jobs.append(dict(config=c, strategy={**layout.strategy_kwargs(), **later.get("strategy", {}), **emulated},
                          precision=layout.precision, optimizer=opt, aux=aux, batch=BATCH, seq=SEQ,
                          measured=later.get("measured", 1)))  # fmt: skip
     out = tmp / "measured.pt"
@@ -250,9 +256,13 @@ def test_predicted_state_and_traffic_equal_the_strategies_on_4_ranks(tmp_path: P
     failures = []
     for (name, (config, layout, opt, aux)), ranks in zip(FAMILIES.items(), measured, strict=True):
         hidden = config.get("hidden_size") or config["n_embd"]
-        sources = {"module": specs_from_module(_meta(config))}
+        meta = _meta(config)
+        sources = {"module": specs_from_module(meta)}
         if "lora" not in config:  # a config.json describes no adapters
             sources["desc"] = _desc_specs(config)
+        if layout.fp8:  # which weights are fp8: the strategies' rule on the module, the specs' rule on the desc
+            sources = {k: mark_fp8(v, meta if k == "module" else None, layout.tp) for k, v in sources.items()}
+            assert all(sum(s.fp8 for s in v) == 7 * config["num_hidden_layers"] for v in sources.values())
         for source, specs in sources.items():
             for rank, got in enumerate(ranks):
                 want = state_bytes(specs, layout, rank=rank, optimizer=opt)

@@ -13,8 +13,10 @@ Covered, exactly (``tests/test_plan_state.py`` counts the same collectives on th
   pipeline, which keeps blocks gathered), the root (embedding, head) once, in the compute dtype under mixed
   precision, and reduce-scatters fp32 (or bf16 under ``bf16-true``) gradients; hybrid sharding all-reduces the
   shards over ``dp_replicate``; with ``zero_quantized_weights`` each unit's all-gather carries int8 codes and an fp32
-  scale per 256 elements of a rank's padded input; with PowerSGD (``powersgd_rank``, ZeRO 0-1) one all-reduce of
-  ``(n + m) r`` elements per compressed ``n x m`` gradient and ``n m`` per other, then stage 1's all-gather;
+  scale per 256 elements of a rank's padded input; with ``fp8`` the fp8 weights travel at one byte per element and
+  their scales (one fp32 each) are all-reduced over the shards before every forward that gathers them; with
+  PowerSGD (``powersgd_rank``, ZeRO 0-1) one all-reduce of ``(n + m) r`` elements per compressed ``n x m`` gradient
+  and ``n m`` per other, then stage 1's all-gather;
 - expert gradients all-reduced over the ranks holding the same experts (``edp``), and over tp when each tp rank
   computed a share of the tokens (`lightning_par.parallel.experts.apply`);
 - a router's logits gathered over the data-parallel ranks for the load-balancing loss (and all-reduced back when
@@ -181,6 +183,8 @@ def _data_parallel(every: Sequence[Held], layout: Layout, n: int, r: int, m: int
         if t.spec.quantised is not None:  # a 4-bit base gathers its codes and scales (torchao's all-gather extension)
             stored, whole = t.spec.quantised
             return stored - whole
+        if layout.fp8 and t.spec.fp8:  # cast before the gather: one byte per element (planner/fp8.py)
+            return t.padded(n) * n
         return t.padded(n) * n * (param_bytes(t.spec, prec) if prec in ("32-true", "bf16-true") else low)
 
     gathered = sum(gather(t) for t in every)
@@ -195,10 +199,13 @@ def _data_parallel(every: Sequence[Held], layout: Layout, n: int, r: int, m: int
     # outside the trunk) stays gathered from forward to backward. Without a pipeline every microbatch repeats it.
     times = 1 if layout.pp > 1 else m
     again = 0 if layout.pp > 1 else blocks
+    # fp8: one fp32 scale per fp8 weight, all-reduced over the shards before every forward that gathers them
+    # (fp8/scales.py): under a pipeline the first microbatch's only, the blocks staying gathered.
+    scales = times * _ring("all_reduce", 4 * sum(t.spec.fp8 for t in every), n) if layout.fp8 else 0.0
     return [
         ("dp", "all_gather", times * _ring("all_gather", gathered + again, n)),
         ("dp", "reduce_scatter", times * _ring("reduce_scatter", padded, n)),
-        ("dp", "all_reduce", times * _ring("all_reduce", padded / n, r)),
+        ("dp", "all_reduce", times * _ring("all_reduce", padded / n, r) + scales),
     ]
 
 

@@ -30,7 +30,7 @@ from lightning_par.planner.model import ModelDesc
 PROFILES = ("megatron", "torch")
 _TILES = ((256, 128, 1.0), (128, 128, 0.9))  # (rows, cols, rate relative to the large tile)
 _SKINNY_RATE = 0.5  # a split-K / GEMV kernel's rate relative to the large tile (assumed)
-_PEAK_KEY = {"32-true": "tf32", "bf16-mixed": "bf16", "16-mixed": "fp16", "bf16-true": "bf16"}
+_PEAK_KEY = {"32-true": "tf32", "bf16-mixed": "bf16", "16-mixed": "fp16", "bf16-true": "bf16", "fp8": "fp8"}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,7 +26,8 @@ class Device:
 
     Args:
         name: the key in `DEVICES`.
-        peak_flops: dense peak FLOP/s by precision class (``bf16``, ``fp16``, ``tf32``, ``fp32``).
+        peak_flops: dense peak FLOP/s by precision class (``bf16``, ``fp16``, ``tf32``, ``fp32``; ``fp8`` where the
+            device has fp8 tensor cores).
         hbm_gib: device memory in GiB.
         hbm_bytes_per_s: device memory bandwidth.
         intra_node_bytes_per_s: per-GPU bandwidth to a GPU of the same node (NVLink), one direction.
@@ -77,11 +78,14 @@ DEVICES: dict[str, Device] = {
                40e9 / GIB, 1.555e12, 300e9, 25e9, pcie_bytes_per_s=32e9),
         Device("A100-SXM4-80GB", {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
                80e9 / GIB, 2.039e12, 300e9, 25e9, pcie_bytes_per_s=32e9),
-        Device("H100-SXM5-80GB", {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12},
+        # fp8: the datasheets' dense figures (half of the "with sparsity" ones: H100 3,958 TFLOPS, B200 9 PFLOPS)
+        Device("H100-SXM5-80GB", {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12,
+                                  "fp8": 1978.9e12},
                80e9 / GIB, 3.35e12, 450e9, 50e9, sms=132),
-        Device("H200-SXM-141GB", {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12},
+        Device("H200-SXM-141GB", {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12,
+                                  "fp8": 1978.9e12},
                141e9 / GIB, 4.8e12, 450e9, 50e9, sms=132),
-        Device("B200-SXM-180GB", {"bf16": 2.25e15, "fp16": 2.25e15, "tf32": 1.1e15, "fp32": 80e12},
+        Device("B200-SXM-180GB", {"bf16": 2.25e15, "fp16": 2.25e15, "tf32": 1.1e15, "fp32": 80e12, "fp8": 4.5e15},
                180e9 / GIB, 7.7e12, 900e9, 50e9, sms=148),
     )
 }  # fmt: skip

@@ -26,7 +26,7 @@ SCHEDULES = {name: s.virtual for name, s in axes.SCHEDULES.items()}
 
 def compute_bytes(precision: str) -> int:
     """Bytes per element of activations and matmul operands under a Lightning precision flag."""
-    return 4 if precision == "32-true" else 2
+    return 4 if precision == "32-true" else 1 if precision == "fp8" else 2  # "fp8": an fp8 GEMM's operands
 
 
 def stored_bytes(precision: str) -> int:
@@ -67,6 +67,9 @@ class Layout:
             keeps its error (a full gradient) and the P, Q factors.
         zero_quantized_weights: ZeRO-3 all-gathers each unit's weights as int8 codes with a scale per 256 elements
             (`lightning_par.parallel.compression.quantized`).
+        fp8: the trunk's linear layers multiply in fp8 (`lightning_par.parallel.fp8`; the parameters marked
+            `ParamSpec.fp8`): ZeRO-3 gathers their weights at one byte per element, their GEMMs run at the
+            device's fp8 rate, and each cast costs its bytes (`lightning_par.planner.fp8`).
     """
 
     tp: int = 1
@@ -86,6 +89,7 @@ class Layout:
     precision: str = "bf16-mixed"
     powersgd_rank: int = 0
     zero_quantized_weights: bool = False
+    fp8: bool = False
 
     def __post_init__(self) -> None:
         for name in (*axes.AXIS_NAMES, "vpp", "micro_batch_size"):
@@ -109,6 +113,8 @@ class Layout:
             raise LayoutError("offload=True needs zero_stage=3 (the sharded state is what moves to CPU memory)")
         if self.sequence_parallel and self.tp == 1:
             raise LayoutError("sequence_parallel=True needs tp > 1 (it splits the residual stream over tp)")
+        if self.fp8 and self.zero_quantized_weights:
+            raise LayoutError("fp8=True and zero_quantized_weights=True both replace ZeRO-3's gather; choose one")
 
     @property
     def dp(self) -> int:
@@ -205,6 +211,7 @@ class Layout:
         parts += ["offload"] if self.offload else []
         parts += [f"powersgd={self.powersgd_rank}"] if self.powersgd_rank else []
         parts += ["int8-gather"] if self.zero_quantized_weights else []
+        parts += ["fp8"] if self.fp8 else []
         return " ".join(parts)
 
     def strategy_kwargs(self) -> dict[str, Any]:
@@ -227,4 +234,6 @@ class Layout:
             kwargs.update(grad_compression="powersgd", compression_rank=self.powersgd_rank)
         if self.zero_quantized_weights:
             kwargs["zero_quantized_weights"] = True
+        if self.fp8:
+            kwargs["fp8"] = True
         return {k: v for k, v in kwargs.items() if v is not None}

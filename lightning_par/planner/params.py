@@ -64,6 +64,7 @@ class ParamSpec:
         region: the attention or MLP module holding it that tensor parallelism splits (its qualified name), or
             ``""``: where its gradient starts to flow backward decides which of a region's collectives run
             (`lightning_par.planner.comm`).
+        fp8: the weight of a layer fp8 training converts (`lightning_par.planner.fp8.mark_fp8`).
     """
 
     name: str
@@ -82,6 +83,7 @@ class ParamSpec:
     calls: tuple[int, ...] = ()
     quantised: Optional[tuple[int, int]] = None
     region: str = ""
+    fp8: bool = False
 
     def __post_init__(self) -> None:
         for dim, what in ((self.tp_dim, "tp_dim"), (self.expert_axis, "expert_axis")):

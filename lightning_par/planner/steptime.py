@@ -42,7 +42,7 @@ import math
 
 from lightning_par import _compat, axes
 from lightning_par.analysis.pipeline_timeline import replay
-from lightning_par.planner import compute
+from lightning_par.planner import compute, fp8
 from lightning_par.planner.devices import Device
 from lightning_par.planner.layout import SCHEDULES, Layout, compute_bytes, stored_bytes
 from lightning_par.planner.model import ModelDesc
@@ -115,6 +115,11 @@ def _block_time(desc: ModelDesc, layout: Layout, seq_len: int, dev: Device, prof
     recomputation, for one micro-batch."""
     gemms = compute.block_gemms(desc, layout, seq_len, profile)
     times = {g.name: compute.gemm_time(g, dev, layout.precision) for g in gemms}
+    casts = (0.0, 0.0)
+    if layout.fp8:  # the projections at the fp8 rate, plus their casts' bytes (planner/fp8.py)
+        fp8.check_device(dev)
+        times.update({g.name: compute.gemm_time(g, dev, "fp8") for g in gemms if g.name in fp8.FP8_GEMMS})
+        casts = fp8.cast_seconds(gemms, layout, dev)
     fwd_gemm = sum(times.values())
     elem = compute.block_elementwise_bytes(desc, layout, seq_len, profile) / (
         dev.hbm_bytes_per_s * dev.memory_efficiency
@@ -126,7 +131,7 @@ def _block_time(desc: ModelDesc, layout: Layout, seq_len: int, dev: Device, prof
         redo = core + elem * (0.5 if profile == "megatron" else 1.0)  # megatron: the softmax / dropout half
     else:
         redo = 0.0
-    comp = 3 * fwd_gemm + 3 * elem + redo
+    comp = 3 * fwd_gemm + 3 * elem + redo + sum(casts) + (casts[0] if layout.recompute == "full" else 0.0)
     el = compute_bytes(layout.precision)
     tokens = layout.micro_batch_size * seq_len // layout.cp
     resid = tokens * desc.hidden * el
@@ -219,6 +224,8 @@ def step_time(
         else:  # FSDP2 gathers each block twice in the compute dtype (int8 and a scale per 256 under qwZ)
             per = collective_time("reduce_scatter", grads, n, bw, dev)
             gathered = (1 + 4 / 256) if layout.zero_quantized_weights else compute_bytes(layout.precision)
+            if layout.fp8:  # the fp8 weights at one byte each
+                gathered -= fp8.fp8_share(desc) * (gathered - 1)
             per += 2 * collective_time("all_gather", share * gathered, n, bw, dev)
         # ZeRO 2 and 3 reduce in every micro-batch's backward, ZeRO 0 and 1 in the one that ends the accumulation;
         # each hides behind the backward it runs in (the backward's two thirds of that compute). Megatron-LM's

@@ -6,7 +6,9 @@ tensor parallelism is this tp rank's slice only: each tp rank would cast its sli
 than one process casts the whole weight with. torchao's ``precompute_float8_dynamic_scale_for_fsdp`` takes the
 largest magnitudes of every fp8 weight as the DTensors they are (over every mesh dimension: one all-reduce for all
 of them) and hands each its scale. Run before each forward of a ZeRO-3 root, they are always those of the weights
-the forward uses (the optimizer, a checkpoint load or pretrained weights may have changed them since the last).
+the forward uses (the optimizer, a checkpoint load or pretrained weights may have changed them since the last);
+torchao skips weights that are not sharded DTensors, so under a pipeline, whose blocks stay gathered from the
+step's first microbatch to its end, only that microbatch's forward computes them.
 """
 
 from __future__ import annotations
