@@ -15,7 +15,9 @@ Sections (each is reported even when another fails; a failure is a row with its 
 4. ``async_save``: how long a save holds training, asynchronous vs synchronous (goal <= 0.10), and whether each
    checkpoint holds the weights of its save's moment.
 5. ``offload``: step time and peak device memory of ``zero3_offload`` and of activation offload vs plain ``zero3``.
-6. ``cuda_tests``: ``pytest -m cuda`` (the CUDA-only tests: async staging, resume with CUDA's RNG, the monitor's
+6. ``fp8``: step time of the 1 B Llama under ``zero3`` (compiled), bf16 against ``fp8=True`` (``"emulate"`` where
+   the device has no fp8; `_gpu_fp8`).
+7. ``cuda_tests``: ``pytest -m cuda`` (the CUDA-only tests: async staging, resume with CUDA's RNG, the monitor's
    peak table, activation offload).
 
 Launch on the GPU machine from the repository root (the package from this checkout; sized for 8 minutes on an
@@ -130,6 +132,7 @@ def main() -> None:
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
 
     from _gpu_activations import activations
+    from _gpu_fp8 import fp8_speed
     from _gpu_fits import parity
     from _gpu_speed import async_save, offload, throughput
 
@@ -144,6 +147,7 @@ def main() -> None:
         "activations": lambda: activations(accelerator, args.smoke),
         "async_save": lambda: async_save(accelerator, args.smoke),
         "offload": lambda: offload(accelerator, args.smoke),
+        "fp8": lambda: fp8_speed(accelerator, args.smoke, 1 if args.smoke else args.rounds),
     }
     if accelerator == "cuda":  # on a CPU every test it selects is skipped
         sections["cuda_tests"] = _cuda_tests

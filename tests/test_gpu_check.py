@@ -1,6 +1,6 @@
 """benchmarks/gpu_check.py --smoke: the GPU check's every section runs on the CPU at tiny sizes and reports right.
 
-One subprocess (~30 s) runs all five CPU sections; the assertions read its JSON report. What must hold on any
+One subprocess (~30 s) runs all six CPU sections; the assertions read its JSON report. What must hold on any
 machine: every strategy family matches the plain Trainer (fp32, and bf16-mixed for zero3), the activation formula
 equals the live-tensor count for every checkpointing policy (exactly but for the loss's two scalars; this also
 catches a library leaving a process-wide patch behind: DeepSpeed ZeRO-3's F.linear, which the parity rows run
@@ -39,7 +39,7 @@ def test_gpu_check_smoke_runs_every_section_and_reports(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads((tmp_path / "report.json").read_text())
     sections = report["sections"]
-    assert list(sections) == ["parity", "throughput", "activations", "async_save", "offload"]
+    assert list(sections) == ["parity", "throughput", "activations", "async_save", "offload", "fp8"]
     assert all(s["ok"] for s in sections.values()), {k: s.get("error") for k, s in sections.items()}
 
     parity = sections["parity"]["result"]
@@ -65,6 +65,9 @@ def test_gpu_check_smoke_runs_every_section_and_reports(tmp_path):
 
     offload = sections["offload"]["result"]
     assert [r["variant"] for r in offload] == ["zero3", "zero3_offload", "zero3 + activation offload"]
+    fp8 = sections["fp8"]["result"]  # on a CPU: emulated, eager; both train (finite losses), the ratio is reported
+    assert fp8["fp8"] == "emulate" and [r["variant"] for r in fp8["rows"]] == ["bf16", "fp8"]
+    assert all(0 < r["last_loss"] < 10 for r in fp8["rows"]) and fp8["fp8_over_bf16"] > 0
     markdown = (tmp_path / "report.md").read_text()
     for name in sections:
         assert f"## {name} (" in markdown
