@@ -132,8 +132,8 @@ def main() -> None:
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
 
     from _gpu_activations import activations
-    from _gpu_fp8 import fp8_speed
     from _gpu_fits import parity
+    from _gpu_fp8 import fp8_speed
     from _gpu_speed import async_save, offload, throughput
 
     import lightning_par  # noqa: F401  (registers the strategy names)
