@@ -23,9 +23,10 @@ weight's cast). Policies:
 ``full`` keeps each block's fp32 input (4Th); ``selective`` does so for every second block (blocks 0, 2, ...);
 ``selective_op`` keeps the input, the matmul outputs (2Th q, 2 x 2Tk k v, 2Th wo, 2 x 2Tf w1 w3, 2Th w2) and the
 attention outputs (2Th + 4Ta); ``offload`` keeps nothing of the blocks on the device (their saved tensors go to
-host memory; on a CPU the host is the device, so it keeps what ``none`` keeps). Measured: bytes of tensors created
-by forward + loss still alive before backward, parameters excluded (`LiveStorageBytes` on CPU,
-``torch.cuda.memory_allocated`` deltas on CUDA), and on CUDA the peak over forward + backward too.
+host memory) but the tensors under 1 KiB it leaves there (the two 4T rsqrt terms where 4T < 1 KiB). Measured: bytes
+of tensors created by forward + loss still alive before backward, parameters excluded (`LiveStorageBytes` on CPU,
+less what the offload holds in "host" memory, the same memory there; ``torch.cuda.memory_allocated`` deltas on
+CUDA), and on CUDA the peak over forward + backward too.
 """
 
 from __future__ import annotations
@@ -39,9 +40,11 @@ from _gpu_fits import LLAMA_1B
 from lightning_par.blocks.trunk import find_trunk
 from lightning_par.models import Llama
 from lightning_par.parallel.activation_checkpointing import apply_activation_checkpointing
+from lightning_par.parallel.activation_offload import MIN_BYTES, offload_of
 from lightning_par.utils import LiveStorageBytes
 
-POLICIES: tuple[Optional[str], ...] = (None, "full", "selective", "selective_op", "offload")
+# "offload:2": the first 2 blocks offloaded (`offload_blocks`), the others holding what they hold without.
+POLICIES: tuple[Optional[str], ...] = (None, "full", "selective", "selective_op", "offload", "offload:2")
 
 
 def predicted_bytes(config: dict[str, int], batch: int, policy: Optional[str], device: str) -> int:
@@ -55,7 +58,7 @@ def predicted_bytes(config: dict[str, int], batch: int, policy: Optional[str], d
     block = (14 * T * h + 4 * T) + 2 * T * h + kv + (2 * T * h + 4 * T * a) + (12 * T * h + 4 * T) + 8 * T * f + weights
     head = 10 * T * h + 4 * T + 4 * T * config["vocab_size"] + 2 * config["vocab_size"] * h
     kept_input = 4 * T * h
-    if policy is None or (policy == "offload" and device == "cpu"):
+    if policy is None:
         return L * block + head
     if policy == "full":
         return L * kept_input + head
@@ -65,8 +68,9 @@ def predicted_bytes(config: dict[str, int], batch: int, policy: Optional[str], d
     if policy == "selective_op":
         matmuls = 2 * T * h + 4 * T * k + 2 * T * h + 4 * T * f + 2 * T * h  # q; k, v; wo; w1, w3; w2
         return L * (kept_input + matmuls + 2 * T * h + 4 * T * a) + head  # + attention's output and log-sum-exp
-    if policy == "offload":
-        return head
+    if policy is not None and policy.startswith("offload"):
+        n = int(policy.partition(":")[2] or L)
+        return head + (L - n) * block + n * (2 * 4 * T if 4 * T < MIN_BYTES else 0)  # rsqrt terms under 1 KiB stay
     raise ValueError(f"unknown policy {policy!r}")
 
 
@@ -81,7 +85,9 @@ def measure(config: dict[str, int], batch: int, policy: Optional[str], device: s
     torch.manual_seed(0)
     with torch.device(device):
         model = Llama(**config)
-    apply_activation_checkpointing(find_trunk(model).blocks, policy, model=model)
+    mode, _, count = (policy or "").partition(":")
+    apply_activation_checkpointing(find_trunk(model).blocks, mode or None, model=model,
+                                   count=int(count) if count else None)  # fmt: skip
     x = torch.randint(0, config["vocab_size"], (batch, config["max_seq_len"]), device=device)
     predicted = predicted_bytes(config, batch, policy, device)
     out: dict[str, Any] = {"policy": policy or "none", "predicted_bytes": predicted}
@@ -96,9 +102,10 @@ def measure(config: dict[str, int], batch: int, policy: Optional[str], device: s
         torch.cuda.synchronize()
         out["peak_bytes"] = torch.cuda.max_memory_allocated() - start
     else:
+        offload = offload_of(find_trunk(model).blocks[0])
         with LiveStorageBytes() as live:
             loss = _loss(model, x, device)
-            out["held_bytes"] = live.now()
+            out["held_bytes"] = live.now() - (offload.host_bytes if offload is not None else 0)
         loss.backward()
     out["measured_over_predicted"] = out["held_bytes"] / out["predicted_bytes"]
     return out

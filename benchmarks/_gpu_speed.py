@@ -175,14 +175,18 @@ def _peak_memory(device: torch.device) -> Optional[int]:
 
 
 def offload(accelerator: str, smoke: bool) -> list[dict[str, Any]]:
-    """Section (5): step time and peak device memory of zero3 with parameter/optimizer or activation offload."""
+    """Section (5): step time and peak device memory of zero3 with parameter/optimizer or activation offload (every
+    block, the first half), and with full recomputation instead."""
     config = LLAMA_SMOKE if smoke else {**LLAMA_1B, "n_layers": 8}
     batch, warmup, timed = (2, 1, 2) if smoke else (2, 1, 3)
     data = tokens(batch * (warmup + timed), config["max_seq_len"], config["vocab_size"])
     device = torch.device(accelerator)
     rows = []
+    half = {"activation_checkpointing": "offload", "offload_blocks": config["n_layers"] // 2}
     for name, kwargs in (("zero3", {}), ("zero3_offload", {"offload": True}),
-                         ("zero3 + activation offload", {"activation_checkpointing": "offload"})):  # fmt: skip
+                         ("zero3 + activation offload", {"activation_checkpointing": "offload"}),
+                         ("zero3 + activation offload, first half", half),
+                         ("zero3 + full recomputation", {"activation_checkpointing": "full"})):  # fmt: skip
         held = 0  # what earlier fits in this process still hold: the peak counts from there
         if device.type == "cuda":
             gc.collect()

@@ -14,7 +14,8 @@ Sections (each is reported even when another fails; a failure is a row with its 
 3. ``activations``: activation bytes of each checkpointing policy, measured and predicted (`_gpu_activations`).
 4. ``async_save``: how long a save holds training, asynchronous vs synchronous (goal <= 0.10), and whether each
    checkpoint holds the weights of its save's moment.
-5. ``offload``: step time and peak device memory of ``zero3_offload`` and of activation offload vs plain ``zero3``.
+5. ``offload``: step time and peak device memory of ``zero3_offload``, of activation offload (every block, the
+   first half: ``offload_blocks``) and of full recomputation vs plain ``zero3``.
 6. ``fp8``: step time of the 1 B Llama under ``zero3`` (compiled), bf16 against ``fp8=True`` (``"emulate"`` where
    the device has no fp8; `_gpu_fp8`).
 7. ``cuda_tests``: ``pytest -m cuda`` (the CUDA-only tests: async staging, resume with CUDA's RNG, the monitor's

@@ -59,6 +59,8 @@ class ParallelConfig(TechniqueChecks):
             ``"offload"`` (keep every block's saved activations in CPU memory); see
             `lightning_par.parallel.activation_checkpointing`.
         ac_every: the period of ``"selective"`` checkpointing; other modes reject a value other than 2.
+        offload_blocks: under ``activation_checkpointing="offload"``, offload the saved tensors of the trunk's first
+            ``offload_blocks`` blocks only (Megatron-LM's ``cpu_offloading_num_layers``); ``None``: every block.
         sequence_parallel: split the residual stream (norms, dropout, residual adds) along the sequence between
             tensor-parallel regions; ``None`` (default): wherever it is exact for the model, ``True``: required.
         pp_schedule: pipeline schedule name (`lightning_par.parallel.pipeline.schedule.SCHEDULES`).
@@ -115,6 +117,7 @@ class ParallelConfig(TechniqueChecks):
     offload: bool = False
     activation_checkpointing: ACMode = None
     ac_every: int = 2
+    offload_blocks: Optional[int] = None
     sequence_parallel: Optional[bool] = None
     pp_schedule: str = "1f1b"
     microbatches: Optional[int] = None
@@ -184,6 +187,12 @@ class ParallelConfig(TechniqueChecks):
             raise ParallelConfigError(
                 f"ac_every={self.ac_every} only applies to activation_checkpointing='selective' (got "
                 f"{self.activation_checkpointing!r}); use activation_checkpointing='selective' or drop ac_every"
+            )
+        if self.offload_blocks is not None and (self.activation_checkpointing != "offload" or not isinstance(
+                self.offload_blocks, int) or isinstance(self.offload_blocks, bool) or self.offload_blocks < 1):
+            raise ParallelConfigError(
+                f"offload_blocks={self.offload_blocks!r} offloads the first N trunk blocks' activations: an int >= 1 "
+                f"with activation_checkpointing='offload' (got {self.activation_checkpointing!r}); or drop it"
             )
         if not isinstance(self.compile, bool):
             raise ParallelConfigError(f"compile={self.compile!r} must be True (compile each trunk block) or False")

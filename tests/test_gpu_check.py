@@ -54,7 +54,7 @@ def test_gpu_check_smoke_runs_every_section_and_reports(tmp_path):
     assert variants["hand_fsdp2"]["ratio_vs_hand_fsdp2"] == 1.0 and variants["ddp"]["ratio_vs_ddp"] == 1.0
 
     rows = sections["activations"]["result"]["rows"]
-    assert [r["policy"] for r in rows] == ["none", "full", "selective", "selective_op", "offload"]
+    assert [r["policy"] for r in rows] == ["none", "full", "selective", "selective_op", "offload", "offload:2"]
     for r in rows:
         assert 0 <= r["held_bytes"] - r["predicted_bytes"] <= 16, r  # the loss and nll's total weight: 2 x 4 bytes
     assert rows[1]["held_bytes"] < rows[3]["held_bytes"] < rows[2]["held_bytes"] < rows[0]["held_bytes"]
@@ -64,7 +64,8 @@ def test_gpu_check_smoke_runs_every_section_and_reports(tmp_path):
     assert len(saves["sync"]) == len(saves["async"]) == 2 and saves["ratio"] > 0
 
     offload = sections["offload"]["result"]
-    assert [r["variant"] for r in offload] == ["zero3", "zero3_offload", "zero3 + activation offload"]
+    assert [r["variant"] for r in offload] == ["zero3", "zero3_offload", "zero3 + activation offload",
+                                               "zero3 + activation offload, first half", "zero3 + full recomputation"]
     fp8 = sections["fp8"]["result"]  # on a CPU: emulated, eager; both train (finite losses), the ratio is reported
     assert fp8["fp8"] == "emulate" and [r["variant"] for r in fp8["rows"]] == ["bf16", "fp8"]
     assert all(0 < r["last_loss"] < 10 for r in fp8["rows"]) and fp8["fp8_over_bf16"] > 0

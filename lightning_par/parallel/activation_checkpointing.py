@@ -9,9 +9,9 @@ Modes, per block:
   checkpointed, but the outputs of matmuls and attention are saved; only the cheap element-wise ops (norms,
   activations, rotary embeddings, residual adds) are recomputed. Memory between "none" and "full", almost no
   extra FLOPs.
-- ``"offload"``: nothing is recomputed; the tensors a block saves for backward are copied to CPU memory in
-  forward and back in backward (`torch.autograd.graph.save_on_cpu`). On CPU-only hosts the "copy" returns the
-  same tensor: the mode runs but saves nothing.
+- ``"offload"``: nothing is recomputed; the tensors a block saves for backward are copied to host memory during
+  the forward and back ahead of the block's backward, on a side stream (`lightning_par.parallel.activation_offload`);
+  every block, or the first ``count`` (``offload_blocks``). On CPU-only hosts the mode runs but saves nothing.
 
 The block's ``forward`` is replaced on the instance rather than wrapping the module, so parameter names (and
 therefore checkpoints) do not change, and hooks registered on the module (FSDP2's) stay outside the wrapped
@@ -27,11 +27,10 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
-from torch.autograd.graph import save_on_cpu
-from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from lightning_par import _compat
+from lightning_par.parallel.activation_offload import ActivationOffload
 
 MODES = ("full", "selective", "selective_op", "offload")
 
@@ -138,29 +137,6 @@ def _checkpointed_op_level(forward: Any, *args: Any, **kwargs: Any) -> Any:
     return checkpoint(forward, *args, use_reentrant=False, context_fn=_sac_contexts, **kwargs)
 
 
-def _storage_ptr(t: torch.Tensor) -> int:
-    if isinstance(t, DTensor):
-        with torch.no_grad():  # a pack hook must not record autograd history
-            t = t.to_local()
-    return t.untyped_storage().data_ptr()
-
-
-def _offloaded(block: nn.Module, forward: Any, *args: Any, **kwargs: Any) -> Any:
-    # Tensors that share storage with a parameter (the weights a matmul saves; under ZeRO-3 the gathered parameters,
-    # which FSDP2 registers on the block for its forward) stay where they are: copying them out and back every step
-    # would cost transfers and free nothing. Pinned host memory makes the copies asynchronous; pinning needs CUDA.
-    keep = {_storage_ptr(p) for p in block.parameters()} - {0}
-    hooks = save_on_cpu(pin_memory=torch.cuda.is_available())
-    to_cpu = hooks.pack_hook
-
-    def pack(t: torch.Tensor) -> Any:
-        return (t.device, t) if _storage_ptr(t) in keep else to_cpu(t)
-
-    hooks.pack_hook = pack
-    with hooks:
-        return forward(*args, **kwargs)
-
-
 def _no_cache_while_recomputing(model: nn.Module, blocks: Sequence[nn.Module]) -> None:
     # A block that writes a key/value cache in training writes it again when recomputed, so the replay attends over
     # twice the keys (op-level checkpointing then fails in backward: "not found in storage"). Models that build such
@@ -182,6 +158,7 @@ def apply_activation_checkpointing(
     model: Optional[nn.Module] = None,
     *,
     compiled: bool = False,
+    count: Optional[int] = None,
 ) -> list[int]:
     """Checkpoint (or offload the activations of) ``blocks`` in place.
 
@@ -194,6 +171,7 @@ def apply_activation_checkpointing(
         model: the whole model, when it is known: a recomputing mode turns on the ``gradient_checkpointing``
             switch of the modules around the blocks that declare one (Hugging Face models: no key/value cache is
             built in training, which a recomputed block would fill twice).
+        count: under ``"offload"``, offload the first ``count`` blocks only (``None``: every block).
         compiled: the blocks are compiled next (`lightning_par.parallel.compile`): checkpoint without the
             recomputation marker, which dynamo cannot trace (`recomputing` then stays False, so the expert-load
             statistics of a checkpointed MoE block also count its recomputation).
@@ -207,12 +185,15 @@ def apply_activation_checkpointing(
         raise ValueError(f"activation checkpointing mode {mode!r} is unknown; choose None or one of {MODES}")
     period = every if mode == "selective" else 1
     picked = [i for i in range(len(blocks)) if i % period == 0]
+    if mode == "offload" and count is not None:
+        picked = picked[:count]
+    offload = ActivationOffload() if mode == "offload" else None
     for i in picked:
         block = blocks[i]
         if getattr(block, "_lp_checkpointed", None):
             continue
-        if mode == "offload":
-            wrapped = functools.partial(_offloaded, block, block.forward)
+        if offload is not None:
+            wrapped = offload.wrap(i, block, block.forward)
         elif mode == "selective_op":
             op_level = _checkpointed_op_level_compiled if compiled else _checkpointed_op_level
             wrapped = functools.partial(op_level, block.forward)

@@ -110,9 +110,11 @@ def parallelize(
     # 5. Expert parallelism: dispatch hooks on the experts module, inside any recomputed block.
     experts = _expert_parallel(module, mesh, config, cut, bool(moe_layers)) if config.ep > 1 or moe_layers else None
     # 6. Activation checkpointing, then torch.compile per block, then FSDP2 (ZeRO-3) outside both.
+    first = set(trunk.names[: config.offload_blocks]) if config.offload_blocks and trunk else None  # offload them
     for part in parts:
+        count = None if first is None else sum(n in first for n, _ in part.blocks)  # a prefix of the part's blocks
         apply_activation_checkpointing(part.block_modules, config.activation_checkpointing, config.ac_every, module,
-                                       compiled=config.compile)  # fmt: skip
+                                       compiled=config.compile, count=count)  # fmt: skip
         if config.compile:
             apply_compile(part.block_modules)
     exclude = list(experts.params) if experts is not None else []

@@ -8,6 +8,7 @@ schedule, `ShardedCheckpoints` writes and reads checkpoint folders. Every hook b
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import warnings
 from collections.abc import Generator
@@ -48,10 +49,9 @@ class ParallelStrategy(ProcessGroupStrategy):
 
     Args:
         pp, dp_replicate, dp_shard, ep, tp, etp, cp, cp_mode, cp_uneven, zero_stage, offload, activation_checkpointing,
-            ac_every, sequence_parallel, pp_schedule, microbatches, bucket_cap_mb, pp_split, pp_costs, compile,
-            auto_dims, global_batch, sync_every, outer_lr, outer_momentum, grad_compression, compression_rank,
-            compression_start, zero_quantized_weights, trunk, vpp, fp8: see `lightning_par.config.ParallelConfig`
-            (one by one: LightningCLI sets them by name).
+            ac_every, offload_blocks, sequence_parallel, pp_schedule, microbatches, bucket_cap_mb, pp_split, pp_costs,
+            compile, auto_dims, global_batch, sync_every, outer_lr, outer_momentum, grad_compression, compression_rank,
+            compression_start, zero_quantized_weights, trunk, vpp, fp8: `lightning_par.config.ParallelConfig` (by name).
         timeout_s: collective timeout in seconds; a rank stuck in a collective past this fails instead of hanging.
         process_group_backend: ``"gloo"`` / ``"nccl"``; default from the device.
         backend: ``"native"`` only (FSDP2, our ZeRO 0-2); DeepSpeed's: `DeepSpeedParallelStrategy` (docs/deepspeed.md).
@@ -87,6 +87,7 @@ class ParallelStrategy(ProcessGroupStrategy):
         offload: bool = False,
         activation_checkpointing: ACMode = None,
         ac_every: int = 2,
+        offload_blocks: Optional[int] = None,
         sequence_parallel: Optional[bool] = None,
         pp_schedule: str = "1f1b",
         microbatches: Optional[int] = None,
@@ -126,15 +127,9 @@ class ParallelStrategy(ProcessGroupStrategy):
             raise ValueError(f"timeout_s={timeout_s} must be > 0 seconds (600 is the default)")
         # Validated now (static checks, unsupported combinations), before any process exists; the world-size checks
         # follow once, when the processes exist (`ProcessGroupStrategy.setup_environment`).
-        config = ParallelConfig(
-            pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, ep=ep, tp=tp, etp=etp, cp=cp, cp_mode=cp_mode,
-            cp_uneven=cp_uneven, zero_stage=zero_stage, offload=offload, ac_every=ac_every, compile=compile,
-            activation_checkpointing=activation_checkpointing, sequence_parallel=sequence_parallel, pp_split=pp_split,
-            pp_schedule=pp_schedule, microbatches=microbatches, bucket_cap_mb=bucket_cap_mb, pp_costs=pp_costs,
-            auto_dims=auto_dims, global_batch=global_batch, sync_every=sync_every, outer_lr=outer_lr, trunk=trunk,
-            outer_momentum=outer_momentum, grad_compression=grad_compression, compression_rank=compression_rank,
-            compression_start=compression_start, zero_quantized_weights=zero_quantized_weights, vpp=vpp, fp8=fp8,
-        )  # fmt: skip
+        # Every config field is an argument of the same name (LightningCLI sets them one by one).
+        given = locals()
+        config = ParallelConfig(**{f.name: given[f.name] for f in dataclasses.fields(ParallelConfig)})
         super().__init__(config, timedelta(seconds=timeout_s), process_group_backend, accelerator=accelerator,
                          parallel_devices=parallel_devices, cluster_environment=cluster_environment,
                          checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)  # fmt: skip
