@@ -53,6 +53,7 @@ def estimate_parser() -> argparse.ArgumentParser:
     p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage over the dp ranks")
     p.add_argument("--micro-batch-size", type=int, default=1)
     p.add_argument("--recompute", default="none", choices=RECOMPUTE)
+    p.add_argument("--offload-blocks", type=int, default=None, help="with --recompute offload: the first N blocks")
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--schedule", default=None, choices=sorted(SCHEDULES),
                    help="pipeline schedule (default: 1f1b, interleaved_1f1b when --vpp > 1)")  # fmt: skip
@@ -102,7 +103,8 @@ def run_estimate(argv: Sequence[str]) -> str:
     layout = Layout(
         **{axis: getattr(args, axis) for axis in MODEL_AXES}, vpp=args.vpp, dp_shard=dp, zero_stage=args.zero,
         pp_schedule=schedule, microbatches=m if args.pp > 1 else None, micro_batch_size=args.micro_batch_size,
-        recompute=args.recompute, sequence_parallel=args.sequence_parallel, precision=args.precision,
+        recompute=args.recompute, offload_blocks=args.offload_blocks, sequence_parallel=args.sequence_parallel,
+        precision=args.precision,
         powersgd_rank=args.powersgd_rank, zero_quantized_weights=args.zero_quantized_weights, fp8=args.fp8,
     )  # fmt: skip
     est = estimate(desc, layout, _device(args), args.global_batch_size, args.seq_len, args.profile, specs)

@@ -25,7 +25,9 @@ profiles say which tensors those are:
 
 Recomputation (``Layout.recompute``): ``"full"`` keeps each block's input; ``"selective"`` is the paper's under
 ``"megatron"`` and the suite's op-level policy (``activation_checkpointing="selective_op"``: every output of a
-matmul or attention kernel is kept, whether or not autograd needs it; the rest is recomputed) under ``"torch"``.
+matmul or attention kernel is kept, whether or not autograd needs it; the rest is recomputed) under ``"torch"``;
+``"offload"`` (the suite's activation offload) keeps on the device only what is too small to move, and in a
+block's backward holds its tensors back and the next block's prefetched.
 
 A pipeline rank holds several micro-batches at once (`lightning_par.planner.inflight`, derived from torch's schedule
 tables). ``total`` is what a rank holds when the last of them has run its forward; ``peak`` adds the largest working
@@ -40,6 +42,7 @@ import dataclasses
 from typing import Any, Optional
 
 from lightning_par import axes
+from lightning_par.parallel.activation_offload import MIN_BYTES as OFFLOAD_MIN_BYTES
 from lightning_par.planner.inflight import inflight_microbatches, rank_blocks
 from lightning_par.planner.layout import Layout, compute_bytes, stored_bytes
 from lightning_par.planner.model import ModelDesc
@@ -317,10 +320,13 @@ def _rank(
     none, tail = total(lambda x: x.autograd), any(x.tail for x in items)
     modes = [("full" if layout.recompute == "full" and i % every == 0 else
               "none" if layout.recompute == "full" else layout.recompute) for i in blocks]  # fmt: skip
+    if layout.recompute == "offload":  # the trunk's first offload_blocks (all without it) hold theirs in host memory
+        modes = ["offload" if layout.offload_blocks is None or i < layout.offload_blocks else "none" for i in blocks]
     held = {
         "none": none,
         "full": stream_in,
         "selective": total(lambda x: x.selective) + (0 if profile == "megatron" else stream_in),
+        "offload": total(lambda x: x.autograd and x.nbytes < OFFLOAD_MIN_BYTES),  # what is too small to move
     }
     # The backward of a block: what recomputation brings back, minus what it frees, plus the gradients alive at
     # its last matmul's backward (the residual stream's gradient, a dropout branch's, that matmul's input and
@@ -329,7 +335,9 @@ def _rank(
             "full": total(lambda x: x.autograd and not x.input and not x.tail),
             "selective": (total(lambda x: x.autograd and not x.selective) if profile == "megatron" else
                           total(lambda x: x.autograd and not x.selective and not x.input and not x.tail)
-                          - total(lambda x: x.selective and not x.autograd and (tail or not x.last)))}  # fmt: skip
+                          - total(lambda x: x.selective and not x.autograd and (tail or not x.last))),
+            # its own tensors back, and the next block's prefetched beside them
+            "offload": 2 * (none - held["offload"]) - total(lambda x: x.tail)}  # fmt: skip
     p = (profile == "megatron") if dropout is None else dropout > 0
     k, w = (desc.top_k, desc.experts) if desc.experts else (1, 1)
     f = desc.ffn / layout.tp
@@ -345,9 +353,10 @@ def _rank(
     # The loss's forward (the fp32 logits beside the kept log-softmax; autocast's weight copies of every
     # checkpointed block live until its region ends) and backward (two fp32 gradients of the logits).
     logits = d.Tt * desc.vocab / (layout.tp if profile == "megatron" else 1) * has_head
-    casts = sum(x.nbytes for x in items if x.name == "weight casts") * sum(mode != "none" for mode in modes)
+    casts = sum(x.nbytes for x in items if x.name == "weight casts") * sum(mode in ("full", "selective")
+                                                                           for mode in modes)  # fmt: skip
     work = max(8 * logits, 4 * logits + casts)
-    if profile == "torch" and layout.recompute != "none":  # checkpoint keeps the blocks' arguments: positions, mask
+    if profile == "torch" and layout.recompute in ("full", "selective"):  # checkpoint keeps the blocks' arguments
         held_total += inflight * (8 * d.sq * (not desc.layernorm) + es * d.b * d.sq * d.sk * (attention == "eager"))
     later = head
     for mode, kept in zip(reversed(modes), reversed(per_block)):

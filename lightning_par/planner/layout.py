@@ -6,7 +6,8 @@ The names follow `lightning_par.config.ParallelConfig` where the two meet (``tp`
 ``offload``) so that `Layout.strategy_kwargs` turns a chosen layout into the arguments of
 `lightning_par.ParallelStrategy`. Recomputation uses the paper's vocabulary (Korthikanti et al., arXiv 2205.05198):
 ``"none"``, ``"selective"`` (recompute the attention core and the cheap element-wise work, keep the matmul
-outputs; the suite's ``activation_checkpointing="selective_op"``) and ``"full"`` (keep each block's input only).
+outputs; the suite's ``activation_checkpointing="selective_op"``) and ``"full"`` (keep each block's input only);
+``"offload"`` is the suite's activation offload (what a block saves goes to host memory: `offload_blocks` of them).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from lightning_par import axes
 from lightning_par.config import ParallelConfig, ParallelConfigError
 from lightning_par.planner.model import ModelDesc
 
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = ("none", "selective", "full", "offload")
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
 # Pipeline schedules and the virtual stages per rank each runs in this suite (parallel/pipeline/schedule.py).
 SCHEDULES = {name: s.virtual for name, s in axes.SCHEDULES.items()}
@@ -35,7 +36,7 @@ def stored_bytes(precision: str) -> int:
     return 2 if precision == "bf16-true" else 4
 
 
-_TO_SUITE_AC = {"none": None, "selective": "selective_op", "full": "full"}
+_TO_SUITE_AC = {"none": None, "selective": "selective_op", "full": "full", "offload": "offload"}
 
 
 class LayoutError(ValueError):
@@ -57,7 +58,8 @@ class Layout:
         pp_schedule: a name of `SCHEDULES`; ``microbatches``: per optimizer step and pipeline (``None``: the
             whole data-parallel batch share in micro-batches of ``micro_batch_size``).
         micro_batch_size: samples per micro-batch on one data-parallel rank.
-        recompute: ``"none"``, ``"selective"`` or ``"full"``.
+        recompute: ``"none"``, ``"selective"``, ``"full"`` or ``"offload"`` (activation offload).
+        offload_blocks: under ``recompute="offload"``, the trunk's first N blocks offloaded (``None``: every block).
         sequence_parallel: split the residual stream over tp between the tensor-parallel regions.
         offload: parameters and optimizer state in CPU memory between uses (zero_stage 3).
         precision: one of `PRECISIONS`.
@@ -84,6 +86,7 @@ class Layout:
     microbatches: Optional[int] = None
     micro_batch_size: int = 1
     recompute: str = "none"
+    offload_blocks: Optional[int] = None
     sequence_parallel: bool = False
     offload: bool = False
     precision: str = "bf16-mixed"
@@ -113,6 +116,8 @@ class Layout:
             raise LayoutError("offload=True needs zero_stage=3 (the sharded state is what moves to CPU memory)")
         if self.sequence_parallel and self.tp == 1:
             raise LayoutError("sequence_parallel=True needs tp > 1 (it splits the residual stream over tp)")
+        if self.offload_blocks is not None and (self.recompute != "offload" or self.offload_blocks < 1):
+            raise LayoutError(f"offload_blocks={self.offload_blocks} needs recompute='offload' and a count >= 1")
         if self.fp8 and self.zero_quantized_weights:
             raise LayoutError("fp8=True and zero_quantized_weights=True both replace ZeRO-3's gather; choose one")
 
@@ -208,6 +213,7 @@ class Layout:
         parts += [self.pp_schedule] if self.pp > 1 else []
         parts += [f"mbs={self.micro_batch_size}"] + (["sp"] if self.sequence_parallel else [])
         parts += [f"recompute={self.recompute}"] if self.recompute != "none" else []
+        parts += [f"offload_blocks={self.offload_blocks}"] if self.offload_blocks else []
         parts += ["offload"] if self.offload else []
         parts += [f"powersgd={self.powersgd_rank}"] if self.powersgd_rank else []
         parts += ["int8-gather"] if self.zero_quantized_weights else []
@@ -226,6 +232,7 @@ class Layout:
                 kwargs["vpp"] = self.vpp  # another number of stages per rank than the schedule's own
         if self.recompute != "none":
             kwargs["activation_checkpointing"] = _TO_SUITE_AC[self.recompute]
+            kwargs["offload_blocks"] = self.offload_blocks
         if self.tp > 1:
             kwargs["sequence_parallel"] = self.sequence_parallel
         if self.offload:

@@ -42,8 +42,10 @@ import math
 
 from lightning_par import _compat, axes
 from lightning_par.analysis.pipeline_timeline import replay
-from lightning_par.planner import compute, fp8
+from lightning_par.parallel.activation_offload import MIN_BYTES as OFFLOAD_MIN_BYTES
+from lightning_par.planner import activations, compute, fp8
 from lightning_par.planner.devices import Device
+from lightning_par.planner.inflight import rank_blocks
 from lightning_par.planner.layout import SCHEDULES, Layout, compute_bytes, stored_bytes
 from lightning_par.planner.model import ModelDesc
 
@@ -156,6 +158,15 @@ def _block_time(desc: ModelDesc, layout: Layout, seq_len: int, dev: Device, prof
     return comp, comm
 
 
+def _offload_exposed(desc: ModelDesc, layout: Layout, seq_len: int, dev: Device, profile: str, comp: float) -> float:
+    """Seconds per offloaded block and micro-batch its activation copies add: each crosses PCIe out during the
+    block's forward and back during the backward of the block after it (the prefetch), hidden up to that compute
+    (a third of the block's, and two thirds)."""
+    items = activations.block_tensors(desc, layout, seq_len, profile)
+    copy = sum(x.nbytes for x in items if x.autograd and x.nbytes >= OFFLOAD_MIN_BYTES) / dev.pcie_bytes_per_s
+    return max(0.0, copy - comp / 3) + max(0.0, copy - 2 * comp / 3)
+
+
 def _head_time(desc: ModelDesc, layout: Layout, seq_len: int, dev: Device) -> float:
     """The vocabulary projection (forward, two backward GEMMs) and its softmax cross-entropy, per micro-batch."""
     logits = sum(compute.gemm_time(g, dev, layout.precision) for g in compute.head_gemms(desc, layout, seq_len))
@@ -192,6 +203,11 @@ def step_time(
     head = _head_time(desc, layout, seq_len, dev)
     stage = [n * (comp + comm) for n in per_rank_blocks]
     stage[-1] += head
+    if layout.recompute == "offload":  # each offloaded block's PCIe copies, what its compute does not hide
+        exposed = _offload_exposed(desc, layout, seq_len, dev, profile, comp)
+        for r in range(layout.pp):
+            mine = rank_blocks(layout, desc.layers, r)[0]
+            stage[r] += exposed * sum(layout.offload_blocks is None or i < layout.offload_blocks for i in mine)
     p2p = 0.0
     if layout.pp > 1:
         el = compute_bytes(layout.precision)
