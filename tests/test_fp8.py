@@ -7,7 +7,8 @@ microbatch's) activations and gradients get their own, as one process accumulati
 sub-batches gets them (``rank_order``, ``accumulate``). The weights' scales are the whole weights' in every layout.
 
 - Data parallelism and pipelines compute each sample as the reference does: ZeRO-1, ZeRO-3 (weights all-gathered
-  in fp8), ``pipe`` and ``pipe_zero3`` match it as fp32 layouts match one process (measured: bitwise on 2 ranks).
+  in fp8, also with activation offload), ``pipe``, ``pipe_zero3`` and ZBV match it as fp32 layouts match one
+  process (measured: bitwise on 2 ranks).
 - Tensor parallelism sums a row-split layer's partial products in another order, and an fp8 cast rounds that fp32
   noise to the nearest of 8 (e4m3) or 4 (e5m2) steps per octave, now and then to the other side: with AdamW one
   such flip moves a weight by a step's worth (measured: 0.9 % of the training's movement). Tested on Hugging Face
@@ -26,7 +27,7 @@ sub-batches gets them (``rank_order``, ``accumulate``). The weights' scales are 
 
 - A checkpoint of a ZeRO-3 fp8 run resumes under ZeRO-3 and ZeRO-1 and continues the uninterrupted run.
 
-Spawns: two 2-rank torchruns (17 jobs, then 2 resumes), one 4-rank torchrun (2 jobs), one process (7 references).
+Spawns: two 2-rank torchruns (19 jobs, then 2 resumes), one 4-rank torchrun (2 jobs), one process (7 references).
 """
 
 from __future__ import annotations
@@ -48,6 +49,16 @@ RUNS: dict[str, tuple[dict[str, Any], tuple[str, int, int]]] = {
     # 2*pp = 4 microbatches of 2 samples: each its own activation scales, as 4 accumulated sub-batches
     "pipe": ({"model": "gpt", "dp": 1, "strategy": {"pp": 2, **FP8}}, ("gpt", 1, 4)),
     "pipe_zero3": ({"model": "gpt", "dp": 1, "strategy": {"pp": 2, "zero_stage": 3, **FP8}}, ("gpt", 1, 4)),
+    # a V schedule (two stages a rank, the weights' backward apart) on 8 blocks
+    "pipe_zbv": (
+        {"model": "gpt8_sgd", "dp": 1, "strategy": {"pp": 2, "pp_schedule": "zbv", **FP8}},
+        ("gpt8_sgd", 1, 4),
+    ),
+    # activation offload beside fp8's wrapped weights (it crashed reading their storage)
+    "zero3_ac_offload": (
+        {"model": "gpt", "strategy": {"zero_stage": 3, "activation_checkpointing": "offload", **FP8}},
+        ("gpt", 2, 2),
+    ),
     "tp": ({"model": "hf_llama_sgd", "dp": 1, "strategy": {"tp": 2, **FP8}}, ("hf_llama_sgd", 1, 1)),
     "tp_no_sp": (
         {"model": "hf_llama_sgd", "dp": 1, "strategy": {"tp": 2, "sequence_parallel": False, **FP8}},
@@ -69,7 +80,7 @@ RUNS4: dict[str, tuple[dict[str, Any], tuple[str, int, int]]] = {
     ),
     "pipe_tp": ({"model": "hf_llama_sgd", "dp": 1, "strategy": {"pp": 2, "tp": 2, **FP8}}, ("hf_llama_sgd", 1, 4)),
 }
-EXACT = ("zero1", "zero3", "zero3_llama", "pipe", "pipe_zero3")
+EXACT = ("zero1", "zero3", "zero3_llama", "pipe", "pipe_zero3", "pipe_zbv", "zero3_ac_offload")
 SUMMED = ("tp", "tp_no_sp", "tp_zero3", "pipe_tp")  # tp's partial sums: the fp8 casts round their noise (docstring)
 WRONG, LOSS = 1e-3, 5e-5
 COMPILED_WRONG, COMPILED_LOSS = 5e-3, 5e-5

@@ -85,14 +85,15 @@ class ActivationOffload:
         return functools.partial(self._run, index, block, forward)
 
     def _run(self, index: int, block: nn.Module, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        keep = {_storage_ptr(p) for p in block.parameters()} - {0}
+        keep = {ptr for p in block.parameters() for ptr in _storage_ptrs(p)} - {0}
         made: list[_Call] = []
         # A tensor several ops save (the input of q, k and v projections) is copied once. Keyed by its storage and
         # layout, and only while that storage lives: a later tensor at a freed tensor's address is another tensor.
         copied: dict[tuple[Any, ...], tuple[Any, _Stored]] = {}
 
         def pack(t: torch.Tensor) -> Any:
-            if type(t) is not torch.Tensor or t.numel() * t.element_size() < MIN_BYTES or _storage_ptr(t) in keep:
+            if type(t) is not torch.Tensor or t.numel() * t.element_size() < MIN_BYTES or \
+                    t.untyped_storage().data_ptr() in keep:  # fmt: skip
                 return t
             key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
             if key in copied and not copied[key][0].expired():
@@ -190,10 +191,15 @@ def offload_of(block: nn.Module) -> Optional[ActivationOffload]:
     return owner if isinstance(owner, ActivationOffload) else None
 
 
-def _storage_ptr(t: torch.Tensor) -> int:
+def _storage_ptrs(t: torch.Tensor) -> list[int]:
+    """The storages behind a parameter: its own, a DTensor's local shard's, or those a wrapper subclass holds (fp8
+    training's weights wrap their values: the wrapper itself has no storage)."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(t, DTensor):
         with torch.no_grad():  # a pack hook must not record autograd history
             t = t.to_local()
-    return t.untyped_storage().data_ptr()
+    if type(t) in (torch.Tensor, nn.Parameter) or not hasattr(t, "__tensor_flatten__"):
+        return [t.untyped_storage().data_ptr()]
+    names, _ = t.__tensor_flatten__()
+    return [ptr for name in names for ptr in _storage_ptrs(getattr(t, name))]
