@@ -25,7 +25,8 @@ sub-batches gets them (``rank_order``, ``accumulate``). The weights' scales are 
   splits with its own code stay in the training precision (listed at start-up).
 - A meta-built model (``empty_init``) gets the same initial values with fp8 as without.
 
-- A checkpoint of a ZeRO-3 fp8 run resumes under ZeRO-3 and ZeRO-1 and continues the uninterrupted run.
+- A checkpoint of a ZeRO-3 fp8 run, saved in the background, resumes under ZeRO-3 and ZeRO-1 and continues the
+  uninterrupted run; pretrained weights read into a ZeRO-3 fp8 layout train as one process loading them does.
 
 Spawns: two 2-rank torchruns (19 jobs, then 2 resumes), one 4-rank torchrun (2 jobs), one process (7 references).
 """
@@ -80,7 +81,7 @@ RUNS4: dict[str, tuple[dict[str, Any], tuple[str, int, int]]] = {
     ),
     "pipe_tp": ({"model": "hf_llama_sgd", "dp": 1, "strategy": {"pp": 2, "tp": 2, **FP8}}, ("hf_llama_sgd", 1, 4)),
 }
-EXACT = ("zero1", "zero3", "zero3_llama", "pipe", "pipe_zero3", "pipe_zbv", "zero3_ac_offload")
+EXACT = ("zero1", "zero3", "zero3_llama", "pipe", "pipe_zero3", "pipe_zbv", "zero3_ac_offload", "pretrained")
 SUMMED = ("tp", "tp_no_sp", "tp_zero3", "pipe_tp")  # tp's partial sums: the fp8 casts round their noise (docstring)
 WRONG, LOSS = 1e-3, 5e-5
 COMPILED_WRONG, COMPILED_LOSS = 5e-3, 5e-5
@@ -101,8 +102,7 @@ def _reference(model: str, order: int, accumulate: int) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("fp8")
-    refs = {ref for _, ref in (*RUNS.values(), *RUNS4.values())}
-    one = dict(zip(refs, run_jobs(tmp / "n1", [_reference(*r) for r in refs], nproc=1, timeout=400), strict=True))
+    refs: dict[Any, dict[str, Any]] = {ref: _reference(*ref) for _, ref in (*RUNS.values(), *RUNS4.values())}
     jobs = {name: {"steps": STEPS, **job} for name, (job, _) in RUNS.items()}
     meta = {"model": "gpt", "steps": 1, "empty_init": True, "record_init": True}
     jobs["meta_fp8"] = {**meta, "strategy": {"zero_stage": 3, **FP8}}
@@ -110,8 +110,17 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     jobs["on_cpu"] = {"model": "gpt", "steps": 1, "strategy": {"zero_stage": 3, "fp8": True}, "expect_error": True}
     jobs.update({f"curve_{k}": {"model": "gpt", "steps": CURVE_STEPS, "precision": "bf16-mixed", **j}
                  for k, j in CURVE.items()})  # fmt: skip
+    # Its checkpoints are written in the background (async_save): fp8's wrapped weights staged as their values.
     jobs["zero3"].update(ckpt_dir=str(tmp / "ckpt"), ckpt_every_n_steps=1)
+    jobs["zero3"]["strategy"] = {**jobs["zero3"]["strategy"], "async_save": True}
+    # Pretrained weights read into the fp8 layers of a ZeRO-3 layout, against one process loading them itself.
+    folder = _pretrained_folder(tmp / "hf")
+    jobs["pretrained"] = {"model": "hf_llama_sgd", "steps": STEPS,
+                          "strategy": {"zero_stage": 3, "pretrained": str(folder), **FP8}}  # fmt: skip
+    refs["pretrained"] = {**_reference("hf_llama_sgd", 2, 2), "hf_from_pretrained": str(folder)}
+    one = dict(zip(refs, run_jobs(tmp / "n1", list(refs.values()), nproc=1, timeout=400), strict=True))
     got = dict(zip(jobs, run_jobs(tmp / "n2", list(jobs.values()), nproc=2, timeout=600), strict=True))
+    got["pretrained"]["ref"] = one["pretrained"]
     # Resumed from the ZeRO-3 run's step 2: under ZeRO-3 again, and under ZeRO-1 (the same scales on 2 ranks).
     resumed = {name: {**RUNS["zero3"][0], "steps": STEPS, "resume": str(tmp / "ckpt" / "step=2.ckpt"),
                       "strategy": {"zero_stage": stage, **FP8}} for name, stage in (("resume_zero3", 3),
@@ -122,6 +131,19 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     for name, (_, ref) in (*RUNS.items(), *RUNS4.items()):
         got[name]["ref"] = one[ref]
     return got
+
+
+def _pretrained_folder(path: Any) -> Any:
+    """A Hugging Face folder of the test Llama (`_job_models`' ``hf_llama``) with weights unlike a fresh model's."""
+    from _job_models import MODELS
+
+    torch.manual_seed(3)
+    model = MODELS["hf_llama"]()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    model.model.save_pretrained(path)
+    return path
 
 
 def _losses(got: dict[str, Any]) -> tuple[list[float], list[float]]:

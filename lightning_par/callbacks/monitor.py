@@ -37,6 +37,7 @@ from lightning_par.callbacks.expert_load import ExpertLoad, load_metrics
 from lightning_par.callbacks.pictures import MEMORY_KINDS, load_heatmap, log_pictures, memory_bars, pipeline_timeline
 from lightning_par.callbacks.pipeline_view import bubble_metrics, gather_records, step_record
 from lightning_par.parallel.flops import active_param_count
+from lightning_par.utils import dtensors
 
 try:
     from torch.distributed.tensor import DTensor
@@ -113,16 +114,15 @@ def _local_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     for t in tensors:
         if t is None:
             continue
-        if DTensor is not None and isinstance(t, DTensor):
-            t = t.to_local()
-        if t.device.type == "meta":
-            continue
-        storage = t.untyped_storage()
-        # Views (tied weights, flat ZeRO buffers, DDP bucket views) share one storage: count the storage once.
-        key = (t.device, storage.data_ptr())
-        if key not in seen:
-            seen.add(key)
-            total += storage.nbytes()
+        for part in dtensors.storages(t):  # a DTensor's shard; the values a wrapper subclass (fp8, NF4) holds
+            if part.device.type == "meta":
+                continue
+            storage = part.untyped_storage()
+            # Views (tied weights, flat ZeRO buffers, DDP bucket views) share one storage: count the storage once.
+            key = (part.device, storage.data_ptr())
+            if key not in seen:
+                seen.add(key)
+                total += storage.nbytes()
     return total
 
 

@@ -41,6 +41,7 @@ from lightning_par.checkpoint.dcp import commit, prepare_tmp, serialize, tmp_pat
 from lightning_par.checkpoint.device_staging import DeviceCopies, pinned_like
 from lightning_par.checkpoint.reader import CheckpointError
 from lightning_par.checkpoint.strided import canonicalize
+from lightning_par.utils import dtensors
 
 
 @dataclasses.dataclass
@@ -82,6 +83,9 @@ class _BufferStager:
         self.deferred: frozenset[int] = frozenset()  # storage pointers whose copy may wait for the worker thread
 
     def _copy(self, key: tuple[Any, ...], tensor: torch.Tensor) -> torch.Tensor:
+        parts = dtensors.storages(tensor)
+        if type(tensor.detach()) is not torch.Tensor and len(parts) == 1 and parts[0].shape == tensor.shape:
+            tensor = parts[0]  # a wrapper of one plain tensor (fp8 training's weights): its values are the state
         buf = self._buffers.get(key)
         if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
             buf = self._buffers[key] = pinned_like(tensor)

@@ -17,7 +17,6 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from lightning_par import _compat
 from lightning_par.checkpoint.adapters import ADAPTERS, FROZEN_LEFT_OUT, adapter_configs, frozen_names
@@ -38,6 +37,7 @@ from lightning_par.parallel.compression.powersgd import restore as restore_compr
 from lightning_par.parallel.local_sgd import state as local_sgd_state
 from lightning_par.parallel.run import ParallelRun
 from lightning_par.strategies._resume import ResumeState
+from lightning_par.utils import dtensors
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,8 +158,8 @@ class ShardedCheckpoints:
                 tensors.extend(group["params"])
             for state in entry.optimizer.state.values():
                 tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor))
-        local = (_compat.dtensor_local(t) if isinstance(t, DTensor) else t for t in tensors)
-        return frozenset(t.untyped_storage().data_ptr() for t in local)
+        # (the plain tensors behind each: a DTensor's shard, the values an fp8 weight wraps)
+        return frozenset(part.untyped_storage().data_ptr() for t in tensors for part in dtensors.storages(t))
 
     def holds_no_rank(self, barrier_name: Optional[str]) -> bool:
         """Whether a barrier can be skipped: the one ending `Trainer.save_checkpoint` right after a background save.

@@ -60,7 +60,7 @@ __all__ = ["PretrainedError", "PretrainedPlan", "PretrainedReport", "load_pretra
 
 def _storage_key(t: torch.Tensor) -> tuple[int, ...] | None:
     # Tied names are two entries over one storage (state dicts hold detached aliases, not the same object).
-    local = dtensors.local(t)
+    local = dtensors.storages(t)[0]  # (fp8 training's weights wrap their values: the values' storage)
     if local.numel() == 0 or local.device.type == "meta":
         return None
     return (local.untyped_storage().data_ptr(), local.storage_offset(), *local.shape, *local.stride())
