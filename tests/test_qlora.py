@@ -42,7 +42,20 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     ref = run_jobs(tmp, [{**reference_job({"model": "qlora_llama"}), "record_init": True}], nproc=1, timeout=300)[0]
     got = dict(zip(JOBS, run_jobs(tmp, list(JOBS.values()), nproc=2, timeout=600), strict=True))
     got.update(zip(JOBS_4, run_jobs(tmp, list(JOBS_4.values()), nproc=4, timeout=600), strict=True))
+    # Written in the background (async_save: the NF4 tensors, which have no storage of their own, staged whole) and
+    # resumed from step 2: the run continues the uninterrupted one.
+    writer = {"model": "qlora_llama", "steps": 4, "strategy": {"zero_stage": 3, "async_save": True}, "dp": 2,
+              "ckpt_dir": str(tmp / "ckpt"), "ckpt_every_n_steps": 1}  # fmt: skip
+    got["async_writer"] = run_jobs(tmp / "w", [writer], nproc=2, timeout=600)[0]
+    resumed = {**writer, "ckpt_dir": None, "ckpt_every_n_steps": None, "resume": str(tmp / "ckpt" / "step=2.ckpt")}
+    got["async_resumed"] = run_jobs(tmp / "r", [resumed], nproc=2, timeout=600)[0]
     return {"ref": ref, "got": got}
+
+
+def test_an_asynchronously_saved_checkpoint_resumes_exactly(runs: dict[str, Any]) -> None:
+    whole, resumed = runs["got"]["async_writer"], runs["got"]["async_resumed"]
+    assert resumed["resumed_from"] == "step=2.ckpt" and resumed["losses"] == whole["losses"][2:]
+    params_close(resumed["params"], whole["params"], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("name", [*JOBS, *JOBS_4])

@@ -83,9 +83,14 @@ class _BufferStager:
         self.deferred: frozenset[int] = frozenset()  # storage pointers whose copy may wait for the worker thread
 
     def _copy(self, key: tuple[Any, ...], tensor: torch.Tensor) -> torch.Tensor:
-        parts = dtensors.storages(tensor)
-        if type(tensor.detach()) is not torch.Tensor and len(parts) == 1 and parts[0].shape == tensor.shape:
-            tensor = parts[0]  # a wrapper of one plain tensor (fp8 training's weights): its values are the state
+        if type(tensor.detach()) is not torch.Tensor:  # a wrapper subclass: it has no storage of its own
+            parts = dtensors.storages(tensor)
+            if len(parts) != 1 or parts[0].shape != tensor.shape:
+                # Several tensors (QLoRA's NF4: codes and scalers): a host copy of the whole wrapper, taken now
+                # (its clone would quantize again); not deferred, not pinned.
+                held = tensor.detach()
+                return copy.deepcopy(held) if held.device.type == "cpu" else held.to("cpu")
+            tensor = parts[0]  # one plain tensor (fp8 training's weights): its values are the state
         buf = self._buffers.get(key)
         if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
             buf = self._buffers[key] = pinned_like(tensor)
