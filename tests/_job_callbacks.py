@@ -12,7 +12,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Optional
 
 import lightning as L
 import numpy as np
@@ -387,12 +387,18 @@ FP8_BLOCK = re.compile(r"(^|\.)(h|layers|blocks)\.\d+\.")
 
 class TorchaoFp8(L.Callback):
     """The one-process reference of fp8 training: torchao converts the trunk's linear layers (emulated fp8) once
-    the model is built and on its device; the parameters stay the same objects, so the optimizer needs nothing."""
+    the model is built and on its device; the parameters stay the same objects, so the optimizer needs nothing.
+    ``names``: exactly these layers (the zoo's: what the distributed run converted), instead of the test rule."""
+
+    def __init__(self, names: Optional[list[str]] = None) -> None:
+        self.names = None if names is None else set(names)
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: Any) -> None:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
         def chosen(mod: torch.nn.Module, fqn: str) -> bool:
+            if self.names is not None:
+                return fqn in self.names
             return bool(FP8_BLOCK.search(fqn)) and mod.in_features % 16 == 0 and mod.out_features % 16 == 0
 
         convert_to_float8_training(pl_module, config=Float8LinearConfig(emulate=True), module_filter_fn=chosen)

@@ -161,7 +161,7 @@ def run_job(job: Job) -> dict[str, Any]:
     if job.rank_seed:
         extra.append(RankSeed())
     if job.torchao_fp8:
-        extra.append(TorchaoFp8())
+        extra.append(TorchaoFp8(job.torchao_fp8 if isinstance(job.torchao_fp8, list) else None))
     ckpt_dir = job.ckpt_dir
     listing_before = sorted(os.listdir(ckpt_dir)) if ckpt_dir and os.path.isdir(ckpt_dir) else []
     found = lightning_par.checkpoint.latest(ckpt_dir) if ckpt_dir else None
@@ -229,7 +229,8 @@ def run_job(job: Job) -> dict[str, Any]:
         params = full_params(model)  # it trained after all: what a parity check needs (tools/zoo.py)
         gather_experts(trainer, model, params)
         params, _, tied = _stage_params(trainer, params)
-        return {"error": None, "losses": recorder.losses, "params": params, "tied": tied}
+        return {"error": None, "losses": recorder.losses, "params": params, "tied": tied,
+                "fp8_layers": sorted({n for names in gathered_objects(fp8_names(model)) for n in names})}
     caught: list[Any] = []
     # record_warnings: what the strategy warned about during fit (tensor-parallel fallbacks).
     scatters: list[int] = []  # count_reduce_scatter: how often FSDP2 reduced gradients during fit, on each rank

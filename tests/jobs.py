@@ -101,7 +101,7 @@ class Job:
     # fp8 (tests/test_fp8.py): the one-process reference converts its trunk's linear layers with torchao itself
     # (`_job_callbacks.TorchaoFp8`), and reads each global batch as ``rank_order`` sub-batches in the order the
     # data-parallel ranks read them (each sub-batch then has the activation scales that rank's has).
-    torchao_fp8: bool = False
+    torchao_fp8: Union[bool, list[str]] = False  # True: the test rule; a list: exactly these layers (tools/zoo.py)
     rank_order: int = 1
 
     @classmethod

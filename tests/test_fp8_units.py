@@ -144,3 +144,15 @@ def test_the_deepspeed_backend_refuses_fp8() -> None:
 
     with pytest.raises(ValueError, match=r"fp8 run on the native engines"):
         DeepSpeedParallelStrategy(zero_stage=3, fp8="emulate")
+
+
+def test_a_projection_that_is_no_linear_is_listed_as_kept() -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=32, n_embd=32, n_layer=2, n_head=4))
+    layers = _select(model)
+    assert layers.converted == ()
+    conv = {n for n, why in layers.kept.items() if why.startswith("not an nn.Linear (GPT-2's Conv1D")}
+    assert conv == {f"transformer.h.{i}.{m}" for i in range(2) for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc",
+                                                                          "mlp.c_proj")}  # fmt: skip
+    assert any("not an nn.Linear" in line for line in layers.notes())

@@ -4,11 +4,13 @@ process, each run classified (docs/compatibility.md, "The zoo sweep").
 Every architecture in transformers' causal-LM registry is built from its own config shrunk by one rule
 (tests/_zoo.py: no per-model table); those that do not build or train in one process are listed as not shrinkable.
 Each of the others runs under ``tp`` (2), ``pipe`` (pp 2), ``zero3`` (2 ranks), ``moe`` (ep 2, where the model has
-mixture-of-experts layers lightning_par recognises) and ``cp`` (2, with SDPA attention) on 2 CPU ranks, 3 steps, and
-is compared with the same model trained in one process (the test suite's machinery: tests/launch.py, fp32, losses
-1e-5 relative, parameters 1e-5 / 1e-7). Outcomes:
+mixture-of-experts layers lightning_par recognises), ``cp`` (2, with SDPA attention) and ``fp8`` (``zero3`` with
+``fp8="emulate"``, against one process converting the same layers with torchao over the same sub-batches) on 2 CPU
+ranks, 3 steps, and is compared with the same model trained in one process (the test suite's machinery:
+tests/launch.py, fp32, losses 1e-5 relative, parameters 1e-5 / 1e-7). Outcomes:
 
 - ``parity``: trained like one process;
+- ``no fp8 layer``: ``fp8`` converted nothing (no ``nn.Linear`` of fp8's shapes in the trunk: GPT-2's ``Conv1D``);
 - ``refused``: stopped before the first optimizer step with lightning_par's own error (the message names a fix);
 - ``crash``: any other error, or one after training started;
 - ``mismatch``: trained, but not like one process (the worst: a silently different result);
@@ -40,7 +42,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-DIMS = {"tp": {"tp": 2}, "pipe": {"pp": 2}, "zero3": {"zero_stage": 3}, "moe": {"ep": 2}, "cp": {"cp": 2}}
+DIMS = {"tp": {"tp": 2}, "pipe": {"pp": 2}, "zero3": {"zero_stage": 3}, "moe": {"ep": 2}, "cp": {"cp": 2},
+        "fp8": {"zero_stage": 3, "fp8": "emulate"}}  # fmt: skip
 # lightning_par's refusals (each message names a fix); any other error is a crash.
 REFUSALS = ("TPPlanError", "PipelineError", "ParallelConfigError", "LayoutError", "PartitionError",
             "NotImplementedError")  # fmt: skip
@@ -62,7 +65,7 @@ def _applicable(model_type: str) -> tuple[list[str], str]:
         model = build(model_type)
     except Exception as err:
         return [], f"{type(err).__name__}: {str(err)[:120]}"
-    dims = ["tp", "pipe", "zero3"]
+    dims = ["tp", "pipe", "zero3", "fp8"]
     try:
         if find_moe_layers(model):
             dims.append("moe")
@@ -104,6 +107,9 @@ def sweep(names: list[str], dims: list[str], out: Path) -> dict[str, dict[str, A
             tmp = Path(tempfile.mkdtemp(prefix=f"zoo-{name}-"))
             for dim in (d for d in dims if d in applicable):
                 model = f"zoo:{name}:sdpa" if dim == "cp" else f"zoo:{name}"
+                if dim == "fp8":
+                    row[dim] = _fp8(tmp, model)
+                    continue
                 try:
                     (ref,) = run_jobs(tmp, [reference_job({"model": model})], nproc=1, timeout=300)
                 except AssertionError as err:
@@ -138,6 +144,31 @@ def sweep(names: list[str], dims: list[str], out: Path) -> dict[str, dict[str, A
             f.write(json.dumps(row) + "\n")
         print(json.dumps({k: (v["outcome"] if isinstance(v, dict) else v) for k, v in row.items()}), flush=True)
     return results
+
+
+def _fp8(tmp: Path, model: str) -> dict[str, Any]:
+    """ZeRO-3 with fp8 (emulated) on 2 ranks against one process that converts the same layers with torchao and
+    accumulates over the two ranks' sub-batches (tests/test_fp8.py's reference: each rank's activation scales are
+    its own sub-batch's). Run first, so that the reference converts what the run did."""
+    from launch import run_jobs
+
+    job = {"model": model, "strategy": DIMS["fp8"], "dp": 2, "expect_error": True}
+    try:
+        (got,) = run_jobs(tmp, [job], nproc=2, timeout=300)
+    except AssertionError as err:
+        return {"outcome": "crash", "error": str(err)[-400:]}
+    if got.get("error"):
+        return {"outcome": _outcome(got, got), "error": got["error"][:400]}
+    if not got["fp8_layers"]:
+        return {"outcome": "no fp8 layer", "error": ""}
+    ref_job = {"model": model, "strategy": "auto", "global_batch": 4, "accumulate": 2, "rank_order": 2,
+               "torchao_fp8": got["fp8_layers"]}  # fmt: skip
+    try:
+        (ref,) = run_jobs(tmp, [ref_job], nproc=1, timeout=300)
+    except AssertionError as err:
+        return {"outcome": "reference fails", "error": str(err)[-300:]}
+    steps = [sum(ref["losses"][i : i + 2]) / 2 for i in range(0, len(ref["losses"]), 2)]
+    return {"outcome": _outcome(got, {**ref, "losses": steps}), "error": "", "layers": len(got["fp8_layers"])}
 
 
 def markdown(results: dict[str, dict[str, Any]], dims: list[str]) -> str:

@@ -33,6 +33,7 @@ from torch import nn
 from lightning_par.blocks.trunk import Trunk
 from lightning_par.parallel.tensor.adapters import find_adapters
 from lightning_par.parallel.tensor.kv_heads import kv_replicas
+from lightning_par.parallel.tensor.plan_affine import affine
 from lightning_par.parallel.tensor.plan_types import TPPlan
 
 ALIGN = 16  # fp8 matrix multiplication (cuBLAS's, torch._scaled_mm) needs both dimensions to be multiples of 16
@@ -84,6 +85,8 @@ def select_fp8(module: nn.Module, trunk: Optional[Trunk], moe: list[str], plans:
     kept: dict[str, str] = {}
     for name, mod in module.named_modules():
         if not isinstance(mod, nn.Linear):
+            if affine(mod) is not None and any(name.startswith(f"{b}.") for b in blocks) and name not in bases:
+                kept[name] = "not an nn.Linear (GPT-2's Conv1D: torchao converts nn.Linear)"
             continue
         if name not in bases and any(name.startswith(f"{w}.") for w in wrapped):
             continue  # an adapter's own layers (lora_A, lora_B): they belong to the adapter, and stay as they are
