@@ -55,9 +55,10 @@ def _extra(recipe: str, tmp_path: Path) -> list[str]:
     # PowerSGD compresses from its third step here (after 2 exact ones), so the 4 steps run both.
     if recipe == "powersgd":
         return ["--trainer.max_steps=4", "--trainer.strategy.init_args.compression_start=2"]
-    # A CPU has no fp8 matrix multiplication: the same casts, emulated (fp8=True is refused there, naming this).
+    # A CPU has no fp8 matrix multiplication: the same casts, emulated (fp8=True is refused there, naming this);
+    # eager, since compiling 4 ranks' blocks costs half a minute here (fp8 compiled: tests/test_fp8.py).
     if recipe == "fp8":
-        return ["--trainer.strategy.init_args.fp8=emulate"]
+        return ["--trainer.strategy.init_args.fp8=emulate", "--trainer.strategy.init_args.compile=false"]
     # The fine-tuning recipe names a local folder; the test writes one.
     if recipe not in ("hf_finetune", "lora_finetune"):
         return []
@@ -192,7 +193,7 @@ def test_every_recipe_trains_a_few_steps(tmp_path):
     assert (got["powersgd"]["layout"]["grad_compression"], got["powersgd"]["layout"]["compression_start"]) == (
         "powersgd", 2)  # its last 2 steps compressed  # fmt: skip
     assert got["zero3_int8"]["layout"]["zero_quantized_weights"] is True
-    assert got["fp8"]["layout"]["fp8"] == "emulate" and got["fp8"]["layout"]["compile"] is True
+    assert got["fp8"]["layout"]["fp8"] == "emulate"
     # LoRA: the adapters alone train (r 16 on 7 projections of a 64-wide 2-layer Llama: 0 < share < 1/2).
     lora = got["lora_finetune"]
     full = got["hf_finetune"]
