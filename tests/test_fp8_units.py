@@ -156,3 +156,46 @@ def test_a_projection_that_is_no_linear_is_listed_as_kept() -> None:
     assert conv == {f"transformer.h.{i}.{m}" for i in range(2) for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc",
                                                                           "mlp.c_proj")}  # fmt: skip
     assert any("not an nn.Linear" in line for line in layers.notes())
+
+
+class _UserBlock(nn.Module):
+    """A user's block whose code reads a layer's weight itself and changes another layer's output in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(32, 32), nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = torch.sigmoid(x @ self.gate.weight.t())  # the gate's weight, outside the gate's forward
+        y = self.down(torch.relu(self.up(x)))
+        y += x  # the down projection's output, changed in place
+        return y * scale
+
+
+class _UserNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(256, 32)
+        self.blocks = nn.ModuleList([_UserBlock() for _ in range(2)])
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_code_that_reads_a_weight_or_changes_an_output_in_place_keeps_the_layer() -> None:
+    from lightning_par.parallel.fp8.probe import OUTPUT_IN_PLACE, WEIGHT_OUTSIDE
+
+    layers = _select(_UserNet())
+    assert layers.converted == ("blocks.0.up", "blocks.1.up")
+    assert {n: w for n, w in layers.kept.items()} == {
+        **{f"blocks.{i}.gate": WEIGHT_OUTSIDE for i in range(2)},
+        **{f"blocks.{i}.down": OUTPUT_IN_PLACE for i in range(2)},
+    }
+    # Converted as selected, the model trains (it would fail in backward with the in-place add, or under ZeRO-3
+    # hand the gate's fp8 weight to the matmul).
+    model = _UserNet()
+    convert_fp8(model, _select(model), emulate=True, zero3=False)
+    model(torch.randint(0, 256, (2, 16))).sum().backward()

@@ -33,7 +33,7 @@ from lightning_par.parallel.context.apply import apply_context_parallel
 from lightning_par.parallel.context.check import check_blocks_run_once
 from lightning_par.parallel.experts.apply import ExpertParallel, apply_expert_parallel
 from lightning_par.parallel.experts.finder import find_moe_layers
-from lightning_par.parallel.fp8 import check_fp8_device, convert_fp8, precompute_scales, select_fp8
+from lightning_par.parallel.fp8 import BytesAllGather, check_fp8_device, convert_fp8, precompute_scales, select_fp8
 from lightning_par.parallel.local_sgd.outer import LocalSGD
 from lightning_par.parallel.materialize import InitTemplates, base_seed, capture_init, has_meta, materialize
 from lightning_par.parallel.parts import ModelPart
@@ -209,7 +209,8 @@ def _fsdp(parts: list[ModelPart], mesh: ParallelMesh, config: ParallelConfig, ex
         apply_fsdp(part.root, part.block_modules, mesh.dp_2d, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                    offload=config.offload, ignored_params=set(exclude) or None,
                    reshard_after_forward=not pipelined,
-                   all_gather=QuantizedAllGather() if config.zero_quantized_weights else None)  # fmt: skip
+                   all_gather=QuantizedAllGather() if config.zero_quantized_weights else
+                   BytesAllGather() if config.fp8 else None)  # fmt: skip
         if config.fp8:  # every fp8 weight's scale from the whole weight, not one tp rank's slice (fp8/scales.py)
             precompute_scales(part.root)
 

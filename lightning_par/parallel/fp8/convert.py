@@ -11,8 +11,9 @@ Which layers: the ``nn.Linear``s inside the trunk's blocks whose two dimensions 
 matrix multiplication needs). Kept in the training precision, and listed at start-up: the layers outside the
 trunk (embedding, head: the head's logits are the most precision-sensitive), MoE layers (router and experts),
 layers wrapped by low-rank adapters (a fine-tune trains the adapters, which stay small), weights that are a tensor
-subclass already (a 4-bit base), and layers tensor parallelism splits with its own code (fused projections cut by
-parts, key/value heads shared by ranks), which would skip the fp8 forward.
+subclass already (a 4-bit base), layers tensor parallelism splits with its own code (fused projections cut by
+parts, key/value heads shared by ranks), which would skip the fp8 forward, and layers whose weight the model's code
+reads outside their forward or whose output it changes in place (one probe forward: `probe`).
 
 What is exact and what is not: one scale per tensor means a layer's scale depends on the tensor it sees. Data
 parallelism (and a pipeline's microbatches) gives each rank (microbatch) its own activation and gradient scales,
@@ -31,6 +32,7 @@ import torch
 from torch import nn
 
 from lightning_par.blocks.trunk import Trunk
+from lightning_par.parallel.fp8.probe import unconvertible
 from lightning_par.parallel.tensor.adapters import find_adapters
 from lightning_par.parallel.tensor.kv_heads import kv_replicas
 from lightning_par.parallel.tensor.plan_affine import affine
@@ -96,7 +98,9 @@ def select_fp8(module: nn.Module, trunk: Optional[Trunk], moe: list[str], plans:
             converted.append(name)
         else:
             kept[name] = why
-    return Fp8Layers(tuple(converted), kept)
+    # What the code around a layer does with it that fp8 would break: one probe forward (fp8/probe.py).
+    kept.update(unconvertible(module, converted))
+    return Fp8Layers(tuple(n for n in converted if n not in kept), kept)
 
 
 def convert_fp8(module: nn.Module, layers: Fp8Layers, *, emulate: bool, zero3: bool) -> None:
