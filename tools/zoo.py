@@ -10,6 +10,8 @@ ranks, 3 steps, and is compared with the same model trained in one process (the 
 tests/launch.py, fp32, losses 1e-5 relative, parameters 1e-5 / 1e-7). Outcomes:
 
 - ``parity``: trained like one process;
+- ``fp8 rounding``: an ``fp8`` run off the exact bounds but within tests/test_fp8.py's bounds for fp8's rounding of
+  summation-order noise (wrong share < 1e-3, losses 5e-5; a run with fp8 off fails them);
 - ``no fp8 layer``: ``fp8`` converted nothing (no ``nn.Linear`` of fp8's shapes in the trunk: GPT-2's ``Conv1D``);
 - ``refused``: stopped before the first optimizer step with lightning_par's own error (the message names a fix);
 - ``crash``: any other error, or one after training started;
@@ -162,13 +164,22 @@ def _fp8(tmp: Path, model: str) -> dict[str, Any]:
     if not got["fp8_layers"]:
         return {"outcome": "no fp8 layer", "error": ""}
     ref_job = {"model": model, "strategy": "auto", "global_batch": 4, "accumulate": 2, "rank_order": 2,
-               "torchao_fp8": got["fp8_layers"]}  # fmt: skip
+               "torchao_fp8": got["fp8_layers"], "record_init": True}  # fmt: skip
     try:
         (ref,) = run_jobs(tmp, [ref_job], nproc=1, timeout=300)
     except AssertionError as err:
         return {"outcome": "reference fails", "error": str(err)[-300:]}
     steps = [sum(ref["losses"][i : i + 2]) / 2 for i in range(0, len(ref["losses"]), 2)]
-    return {"outcome": _outcome(got, {**ref, "losses": steps}), "error": "", "layers": len(got["fp8_layers"])}
+    outcome = _outcome(got, {**ref, "losses": steps})
+    if outcome == "mismatch":
+        # An fp8 cast rounds the fp32 noise of another summation order now and then to the other side: held to
+        # tests/test_fp8.py's bounds for tp (where that noise is the rule), which a run with fp8 off fails.
+        from parity import rel, without_tied_copies, wrong_share
+
+        share = wrong_share(without_tied_copies(got, ref), ref["params"], ref["init_state"])
+        if share < 1e-3 and rel(got["losses"], steps) < 5e-5:
+            outcome = "fp8 rounding"
+    return {"outcome": outcome, "error": "", "layers": len(got["fp8_layers"])}
 
 
 def markdown(results: dict[str, dict[str, Any]], dims: list[str]) -> str:
