@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves
 
+from lightning_par import _compat
 from lightning_par.blocks._probe import eval_mode, probe_call, writes_in_place
 
 WEIGHT_OUTSIDE = "its weight is read outside its forward (the fp8 gather would hand that code an fp8 tensor)"
@@ -35,7 +35,7 @@ class _Watch(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if writes_in_place(name) and args and isinstance(args[0], torch.Tensor) and id(args[0]) in self.outputs:
             self.found.setdefault(self.outputs[id(args[0])][1], OUTPUT_IN_PLACE)
-        for leaf in tree_leaves((args, kwargs or {})):
+        for leaf in _compat.tree_leaves((args, kwargs or {})):
             layer = self.weights.get(id(leaf)) if isinstance(leaf, torch.Tensor) else None
             if layer is not None and layer not in self.running and name not in ("__get__", "size", "dim"):
                 self.found.setdefault(layer, WEIGHT_OUTSIDE)
