@@ -1,6 +1,6 @@
 """A rotating sample of the zoo sweep (tools/zoo.py, docs/compatibility.md "The zoo sweep"): a few Hugging Face
 architectures the other tests never name, shrunk by the one rule of tests/_zoo.py, each under every dimension that
-applies (tp, pipe, zero3, moe, cp) on 2 ranks against one process. None may crash or train differently; a refusal
+applies (tp, pipe, zero3, moe, cp, fp8) on 2 ranks against one process. None may crash or train differently; a refusal
 before training is allowed (the sweep classifies it by lightning_par's own error naming a fix).
 
 The sample changes every day (seeded by the date) so that over weeks the slow tier covers the registry;
