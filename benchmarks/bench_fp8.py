@@ -15,15 +15,12 @@ only adds casts): the GPU check measures it. A hand-run benchmark: it asserts no
 
 from __future__ import annotations
 
-import argparse
-import logging
-
 import torch
 
 torch.set_num_threads(1)
 
 import torch.distributed as dist  # noqa: E402
-from bench_zero3_int8 import _model, run  # noqa: E402  (the same fit, counter and model)
+from bench_zero3_int8 import _model, arguments, loss_gap, run  # noqa: E402  (the same fit, counter, model)
 
 from lightning_par.planner.comm import comm_bytes  # noqa: E402
 from lightning_par.planner.fp8 import mark_fp8  # noqa: E402
@@ -33,18 +30,7 @@ from lightning_par.utils import clean_exit  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smoke run: tiny model, 12 steps")
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--embd", type=int, default=256)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=4, help="samples per rank and step")
-    args = parser.parse_args()
-    for name in ("lightning.pytorch", "lightning.fabric", "lightning_par"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    if args.quick:
-        args.steps, args.layers, args.embd, args.seq = 12, 2, 64, 32
+    args = arguments(__doc__)
     bf16_bytes, bf16 = run({}, args)
     fp8_bytes, fp8 = run({"fp8": "emulate"}, args)
     if dist.get_rank() == 0:
@@ -63,13 +49,7 @@ def main() -> None:
         print(f"| bf16 | {ag:.3f} | | | 1.000 | {rs:.3f} |")
         fag, frs = fp8_bytes.get("all_gather", 0.0), fp8_bytes.get("reduce_scatter", 0.0)
         print(f"| fp8 | {fag:.3f} | {formula:.3f} | {fag / formula:.4f} | {fag / ag:.3f} | {frs:.3f} |")
-        gaps = [abs(a - b) / abs(b) for a, b in zip(fp8, bf16, strict=True)]
-        tail = slice(max(0, args.steps - 10), args.steps)
-        last = sum(fp8[tail]) / len(fp8[tail]) / (sum(bf16[tail]) / len(bf16[tail])) - 1
-        print(f"\nloss gap to the bf16 run: max {max(gaps):.4f}, mean {sum(gaps) / len(gaps):.4f}, "
-              f"last 10 steps {last:+.4f}")  # fmt: skip
-        for step in range(0, args.steps, max(1, args.steps // 10)):
-            print(step, f"{bf16[step]:.4f}", f"{fp8[step]:.4f}")
+        loss_gap(fp8, bf16, args.steps, "bf16")
     clean_exit()
 
 

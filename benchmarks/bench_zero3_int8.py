@@ -79,8 +79,9 @@ def run(layout: dict[str, Any], args: argparse.Namespace) -> tuple[dict[str, flo
     return per_kind, record.losses
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def arguments(doc: str) -> argparse.Namespace:
+    """The command line shared with bench_fp8.py (model size, steps, ``--quick``), quiet loggers."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny model, 12 steps")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--layers", type=int, default=4)
@@ -92,6 +93,22 @@ def main() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
     if args.quick:
         args.steps, args.layers, args.embd, args.seq = 12, 2, 64, 32
+    return args
+
+
+def loss_gap(got: list[float], base: list[float], steps: int, name: str) -> None:
+    """Print the loss gap of ``got`` to ``base`` (largest, mean, the last 10 steps) and every tenth step."""
+    gaps = [abs(a - b) / abs(b) for a, b in zip(got, base, strict=True)]
+    tail = slice(max(0, steps - 10), steps)
+    last = sum(got[tail]) / len(got[tail]) / (sum(base[tail]) / len(base[tail])) - 1
+    print(f"\nloss gap to the {name} run: max {max(gaps):.4f}, mean {sum(gaps) / len(gaps):.4f}, "
+          f"last 10 steps {last:+.4f}")  # fmt: skip
+    for step in range(0, steps, max(1, steps // 10)):
+        print(step, f"{base[step]:.4f}", f"{got[step]:.4f}")
+
+
+def main() -> None:
+    args = arguments(__doc__)
     exact_bytes, exact = run({}, args)
     int8_bytes, int8 = run({"zero_quantized_weights": True}, args)
     if dist.get_rank() == 0:
@@ -107,13 +124,7 @@ def main() -> None:
         print(f"| exact (bf16 gather) | {ag:.3f} | | | 1.000 | {rs:.3f} |")
         qag, qrs = int8_bytes.get("all_gather", 0.0), int8_bytes.get("reduce_scatter", 0.0)
         print(f"| int8 gather | {qag:.3f} | {formula:.3f} | {qag / formula:.4f} | {qag / ag:.3f} | {qrs:.3f} |")
-        gaps = [abs(a - b) / abs(b) for a, b in zip(int8, exact, strict=True)]
-        tail = slice(max(0, args.steps - 10), args.steps)
-        last = sum(int8[tail]) / len(int8[tail]) / (sum(exact[tail]) / len(exact[tail])) - 1
-        print(f"\nloss gap to the exact run: max {max(gaps):.4f}, mean {sum(gaps) / len(gaps):.4f}, "
-              f"last 10 steps {last:+.4f}")  # fmt: skip
-        for step in range(0, args.steps, max(1, args.steps // 10)):
-            print(step, f"{exact[step]:.4f}", f"{int8[step]:.4f}")
+        loss_gap(int8, exact, args.steps, "exact")
     clean_exit()
 
 

@@ -6,6 +6,10 @@ rank's own part.
 
 `apart_from_default` gives collectives left in flight while the training loop runs their own communicator.
 
+`UnitAllGather` is the base of a replacement for FSDP2's all-gather of a unit (`FSDPModule.set_custom_all_gather`:
+ZeRO-3's int8 weights, compression/quantized.py; fp8 units as bytes, fp8/gather.py): the buffers FSDP2 allocates as
+it would, and the flat all-gather looked up where `comm_counter.CommCounter` counts it.
+
 `all_to_all` exchanges rows with split sizes, which may be uneven and zero (gloo's ``all_to_all_single`` takes
 them): expert parallelism's token dispatch (experts/dispatch.py) and Ulysses context parallelism's heads <->
 sequence exchange (context/ulysses.py).
@@ -162,3 +166,15 @@ def all_to_all(x: Tensor, out_splits: list[int], in_splits: list[int], group: di
     """
     out: Tensor = _AllToAll.apply(x, out_splits, in_splits, group)
     return out
+
+
+class UnitAllGather(_compat.FSDPAllGather):  # type: ignore[misc]
+    """FSDP2's all-gather of a unit's flat buffer, replaced (module docstring); subclasses define ``__call__``."""
+
+    def allocate(self, size: Sequence[Any], *, dtype: torch.dtype, device: torch.device) -> Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    @staticmethod
+    def gather() -> Callable[..., Any]:
+        """The flat all-gather (torch 2.13's name, 2.11's), looked up at each call, where it is counted."""
+        return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

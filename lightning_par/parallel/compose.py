@@ -110,13 +110,7 @@ def parallelize(
     # 5. Expert parallelism: dispatch hooks on the experts module, inside any recomputed block.
     experts = _expert_parallel(module, mesh, config, cut, bool(moe_layers)) if config.ep > 1 or moe_layers else None
     # 6. Activation checkpointing, then torch.compile per block, then FSDP2 (ZeRO-3) outside both.
-    first = set(trunk.names[: config.offload_blocks]) if config.offload_blocks and trunk else None  # offload them
-    for part in parts:
-        count = None if first is None else sum(n in first for n, _ in part.blocks)  # a prefix of the part's blocks
-        apply_activation_checkpointing(part.block_modules, config.activation_checkpointing, config.ac_every, module,
-                                       compiled=config.compile, count=count)  # fmt: skip
-        if config.compile:
-            apply_compile(part.block_modules)
+    _checkpoint_and_compile(module, parts, trunk, config)
     exclude = list(experts.params) if experts is not None else []
     # 0-dim parameters stay whole on every rank under every ZeRO stage, their gradients averaged apart (scalars.py).
     scalars = _scalars(module, mesh, config, exclude)
@@ -148,6 +142,19 @@ def _install(cut: PipelineSplit, cp_shape: Optional[Callable[[Shape], Shape]],
         runner.shape_listeners.append(functools.partial(tell_lengths, staged, cp_shape))
     cut.mark_replicas(zero.masters if zero is not None else None)
     return runner
+
+
+def _checkpoint_and_compile(module: nn.Module, parts: list[ModelPart], trunk: Optional[Trunk],
+                            config: ParallelConfig) -> None:  # fmt: skip
+    """Step 6, per part: activation checkpointing (offload: the trunk's first ``offload_blocks`` blocks, wherever
+    they sit, a prefix of each part's), then `torch.compile` of each block."""
+    first = set(trunk.names[: config.offload_blocks]) if config.offload_blocks and trunk else None
+    for part in parts:
+        count = None if first is None else sum(n in first for n, _ in part.blocks)
+        apply_activation_checkpointing(part.block_modules, config.activation_checkpointing, config.ac_every, module,
+                                       compiled=config.compile, count=count)  # fmt: skip
+        if config.compile:
+            apply_compile(part.block_modules)
 
 
 def _sync_replicas(module: nn.Module, mesh: ParallelMesh, tensor_parallel: bool) -> None:

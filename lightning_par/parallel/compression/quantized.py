@@ -14,13 +14,12 @@ with is quantized, by at most half a step of its block's scale.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from lightning_par._compat import FSDPAllGather
+from lightning_par.parallel.collectives import UnitAllGather
 
 BLOCK = 256  # elements per scale: 1.6 % of the int8 bytes in fp32 scales
 
@@ -46,7 +45,7 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, numel: int) -> torch.Te
     return (codes.float() * scale).view(-1)[:numel]
 
 
-class QuantizedAllGather(FSDPAllGather):  # type: ignore[misc]
+class QuantizedAllGather(UnitAllGather):
     """FSDP2's all-gather of a unit's parameters, sent as int8 codes with a scale per block (module docstring).
 
     Args:
@@ -56,17 +55,11 @@ class QuantizedAllGather(FSDPAllGather):  # type: ignore[misc]
     def __init__(self, block: int = BLOCK) -> None:
         self.block = block
 
-    def allocate(
-        self, size: Sequence[Union[int, torch.SymInt]], *, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        return torch.empty(size, dtype=dtype, device=device)
-
     def __call__(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
     ) -> Optional[dist.Work]:
         world = group.size()
-        # Looked up at each call (torch 2.13's name, 2.11's), where `comm_counter.CommCounter` counts it.
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather = self.gather()
         if not input_tensor.is_floating_point():  # parameters of several dtypes travel as bytes: sent as they are
             return gather(output_tensor, input_tensor, group=group, async_op=async_op)
         codes, scale = quantize(input_tensor, self.block)

@@ -8,31 +8,23 @@ same memory), it moves the same bytes on any backend; buffers of other dtypes go
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from lightning_par._compat import FSDPAllGather
+from lightning_par.parallel.collectives import UnitAllGather
 
 FLOAT8 = frozenset(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
                    if hasattr(torch, n))  # fmt: skip
 
 
-class BytesAllGather(FSDPAllGather):  # type: ignore[misc]
+class BytesAllGather(UnitAllGather):
     """FSDP2's all-gather of a unit (`FSDPModule.set_custom_all_gather`), a float8 buffer sent as bytes."""
-
-    def allocate(
-        self, size: Sequence[Union[int, torch.SymInt]], *, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        return torch.empty(size, dtype=dtype, device=device)
 
     def __call__(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
     ) -> Optional[dist.Work]:
-        # Looked up at each call (torch 2.13's name, 2.11's), where `comm_counter.CommCounter` counts it.
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         if input_tensor.dtype in FLOAT8:
             output_tensor, input_tensor = output_tensor.view(torch.uint8), input_tensor.view(torch.uint8)
-        return gather(output_tensor, input_tensor, group=group, async_op=async_op)
+        return self.gather()(output_tensor, input_tensor, group=group, async_op=async_op)
