@@ -35,6 +35,7 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
 from lightning_par import _compat
+from lightning_par.utils import dtensors
 
 MIN_BYTES = 1024
 
@@ -85,7 +86,8 @@ class ActivationOffload:
         return functools.partial(self._run, index, block, forward)
 
     def _run(self, index: int, block: nn.Module, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        keep = {ptr for p in block.parameters() for ptr in _storage_ptrs(p)} - {0}
+        # (the storages a parameter's values sit in: a DTensor's shard, what a wrapper subclass holds: fp8's weights)
+        keep = {part.untyped_storage().data_ptr() for p in block.parameters() for part in dtensors.storages(p)} - {0}
         made: list[_Call] = []
         # A tensor several ops save (the input of q, k and v projections) is copied once. Keyed by its storage and
         # layout, and only while that storage lives: a later tensor at a freed tensor's address is another tensor.
@@ -189,17 +191,3 @@ def offload_of(block: nn.Module) -> Optional[ActivationOffload]:
     bound = getattr(forward, "func", None)
     owner = getattr(bound, "__self__", None)
     return owner if isinstance(owner, ActivationOffload) else None
-
-
-def _storage_ptrs(t: torch.Tensor) -> list[int]:
-    """The storages behind a parameter: its own, a DTensor's local shard's, or those a wrapper subclass holds (fp8
-    training's weights wrap their values: the wrapper itself has no storage)."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(t, DTensor):
-        with torch.no_grad():  # a pack hook must not record autograd history
-            t = t.to_local()
-    if type(t) in (torch.Tensor, nn.Parameter) or not hasattr(t, "__tensor_flatten__"):
-        return [t.untyped_storage().data_ptr()]
-    names, _ = t.__tensor_flatten__()
-    return [ptr for name in names for ptr in _storage_ptrs(getattr(t, name))]
