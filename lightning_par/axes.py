@@ -57,6 +57,8 @@ class Schedule:
         style: ``"loop"`` (stage s on rank s mod pp) or ``"v"`` (rank r runs stages r and 2pp-1-r).
         split_backward: input and weight gradients run as separate passes (zero bubble).
         all_forwards_first: every microbatch's forward runs before any backward, so all are in flight at once.
+        asynchronous: steps overlap: a step's forwards run beside the previous step's last backwards, whose
+            gradient updates the weights one step late (PipeDream-2BW, `lightning_par.parallel.pipeline.two_bw`).
     """
 
     name: str
@@ -64,6 +66,7 @@ class Schedule:
     style: str
     split_backward: bool = False
     all_forwards_first: bool = False
+    asynchronous: bool = False
 
 
 SCHEDULES: dict[str, Schedule] = {
@@ -76,6 +79,7 @@ SCHEDULES: dict[str, Schedule] = {
         Schedule("interleaved_zb", 2, "loop", split_backward=True),
         Schedule("zbv", 2, "v", split_backward=True),
         Schedule("dualpipev", 2, "v", split_backward=True),
+        Schedule("2bw", 1, "loop", asynchronous=True),
     )
 }
 

@@ -239,6 +239,7 @@ class ParallelConfig(TechniqueChecks):
         self._check_local_sgd()
         self._check_compression()
         self._check_fp8()
+        self._check_two_bw()
         self.check_supported()
 
     def _check_vpp(self) -> None:

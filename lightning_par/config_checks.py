@@ -30,6 +30,8 @@ class TechniqueChecks:
     compression_start: int
     zero_quantized_weights: bool
     fp8: Union[bool, str]
+    pp_schedule: str
+    compile: bool
 
     def _check_local_sgd(self) -> None:
         if self.sync_every is None:
@@ -99,6 +101,24 @@ class TechniqueChecks:
             raise ParallelConfigError(
                 f"fp8={self.fp8!r} with zero_quantized_weights=True: both replace ZeRO-3's weight all-gather (fp8 "
                 "gathers the fp8 layers' weights already cast, one byte per element); drop zero_quantized_weights"
+            )
+
+    def _check_two_bw(self) -> None:
+        """PipeDream-2BW (`lightning_par.parallel.pipeline.two_bw`) swaps each stage's parameters for its weight
+        versions: plain tensors only, updated by the ZeRO 0-1 engine."""
+        if self.pp_schedule != "2bw":
+            return
+        other = [self._degree(a) for a in ("tp", "cp", "ep") if self.uses(a)]
+        other += [f"zero_stage={self.zero_stage}"] if self.zero_stage > 1 else []
+        other += [f"{name}={getattr(self, name)!r}" for name in ("compile", "fp8", "grad_compression")
+                  if getattr(self, name)]  # fmt: skip
+        if self.pp == 1 and "pp" not in (self.auto_dims or ()):
+            raise ParallelConfigError("pp_schedule='2bw' is a pipeline schedule; set pp >= 2 or drop pp_schedule")
+        if other:
+            raise ParallelConfigError(
+                f"pp_schedule='2bw' with {', '.join(other)}: PipeDream-2BW keeps two versions of each stage's weights "
+                "as plain tensors, stepped by the ZeRO 0-1 engine; train it with pp and data parallelism "
+                "(strategy 'pipe' or 'pipe_zero1'), or use pp_schedule='1f1b' for this layout"
             )
 
     def uses(self, axis: str) -> bool:

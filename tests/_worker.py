@@ -96,6 +96,10 @@ def run_job(job: Job) -> dict[str, Any]:
         from _powersgd_sim import simulate_powersgd
 
         return simulate_powersgd(job, MODELS[job.model])
+    if job.simulate_two_bw:  # PipeDream-2BW's delayed update in one process (tests/_two_bw_sim.py)
+        from _two_bw_sim import simulate_two_bw
+
+        return simulate_two_bw(job, MODELS[job.model])
     if job.simulate_quantized:  # ZeRO-3's int8 weight all-gather in one process (tests/_quantized_sim.py)
         from _quantized_sim import simulate_quantized
 

@@ -97,6 +97,8 @@ class Job:
     simulate_powersgd: Optional[dict[str, Any]] = None
     # ZeRO-3's int8 weight all-gather simulated in one process (tests/_quantized_sim.py): {world, units}.
     simulate_quantized: Optional[dict[str, Any]] = None
+    # PipeDream-2BW's one-step-delayed update simulated in one process (tests/_two_bw_sim.py): {dp}.
+    simulate_two_bw: Optional[dict[str, Any]] = None
 
     # fp8 (tests/test_fp8.py): the one-process reference converts its trunk's linear layers with torchao itself
     # (`_job_callbacks.TorchaoFp8`), and reads each global batch as ``rank_order`` sub-batches in the order the

@@ -13,7 +13,7 @@ bound, for the order torch actually runs. The benchmark compares measured bubble
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 _Key = tuple[str, int, int]  # (what is ready: "F" output, "I" input gradient, "W" weight gradient; stage; microbatch)
@@ -65,6 +65,27 @@ def one_f_one_b_order(pp: int, microbatches: int) -> dict[int, list[Action]]:
     return order
 
 
+def two_bw_order(pp: int, microbatches: int) -> tuple[dict[int, list[Action]], set[_Key]]:
+    """One steady-state step of PipeDream-2BW (`lightning_par.parallel.pipeline.two_bw`) and what it starts with.
+
+    Step t's microbatches are numbered ``t m .. t m + m - 1`` (here t = 1). Stage s runs 1F1B's steady state across
+    the step boundary: forward ``t m + j`` then backward ``t m + j - (p - 1 - s)``, for j = 0 .. m - 1, so its
+    first ``p - 1 - s`` backwards finish microbatches the previous step started. Returned with the table: the results
+    that previous step left (forward outputs of every stage, and the one input gradient each stage received at its
+    end), for `replay`'s ``given``. The step boundary is a barrier (the last stage's loss is broadcast to every rank).
+    """
+    m, t = microbatches, 1
+    order: dict[int, list[Action]] = {}
+    given: set[_Key] = set()
+    for s in range(pp):
+        lag = pp - 1 - s
+        order[s] = [a for j in range(m) for a in (Action(s, "F", t * m + j), Action(s, "B", t * m + j - lag))]
+        given.update(("F", s, t * m - i) for i in range(1, lag + 1))
+        if s < pp - 1:  # received at the previous step's end: the next stage's last backward of that step
+            given.add(("I", s + 1, t * m - lag))
+    return order, given
+
+
 def _kind(action: Any) -> str:
     return str(getattr(action.computation_type, "value", action.computation_type))
 
@@ -91,10 +112,13 @@ def compute_actions(order: Mapping[int, Sequence[Any]]) -> dict[int, list[Any]]:
     }
 
 
-def replay(order: Mapping[int, Sequence[Any]], f: float, b: float, w: float) -> Timeline:
+def replay(
+    order: Mapping[int, Sequence[Any]], f: float, b: float, w: float, given: Iterable[_Key] = ()
+) -> Timeline:
     """Replay ``order`` (a torch ``pipeline_order``) with forward ``f``, input-gradient ``b`` and weight-gradient
     ``w`` per action; a full backward costs ``b + w``. Other actions (communication, gradient reduction,
-    resharding) cost nothing.
+    resharding) cost nothing. ``given``: results ready at time 0, made by an earlier step (``("F", stage, mb)``
+    forward outputs, ``("I", stage, mb)`` input gradients): a schedule whose steps overlap (`two_bw_order`).
 
     Raises:
         ValueError: the table waits on an action no rank runs (a malformed or truncated table).
@@ -102,7 +126,7 @@ def replay(order: Mapping[int, Sequence[Any]], f: float, b: float, w: float) -> 
     cost = {"F": f, "I": b, "W": w, "B": b + w}
     actions = compute_actions(order)
     last = max(p.stage_index for acts in actions.values() for a in acts for p in _parts(a))
-    done: dict[_Key, float] = {}
+    done: dict[_Key, float] = dict.fromkeys(given, 0.0)
     clock = dict.fromkeys(actions, 0.0)
     busy = dict.fromkeys(actions, 0.0)
     nxt = dict.fromkeys(actions, 0)

@@ -67,6 +67,8 @@ class PipelineSteps:
             )
         batch, rest = args[0], args[1:]
         trainer = module.trainer
+        if self.runner.two_bw is not None:
+            _check_two_bw(trainer, precision)
         scale = self.runner.microbatches * trainer.accumulate_grad_batches
         scaler = getattr(precision, "scaler", None)
         outputs: list[Any] = []
@@ -178,6 +180,21 @@ class PipelineSteps:
             pl.LightningModule.log(module, name, value, **kwargs)
         self._logs.clear()
         return data["result"]
+
+
+def _check_two_bw(trainer: pl.Trainer, precision: Any) -> None:
+    """What PipeDream-2BW cannot run, before its first step: its microbatches are the accumulation, and a loss scale
+    that changes between a microbatch's forward and its backward one step later would unscale it wrongly."""
+    if trainer.accumulate_grad_batches != 1:
+        raise ValueError(
+            f"pp_schedule='2bw' with accumulate_grad_batches={trainer.accumulate_grad_batches}: the schedule's "
+            "microbatches already accumulate; set accumulate_grad_batches=1 and raise microbatches instead"
+        )
+    if getattr(precision, "scaler", None) is not None:
+        raise ValueError(
+            "pp_schedule='2bw' with fp16 loss scaling: a microbatch's backward runs one step after its forward, "
+            "across a change of scale; use precision='bf16-mixed' or '32-true'"
+        )
 
 
 def _log_arguments(module: pl.LightningModule, a: tuple, k: dict[str, Any]) -> dict[str, Any]:

@@ -9,6 +9,7 @@
 | ``interleaved_zb`` | `ScheduleInterleavedZeroBubble` | 2               | s mod pp (loop) |
 | ``zbv``            | `ScheduleZBVZeroBubble`         | 2               | V: r and 2pp-1-r |
 | ``dualpipev``      | `ScheduleDualPipeV`             | 2               | V: r and 2pp-1-r |
+| ``2bw``            | `two_bw.TwoBW` (ours; PipeDream-2BW) | 1          | s               |
 
 Bubble fraction with p stages and m microbatches: (p-1)/(m+p-1) for GPipe and 1F1B (Huang et al., arXiv
 1811.06965; Narayanan et al., arXiv 2104.04473), divided by the virtual stages per rank for interleaved 1F1B;
@@ -41,10 +42,12 @@ from torch.distributed.pipelining import (
 )
 
 from lightning_par import _compat, axes
+from lightning_par.parallel.pipeline.microbatches import _signature, split_microbatches
 from lightning_par.parallel.pipeline.preflight import Shape, preflight
 from lightning_par.parallel.pipeline.stages import PipelineError, PipelineModel, StageSpec
 from lightning_par.parallel.pipeline.tied import OnEveryStage, TiedWeights
 from lightning_par.parallel.pipeline.trace import StepTrace
+from lightning_par.parallel.pipeline.two_bw import TwoBW
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,14 +63,17 @@ class ScheduleInfo:
     cls: Any
     virtual: int
     style: str
+    asynchronous: bool = False
 
 
+# 2bw trains with `two_bw.TwoBW` (torch's schedules flush every step); GPipe's forward-only order evaluates it.
 _TORCH = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
           "looped_bfs": ScheduleLoopedBFS, "interleaved_zb": ScheduleInterleavedZeroBubble,
-          "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}  # fmt: skip
+          "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV,
+          "2bw": ScheduleGPipe}  # fmt: skip
 # The suite's schedules (lightning_par.axes.SCHEDULES: stages per rank, placement) with the torch class of each.
 SCHEDULES: dict[str, ScheduleInfo] = {
-    name: ScheduleInfo(_TORCH[name], s.virtual, s.style) for name, s in axes.SCHEDULES.items()
+    name: ScheduleInfo(_TORCH[name], s.virtual, s.style, s.asynchronous) for name, s in axes.SCHEDULES.items()
 }
 
 
@@ -126,36 +132,6 @@ def check_schedule(schedule: str, pp: int, microbatches: int, n_blocks: int, vpp
             )
 
 
-def split_microbatches(batch: Any, m: int) -> list[Any]:
-    """Split every tensor of ``batch`` (a tensor, tuple, list or dict, nested) into ``m`` chunks along dim 0.
-
-    Non-tensor leaves and 0-dim tensors are repeated in every microbatch.
-    """
-    leaves, spec = _compat.tree_flatten(batch)
-    sizes = {t.shape[0] for t in leaves if isinstance(t, Tensor) and t.dim() > 0}
-    if not sizes:
-        raise PipelineError("the batch holds no tensor with a batch dimension to split into microbatches")
-    if len(sizes) > 1:
-        raise PipelineError(
-            f"the batch's tensors differ in size along dim 0 ({sorted(sizes)}); microbatches split every tensor "
-            "along dim 0, so they must share the batch size"
-        )
-    size = sizes.pop()
-    if size % m:
-        raise PipelineError(
-            f"the batch size per data-parallel rank ({size}) is not divisible by microbatches={m}; choose "
-            f"microbatches in {axes.choices(size)} or a batch size that is a multiple of {m} (drop_last=True avoids a "
-            "short last batch)"
-        )
-    chunks = [t.chunk(m) if isinstance(t, Tensor) and t.dim() > 0 else [t] * m for t in leaves]
-    return [_compat.tree_unflatten([c[i] for c in chunks], spec) for i in range(m)]
-
-
-def _signature(batch: Any) -> tuple:
-    leaves, spec = _compat.tree_flatten(batch)
-    return (str(spec), tuple((tuple(t.shape), t.dtype) if isinstance(t, Tensor) else type(t) for t in leaves))
-
-
 class PipelineRunner:
     """Runs one pipeline step on every rank of a pipeline group with a torch schedule.
 
@@ -196,6 +172,8 @@ class PipelineRunner:
         # Told the hidden state's whole shape entering each trunk block whenever a step's schedule is chosen.
         self.shape_listeners: list[Callable[[list[Shape]], None]] = []
         self._full_shapes: list[Shape] = []
+        # PipeDream-2BW trains with a runtime of its own (torch's schedules flush every step).
+        self.two_bw = TwoBW(self) if SCHEDULES[schedule].asynchronous else None
 
     @property
     def last_stage_rank(self) -> int:
@@ -317,6 +295,26 @@ class PipelineRunner:
             self.model.sides.meta = side
         return sched
 
+    def _wire(self, mbs: list[Any], step_fn: Callable[[Any, StageSpec], Any], tag: str) -> tuple[list[Shape], Any, Any]:
+        """The hidden state's shape entering each block, its dtype and the side outputs' metadata, for a runtime of
+        our own (``tag`` keys its cache): probed once per batch signature, as `_schedule` does for torch's."""
+        key = (_signature(mbs[0]), tag, torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled())
+        if key not in self._cache:
+            shapes, dtype = self._hidden_meta(mbs[0], step_fn)
+            self.model.hidden_dtype = dtype
+            side = preflight(self.model, shapes, dtype, self.group)
+            self._cache[key] = (shapes, dtype, side, self._full_shapes)
+        shapes, dtype, side, full = self._cache[key]
+        self._tell_shapes(full)
+        self.model.hidden_dtype = dtype
+        if self.model.sides is not None:
+            self.model.sides.meta = side
+        return shapes, dtype, side
+
+    def _metas(self, at: int, shapes: list[Shape], dtype: torch.dtype, side: Any) -> list[tuple[tuple, torch.dtype]]:
+        """Shape and dtype of what travels between stages at trunk block ``at``: the hidden state, then sides."""
+        return [(shapes[at], dtype)] + [side[k] for k in self._side_slots(at)]
+
     def train_step(
         self, batch: Any, step_fn: Callable[[Any, StageSpec], Optional[Tensor]], loss_fn: Callable[[Tensor], Tensor]
     ) -> None:
@@ -331,11 +329,20 @@ class PipelineRunner:
         mbs = split_microbatches(batch, self.microbatches)
         self.model.begin_step(lambda i, spec: step_fn(mbs[i], spec))
         self._loss_fn = loss_fn
-        sched = self._scheduled(mbs, step_fn, training=True)
-        device = self.model.device
-        m = len(mbs)
-        with self.trace:  # the actions and waits of this step: `trace.last` (ParallelismMonitor's bubble, timeline)
-            sched.step(target=torch.zeros(m, device=device), mb=torch.arange(m, device=device), return_outputs=False)
+        if self.two_bw is not None:  # PipeDream-2BW: our own runtime; steps overlap
+            shapes, dtype, side = self._wire(mbs, step_fn, "2bw")
+            spec, n = self.two_bw.spec, len(shapes)
+            ins = self._metas(spec.start, shapes, dtype, side) if not spec.is_first else []
+            outs = self._metas(spec.end, shapes, dtype, side) if spec.end < n else []
+            with self.trace:
+                self.two_bw.step(mbs, loss_fn, ins, outs)
+        else:
+            sched = self._scheduled(mbs, step_fn, training=True)
+            device = self.model.device
+            m = len(mbs)
+            with self.trace:  # the actions and waits of this step: `trace.last` (ParallelismMonitor's bubble)
+                sched.step(target=torch.zeros(m, device=device), mb=torch.arange(m, device=device),
+                           return_outputs=False)  # fmt: skip
         if self.tied is not None:  # this step's gradients of the two copies, before anything else reads them
             self.tied.reduce_grads()
         if self.everywhere is not None:  # each stage's share of the parameters every stage holds
@@ -363,17 +370,8 @@ class PipelineRunner:
 
     def _forward_only(self, mbs: list[Any], step_fn: Callable[[Any, StageSpec], Any]) -> None:
         """Every microbatch through every stage in stage order, activations sent point to point."""
-        key = (_signature(mbs[0]), "forward_only", torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled())
-        if key not in self._cache:
-            shapes, dtype = self._hidden_meta(mbs[0], step_fn)
-            self.model.hidden_dtype = dtype
-            side = preflight(self.model, shapes, dtype, self.group)
-            self._cache[key] = ((shapes, dtype), side, self.model.stage_modules(), self._full_shapes)
-        (shapes, dtype), side, modules, full = self._cache[key]
-        self._tell_shapes(full)
-        self.model.hidden_dtype = dtype
-        if self.model.sides is not None:
-            self.model.sides.meta = side
+        shapes, dtype, side = self._wire(mbs, step_fn, "forward_only")
+        modules = self.model.stage_modules()
         stages = {mod.spec.index: mod for mod in modules}
         owner = {s: r for r in range(self.pp) for s in local_stages(self.schedule_name, self.pp, r, self.vpp)}
         me = dist.get_rank(self.group)
@@ -386,7 +384,7 @@ class PipelineRunner:
                     continue
                 if s > 0 and owner[s - 1] != me:
                     start = self.model.ranges[s][0]
-                    metas = [(shapes[start], dtype)] + [side[k] for k in self._side_slots(start)]
+                    metas = self._metas(start, shapes, dtype, side)
                     carry = [torch.empty(sh, dtype=dt, device=device) for sh, dt in metas]
                     for t in carry:
                         dist.recv(t, src=dist.get_global_rank(self.group, owner[s - 1]), group=self.group)

@@ -285,7 +285,15 @@ class ReplicatedZero:
     def reduce_gradients(self) -> None:
         """Finish the gradient reduction of one optimizer step (after the last backward of accumulation): start
         what the backward did not (every bucket without hooks; buckets with an unused parameter, whose hook never
-        fired, with zeros for it), then wait for all."""
+        fired, with zeros for it), then wait for all.
+
+        A step whose backward reached no parameter of this rank (PipeDream-2BW's first step, whose gradient comes one
+        step late) reduces nothing: one process's optimizer skips a parameter without a gradient, where a reduced
+        zero would still move AdamW's moments and weight decay. Every data-parallel peer runs the same stage and
+        schedule, so they skip together."""
+        untouched = not self._pending and not any(b.launched or b.ready for b in self.buckets)
+        if untouched and all(local_grad(p) is None for p in self.names):
+            return
         for index, bucket in enumerate(self.buckets):
             if self.compression is not None:  # one bucket after another, each complete (compression.powersgd)
                 flat = zero_buckets.flat_grads(bucket)

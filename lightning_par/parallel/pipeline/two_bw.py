@@ -1,0 +1,243 @@
+"""PipeDream-2BW: a pipeline whose steps overlap, with two weight versions per stage.
+
+Narayanan et al., "Memory-Efficient Pipeline-Parallel DNN Training" (arXiv 2006.09503). A flushing schedule (1F1B)
+drains the pipeline at every optimizer step: each rank idles ``p - 1`` stage times per step. 2BW keeps 1F1B's
+steady state across the step boundary instead: stage ``s`` runs, for ``j = 0 .. m - 1``, the forward of this step's
+microbatch ``j`` and then the backward of the microbatch ``p - 1 - s`` places earlier in the stream, so its first
+``p - 1 - s`` backwards finish microbatches the previous step started. Only the forward ramp remains (the step ends
+at a barrier: the last stage's loss is broadcast): ``(p - 1) f`` per step instead of ``(p - 1)(f + b)``
+(`lightning_par.analysis.pipeline_timeline.two_bw_order` replays it).
+
+The cost is the update rule: a step's gradient is applied one step late,
+``W(t+1) = W(t) - lr * grad f_{t-1}(W(t-1))`` on every stage (the paper's delay of one; step 0 applies nothing),
+and each stage keeps the version its in-flight microbatches used (weight stashing) until their backwards end:
+two versions. The current version is the parameters themselves; at the end of a step, before the optimizer
+writes them, the version in flight is copied once (`WeightVersion.freeze`): one extra copy of the stage's
+trainable weights. Gradients of the two steps accumulate apart (one extra gradient buffer): the optimizer steps on
+the previous step's complete gradient.
+
+Mechanism: each step's forwards run the stage with its parameters swapped for leaves that alias their storage
+(`WeightVersion.swapped`), so the autograd graph's weights are that version's leaves and their gradients collect
+on them, not on the parameters; a saved-tensor hook files every saved view of those leaves by parameter and
+offset, so that after `freeze` the backward reads the frozen copy. Recomputation (activation checkpointing) runs
+inside the same swap during the backward, so it recomputes with the version the forward used.
+
+Limits (refused in the config, `ParallelConfig`): one stage per rank; no tensor, context or expert parallelism,
+ZeRO-3, compile or fp8 inside the stages (their parameters are DTensors or compiled graphs that the swap cannot
+replace); ``microbatches >= pp``; no gradient accumulation. The last step's gradient is never applied (the
+paper's pipeline ends the same way), and a resumed run restarts the stream: its first step applies nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_par.parallel.pipeline.stages import PipelineError
+
+if TYPE_CHECKING:
+    from lightning_par.parallel.pipeline.schedule import PipelineRunner
+
+__all__ = ["TwoBW", "WeightVersion"]
+
+
+def _alias(p: Tensor) -> Tensor:
+    """A leaf on ``p``'s storage with its own version counter (the optimizer's in-place writes to ``p`` must not
+    trip autograd's check on the graph that saved it: `WeightVersion.freeze` copies before they happen)."""
+    with torch.no_grad():
+        leaf = torch.empty(0, dtype=p.dtype, device=p.device)
+        leaf.set_(p.untyped_storage(), p.storage_offset(), p.size(), p.stride())
+    return leaf.requires_grad_(True)
+
+
+class WeightVersion:
+    """One stage's trainable weights as one step's forwards saw them.
+
+    Args:
+        holders: ``(module, name, parameter)`` for every place a trainable parameter of the stage is registered.
+    """
+
+    def __init__(self, holders: list[tuple[nn.Module, str, nn.Parameter]]) -> None:
+        self.holders = holders
+        params = list(dict.fromkeys(p for _, _, p in holders))
+        self.params = params
+        self.leaves = [_alias(p) for p in params]
+        self._slot = {id(p): i for i, p in enumerate(params)}
+        self.frozen: Optional[list[Tensor]] = None
+        # storage -> [(first element, element count, parameter index)]: where a saved tensor's values come from
+        self._where: dict[int, list[tuple[int, int, int]]] = {}
+        for i, p in enumerate(params):
+            self._where.setdefault(p.untyped_storage().data_ptr(), []).append((int(p.storage_offset()), p.numel(), i))
+
+    def _values(self) -> list[Tensor]:
+        return self.frozen if self.frozen is not None else self.leaves
+
+    def _pack(self, t: Tensor) -> Any:
+        if t.layout != torch.strided or t.device.type == "meta":
+            return t
+        for first, count, i in self._where.get(t.untyped_storage().data_ptr(), ()):
+            if first <= t.storage_offset() < first + count:
+                return (i, t.storage_offset() - first, tuple(t.size()), tuple(t.stride()))
+        return t
+
+    def _unpack(self, packed: Any) -> Tensor:
+        if isinstance(packed, Tensor):
+            return packed
+        i, offset, size, stride = packed
+        base = self._values()[i]
+        return base.as_strided(size, stride, base.storage_offset() + offset)
+
+    @contextlib.contextmanager
+    def swapped(self) -> Iterator[None]:
+        """Run the stage on this version: its registered parameters swapped for this version's tensors (a forward
+        builds its graph on them; a backward's recomputation reads them), saved views filed by parameter."""
+        values = self._values()
+        for m, name, p in self.holders:
+            m._parameters[name] = values[self._slot[id(p)]]  # type: ignore[assignment]
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            for m, name, p in self.holders:
+                m._parameters[name] = p
+
+    def freeze(self) -> None:
+        """Copy the version's values before the optimizer overwrites the parameters (the one extra weight copy).
+        The copies take gradients too: a reentrant recomputation builds its graph on them."""
+        if self.frozen is None:
+            self.frozen = [leaf.detach().clone().requires_grad_(True) for leaf in self.leaves]
+
+    def gradients(self) -> list[Optional[Tensor]]:
+        """Per parameter, the gradient this version's backwards accumulated (None where none reached it)."""
+        out: list[Optional[Tensor]] = []
+        for i, leaf in enumerate(self.leaves):
+            g = leaf.grad
+            extra = self.frozen[i].grad if self.frozen is not None else None
+            out.append(g if extra is None else extra if g is None else g + extra)
+        return out
+
+
+class TwoBW:
+    """Runs PipeDream-2BW training steps on one rank of a pipeline group (module docstring).
+
+    Args:
+        runner: the pipeline runner (its model, group, trace and wire shapes).
+    """
+
+    def __init__(self, runner: PipelineRunner) -> None:
+        self.runner = runner
+        model = runner.model
+        (stage,) = model.stage_modules()  # one stage per rank
+        self.stage, self.spec = stage, stage.spec
+        trainable = {id(p) for p in stage.parameters() if p.requires_grad}
+        self.holders = [(m, name, p) for m in model.module.modules() for name, p in m._parameters.items()
+                        if p is not None and id(p) in trainable]  # fmt: skip
+        self.params = list(dict.fromkeys(p for _, _, p in self.holders))
+        pp, me = runner.pp, dist.get_rank(runner.group)
+        self.lag = pp - 1 - self.spec.index  # microbatches this stage's backwards trail its forwards by
+        self.prev = dist.get_global_rank(runner.group, me - 1) if me > 0 else None
+        self.next = dist.get_global_rank(runner.group, me + 1) if me < pp - 1 else None
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the stream (a new fit, a loaded checkpoint): the next step starts it again and applies nothing."""
+        self.step_index = 0
+        self.versions: dict[int, WeightVersion] = {}
+        self.inflight: dict[int, tuple[int, list[Tensor], list[Tensor]]] = {}  # microbatch -> (step, outs, ins)
+        self.early: Optional[list[Tensor]] = None  # the next step's first backward's gradient, received at the end
+        self.carried: list[Optional[Tensor]] = []  # this step's gradient so far, from the previous call
+
+    # ---- one step ----------------------------------------------------------------------------------------------
+    def step(self, mbs: list[Any], loss_fn: Callable[[Tensor], Tensor], metas: list[tuple[tuple, torch.dtype]],
+             out_metas: list[tuple[tuple, torch.dtype]]) -> None:  # fmt: skip
+        """Forwards of this step's microbatches, backwards of the stream ``lag`` places behind; then the previous
+        step's gradient lands in ``.grad`` (nothing on the first step).
+
+        Args:
+            mbs: this step's microbatches.
+            loss_fn: what the last stage differentiates, from a microbatch's loss.
+            metas: shape and dtype of each tensor this stage receives (the hidden state, then side outputs).
+            out_metas: the same for what it sends.
+        """
+        m = len(mbs)
+        if m < self.runner.pp:
+            raise PipelineError(f"pp_schedule='2bw' needs microbatches >= pp={self.runner.pp}; got {m}")
+        t = self.step_index
+        base = t * m
+        self.versions[t] = WeightVersion(self.holders)
+        sends: list[Any] = []
+        for j in range(m):
+            self._forward(t, base + j, j, loss_fn, metas, sends)
+            n = base + j - self.lag
+            if n >= 0:
+                self._backward(n, out_metas, sends, early=n == base - self.lag)
+        if self.next is not None and self.lag > 0:  # the next step's first backward: the next stage's last one now
+            self.early = self._recv(out_metas, self.next, grads=True)
+        for work in sends:
+            work.wait()
+        self._hand_over(t)
+        self.step_index += 1
+
+    def _hand_over(self, t: int) -> None:
+        # Step t-1 is complete on this stage: its gradient goes to .grad for the optimizer. Step t's first backwards
+        # (its gradient so far) stay on its version until the next call.
+        previous = self.versions.pop(t - 1, None)
+        for p, g in zip(self.params, previous.gradients() if previous is not None else [None] * len(self.params)):
+            p.grad = g
+        self.versions[t].freeze()  # after the previous version is gone: two versions at most
+
+    def _forward(self, t: int, n: int, j: int, loss_fn: Callable[[Tensor], Tensor],
+                 metas: list[tuple[tuple, torch.dtype]], sends: list[Any]) -> None:  # fmt: skip
+        trace = self.runner.trace
+        ins = self._recv(metas, self.prev, grads=False) if self.prev is not None else []
+        start = time.perf_counter()
+        with self.versions[t].swapped():
+            out = self.stage(*ins, mb=torch.tensor([j], device=self.runner.model.device))
+            outs = [loss_fn(out)] if self.spec.is_last else (list(out) if isinstance(out, tuple) else [out])
+        trace.add("F", start, time.perf_counter(), self.spec.index, n)
+        if self.next is not None:
+            sends += [dist.isend(o.detach(), dst=self.next, group=self.runner.group) for o in outs]
+        self.inflight[n] = (t, outs, ins)
+
+    def _backward(self, n: int, out_metas: list[tuple[tuple, torch.dtype]], sends: list[Any], early: bool) -> None:
+        t, outs, ins = self.inflight.pop(n)
+        pairs: list[tuple[Tensor, Optional[Tensor]]]
+        if self.next is None:
+            pairs = [(outs[0], None)]
+        else:
+            if early and self.early is not None:  # received at the end of the previous step
+                grads, self.early = self.early, None
+            else:
+                grads = self._recv(out_metas, self.next, grads=True)
+            floating = [o for o in outs if o.dtype.is_floating_point]  # what the next stage sends gradients for
+            pairs = [(o, g) for o, g in zip(floating, grads) if o.requires_grad]
+        start = time.perf_counter()
+        if pairs:
+            with self.versions[t].swapped():
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        self.runner.trace.add("B", start, time.perf_counter(), self.spec.index, n)
+        if self.prev is not None:
+            for x in ins:
+                if x.dtype.is_floating_point:
+                    g = x.grad if x.grad is not None else torch.zeros_like(x)
+                    sends.append(dist.isend(g, dst=self.prev, group=self.runner.group))
+
+    def _recv(self, metas: list[tuple[tuple, torch.dtype]], src: int, grads: bool) -> list[Tensor]:
+        """Receive the tensors of ``metas`` from ``src`` (gradients: the floating ones only, in order)."""
+        device = self.runner.model.device
+        out = []
+        start = time.perf_counter()
+        for shape, dtype in metas:
+            if grads and not dtype.is_floating_point:
+                continue
+            buf = torch.empty(shape, dtype=dtype, device=device)
+            dist.recv(buf, src=src, group=self.runner.group)
+            out.append(buf.requires_grad_(not grads and dtype.is_floating_point))
+        self.runner.trace.add("wait", start, time.perf_counter())
+        return out
