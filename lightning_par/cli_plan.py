@@ -114,7 +114,7 @@ def run_estimate(argv: Sequence[str]) -> str:
 def format_estimate(est: Estimate) -> str:
     """Human-readable lines of one estimate."""
     d = est.as_dict()
-    mem = ", ".join(f"{k} {v:.2f}" for k, v in d["memory_gib"].items())
+    mem = ", ".join(f"{k} {v:.2f}" for k, v in d["memory_gib"].items() if v or k != "double_buffer")  # 2bw only
     parts = ", ".join(f"{k} {v:.4g}" for k, v in d["step_time_parts_s"].items())
     return "\n".join([
         f"layout: {d['layout']}",

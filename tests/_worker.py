@@ -333,6 +333,9 @@ def run_job(job: Job) -> dict[str, Any]:
         result["fsdp_units"] = len(units)
         # The shape a (2, 32, 32) hidden state travels between pipeline stages in (sequence parallelism: its shard).
         result["pipe_wire"] = runner.wire_shape((2, 32, 32)) if runner is not None else None
+        # PipeDream-2BW: per rank, (weight-copy bytes held between steps, the stage's trainable bytes).
+        two_bw = runner.two_bw if runner is not None else None
+        result["two_bw_bytes"] = gathered_objects(two_bw.stash_bytes()) if two_bw is not None else None
         zero = getattr(trainer.strategy.parallel_run, "zero", None)
         outer = getattr(zero, "outer", None)
         result["outer_syncs"] = outer.syncs if outer is not None else None  # local SGD's synchronisations

@@ -189,6 +189,25 @@ def test_inflight_closed_forms_match_torch_schedule_tables() -> None:
     assert checked > 1000
 
 
+def test_2bw_holds_what_1f1b_holds() -> None:
+    # PipeDream-2BW (arXiv 2006.09503) runs 1F1B's steady state across the step boundary: stage s starts the step
+    # with the previous step's p - 1 - s micro-batches in flight (`given`'s forward outputs) and the table adds its
+    # own; the peak is 1F1B's p - s.
+    from lightning_par.analysis.pipeline_timeline import two_bw_order
+
+    for p in (2, 3, 4, 8):
+        for m in (p, 2 * p + 1):
+            order, given = two_bw_order(p, m)
+            table = inflight_from_table(order, 1)
+            for r in range(p):
+                carried = sum(1 for kind, s, _ in given if kind == "F" and s == r)
+                assert inflight_microbatches("2bw", p, m, r) == carried + table[r]
+                assert inflight_microbatches("2bw", p, m, r) == inflight_microbatches("1f1b", p, m, r)
+    desc = from_hf_config(LLAMA)
+    lay = dict(pp=2, micro_batch_size=2, precision="32-true", microbatches=8)
+    assert activation_bytes(desc, Layout(pp_schedule="2bw", **lay), 128) == activation_bytes(desc, Layout(**lay), 128)
+
+
 def test_a_rank_holds_its_stages_blocks_and_the_ends_where_they_run() -> None:
     desc = from_hf_config(LLAMA)
     lay = dict(micro_batch_size=2, precision="32-true", microbatches=8)

@@ -8,6 +8,7 @@ and optimizer-state bytes and the bytes of every collective of a step equal what
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -146,6 +147,71 @@ def test_a_0_dim_parameter_is_whole_on_every_rank_under_every_zero_stage(zero: i
     assert both.optimizer - alone.optimizer == 4  # its momentum, whole
     traffic = {t[0]: t[2] for t in comm_terms(specs, layout, 8, 4, 4)}
     assert traffic["scalars"] == 2 * 8 * 3 / 4  # its value and a flag, fp32, a ring all-reduce over 4 ranks
+
+
+@pytest.mark.parametrize(("precision", "zero"), [("bf16-mixed", 0), ("bf16-mixed", 1), ("bf16-true", 1)])
+def test_2bw_keeps_one_more_weight_version_and_gradient_buffer_per_stage(precision: str, zero: int) -> None:
+    # PipeDream-2BW (arXiv 2006.09503): each rank holds, besides what 1F1B holds, its stage's trainable weights once
+    # more (not the last stage) and one more gradient buffer. A frozen embedding (no gradient, never updated) has
+    # no second version.
+    specs = [dataclasses.replace(s, trainable=False) if s.name == "model.embed_tokens.weight" else s
+             for s in _desc_specs(dict(LLAMA, num_hidden_layers=4))]  # fmt: skip
+    kw = dict(pp=2, dp_shard=2, zero_stage=zero, microbatches=4, precision=precision)
+    one_f_one_b, two_bw = Layout(pp_schedule="1f1b", **kw), Layout(pp_schedule="2bw", **kw)
+    per_element = {"bf16-mixed": 4, "bf16-true": 2}[precision]  # stored parameter = gradient dtype (fp32 masters)
+    for rank in range(two_bw.world):
+        pp_rank = rank // 2
+        trainable = sum(t.numel for t in held(specs, two_bw, pp_rank) if t.spec.trainable)
+        assert 0 < trainable < sum(s.numel for s in specs)  # a stage's share, without the frozen embedding
+        base, double = state_bytes(specs, one_f_one_b, rank=rank), state_bytes(specs, two_bw, rank=rank)
+        # weights + gradients; the last stage ends its micro-batches within the step: no second weight version
+        versions = 2 if pp_rank < two_bw.pp - 1 else 1
+        assert double.total - base.total == double.double_buffer == versions * trainable * per_element
+        assert (double.parameters, double.gradients, double.optimizer) == (
+            base.parameters, base.gradients, base.optimizer)  # fmt: skip
+    # Megatron's convention: a 2-byte weight version and a 4-byte fp32 main gradient per parameter (stage 0).
+    mega = [state_bytes(specs, Layout(pp_schedule=s, **dict(kw, zero_stage=0, precision="bf16-mixed")), rank=0,
+                        framework="megatron") for s in ("1f1b", "2bw")]  # fmt: skip
+    assert mega[1].total - mega[0].total == 6 * sum(t.numel for t in held(specs, two_bw, 0, "megatron"))
+    # Without a pipeline there is no 2bw (the suite refuses it too).
+    with pytest.raises(LayoutError, match=r"pp_schedule='2bw' is a pipeline schedule .*set pp >= 2"):
+        Layout(pp_schedule="2bw", dp_shard=2)
+
+
+def test_2bw_is_a_named_line_of_the_estimate(tmp_path: Path) -> None:
+    from lightning_par import cli_plan
+    from lightning_par.planner import device
+    from lightning_par.planner.devices import GIB
+    from lightning_par.planner.estimate import estimate
+
+    config = dict(LLAMA, num_hidden_layers=4)
+    desc, specs = from_hf_config(config), _desc_specs(config)
+    est = {s: estimate(desc, Layout(pp=2, dp_shard=2, pp_schedule=s, microbatches=4), device("H100"), 8, 64)
+           for s in ("1f1b", "2bw")}  # fmt: skip
+    # The rank holding the most (stage 0 here): its trainable weights and gradients once more, fp32 under bf16-mixed.
+    stage = sum(t.numel for t in held(specs, est["2bw"].layout, 0) if t.spec.trainable)
+    assert state_bytes(specs, est["2bw"].layout).double_buffer == 2 * 4 * stage  # the heaviest rank is stage 0's
+    assert est["2bw"].double_buffer == 2 * 4 * stage and est["1f1b"].double_buffer == 0
+    assert est["2bw"].total - est["1f1b"].total == est["2bw"].double_buffer
+    assert est["2bw"].activations == est["1f1b"].activations  # 1F1B's in-flight micro-batches (p - r)
+    assert est["2bw"].time.total < est["1f1b"].time.total  # no flush
+    # `lightning-par estimate --schedule 2bw` shows the line (JSON and text); other schedules do not in the text.
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    args = ["--model-config", str(path), "--gpu", "H100", "--pp", "2", "--dp", "2", "--global-batch-size", "8",
+            "--seq-len", "64"]  # fmt: skip
+    got = json.loads(cli_plan.run_estimate([*args, "--schedule", "2bw", "--json"]))
+    assert got["memory_gib"]["double_buffer"] == pytest.approx(2 * 4 * stage / GIB)
+    assert got["strategy"]["pp_schedule"] == "2bw"
+    assert "double_buffer" in cli_plan.run_estimate([*args, "--schedule", "2bw"])
+    assert "double_buffer" not in cli_plan.run_estimate(args)
+    # Refused where the suite refuses it: fewer micro-batches than stages, no pipeline, tensor parallelism.
+    with pytest.raises(LayoutError, match="microbatches=2 < pp=4"):
+        Layout(pp=4, pp_schedule="2bw", microbatches=2).check(desc, 4, 2, 64)
+    with pytest.raises(LayoutError, match="pp_schedule='2bw' is a pipeline schedule"):
+        cli_plan.run_estimate([*args[:4], *args[6:], "--schedule", "2bw"])  # no --pp
+    with pytest.raises(LayoutError, match="pp_schedule='2bw' with tp=2"):
+        Layout(pp=2, tp=2, pp_schedule="2bw", microbatches=4).check(desc, 4, 4, 64)
 
 
 def test_errors_name_the_fix() -> None:

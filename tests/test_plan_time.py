@@ -41,9 +41,10 @@ def test_ring_collectives() -> None:
 
 
 @pytest.mark.parametrize(("schedule", "vpp", "factor"), [("1f1b", 1, 1.0), ("interleaved_1f1b", 2, 1.0),
-                                                         ("interleaved_zb", 2, 1 / 3)])  # fmt: skip
+                                                         ("interleaved_zb", 2, 1 / 3), ("2bw", 1, 1 / 3)])  # fmt: skip
 def test_bubble_is_the_schedules_closed_form(schedule: str, vpp: int, factor: float) -> None:
-    # Free links and no head: every stage costs the same, so the bubble is (p - 1) / v stage times (ZB-H1: a third).
+    # Free links and no head: every stage costs the same, so the bubble is (p - 1) / v stage times (ZB-H1: a third;
+    # PipeDream-2BW: the forward ramp only, p - 1 forwards of a third of a stage time each).
     free = dataclasses.replace(A100, intra_node_bytes_per_s=1e30, inter_node_bytes_per_s=1e30,
                                collective_latency_s=0.0)  # fmt: skip
     desc = dataclasses.replace(GPT, vocab=1)
@@ -100,3 +101,29 @@ def test_idle_stage_times_come_from_the_schedules_own_tables() -> None:
     assert idle_stage_times("interleaved_zb", 4, 8, 2) == pytest.approx(1 / 2)
     assert idle_stage_times("zbv", 4, 8) == pytest.approx(1 / 2)
     assert idle_stage_times("dualpipev", 4, 8) == pytest.approx(1.0)
+
+
+def test_2bw_bubble_is_its_replay_and_below_1f1b() -> None:
+    # PipeDream-2BW (arXiv 2006.09503): the steady-state step replayed, the previous step's in-flight results given.
+    from lightning_par.analysis.pipeline_timeline import replay, two_bw_order
+    from lightning_par.planner.steptime import idle_stage_times
+
+    for p in (2, 3, 4, 8):
+        for m in (p, 2 * p, 4 * p + 1):
+            order, given = two_bw_order(p, m)
+            replayed = replay(order, 1.0, 1.0, 1.0, given=given).makespan / 3 - m
+            assert idle_stage_times("2bw", p, m) == pytest.approx(replayed)
+            assert idle_stage_times("2bw", p, m) == pytest.approx((p - 1) / 3)
+            assert idle_stage_times("2bw", p, m) < idle_stage_times("1f1b", p, m) == p - 1
+    # With F = 1, B = 2 the idle fraction is (p - 1) / (3 m + p - 1): p = 4, m = 4: 0.2 (1F1B: 3 / 7, 0.429).
+    order, given = two_bw_order(4, 4)
+    assert replay(order, 1.0, 2.0, 0.0, given=given).bubble == pytest.approx(3 / 15)
+    # The same layout's predicted step: the same compute and sends, a third of 1F1B's bubble, a shorter step.
+    layout = Layout(pp=4, microbatches=8, precision="bf16-mixed")
+    base = step_time(GPT, layout, A100, global_batch=8, seq_len=2048)
+    two_bw = step_time(GPT, dataclasses.replace(layout, pp_schedule="2bw"), A100, global_batch=8, seq_len=2048)
+    assert (two_bw.compute, two_bw.pipeline_p2p) == (base.compute, base.pipeline_p2p)
+    assert two_bw.pipeline_bubble == pytest.approx(base.pipeline_bubble / 3)
+    assert two_bw.total == pytest.approx(base.total - 2 / 3 * base.pipeline_bubble) and two_bw.total < base.total
+    # The search never proposes it: a one-step-late update changes the optimisation, the user must ask for it.
+    assert all(lay.pp_schedule != "2bw" for lay, _ in candidates(GPT, world=16, gpus_per_node=8, global_batch=64))

@@ -10,7 +10,8 @@ Covered: 2 and 4 microbatches per step; a tied embedding (GPT: a copy on each en
 Hugging Face Llama built from a config; activation checkpointing (the backward's recomputation must run on the
 stashed weights too); validation between steps; pp 4 (stage 0's
 backwards trail its forwards by 3 microbatches, the gradient of the first crossing the step boundary at every
-stage); pp 2 x dp 2 under ZeRO-1. Each run is also checked to differ from the exact run (1F1B over the same stages)
+stage); pp 2 x dp 2 under ZeRO-1. Between steps every stage but the last holds exactly one copy of its trainable
+weights (the planner's line). Each run is also checked to differ from the exact run (1F1B over the same stages)
 by more than 1e-3: the delay is there, so matching the simulation is not matching the exact run.
 Checked by hand to fail without the weight stash (`WeightVersion.freeze` off: backwards on the updated weights): all
 8 jobs, losses 3e-4 to 8e-3 relative off. Refused before the first step: gradient accumulation and fp16 loss
@@ -102,3 +103,13 @@ def test_two_bw_refuses_before_the_first_step(results: dict[str, Any], name: str
     got = results["refused"][name]
     assert got["error"] is not None and REFUSED[name][1] in got["error"], got["error"]
     assert got["losses"] == []
+
+
+@pytest.mark.parametrize("name", ["gpt_m2", "hf_llama_pp4"])
+def test_two_bw_keeps_one_weight_copy_per_stage_but_the_last(results: dict[str, Any], name: str) -> None:
+    # Between steps each stage holds the version its in-flight microbatches run on: one copy of its trainable
+    # weights; the last stage ends its microbatches within the step and holds none (planner: double_buffer).
+    per_rank = results["runs"][name]["two_bw_bytes"]
+    pp = len(per_rank) // DP.get(name, 1)
+    for rank, (held, trainable) in enumerate(per_rank):
+        assert trainable > 0 and held == (trainable if rank % pp < pp - 1 else 0), (rank, held, trainable)

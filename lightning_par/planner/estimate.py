@@ -6,6 +6,10 @@ have run their forward, plus one micro-batch's backward working set: the loss's 
 Temporary buffers are what lives only during a step besides them: under ZeRO-3 the gathered parameters of the
 block being computed and of the one prefetched (FSDP2 keeps two in flight), and the ZeRO 0-2 communication buckets
 (two of ``bucket_cap_mb`` in flight, the suite's default 25 MB).
+
+PipeDream-2BW (``pp_schedule="2bw"``; Narayanan et al., arXiv 2006.09503) has a line of its own,
+``double_buffer``: the second version of each stage's trainable weights and the second gradient buffer its
+one-step-late update keeps (`lightning_par.planner.state.StateBytes.double_buffer`).
 """
 
 from __future__ import annotations
@@ -40,10 +44,13 @@ class Estimate:
     time: StepTime
     peak: float  # the device's peak FLOP/s at the layout's precision
     host: float = 0.0  # bytes kept in host memory (``offload``: the sharded parameters, gradients and state)
+    # PipeDream-2BW (arXiv 2006.09503): the stage's second weight version and gradient buffer; 0 otherwise.
+    double_buffer: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.parameters + self.gradients + self.optimizer + self.activations + self.temporary
+        state = self.parameters + self.gradients + self.optimizer + self.double_buffer
+        return state + self.activations + self.temporary
 
     @property
     def mfu(self) -> float:
@@ -55,7 +62,8 @@ class Estimate:
 
     def as_dict(self) -> dict[str, Any]:
         """The ``--json`` object of ``lightning-par estimate``."""
-        gib = {k: getattr(self, k) / GIB for k in ("parameters", "gradients", "optimizer", "activations", "temporary")}
+        parts = ("parameters", "gradients", "optimizer", "activations", "temporary", "double_buffer")
+        gib = {k: getattr(self, k) / GIB for k in parts}
         gib["total"] = self.total / GIB
         gib["host"] = self.host / GIB
         t = self.time
@@ -112,5 +120,5 @@ def estimate(
     return Estimate(
         layout=layout, parameters=on_gpu[0], gradients=on_gpu[1], optimizer=on_gpu[2], activations=acts.peak,
         temporary=temporary_bytes(desc, layout, seq_len), time=t, peak=peak_flops(dev, layout.precision),
-        host=state.total if layout.offload else 0,
+        host=state.total if layout.offload else 0, double_buffer=0 if layout.offload else state.double_buffer,
     )  # fmt: skip

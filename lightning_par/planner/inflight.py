@@ -25,10 +25,12 @@ def inflight_microbatches(
 
     Closed forms of the tables torch's schedules run (checked against them in ``tests/test_plan_activations.py``;
     a micro-batch counts from its forward until its full or weight backward): GPipe and looped BFS hold all ``m``;
-    1F1B ``min(m, p - r)``; interleaved 1F1B warms up ``(v - 1) m_r + 2 (p - 1 - r)`` chunk forwards (``m_r``: the
-    micro-batches of one round), so rank 0 holds ``p (1 + (p - 1) / (p v))``, the factor of Korthikanti et al.
-    section 4.2.3; interleaved zero-bubble ``((v - 1) m_r + p) / v``; ZBV ``min(m, p, (m + 1 + r) / 2)``; DualPipeV
-    ``p + 1/2``: each overlapped forward-backward pair runs its forward first, so both are held for a moment.
+    1F1B ``min(m, p - r)``, and so does PipeDream-2BW (Narayanan et al., arXiv 2006.09503), which runs 1F1B's
+    steady state across the step boundary (`lightning_par.analysis.pipeline_timeline.two_bw_order`); interleaved
+    1F1B warms up ``(v - 1) m_r + 2 (p - 1 - r)`` chunk forwards (``m_r``: the micro-batches of one round), so rank
+    0 holds ``p (1 + (p - 1) / (p v))``, the factor of Korthikanti et al. section 4.2.3; interleaved zero-bubble
+    ``((v - 1) m_r + p) / v``; ZBV ``min(m, p, (m + 1 + r) / 2)``; DualPipeV ``p + 1/2``: each overlapped
+    forward-backward pair runs its forward first, so both are held for a moment.
 
     Args:
         microbatches: per step; ``None``: enough to reach the steady state (GPipe and looped BFS need a number).
@@ -49,7 +51,7 @@ def inflight_microbatches(
         m, per_round = microbatches, microbatches // max(1, microbatches // pp)
     if axes.SCHEDULES[schedule].all_forwards_first:
         return float(m)
-    if schedule == "1f1b":
+    if schedule in ("1f1b", "2bw"):  # 2bw: 1F1B's steady state across the step boundary (arXiv 2006.09503)
         return float(min(m, pp - rank))
     if schedule == "interleaved_1f1b":
         return min(m * v, (v - 1) * per_round + 2 * (pp - 1 - rank) + 1) / v

@@ -56,7 +56,9 @@ class Layout:
         ep: expert-parallel degree, carved out of the data-parallel ranks (as in the suite).
         cp: context-parallel degree (the sequence split over ``cp`` ranks).
         pp_schedule: a name of `SCHEDULES`; ``microbatches``: per optimizer step and pipeline (``None``: the
-            whole data-parallel batch share in micro-batches of ``micro_batch_size``).
+            whole data-parallel batch share in micro-batches of ``micro_batch_size``). ``"2bw"`` (PipeDream-2BW,
+            arXiv 2006.09503: weights updated one step late) needs ``pp >= 2``, and ``microbatches >= pp`` as
+            every pipeline does; `lightning_par.planner.search` never proposes it.
         micro_batch_size: samples per micro-batch on one data-parallel rank.
         recompute: ``"none"``, ``"selective"``, ``"full"`` or ``"offload"`` (activation offload).
         offload_blocks: under ``recompute="offload"``, the trunk's first N blocks offloaded (``None``: every block).
@@ -108,6 +110,11 @@ class Layout:
             raise LayoutError(f"precision={self.precision!r} must be one of {PRECISIONS}")
         if self.pp_schedule not in SCHEDULES:
             raise LayoutError(f"pp_schedule={self.pp_schedule!r} is not one of {sorted(SCHEDULES)}")
+        if self.pp == 1 and axes.SCHEDULES[self.pp_schedule].asynchronous:  # as the suite (ParallelConfig) refuses it
+            raise LayoutError(
+                f"pp_schedule={self.pp_schedule!r} is a pipeline schedule (its steps overlap across pipeline stages); "
+                "set pp >= 2 or use the default pp_schedule='1f1b'"
+            )
         if self.pp > 1 and self.vpp > 1 and SCHEDULES[self.pp_schedule] == 1:
             raise LayoutError(f"vpp={self.vpp} needs an interleaved schedule, not {self.pp_schedule!r}")
         if self.dp % self.ep:

@@ -5,7 +5,9 @@ what is left (up to the block count), cp in {1, 2, 4}, the rest data parallel wi
 ZeRO-3 inside a node and replicas across, when the data-parallel ranks span nodes), ep over the divisors of the
 data-parallel ranks that divide the experts, micro-batch sizes 1-8, recomputation none / selective / full, the
 1F1B and interleaved schedules, sequence parallelism whenever tp > 1 (and no pipeline: this suite's stages exchange
-whole activations). A layout is feasible when `Layout.check`
+whole activations). PipeDream-2BW (``"2bw"``, arXiv 2006.09503) is priced when asked for (`Layout(pp_schedule="2bw")`,
+``lightning-par estimate --schedule 2bw``) but never proposed: its weights update one step late, which changes the
+optimisation, not only its speed. A layout is feasible when `Layout.check`
 accepts it and its predicted memory fits `USABLE_FRACTION` of the GPU (the rest: the CUDA context, NCCL buffers and
 the caching allocator's fragmentation, about 6-8 % in practice).
 """

@@ -25,6 +25,14 @@ the
   the optimizer state covers the rank's real rows only.
 - Optimizer state (torch's): Adam / AdamW keep two moments shaped like each master plus a 4-byte fp32 ``step``
   tensor per parameter; SGD with momentum one buffer. Every master counts, empty ones included.
+- PipeDream-2BW (``pp_schedule="2bw"``; Narayanan et al., "Memory-Efficient Pipeline-Parallel DNN Training",
+  arXiv 2006.09503): the weights update one step late, so each stage keeps one more version of its trainable
+  weights (the one the previous step's in-flight micro-batches run on; the current one is the parameters' own
+  storage) and one more gradient buffer (the paper's double buffer: the next step's first micro-batches accumulate
+  apart from the complete gradient the optimizer applies): `StateBytes.double_buffer`, the rank's trainable
+  parameter bytes (not on the last stage: its micro-batches end within the step) plus its gradient bytes, in their
+  stored dtype. The suite runs it with ZeRO 0-1 and no tp, cp,
+  ep or PowerSGD (`ParallelConfig` refuses the rest), where both are the stage's whole tensors.
 Offloading (ZeRO-3 ``offload``) moves the same bytes to host memory between uses.
 "Gradients" is the larger of what a rank holds when the step's backward has returned and at the optimizer step
 (transient buckets and FSDP2's unsharded block gradients during backward are not counted).
@@ -42,6 +50,7 @@ import math
 from collections.abc import Sequence
 from typing import Optional
 
+from lightning_par import axes
 from lightning_par.parallel.compression.powersgd import compressed_numel, compresses
 from lightning_par.parallel.pipeline.partition import even_split, partition
 from lightning_par.planner.layout import SCHEDULES, Layout, LayoutError, stored_bytes
@@ -61,16 +70,19 @@ class StateBytes:
         parameters: parameter storage (padded shards included).
         gradients: gradient storage (see the module docstring for when).
         optimizer: optimizer state (moments, steps; master weights under Megatron's convention).
+        double_buffer: under PipeDream-2BW (``pp_schedule="2bw"``, arXiv 2006.09503), the second version of the
+            rank's trainable weights and the second gradient buffer it keeps (module docstring); 0 otherwise.
     """
 
     parameters: int
     gradients: int
     optimizer: int
+    double_buffer: int = 0
 
     @property
     def total(self) -> int:
-        """All three together."""
-        return self.parameters + self.gradients + self.optimizer
+        """All four together."""
+        return self.parameters + self.gradients + self.optimizer + self.double_buffer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,10 +279,12 @@ def _rank_bytes(
     accumulation: int = 1,
 ) -> StateBytes:
     tensors = held(specs, layout, pp_rank, framework)
+    two_bw = layout.pp > 1 and axes.SCHEDULES[layout.pp_schedule].asynchronous  # PipeDream-2BW: weights one step late
     if framework == "megatron":
-        return _megatron(tensors, layout, optimizer)
+        state = _megatron(tensors, layout, optimizer)
+        return dataclasses.replace(state, double_buffer=state.parameters + state.gradients) if two_bw else state
     zero, moments = layout.zero_stage, OPTIMIZERS[optimizer]
-    params = grads = opt = 0
+    params = grads = opt = double = 0
     copies = pipeline_copies(specs, layout, pp_rank, tensors) if layout.powersgd_rank else set()
     for t in tensors:
         size = param_bytes(t.spec, layout.precision)
@@ -279,18 +293,24 @@ def _rank_bytes(
             params += (stored - whole) // n + whole if t.in_zero and zero == 3 else stored
             continue
         sharded = t.in_zero and zero >= 1
-        params += (t.padded(n) if t.in_zero and zero == 3 else t.numel) * size
+        weight = (t.padded(n) if t.in_zero and zero == 3 else t.numel) * size
+        params += weight
         if not t.spec.trainable:
             continue
         full_grads = zero == 0 or (zero == 1 and accumulation > 1) or (zero in (1, 2) and layout.pp > 1)
         full_grads = full_grads or not t.in_zero or bool(layout.powersgd_rank)
-        grads += (t.numel if full_grads else t.padded(n)) * size
+        grad = (t.numel if full_grads else t.padded(n)) * size
+        grads += grad
+        # PipeDream-2BW (Narayanan et al., arXiv 2006.09503): one more weight version (the previous step's, which
+        # its in-flight micro-batches run on; none on the last stage, which has none in flight at the step's end)
+        # and one more gradient buffer (the paper's double buffer).
+        double += (weight if pp_rank < layout.pp - 1 else 0) + grad if two_bw else 0
         if layout.powersgd_rank and t.in_zero and t.spec.name not in copies:  # its error, P and Q (powersgd)
             r = layout.powersgd_rank
             grads += (t.numel + (compressed_numel([t.shape], r) if compresses(t.shape, r) else 0)) * size
         opt += (t.rows_of(n, shard) if sharded else t.numel) * size * moments
         opt += _STEP_BYTES if optimizer in ("adam", "adamw") else 0
-    return StateBytes(params, grads, opt)
+    return StateBytes(params, grads, opt, double)
 
 
 def _check_megatron(layout: Layout, optimizer: str) -> None:

@@ -18,7 +18,8 @@ A pipeline rank runs its blocks (and the embedding or the head) per micro-batch;
 ``m x T_max + bubble``, the slowest stage paced by its micro-batches plus the schedule's fill and drain, in mean
 stage times from the schedule's own action table replayed (`idle_stage_times`): ``p - 1`` for GPipe and 1F1B,
 ``(p - 1) / v`` for interleaved 1F1B (Narayanan et al., arXiv 2104.04473), what torch's zero-bubble tables leave
-(Qi et al., arXiv 2401.10241) with equal input- and weight-gradient times. Point-to-point sends between stages go
+(Qi et al., arXiv 2401.10241) with equal input- and weight-gradient times, ``(p - 1) / 3`` for PipeDream-2BW
+(Narayanan et al., arXiv 2006.09503: no flush, only the forward chain's ramp). Point-to-point sends between stages go
 over the inter-node link when a tensor-parallel group fills a node, are sent once per virtual stage and direction,
 and wait in line with compute.
 
@@ -41,7 +42,7 @@ import functools
 import math
 
 from lightning_par import _compat, axes
-from lightning_par.analysis.pipeline_timeline import replay
+from lightning_par.analysis.pipeline_timeline import replay, two_bw_order
 from lightning_par.parallel.activation_offload import MIN_BYTES as OFFLOAD_MIN_BYTES
 from lightning_par.planner import activations, compute, fp8
 from lightning_par.planner.devices import Device
@@ -85,9 +86,18 @@ def idle_stage_times(schedule: str, pp: int, microbatches: int, vpp: int = 1) ->
     ``makespan / (3 v) - m``. GPipe and 1F1B idle ``p - 1`` stage times, which their replay equals
     (tests/test_plan_activations.py replays them). A table torch cannot build for these numbers falls back to the
     closed forms: ``(p - 1) / v``, a third of it for the zero-bubble schedules (ZB-H1's bound).
+
+    PipeDream-2BW (``"2bw"``; Narayanan et al., "Memory-Efficient Pipeline-Parallel DNN Training", arXiv
+    2006.09503) overlaps steps: each stage runs 1F1B's steady state across the optimizer-step boundary, so there is
+    no warm-up or cool-down flush, only the ramp of the forward chain after the boundary's barrier. Its steady-state
+    step (`lightning_par.analysis.pipeline_timeline.two_bw_order`, the previous step's in-flight results given)
+    replays to ``(p - 1) / 3`` stage times: ``p - 1`` forwards, against 1F1B's ``p - 1`` forward-backward pairs.
     """
     if schedule in ("gpipe", "1f1b"):
         return float(pp - 1)
+    if schedule == "2bw":
+        order, given = two_bw_order(pp, microbatches)
+        return replay(order, 1.0, 1.0, 1.0, given=given).makespan / 3 - microbatches
     local = max(vpp, SCHEDULES[schedule])
     try:
         order = {r: _compat.schedule_rank_actions(schedule, local, pp, microbatches, r) for r in range(pp)}

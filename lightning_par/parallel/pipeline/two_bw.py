@@ -13,8 +13,9 @@ The cost is the update rule: a step's gradient is applied one step late,
 and each stage keeps the version its in-flight microbatches used (weight stashing) until their backwards end:
 two versions. The current version is the parameters themselves; at the end of a step, before the optimizer
 writes them, the version in flight is copied once (`WeightVersion.freeze`): one extra copy of the stage's
-trainable weights. Gradients of the two steps accumulate apart (one extra gradient buffer): the optimizer steps on
-the previous step's complete gradient.
+trainable weights, on every stage but the last (whose backwards follow its forwards within the step). Gradients
+of the two steps accumulate apart (one extra gradient buffer): the optimizer steps on the previous step's
+complete gradient.
 
 Mechanism: each step's forwards run the stage with its parameters swapped for leaves that alias their storage
 (`WeightVersion.swapped`), so the autograd graph's weights are that version's leaves and their gradients collect
@@ -153,6 +154,12 @@ class TwoBW:
         self.early: Optional[list[Tensor]] = None  # the next step's first backward's gradient, received at the end
         self.carried: list[Optional[Tensor]] = []  # this step's gradient so far, from the previous call
 
+    def stash_bytes(self) -> tuple[int, int]:
+        """(bytes of weight copies held now, bytes of the stage's trainable weights): between steps one copy on
+        every stage but the last, none there (the planner's `StateBytes.double_buffer` weight part)."""
+        held = sum(t.numel() * t.element_size() for v in self.versions.values() for t in v.frozen or ())
+        return held, sum(p.numel() * p.element_size() for p in self.params)
+
     # ---- one step ----------------------------------------------------------------------------------------------
     def step(self, mbs: list[Any], loss_fn: Callable[[Tensor], Tensor], metas: list[tuple[tuple, torch.dtype]],
              out_metas: list[tuple[tuple, torch.dtype]]) -> None:  # fmt: skip
@@ -190,7 +197,8 @@ class TwoBW:
         previous = self.versions.pop(t - 1, None)
         for p, g in zip(self.params, previous.gradients() if previous is not None else [None] * len(self.params)):
             p.grad = g
-        self.versions[t].freeze()  # after the previous version is gone: two versions at most
+        if any(step == t for step, _, _ in self.inflight.values()):  # the last stage ends its microbatches here
+            self.versions[t].freeze()  # after the previous version is gone: two versions at most
 
     def _forward(self, t: int, n: int, j: int, loss_fn: Callable[[Tensor], Tensor],
                  metas: list[tuple[tuple, torch.dtype]], sends: list[Any]) -> None:  # fmt: skip
