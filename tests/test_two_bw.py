@@ -13,6 +13,13 @@ backwards trail its forwards by 3 microbatches, the gradient of the first crossi
 stage); pp 2 x dp 2 under ZeRO-1. Between steps every stage but the last holds exactly one copy of its trainable
 weights (the planner's line). Each run is also checked to differ from the exact run (1F1B over the same stages)
 by more than 1e-3: the delay is there, so matching the simulation is not matching the exact run.
+Checkpoints (saved after every step, in the background on pp 2): resumed from step 2 on pp 2 and pp 4, a run
+continues the uninterrupted one (losses 1e-5, parameters as above): the save runs the backwards still in flight
+(on the stashed weights) and keeps their gradient per rank, which the next step applies. Resumed under 1F1B, a 2BW
+checkpoint warns that its pending gradient is not applied. Checked by hand: with the stream left out of the
+checkpoint, all three fail. A save before the first update (step 0 applies none) must not count DCP's
+state-initialising step as one (AdamW's step count): without `dcp.FRESH` the writer itself drifts 2e-3 from the
+simulation.
 Checked by hand to fail without the weight stash (`WeightVersion.freeze` off: backwards on the updated weights): all
 8 jobs, losses 3e-4 to 8e-3 relative off. Refused before the first step: gradient accumulation and fp16 loss
 scaling, naming the fix.
@@ -53,20 +60,53 @@ REFUSED = {
 }
 
 
+# Checkpoints: the writers save after every step (gpt_m2 in the background); a resume from step 2 continues the
+# uninterrupted run exactly: the save ran the backwards still in flight and kept their gradient, which the next
+# step applies. name -> (writer, nproc, job overrides, warning expected).
+WRITERS = {"gpt_m2": {"async_save": True}, "hf_llama_pp4": {}}
+RESUMES: dict[str, tuple[str, int, dict[str, Any], str]] = {
+    "gpt_m2_from_2": ("gpt_m2", 2, {}, ""),
+    "hf_llama_pp4_from_2": ("hf_llama_pp4", 4, {}, ""),
+    # a 2BW checkpoint resumed under 1F1B: the pending gradient is not applied, and the run says so
+    "gpt_m2_as_1f1b": ("gpt_m2", 2, {"pp_schedule": "1f1b"}, "does not apply"),
+}
+
+
 def _job(model: str, strategy: dict[str, Any], extra: dict[str, Any], dp: int) -> dict[str, Any]:
     return {**BASE, "model": model, "strategy": strategy, "dp": dp, **extra}
+
+
+def _writer(tmp: Any, name: str, job: dict[str, Any]) -> dict[str, Any]:
+    if name not in WRITERS:
+        return job
+    strategy = {**job["strategy"], **WRITERS[name]}
+    return {**job, "strategy": strategy, "ckpt_dir": str(tmp / name), "ckpt_every_n_steps": 1}
+
+
+def _resume(tmp: Any, name: str, jobs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    writer, _, over, warn = RESUMES[name]
+    job = jobs[writer]
+    strategy = {k: v for k, v in {**job["strategy"], **over}.items() if k != "async_save"}
+    return {**job, "strategy": strategy, "ckpt_dir": None, "resume": str(tmp / writer / "step=2.ckpt"),
+            "record_warnings": True}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("two_bw")
-    two = [_job(*spec, dp=1) for spec in JOBS_2.values()]
+    specs = {name: _writer(tmp, name, _job(*spec, dp=1 if name in JOBS_2 else DP[name]))
+             for name, spec in {**JOBS_2, **JOBS_4}.items()}  # fmt: skip
+    two = [specs[name] for name in JOBS_2]
     two += [{**_job("gpt4", {**TWO_BW, "microbatches": 2}, {}, 1), **keys, "expect_error": True}
             for keys, _ in REFUSED.values()]  # fmt: skip
-    four = [_job(*spec, dp=DP[name]) for name, spec in JOBS_4.items()]
+    four = [specs[name] for name in JOBS_4]
     exact = [{**_job(*spec, dp=1), "strategy": {**spec[1], "pp_schedule": "1f1b"}} for spec in JOBS_2.values()]
     got2 = run_jobs(tmp, two + exact, nproc=2, timeout=600)
     got4 = run_jobs(tmp, four, nproc=4, timeout=600)
+    resumed = {}
+    for nproc in (2, 4):
+        names = [n for n, (_, p, _, _) in RESUMES.items() if p == nproc]
+        resumed.update(zip(names, run_jobs(tmp, [_resume(tmp, n, specs) for n in names], nproc=nproc), strict=True))
     jobs = {**JOBS_2, **JOBS_4}
     dps = {**dict.fromkeys(JOBS_2, 1), **DP}
     sims = run_jobs(tmp, [{**BASE, "model": model, "simulate_two_bw": {"dp": dps[name]}}
@@ -77,6 +117,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "sims": dict(zip(jobs, sims, strict=True)),
         "exact": dict(zip(JOBS_2, got2[n + len(REFUSED) :], strict=True)),
         "refused": dict(zip(REFUSED, got2[n : n + len(REFUSED)], strict=True)),
+        "resumed": resumed,
     }
 
 
@@ -113,3 +154,21 @@ def test_two_bw_keeps_one_weight_copy_per_stage_but_the_last(results: dict[str, 
     pp = len(per_rank) // DP.get(name, 1)
     for rank, (held, trainable) in enumerate(per_rank):
         assert trainable > 0 and held == (trainable if rank % pp < pp - 1 else 0), (rank, held, trainable)
+
+
+@pytest.mark.parametrize("name", [n for n, (_, _, _, warn) in RESUMES.items() if not warn])
+def test_a_resume_continues_the_uninterrupted_run(results: dict[str, Any], name: str) -> None:
+    writer = RESUMES[name][0]
+    got, ref = results["resumed"][name], results["runs"][writer]
+    assert got.get("error") is None, got.get("error")
+    assert got["resumed_from"] == "step=2.ckpt" and not any("2BW" in w or "2bw" in w for w in got["warnings"])
+    assert rel(got["losses"], ref["losses"][2:]) < 1e-5
+    params_close(got["params"], ref["params"], rtol=1e-5, atol=0.01 * LR)
+
+
+def test_a_2bw_checkpoint_resumed_by_another_schedule_says_what_it_drops(results: dict[str, Any]) -> None:
+    got, ref = results["resumed"]["gpt_m2_as_1f1b"], results["runs"]["gpt_m2"]
+    assert got.get("error") is None, got.get("error")
+    assert any(RESUMES["gpt_m2_as_1f1b"][3] in w for w in got["warnings"]), got["warnings"]
+    assert rel(got["losses"][:1], ref["losses"][2:3]) < 1e-6  # the same weights at the resumed step
+    assert rel(got["losses"], ref["losses"][2:]) > 1e-3  # then another update rule

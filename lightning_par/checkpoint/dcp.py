@@ -17,6 +17,7 @@ import dataclasses
 import io
 import os
 import shutil
+import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Optional
@@ -174,9 +175,25 @@ class OptimizerEntry:
     distribute: Optional[Distribute] = None
 
 
+# Optimizers whose latest saved state was DCP's initialisation (no step taken yet): see `optimizer_state`.
+FRESH: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+
+
 def optimizer_state(entry: OptimizerEntry) -> dict[str, Any]:
-    """The optimizer's state keyed by parameter name, sharded tensors as DTensors."""
+    """The optimizer's state keyed by parameter name, sharded tensors as DTensors.
+
+    An optimizer that has not stepped yet (PipeDream-2BW's first step applies no gradient) has no state, which DCP
+    creates with one zero-gradient step at learning rate 0 (torch's ``_init_optim_state``): that step would count
+    (AdamW's step count, hence its bias correction), so the state is dropped again after it is read, the optimizer
+    is marked in `FRESH`, and a resume drops the loaded state the same way (`ShardedCheckpoints.load`).
+    """
+    fresh = not entry.optimizer.state
     sd = optimizer_state_dict(entry.owner, entry.optimizer)
+    if fresh:
+        entry.optimizer.state.clear()
+        FRESH.add(entry.optimizer)
+    else:
+        FRESH.discard(entry.optimizer)
     wrap = entry.distribute
     if wrap is not None:
         # New dicts: the inner ones may be the optimizer's live state, which must stay plain tensors.

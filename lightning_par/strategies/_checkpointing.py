@@ -22,6 +22,7 @@ from lightning_par import _compat
 from lightning_par.checkpoint.adapters import ADAPTERS, FROZEN_LEFT_OUT, adapter_configs, frozen_names
 from lightning_par.checkpoint.async_save import AsyncSaver
 from lightning_par.checkpoint.dcp import (
+    FRESH,
     LOCAL_SGD,
     OptimizerEntry,
     load_sharded,
@@ -35,6 +36,8 @@ from lightning_par.checkpoint.resume_state import KEY
 from lightning_par.parallel.compression.powersgd import POWERSGD
 from lightning_par.parallel.compression.powersgd import restore as restore_compression
 from lightning_par.parallel.local_sgd import state as local_sgd_state
+from lightning_par.parallel.pipeline.two_bw import TWO_BW, TwoBW
+from lightning_par.parallel.pipeline.two_bw import restore as restore_two_bw
 from lightning_par.parallel.run import ParallelRun
 from lightning_par.strategies._resume import ResumeState
 from lightning_par.utils import dtensors
@@ -136,6 +139,9 @@ class ShardedCheckpoints:
         compression = getattr(run.zero, "compression", None) if run is not None else None
         if compression is not None:  # PowerSGD's error and factors differ per rank: in the rank's own file
             local[POWERSGD] = compression.state_dict()
+        local[FRESH_KEY] = [i for i, entry in enumerate(entries) if entry.optimizer in FRESH]  # dcp.optimizer_state
+        if (two_bw := _two_bw(run)) is not None:  # the stream's pending gradient (each stage's own)
+            local[TWO_BW] = two_bw.state_dict({id(p): n for n, p in module.named_parameters()})
         if self.saver is not None and self.saving_async:
             deferred = self._staging_fence(module, entries)
             self.saver.save(filepath, tensors, checkpoint, where.rank, local, deferred=deferred)
@@ -214,6 +220,9 @@ class ShardedCheckpoints:
             self.resume.loaded(path, meta, where.rank, where.world_size)
             if run is not None and run.zero is not None:
                 restore_compression(run.zero, self.resume.own(POWERSGD), path)
+            restore_two_bw(_two_bw(run), self.resume.own(TWO_BW), path, module)
+            for i in self.resume.own(FRESH_KEY) or ():  # saved before its first step: no state, as then
+                entries[i].optimizer.state.clear()
         return meta
 
     def remove(self, filepath: Path, is_global_zero: bool) -> None:
@@ -245,3 +254,12 @@ class ShardedCheckpoints:
         self.saving_async = False
         if self.saver is not None:
             self.saver.release()
+
+
+FRESH_KEY = "fresh_optimizers"  # a rank's optimizers saved before their first step (`dcp.optimizer_state`)
+
+
+def _two_bw(run: Optional[ParallelRun]) -> Optional[TwoBW]:
+    """The PipeDream-2BW runtime of ``run``'s pipeline, if it has one."""
+    pipeline = run.pipeline if run is not None else None
+    return pipeline.two_bw if pipeline is not None else None

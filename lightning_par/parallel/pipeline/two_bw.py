@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -45,7 +46,9 @@ from lightning_par.parallel.pipeline.stages import PipelineError
 if TYPE_CHECKING:
     from lightning_par.parallel.pipeline.schedule import PipelineRunner
 
-__all__ = ["TwoBW", "WeightVersion"]
+__all__ = ["TWO_BW", "TwoBW", "WeightVersion", "restore"]
+
+TWO_BW = "two_bw"  # the key of a rank's 2BW stream (step count, pending gradient) in its own checkpoint file
 
 
 def _alias(p: Tensor) -> Tensor:
@@ -124,6 +127,16 @@ class WeightVersion:
         return out
 
 
+class _Carried:
+    """A resumed step's gradient, as a `WeightVersion` whose backwards all ran before the save."""
+
+    def __init__(self, grads: list[Optional[Tensor]], params: list[nn.Parameter]) -> None:
+        self._grads = [g.to(p.device) if g is not None else None for g, p in zip(grads, params)]
+
+    def gradients(self) -> list[Optional[Tensor]]:
+        return self._grads
+
+
 class TwoBW:
     """Runs PipeDream-2BW training steps on one rank of a pipeline group (module docstring).
 
@@ -152,7 +165,7 @@ class TwoBW:
         self.versions: dict[int, WeightVersion] = {}
         self.inflight: dict[int, tuple[int, list[Tensor], list[Tensor]]] = {}  # microbatch -> (step, outs, ins)
         self.early: Optional[list[Tensor]] = None  # the next step's first backward's gradient, received at the end
-        self.carried: list[Optional[Tensor]] = []  # this step's gradient so far, from the previous call
+        self.out_metas: list[tuple[tuple, torch.dtype]] = []  # what this stage sends (a flush receives gradients)
 
     def stash_bytes(self) -> tuple[int, int]:
         """(bytes of weight copies held now, bytes of the stage's trainable weights): between steps one copy on
@@ -182,14 +195,52 @@ class TwoBW:
         for j in range(m):
             self._forward(t, base + j, j, loss_fn, metas, sends)
             n = base + j - self.lag
-            if n >= 0:
+            if n in self.inflight:  # not yet run: before step 0's, or by a save's `flush`
                 self._backward(n, out_metas, sends, early=n == base - self.lag)
         if self.next is not None and self.lag > 0:  # the next step's first backward: the next stage's last one now
             self.early = self._recv(out_metas, self.next, grads=True)
+        self.out_metas = out_metas
         for work in sends:
             work.wait()
         self._hand_over(t)
         self.step_index += 1
+
+    # ---- checkpoints -------------------------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Run the backwards still in flight (the last step's first microbatches' tail), in stream order: every
+        rank of the pipeline group calls it together (a checkpoint's save). The gradient they complete is the one
+        the next step applies anyway, computed on the same stashed weights, so the run continues unchanged."""
+        sends: list[Any] = []
+        for n in sorted(self.inflight):
+            self._backward(n, self.out_metas, sends, early=self.early is not None)
+        for work in sends:
+            work.wait()
+        self.early = None
+
+    def state_dict(self, names: dict[int, str]) -> dict[str, Any]:
+        """What a checkpoint keeps of the stream, after `flush`: the step count and the last step's gradient (the
+        next step's update), by parameter name (``names``: ``id(parameter)`` to its name). Copies: the save may
+        write them in the background while the optimizer reduces the live ones."""
+        self.flush()
+        version = self.versions.get(self.step_index - 1)
+        grads = version.gradients() if version is not None else [None] * len(self.params)
+        return {
+            "step": self.step_index,
+            "gradients": {names[id(p)]: g.detach().clone() for p, g in zip(self.params, grads) if g is not None},
+        }
+
+    def load_state_dict(self, state: dict[str, Any], names: dict[int, str]) -> Optional[str]:
+        """Continue the stream of a checkpoint's `state_dict`: its gradient is applied by the next step. Returns
+        why it cannot (another stage's parameters: a changed layout), leaving the stream to start afresh."""
+        self.reset()
+        grads = state["gradients"]
+        mine = [names[id(p)] for p in self.params]
+        if not set(grads) <= set(mine):
+            return f"it holds the gradient of other parameters ({sorted(set(grads) - set(mine))[:3]}...)"
+        carried = _Carried([grads.get(n) for n in mine], self.params)
+        self.step_index = state["step"]
+        self.versions[self.step_index - 1] = carried  # type: ignore[assignment]
+        return None
 
     def _hand_over(self, t: int) -> None:
         # Step t-1 is complete on this stage: its gradient goes to .grad for the optimizer. Step t's first backwards
@@ -249,3 +300,23 @@ class TwoBW:
             out.append(buf.requires_grad_(not grads and dtype.is_floating_point))
         self.runner.trace.add("wait", start, time.perf_counter())
         return out
+
+
+def restore(two_bw: Optional[TwoBW], saved: Optional[dict[str, Any]], path: Any, module: nn.Module) -> None:
+    """Resume ``two_bw``'s stream from this rank's ``saved`` state of checkpoint ``path`` (`TwoBW.state_dict`), or
+    say, once, why the run does not continue as an uninterrupted one would."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    why = None
+    if two_bw is None:
+        if saved is not None and saved["gradients"]:
+            why = ("it was saved by a pp_schedule='2bw' run, whose last step's gradient (applied one step late) this "
+                   "run's schedule does not apply")  # fmt: skip
+    elif saved is None:
+        why = ("it holds no 2BW stream for this rank (saved by another schedule, or by another number of ranks): the "
+               "stream starts afresh and its first step applies no update")  # fmt: skip
+    else:
+        failed = two_bw.load_state_dict(saved, names)
+        why = f"{failed}: the stream starts afresh and its first step applies no update" if failed else None
+    if why and (not dist.is_initialized() or dist.get_rank() == 0):
+        warnings.warn(f"checkpoint {path}: {why}, so the run continues differently from an uninterrupted one",
+                      stacklevel=2)  # fmt: skip
