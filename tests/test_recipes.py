@@ -29,6 +29,7 @@ EXPECTED = {  # recipe -> (zero_stage, offload, dp_replicate, tp)
     "moe": (2, False, 1, 1),
     "cp_zero3": (3, False, 1, 1),
     "pipe": (1, False, 1, 1),
+    "pipe_2bw": (1, False, 1, 1),
     "3d": (1, False, 1, 1),  # pp and tp are split from the world size at start-up (auto_dims)
     "deepspeed_zero3": (3, False, 1, 1),
     "hf_finetune": (3, False, 1, 2),
@@ -37,7 +38,7 @@ EXPECTED = {  # recipe -> (zero_stage, offload, dp_replicate, tp)
     "zero3_int8": (3, False, 1, 1),
     "fp8": (3, False, 1, 1),
 }
-PP = {"pipe": 2}  # recipe -> pp; every other recipe has pp 1 (`3d` too until the world size splits it)
+PP = {"pipe": 2, "pipe_2bw": 2}  # recipe -> pp; every other recipe has pp 1 (`3d` too until the world size splits it)
 
 
 def _hf_folder(path: Path) -> Path:

@@ -43,7 +43,7 @@ TWO_BW = {"pp": 2, "pp_schedule": "2bw"}
 # name -> (model, strategy, extra job keys); 2 ranks run pp 2 (dp 1), 4 ranks as each strategy says.
 JOBS_2: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "gpt_m2": ("gpt4", {**TWO_BW, "microbatches": 2}, {}),
-    "gpt_m4": ("gpt4", {**TWO_BW, "microbatches": 4}, {"validate": True}),
+    "gpt_m4": ("gpt4", {**TWO_BW, "microbatches": 4}, {"validate": True, "expert_load": True}),  # + a monitor
     "gpt_sgd": ("gpt4_sgd", {**TWO_BW, "microbatches": 2}, {}),
     "llama": ("llama4", {**TWO_BW, "microbatches": 2}, {}),
     "hf_llama": ("hf_llama", {**TWO_BW, "microbatches": 2}, {}),
@@ -84,7 +84,7 @@ def _writer(tmp: Any, name: str, job: dict[str, Any]) -> dict[str, Any]:
 
 
 def _resume(tmp: Any, name: str, jobs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    writer, _, over, warn = RESUMES[name]
+    writer, _, over, _ = RESUMES[name]
     job = jobs[writer]
     strategy = {k: v for k, v in {**job["strategy"], **over}.items() if k != "async_save"}
     return {**job, "strategy": strategy, "ckpt_dir": None, "resume": str(tmp / writer / "step=2.ckpt"),
@@ -172,3 +172,12 @@ def test_a_2bw_checkpoint_resumed_by_another_schedule_says_what_it_drops(results
     assert any(RESUMES["gpt_m2_as_1f1b"][3] in w for w in got["warnings"]), got["warnings"]
     assert rel(got["losses"][:1], ref["losses"][2:3]) < 1e-6  # the same weights at the resumed step
     assert rel(got["losses"], ref["losses"][2:]) > 1e-3  # then another update rule
+
+
+def test_the_monitor_measures_each_steps_bubble(results: dict[str, Any]) -> None:
+    # ParallelismMonitor's per-step bubble and timeline read the runtime's own trace (F, B and waits), as for
+    # torch's schedules.
+    got = results["runs"]["gpt_m4"]
+    m = got["monitor_metrics"]
+    assert 0 <= m["pipe/bubble"] < 1 and 0 < m["pipe/bubble_mean"] <= m["pipe/bubble_max_rank"] < 1, m
+    assert m["pipe/step_ms"] > 0 and got["timeline"] is not None

@@ -173,7 +173,7 @@ class PipelineRunner:
         self.shape_listeners: list[Callable[[list[Shape]], None]] = []
         self._full_shapes: list[Shape] = []
         # PipeDream-2BW trains with a runtime of its own (torch's schedules flush every step).
-        self.two_bw = TwoBW(self) if SCHEDULES[schedule].asynchronous else None
+        self.two_bw = TwoBW(model, group, self.trace) if SCHEDULES[schedule].asynchronous else None
 
     @property
     def last_stage_rank(self) -> int:

@@ -1,4 +1,4 @@
-"""PipeDream-2BW: a pipeline whose steps overlap, with two weight versions per stage.
+"""PipeDream-2BW's runtime: a pipeline whose steps overlap, with two weight versions per stage.
 
 Narayanan et al., "Memory-Efficient Pipeline-Parallel DNN Training" (arXiv 2006.09503). A flushing schedule (1F1B)
 drains the pipeline at every optimizer step: each rank idles ``p - 1`` stage times per step. 2BW keeps 1F1B's
@@ -31,100 +31,23 @@ paper's pipeline ends the same way), and a resumed run restarts the stream: its 
 
 from __future__ import annotations
 
-import contextlib
 import time
 import warnings
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_par.parallel.pipeline.stages import PipelineError
+from lightning_par import _compat
+from lightning_par.parallel.pipeline.stages import PipelineError, PipelineModel
+from lightning_par.parallel.pipeline.trace import StepTrace
+from lightning_par.parallel.pipeline.two_bw.versions import WeightVersion
 
-if TYPE_CHECKING:
-    from lightning_par.parallel.pipeline.schedule import PipelineRunner
-
-__all__ = ["TWO_BW", "TwoBW", "WeightVersion", "restore"]
+__all__ = ["TWO_BW", "TwoBW", "restore"]
 
 TWO_BW = "two_bw"  # the key of a rank's 2BW stream (step count, pending gradient) in its own checkpoint file
-
-
-def _alias(p: Tensor) -> Tensor:
-    """A leaf on ``p``'s storage with its own version counter (the optimizer's in-place writes to ``p`` must not
-    trip autograd's check on the graph that saved it: `WeightVersion.freeze` copies before they happen)."""
-    with torch.no_grad():
-        leaf = torch.empty(0, dtype=p.dtype, device=p.device)
-        leaf.set_(p.untyped_storage(), p.storage_offset(), p.size(), p.stride())
-    return leaf.requires_grad_(True)
-
-
-class WeightVersion:
-    """One stage's trainable weights as one step's forwards saw them.
-
-    Args:
-        holders: ``(module, name, parameter)`` for every place a trainable parameter of the stage is registered.
-    """
-
-    def __init__(self, holders: list[tuple[nn.Module, str, nn.Parameter]]) -> None:
-        self.holders = holders
-        params = list(dict.fromkeys(p for _, _, p in holders))
-        self.params = params
-        self.leaves = [_alias(p) for p in params]
-        self._slot = {id(p): i for i, p in enumerate(params)}
-        self.frozen: Optional[list[Tensor]] = None
-        # storage -> [(first element, element count, parameter index)]: where a saved tensor's values come from
-        self._where: dict[int, list[tuple[int, int, int]]] = {}
-        for i, p in enumerate(params):
-            self._where.setdefault(p.untyped_storage().data_ptr(), []).append((int(p.storage_offset()), p.numel(), i))
-
-    def _values(self) -> list[Tensor]:
-        return self.frozen if self.frozen is not None else self.leaves
-
-    def _pack(self, t: Tensor) -> Any:
-        if t.layout != torch.strided or t.device.type == "meta":
-            return t
-        for first, count, i in self._where.get(t.untyped_storage().data_ptr(), ()):
-            if first <= t.storage_offset() < first + count:
-                return (i, t.storage_offset() - first, tuple(t.size()), tuple(t.stride()))
-        return t
-
-    def _unpack(self, packed: Any) -> Tensor:
-        if isinstance(packed, Tensor):
-            return packed
-        i, offset, size, stride = packed
-        base = self._values()[i]
-        return base.as_strided(size, stride, base.storage_offset() + offset)
-
-    @contextlib.contextmanager
-    def swapped(self) -> Iterator[None]:
-        """Run the stage on this version: its registered parameters swapped for this version's tensors (a forward
-        builds its graph on them; a backward's recomputation reads them), saved views filed by parameter."""
-        values = self._values()
-        for m, name, p in self.holders:
-            m._parameters[name] = values[self._slot[id(p)]]  # type: ignore[assignment]
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-                yield
-        finally:
-            for m, name, p in self.holders:
-                m._parameters[name] = p
-
-    def freeze(self) -> None:
-        """Copy the version's values before the optimizer overwrites the parameters (the one extra weight copy).
-        The copies take gradients too: a reentrant recomputation builds its graph on them."""
-        if self.frozen is None:
-            self.frozen = [leaf.detach().clone().requires_grad_(True) for leaf in self.leaves]
-
-    def gradients(self) -> list[Optional[Tensor]]:
-        """Per parameter, the gradient this version's backwards accumulated (None where none reached it)."""
-        out: list[Optional[Tensor]] = []
-        for i, leaf in enumerate(self.leaves):
-            g = leaf.grad
-            extra = self.frozen[i].grad if self.frozen is not None else None
-            out.append(g if extra is None else extra if g is None else g + extra)
-        return out
 
 
 class _Carried:
@@ -141,22 +64,24 @@ class TwoBW:
     """Runs PipeDream-2BW training steps on one rank of a pipeline group (module docstring).
 
     Args:
-        runner: the pipeline runner (its model, group, trace and wire shapes).
+        model: the cut model (one stage on this rank).
+        group: the pipeline process group.
+        trace: the runner's step trace (this runtime records its actions and waits there).
     """
 
-    def __init__(self, runner: PipelineRunner) -> None:
-        self.runner = runner
-        model = runner.model
+    def __init__(self, model: PipelineModel, group: dist.ProcessGroup, trace: StepTrace) -> None:
+        self.model, self.group, self.trace = model, group, trace
         (stage,) = model.stage_modules()  # one stage per rank
         self.stage, self.spec = stage, stage.spec
         trainable = {id(p) for p in stage.parameters() if p.requires_grad}
-        self.holders = [(m, name, p) for m in model.module.modules() for name, p in m._parameters.items()
+        self.holders = [(m, name, p) for m in model.module.modules() for name, p in _compat.module_parameters(m).items()
                         if p is not None and id(p) in trainable]  # fmt: skip
         self.params = list(dict.fromkeys(p for _, _, p in self.holders))
-        pp, me = runner.pp, dist.get_rank(runner.group)
+        self.pp = pp = dist.get_world_size(group)
+        me = dist.get_rank(group)
         self.lag = pp - 1 - self.spec.index  # microbatches this stage's backwards trail its forwards by
-        self.prev = dist.get_global_rank(runner.group, me - 1) if me > 0 else None
-        self.next = dist.get_global_rank(runner.group, me + 1) if me < pp - 1 else None
+        self.prev = dist.get_global_rank(group, me - 1) if me > 0 else None
+        self.next = dist.get_global_rank(group, me + 1) if me < pp - 1 else None
         self.reset()
 
     def reset(self) -> None:
@@ -186,8 +111,8 @@ class TwoBW:
             out_metas: the same for what it sends.
         """
         m = len(mbs)
-        if m < self.runner.pp:
-            raise PipelineError(f"pp_schedule='2bw' needs microbatches >= pp={self.runner.pp}; got {m}")
+        if m < self.pp:
+            raise PipelineError(f"pp_schedule='2bw' needs microbatches >= pp={self.pp}; got {m}")
         t = self.step_index
         base = t * m
         self.versions[t] = WeightVersion(self.holders)
@@ -200,8 +125,10 @@ class TwoBW:
         if self.next is not None and self.lag > 0:  # the next step's first backward: the next stage's last one now
             self.early = self._recv(out_metas, self.next, grads=True)
         self.out_metas = out_metas
+        start = time.perf_counter()
         for work in sends:
             work.wait()
+        self.trace.add("wait", start, time.perf_counter())
         self._hand_over(t)
         self.step_index += 1
 
@@ -253,15 +180,15 @@ class TwoBW:
 
     def _forward(self, t: int, n: int, j: int, loss_fn: Callable[[Tensor], Tensor],
                  metas: list[tuple[tuple, torch.dtype]], sends: list[Any]) -> None:  # fmt: skip
-        trace = self.runner.trace
+        trace = self.trace
         ins = self._recv(metas, self.prev, grads=False) if self.prev is not None else []
         start = time.perf_counter()
         with self.versions[t].swapped():
-            out = self.stage(*ins, mb=torch.tensor([j], device=self.runner.model.device))
+            out = self.stage(*ins, mb=torch.tensor([j], device=self.model.device))
             outs = [loss_fn(out)] if self.spec.is_last else (list(out) if isinstance(out, tuple) else [out])
         trace.add("F", start, time.perf_counter(), self.spec.index, n)
         if self.next is not None:
-            sends += [dist.isend(o.detach(), dst=self.next, group=self.runner.group) for o in outs]
+            sends += [dist.isend(o.detach(), dst=self.next, group=self.group) for o in outs]
         self.inflight[n] = (t, outs, ins)
 
     def _backward(self, n: int, out_metas: list[tuple[tuple, torch.dtype]], sends: list[Any], early: bool) -> None:
@@ -280,25 +207,25 @@ class TwoBW:
         if pairs:
             with self.versions[t].swapped():
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        self.runner.trace.add("B", start, time.perf_counter(), self.spec.index, n)
+        self.trace.add("B", start, time.perf_counter(), self.spec.index, n)
         if self.prev is not None:
             for x in ins:
                 if x.dtype.is_floating_point:
                     g = x.grad if x.grad is not None else torch.zeros_like(x)
-                    sends.append(dist.isend(g, dst=self.prev, group=self.runner.group))
+                    sends.append(dist.isend(g, dst=self.prev, group=self.group))
 
     def _recv(self, metas: list[tuple[tuple, torch.dtype]], src: int, grads: bool) -> list[Tensor]:
         """Receive the tensors of ``metas`` from ``src`` (gradients: the floating ones only, in order)."""
-        device = self.runner.model.device
+        device = self.model.device
         out = []
         start = time.perf_counter()
         for shape, dtype in metas:
             if grads and not dtype.is_floating_point:
                 continue
             buf = torch.empty(shape, dtype=dtype, device=device)
-            dist.recv(buf, src=src, group=self.runner.group)
+            dist.recv(buf, src=src, group=self.group)
             out.append(buf.requires_grad_(not grads and dtype.is_floating_point))
-        self.runner.trace.add("wait", start, time.perf_counter())
+        self.trace.add("wait", start, time.perf_counter())
         return out
 
 
