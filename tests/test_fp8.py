@@ -202,6 +202,18 @@ def test_tensor_parallel_layouts_follow_one_process(runs: dict[str, Any], name: 
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(("name", "regions"), [("tp", "model.model.layers.*.self_attn, model.model.layers.*.mlp"),
+                                               ("tp_zero3", "model.model.layers.*.self_attn, model.model.layers.*.mlp"),
+                                               ("pipe_tp", "model.model.layers.*.self_attn, model.model.layers.*.mlp"),
+                                               ("tp_fused", "transformer.h.*.mlp"), ("tp_no_sp", None)])  # fmt: skip
+def test_sequence_parallelism_gathers_the_regions_inputs_in_fp8(runs: dict[str, Any], name: str,
+                                                                regions: str | None) -> None:  # fmt: skip
+    # The runs above follow one process with it on (tests/test_fp8_sequence.py: bitwise the same as without).
+    lines = [line for line in runs[name]["startup"] if "all-gathers in fp8" in line]
+    assert lines == ([f"fp8: sequence parallelism all-gathers in fp8 the input of {regions}"] if regions else [])
+
+
+@pytest.mark.slow
 def test_the_tolerances_fail_a_run_without_fp8(runs: dict[str, Any]) -> None:
     off = runs["tp_off"]
     assert not off["fp8_layers"]

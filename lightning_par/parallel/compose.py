@@ -33,7 +33,16 @@ from lightning_par.parallel.context.apply import apply_context_parallel
 from lightning_par.parallel.context.check import check_blocks_run_once
 from lightning_par.parallel.experts.apply import ExpertParallel, apply_expert_parallel
 from lightning_par.parallel.experts.finder import find_moe_layers
-from lightning_par.parallel.fp8 import BytesAllGather, check_fp8_device, convert_fp8, precompute_scales, select_fp8
+from lightning_par.parallel.fp8 import (
+    BytesAllGather,
+    check_fp8_device,
+    convert_fp8,
+    fp8_gathers,
+    gather_note,
+    gather_ready,
+    precompute_scales,
+    select_fp8,
+)
 from lightning_par.parallel.local_sgd.outer import LocalSGD
 from lightning_par.parallel.materialize import InitTemplates, base_seed, capture_init, has_meta, materialize
 from lightning_par.parallel.parts import ModelPart
@@ -43,7 +52,7 @@ from lightning_par.parallel.pipeline.split import PipelineSplit, split_pipeline
 from lightning_par.parallel.run import ParallelRun
 from lightning_par.parallel.tensor.adapters import adapter_names
 from lightning_par.parallel.tensor.plan_types import TPPlan
-from lightning_par.parallel.tensor.sequence import SequenceState
+from lightning_par.parallel.tensor.sequence import Gather, SequenceState
 from lightning_par.parallel.tensor_stages import sequence_shard, tell_lengths, tensor_parallel, tp_plans
 from lightning_par.parallel.zero.fsdp import StepRoot, apply_fsdp, sync_module_states
 from lightning_par.parallel.zero.replicated import ReplicatedZero
@@ -94,7 +103,7 @@ def parallelize(
         check_blocks_run_once(module, trunk)  # a recurrent-depth loop, even one run without gradients
     moe_layers = [layer.name for layer in find_moe_layers(module)]
     # fp8 swaps layers for torchao's: before any layout holds them (the initialisers were read from the originals).
-    fp8_notes = _fp8(module, trunk, moe_layers, plans, config, device) if config.fp8 else []
+    fp8_notes, gathers = _fp8(module, trunk, moe_layers, plans, config, device) if config.fp8 else ([], None)
     # 1. The pipeline first: it removes other stages' modules, so every later step sees only this rank's parameters.
     cut = _split(module, trunk, mesh, config, timeout, device) if config.pp > 1 else None
     parts = cut.parts if cut is not None else [_whole(module, trunk)]
@@ -102,8 +111,8 @@ def parallelize(
     if templates is None:
         _sync_replicas(module, mesh, bool(plans))
     # 3. Tensor parallelism: which slice of each weight a rank holds.
-    tp_line, staged = tensor_parallel(module, parts, mesh, plans, config.sequence_parallel, trunk, cut) if plans \
-        else ("", [])  # fmt: skip
+    tp_line, staged = tensor_parallel(module, parts, mesh, plans, config.sequence_parallel, trunk, cut, gathers) \
+        if plans else ("", [])  # fmt: skip
     tp_notes = [*fp8_notes, tp_line, *stack_notes] if plans else fp8_notes
     # 4. Context parallelism: hooks after tensor parallelism's, attention modes before recomputation wraps them.
     cp_shape = _context_parallel(module, trunk, cut, mesh, config) if config.cp > 1 else None
@@ -291,13 +300,16 @@ def _scalars(module: nn.Module, mesh: ParallelMesh, config: ParallelConfig, excl
 
 
 def _fp8(module: nn.Module, trunk: Optional[Trunk], moe: list[str], plans: list[TPPlan], config: ParallelConfig,
-         device: torch.device) -> list[str]:  # fmt: skip
+         device: torch.device) -> tuple[list[str], Optional[Callable[[str], Optional[Gather]]]]:  # fmt: skip
     """fp8 training (parallel/fp8): the trunk's eligible linear layers become torchao's, whose weights ZeRO-3 then
-    all-gathers in fp8. Returns the start-up lines naming what is in fp8 and what is kept, and why."""
+    all-gathers in fp8, as sequence parallelism does the inputs of the regions only fp8 projections read. Returns the
+    start-up lines naming what is in fp8 and what is kept, and why, and those regions' gathers."""
     check_fp8_device(config.fp8, device)
     layers = select_fp8(module, trunk, moe, plans, config.tp)
+    sp = config.tp > 1 and config.sequence_parallel is not False
+    ready = gather_ready(module, plans, set(layers.converted)) if sp else {}  # a probe of the unconverted model
     convert_fp8(module, layers, emulate=config.fp8 == "emulate", zero3=config.zero_stage == 3)
-    return layers.notes()
+    return [*layers.notes(), *gather_note(ready)], fp8_gathers(module, ready) if ready else None
 
 
 def _trunk(module: nn.Module, config: ParallelConfig) -> Optional[Trunk]:

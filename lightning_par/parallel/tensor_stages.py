@@ -20,7 +20,7 @@ from lightning_par.parallel.tensor.apply import apply_tensor_parallel
 from lightning_par.parallel.tensor.check import check_local_shapes, other_plans, preflight, tp_report
 from lightning_par.parallel.tensor.plan import TPPlan, infer_tp_plan
 from lightning_par.parallel.tensor.plan_validate import validate_tp
-from lightning_par.parallel.tensor.sequence import SequenceState
+from lightning_par.parallel.tensor.sequence import Gather, SequenceState
 
 
 def tp_plans(
@@ -40,14 +40,16 @@ def tp_plans(
 
 
 def tensor_parallel(module: nn.Module, parts: list[ModelPart], mesh: ParallelMesh, plans: list[TPPlan],
-                     sp: Optional[bool], trunk: Optional[Trunk],
-                     cut: Optional[PipelineSplit]) -> tuple[str, list[tuple[int, SequenceState]]]:  # fmt: skip
+                     sp: Optional[bool], trunk: Optional[Trunk], cut: Optional[PipelineSplit],
+                     gathers: Optional[Callable[[str], Optional[Gather]]] = None,
+                     ) -> tuple[str, list[tuple[int, SequenceState]]]:  # fmt: skip
     """Step 3. Under a pipeline each stage's part keeps sequence parallelism wherever it is exact: the trunk's first
     block scatters the sequence, its last gathers it, and the stages between hand on each rank's shard (not under a
     trunk whose blocks run more than once, whose calls a stage cannot tell apart). ``plans``: the trunk's, then
     other stacks' (sequence parallelism there wherever it is exact; under a pipeline, on the rank whose stage holds
     the stack, without it). Returns the start-up line saying what was split and what kept whole, and, where the
-    stages exchange sequence shards, each stage part's first block (trunk index) with its hooks' state."""
+    stages exchange sequence shards, each stage part's first block (trunk index) with its hooks' state. ``gathers``:
+    the trunk regions' own all-gathers under sequence parallelism (`apply_tensor_parallel`)."""
     plan, stacks = plans[0], plans[1:]
     sequence_parallel = sp
     staged: list[tuple[int, SequenceState]] = []
@@ -59,7 +61,7 @@ def tensor_parallel(module: nn.Module, parts: list[ModelPart], mesh: ParallelMes
         ends = (True, True) if part.whole_trunk or trunk is None else (
             trunk.names[0] in names[:1], trunk.names[-1] in names[-1:])  # fmt: skip
         info = apply_tensor_parallel(module, mesh.tp, plan, sequence_parallel=sequence_parallel, blocks=blocks,
-                                     ends=ends)  # fmt: skip
+                                     ends=ends, gathers=gathers)  # fmt: skip
         sequence_parallel = info.sequence_parallel
         if info.sequence is not None and not part.whole_trunk and trunk is not None:
             staged.append((trunk.names.index(names[0]), info.sequence))

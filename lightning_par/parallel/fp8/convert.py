@@ -60,11 +60,11 @@ class Fp8Layers:
 
     def notes(self) -> list[str]:
         """Start-up lines: the fp8 layers and the kept ones, with block indices folded into ``*``."""
-        lines = [f"fp8: {len(self.converted)} linear layer(s) in fp8: {_folded(self.converted)}"]
+        lines = [f"fp8: {len(self.converted)} linear layer(s) in fp8: {folded(self.converted)}"]
         reasons = Counter(self.kept.values())
         for why in sorted(reasons):
             names = [n for n, w in self.kept.items() if w == why]
-            lines.append(f"fp8: kept in the training precision ({why}): {_folded(names)}")
+            lines.append(f"fp8: kept in the training precision ({why}): {folded(names)}")
         return lines
 
 
@@ -161,7 +161,7 @@ def _own_split(plans: list[TPPlan], tp: int) -> list[re.Pattern[str]]:
     return [re.compile(re.escape(p).replace(r"\*", r"[^.]+")) for p in patterns]
 
 
-def _folded(names: Union[list[str], tuple[str, ...]]) -> str:
+def folded(names: Union[list[str], tuple[str, ...]]) -> str:
     """Names with block indices folded (``model.layers.*.mlp.up_proj``), each pattern once, in first-seen order."""
     if not names:
         return "none"

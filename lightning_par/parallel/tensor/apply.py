@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -60,6 +60,7 @@ from lightning_par.parallel.tensor.mha import apply_mha
 from lightning_par.parallel.tensor.plan_affine import affine
 from lightning_par.parallel.tensor.plan_types import HeadInfo, MLPInfo, TPPlan, TPPlanError
 from lightning_par.parallel.tensor.sequence import (
+    Gather,
     SequenceState,
     WholeInRegion,
     gather_sequence,
@@ -129,6 +130,7 @@ def apply_tensor_parallel(
     sequence_parallel: bool | None = None,
     blocks: Sequence[tuple[str, nn.Module]] | None = None,
     ends: tuple[bool, bool] = (True, True),
+    gathers: Callable[[str], Gather | None] | None = None,
 ) -> TensorParallelInfo:
     """Shard the trunk blocks of ``model`` over the 1-D tensor-parallel ``mesh`` as ``plan`` says, in place.
 
@@ -143,6 +145,8 @@ def apply_tensor_parallel(
         ends: whether ``blocks`` start and end the trunk. Under sequence parallelism the trunk's first block
             scatters the sequence and its last gathers it; a pipeline stage's blocks between them get and hand on
             this rank's sequence shard, which is what travels between stages.
+        gathers: under sequence parallelism, a region's own all-gather of its input by the region's qualified name
+            (``None``: DTensor's): fp8's, which gathers the input already cast (`lightning_par.parallel.fp8`).
 
     Raises:
         TPPlanError: a style this function cannot apply (a sharded embedding or head), naming the ``tp_plan``
@@ -175,7 +179,7 @@ def apply_tensor_parallel(
     # torch's SequenceParallel re-registers parameters as trainable: frozen ones (LoRA's base) must stay frozen.
     frozen = [(b, n) for _, b in blocks for n, p in b.named_parameters() if not p.requires_grad]
     for sub, own in groups:
-        regions.update(_apply_blocks(sub, own, mesh, seq, changed))
+        regions.update(_apply_blocks(sub, own, mesh, seq, changed, gathers))
     for block, pname in frozen:
         block.get_parameter(pname).requires_grad_(False)
     if seq is not None and blocks:
@@ -201,6 +205,7 @@ def _apply_blocks(
     mesh: DeviceMesh,
     seq: SequenceState | None,
     changed: dict[str, str],
+    gathers: Callable[[str], Gather | None] | None = None,
 ) -> list[str]:
     """Shard ``blocks``, all of the structure of a uniform ``plan``; return the block-relative split regions."""
     tp, sequence_parallel = mesh.size(), seq is not None
@@ -277,8 +282,9 @@ def _apply_blocks(
             block.get_submodule(rel).register_forward_hook(lambda _m, _a, out: out.clone())
         changed.update({f"{name}.{rel}": _style_name(s) for rel, s in styles.items()})
         for rel in regions:
+            gather = gathers(f"{name}.{rel}") if gathers is not None and seq is not None else None
             block.get_submodule(rel).register_forward_pre_hook(
-                partial(region_input, mesh, seq, plan.hidden_size), with_kwargs=True
+                partial(region_input, mesh, seq, plan.hidden_size, gather=gather), with_kwargs=True
             )
         for rel in inside:
             mod, whole = block.get_submodule(rel), WholeInRegion(mesh)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,7 +33,8 @@ class SequenceState:
     warned: bool = False
 
 
-def _first_hidden(args: tuple[Any, ...], kwargs: dict[str, Any], hidden: int) -> tuple[str | int, torch.Tensor]:
+def first_hidden(args: tuple[Any, ...], kwargs: dict[str, Any], hidden: int) -> tuple[str | int, torch.Tensor]:
+    """Where a region's hidden-state input is among its arguments (the first ``(..., hidden)`` tensor), and it."""
     for i, a in enumerate(args):
         if isinstance(a, torch.Tensor) and a.dim() >= 2 and a.shape[-1] == hidden:
             return i, a
@@ -50,13 +52,24 @@ def _replace(args: tuple[Any, ...], kwargs: dict[str, Any], where: str | int, va
     return args, {**kwargs, where: value}
 
 
+# Under sequence parallelism, a region's own all-gather: (this rank's sequence shard, the tp mesh, the true length)
+# -> the whole sequence as a replicated DTensor whose backward reduce-scatters (fp8's: parallel/fp8/sequence.py).
+Gather = Callable[[torch.Tensor, DeviceMesh, int], DTensor]
+
+
 def region_input(
-    mesh: DeviceMesh, state: SequenceState | None, hidden: int, mod: nn.Module, args: Any, kwargs: Any
+    mesh: DeviceMesh,
+    state: SequenceState | None,
+    hidden: int,
+    mod: nn.Module,
+    args: Any,
+    kwargs: Any,
+    gather: Gather | None = None,
 ) -> Any:
     """The region's hidden input as a replicated DTensor: its column-split projections then produce partial
     input gradients that are summed as DTensors and reduced once (all-reduce; reduce-scatter under SP, whose
-    ``state`` is given)."""
-    where, x = _first_hidden(args, kwargs, hidden)
+    ``state`` is given; ``gather``: the region's own all-gather instead of DTensor's)."""
+    where, x = first_hidden(args, kwargs, hidden)
     if isinstance(x, DTensor):
         return None
     full: Any
@@ -65,7 +78,9 @@ def region_input(
             f"a sequence shard of {x.shape[_SEQ]} rows reached {type(mod).__name__} while the sequence has "
             f"{state.length} tokens over tp={mesh.size()}; pass sequence_parallel=False"
         )
-    if state is not None:
+    if state is not None and gather is not None:
+        full = gather(x, mesh, state.length)
+    elif state is not None:
         full = DTensor.from_local(x, mesh, [Shard(_SEQ)], run_check=False).redistribute(mesh, [Replicate()])
         if full.shape[_SEQ] > state.length:
             full = full.narrow(_SEQ, 0, state.length)  # drop the stream's padding: the region sees the true length
