@@ -289,6 +289,9 @@ FAMILIES: dict[str, tuple[dict[str, Any], Layout, str, bool]] = {
     "zero3_fp8": (LLAMA, Layout(dp_shard=4, zero_stage=3, fp8=True, precision="bf16-mixed", **_ONE), "adamw", False),
     "pipe_zero3_fp8": (dict(LLAMA, num_hidden_layers=4), Layout(pp=2, dp_shard=2, zero_stage=3, microbatches=2,
                                                                 fp8=True, precision="32-true"), "adamw", False),
+    # ... and under sequence parallelism each region's input gathered at one byte a value, after its amax's all-reduce.
+    "tp_zero1_sp_fp8": (LLAMA, Layout(tp=2, dp_shard=2, zero_stage=1, sequence_parallel=True, fp8=True,
+                                      precision="32-true", **_ONE), "adamw", False),
 }  # fmt: skip
 # Jobs measured past their first steps: PowerSGD compresses from its third (compression_start=2), and holds its
 # error from then on, so its fourth is the steady state the planner prices.

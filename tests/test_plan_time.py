@@ -127,3 +127,22 @@ def test_2bw_bubble_is_its_replay_and_below_1f1b() -> None:
     assert two_bw.total == pytest.approx(base.total - 2 / 3 * base.pipeline_bubble) and two_bw.total < base.total
     # The search never proposes it: a one-step-late update changes the optimisation, the user must ask for it.
     assert all(lay.pp_schedule != "2bw" for lay, _ in candidates(GPT, world=16, gpus_per_node=8, global_batch=64))
+
+
+def test_fp8_gathers_the_regions_inputs_at_one_byte() -> None:
+    # Under sequence parallelism fp8 all-gathers each region's input cast (parallel/fp8/sequence.py): the two
+    # forward gathers of a block move 1 byte a value instead of the compute dtype's 2 (H100: fp8 peaks).
+    h100 = device("H100")
+    layout = Layout(tp=8, dp_shard=2, sequence_parallel=True, precision="bf16-mixed")
+    bf16 = step_time(GPT, layout, h100, 16, 2048)
+    fp8 = step_time(GPT, dataclasses.replace(layout, fp8=True), h100, 16, 2048)
+    resid = layout.micro_batch_size * 2048 * GPT.hidden * 2
+    bw = h100.intra_node_bytes_per_s * h100.link_efficiency
+    gather = [collective_time("all_gather", b, 8, bw, h100) for b in (resid, resid / 2)]
+    saved = 2 * (gather[0] - gather[1])
+    blocks_and_microbatches = (bf16.tp_comm - fp8.tp_comm) / saved
+    assert blocks_and_microbatches == pytest.approx(round(blocks_and_microbatches), rel=1e-9)
+    assert round(blocks_and_microbatches) == GPT.layers * layout.m(16)  # every block's gathers, each micro-batch
+    no_sp = dataclasses.replace(layout, sequence_parallel=False)
+    assert step_time(GPT, dataclasses.replace(no_sp, fp8=True), h100, 16, 2048).tp_comm == step_time(
+        GPT, no_sp, h100, 16, 2048).tp_comm  # without sequence parallelism nothing is gathered

@@ -104,7 +104,7 @@ def comm_terms(
     terms += _router(tensors, layout, tokens, m, router_aux)
     terms += _tied(specs, tensors, layout, pp_rank, shard, n)
     terms += _on_every_stage(tensors, layout)
-    terms += _tensor_parallel(specs, every, layout, tokens, hidden, n)
+    terms += _tensor_parallel(specs, every, layout, tokens, hidden, n, m)
     return [t for t in terms if t[2]]
 
 
@@ -260,12 +260,17 @@ def _on_every_stage(tensors: Sequence[Held], layout: Layout) -> list[tuple[str, 
 
 
 def _tensor_parallel(
-    specs: Sequence[ParamSpec], every: Sequence[Held], layout: Layout, tokens: int, hidden: int, n: int
+    specs: Sequence[ParamSpec], every: Sequence[Held], layout: Layout, tokens: int, hidden: int, n: int, m: int
 ) -> list[tuple[str, str, float]]:
     """Activations of the split regions (and the sequence-parallel ends and norms) over tp, and the adapters of
     split bases. A backward collective runs only where a gradient flows: into a region when a trainable parameter is
     in it or before it, out of its input when one is before it (a frozen base with adapters: none before the
-    first adapter)."""
+    first adapter).
+
+    Under fp8 (torchao's tensor-wise scaling), each cast of a split weight or of an activation sharded over tp
+    takes the whole tensor's amax: an all-reduce of one fp64 scalar, 4 per split fp8 layer and micro-batch (counted
+    on the suite with and without sequence parallelism, no recomputation), and one fp32 amax per region whose input
+    sequence parallelism gathers in fp8."""
     tp = layout.tp
     if tp == 1:
         return []
@@ -279,8 +284,13 @@ def _tensor_parallel(
     sp = layout.sequence_parallel  # under a pipeline too: the stages hand on each rank's sequence shard
     fwd, out_bwd, in_bwd, (first, last, entry) = _gradient_flow(specs, every)
     ag = rs = ar = 0.0
+    # Under fp8, a region whose column-split projections are all fp8 gathers its input cast, one byte a value, after
+    # one scalar all-reduce of its amax (parallel/fp8/sequence.py; that its code reads the input nowhere else, the
+    # suite's probe checks on the model: assumed here).
+    cast = _fp8_gathered(every) if sp and layout.fp8 else 0
     if sp:
-        ag += fwd * _ring("all_gather", act * stream, tp) + out_bwd * _ring("all_gather", act * low, tp)
+        ag += (fwd - cast) * _ring("all_gather", act * stream, tp) + cast * _ring("all_gather", act, tp)
+        ag += out_bwd * _ring("all_gather", act * low, tp)
         rs += fwd * _ring("reduce_scatter", act * low, tp) + in_bwd * _ring("reduce_scatter", act * stream, tp)
         # The trunk's exit gather (where its last block runs), its entry's gradient gather (where its first does).
         ag += _ring("all_gather", act * stream, tp) * (last + first * entry)
@@ -302,8 +312,23 @@ def _tensor_parallel(
     else:
         ar += _ring("all_reduce", tokens * rank * low, tp)
     terms = [("tp", "all_gather", ag), ("tp", "reduce_scatter", rs), ("tp", "all_reduce", ar)]
+    if layout.fp8:  # the scales of fp8's casts of split weights and activations, per micro-batch (docstring)
+        split = sum(1 for t in every if t.spec.fp8 and t.spec.tp_dim is not None)
+        terms.append(("tp_fp8_scales", "all_reduce",
+                      m * (4 * split * _ring("all_reduce", 8, tp) + cast * _ring("all_reduce", 4, tp))))  # fmt: skip
     terms.append(("sp_norms" if sp else "tp_partial", "all_reduce", _ring("all_reduce", per, tp)))
     return terms
+
+
+def _fp8_gathered(every: Sequence[Held]) -> int:
+    """How many split regions this rank runs whose column-split projections are all fp8 (`ParamSpec.fp8`)."""
+    columns: dict[tuple[int, str], list[bool]] = {}
+    for t in every:
+        spec = t.spec
+        if spec.block is not None and spec.region and spec.tp_dim == 0 and not spec.tp_row and not spec.role:
+            if len(spec.shape) == 2:  # a projection's weight (its bias follows it)
+                columns.setdefault((spec.block, spec.region), []).append(spec.fp8)
+    return sum(all(flags) for flags in columns.values())
 
 
 def _gradient_flow(specs: Sequence[ParamSpec], every: Sequence[Held]) -> tuple[int, int, int, tuple[int, int, int]]:

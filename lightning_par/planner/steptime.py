@@ -159,6 +159,10 @@ def _block_time(desc: ModelDesc, layout: Layout, seq_len: int, dev: Device, prof
         comm += count * per
         if layout.sequence_parallel and layout.recompute != "full":
             comm += 2 * collective_time("all_gather", resid, layout.tp, bw, dev)
+        if layout.sequence_parallel and layout.fp8:  # the regions' input gathers at one byte a value (fp8/sequence)
+            forward = 2 * (2 if layout.recompute == "full" else 1)
+            comm -= forward * (collective_time("all_gather", resid, layout.tp, bw, dev)
+                               - collective_time("all_gather", resid / el, layout.tp, bw, dev))  # fmt: skip
     if desc.experts and layout.ep > 1:
         routed = tokens * desc.top_k * desc.hidden * el
         comm += 4 * collective_time("all_to_all", routed * layout.ep, layout.ep, _link(dev, layout.ep * layout.tp), dev)
