@@ -331,11 +331,10 @@ class PipelineRunner:
         self._loss_fn = loss_fn
         if self.two_bw is not None:  # PipeDream-2BW: our own runtime; steps overlap
             shapes, dtype, side = self._wire(mbs, step_fn, "2bw")
-            spec, n = self.two_bw.spec, len(shapes)
+            spec = self.two_bw.spec
             ins = self._metas(spec.start, shapes, dtype, side) if not spec.is_first else []
-            outs = self._metas(spec.end, shapes, dtype, side) if spec.end < n else []
             with self.trace:
-                self.two_bw.step(mbs, loss_fn, ins, outs)
+                self.two_bw.step(mbs, loss_fn, ins)
         else:
             sched = self._scheduled(mbs, step_fn, training=True)
             device = self.model.device

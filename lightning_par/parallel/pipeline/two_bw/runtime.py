@@ -50,6 +50,10 @@ __all__ = ["TWO_BW", "TwoBW", "restore"]
 TWO_BW = "two_bw"  # the key of a rank's 2BW stream (step count, pending gradient) in its own checkpoint file
 
 
+def _metas(tensors: list[Tensor]) -> list[tuple[tuple, torch.dtype]]:
+    return [(tuple(t.shape), t.dtype) for t in tensors]
+
+
 class _Carried:
     """A resumed step's gradient, as a `WeightVersion` whose backwards all ran before the save."""
 
@@ -90,7 +94,6 @@ class TwoBW:
         self.versions: dict[int, WeightVersion] = {}
         self.inflight: dict[int, tuple[int, list[Tensor], list[Tensor]]] = {}  # microbatch -> (step, outs, ins)
         self.early: Optional[list[Tensor]] = None  # the next step's first backward's gradient, received at the end
-        self.out_metas: list[tuple[tuple, torch.dtype]] = []  # what this stage sends (a flush receives gradients)
 
     def stash_bytes(self) -> tuple[int, int]:
         """(bytes of weight copies held now, bytes of the stage's trainable weights): between steps one copy on
@@ -99,16 +102,15 @@ class TwoBW:
         return held, sum(p.numel() * p.element_size() for p in self.params)
 
     # ---- one step ----------------------------------------------------------------------------------------------
-    def step(self, mbs: list[Any], loss_fn: Callable[[Tensor], Tensor], metas: list[tuple[tuple, torch.dtype]],
-             out_metas: list[tuple[tuple, torch.dtype]]) -> None:  # fmt: skip
+    def step(self, mbs: list[Any], loss_fn: Callable[[Tensor], Tensor], metas: list[tuple[tuple, torch.dtype]]) -> None:
         """Forwards of this step's microbatches, backwards of the stream ``lag`` places behind; then the previous
         step's gradient lands in ``.grad`` (nothing on the first step).
 
         Args:
             mbs: this step's microbatches.
             loss_fn: what the last stage differentiates, from a microbatch's loss.
-            metas: shape and dtype of each tensor this stage receives (the hidden state, then side outputs).
-            out_metas: the same for what it sends.
+            metas: shape and dtype of each tensor this stage receives (the hidden state, then side outputs); the
+                gradients it receives are shaped as what it sent with each microbatch (a short last batch too).
         """
         m = len(mbs)
         if m < self.pp:
@@ -121,10 +123,9 @@ class TwoBW:
             self._forward(t, base + j, j, loss_fn, metas, sends)
             n = base + j - self.lag
             if n in self.inflight:  # not yet run: before step 0's, or by a save's `flush`
-                self._backward(n, out_metas, sends, early=n == base - self.lag)
+                self._backward(n, sends, early=n == base - self.lag)
         if self.next is not None and self.lag > 0:  # the next step's first backward: the next stage's last one now
-            self.early = self._recv(out_metas, self.next, grads=True)
-        self.out_metas = out_metas
+            self.early = self._recv(_metas(self.inflight[base + m - self.lag][1]), self.next, grads=True)
         start = time.perf_counter()
         for work in sends:
             work.wait()
@@ -139,7 +140,7 @@ class TwoBW:
         the next step applies anyway, computed on the same stashed weights, so the run continues unchanged."""
         sends: list[Any] = []
         for n in sorted(self.inflight):
-            self._backward(n, self.out_metas, sends, early=self.early is not None)
+            self._backward(n, sends, early=self.early is not None)
         for work in sends:
             work.wait()
         self.early = None
@@ -191,7 +192,7 @@ class TwoBW:
             sends += [dist.isend(o.detach(), dst=self.next, group=self.group) for o in outs]
         self.inflight[n] = (t, outs, ins)
 
-    def _backward(self, n: int, out_metas: list[tuple[tuple, torch.dtype]], sends: list[Any], early: bool) -> None:
+    def _backward(self, n: int, sends: list[Any], early: bool) -> None:
         t, outs, ins = self.inflight.pop(n)
         pairs: list[tuple[Tensor, Optional[Tensor]]]
         if self.next is None:
@@ -200,7 +201,7 @@ class TwoBW:
             if early and self.early is not None:  # received at the end of the previous step
                 grads, self.early = self.early, None
             else:
-                grads = self._recv(out_metas, self.next, grads=True)
+                grads = self._recv(_metas(outs), self.next, grads=True)
             floating = [o for o in outs if o.dtype.is_floating_point]  # what the next stage sends gradients for
             pairs = [(o, g) for o, g in zip(floating, grads) if o.requires_grad]
         start = time.perf_counter()
