@@ -169,6 +169,20 @@ def probe_call(model: nn.Module) -> None:
         model(torch.zeros((1, 8), dtype=torch.long, device=device))
 
 
+def watched_probe(model: nn.Module, watch: Any, handles: list[Any]) -> bool:
+    """One `probe_call` in eval mode without gradients under ``watch`` (a torch function mode); ``handles`` (the
+    hooks that feed it) are removed after. Returns False when the probe cannot run the model."""
+    try:
+        with eval_mode(model), torch.no_grad(), watch:
+            probe_call(model)
+    except Exception:
+        return False
+    finally:
+        for h in handles:
+            h.remove()
+    return True
+
+
 def _trace(
     model: nn.Module,
     block: nn.Module,

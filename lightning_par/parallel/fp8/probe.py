@@ -19,7 +19,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_par import _compat
-from lightning_par.blocks._probe import eval_mode, probe_call, writes_in_place
+from lightning_par.blocks._probe import watched_probe, writes_in_place
 
 WEIGHT_OUTSIDE = "its weight is read outside its forward (the fp8 gather would hand that code an fp8 tensor)"
 OUTPUT_IN_PLACE = "its output is changed in place (autograd forbids it on fp8's output)"
@@ -64,12 +64,4 @@ def unconvertible(model: nn.Module, names: list[str]) -> dict[str, str]:
 
     handles = [h for n, m in layers.items()
                for h in (m.register_forward_pre_hook(enter(n)), m.register_forward_hook(leave(n)))]  # fmt: skip
-    try:
-        with eval_mode(model), torch.no_grad(), _Watch(weights, running, outputs, found):
-            probe_call(model)
-    except Exception:
-        return {}
-    finally:
-        for h in handles:
-            h.remove()
-    return found
+    return found if watched_probe(model, _Watch(weights, running, outputs, found), handles) else {}

@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.overrides import TorchFunctionMode
 
 from lightning_par import _compat
-from lightning_par.blocks._probe import eval_mode, probe_call
+from lightning_par.blocks._probe import watched_probe
 from lightning_par.parallel.fp8.convert import folded
 from lightning_par.parallel.tensor.plan_types import HeadInfo, MLPInfo, TPPlan
 from lightning_par.parallel.tensor.sequence import Gather, first_hidden
@@ -163,14 +163,8 @@ def gather_ready(model: nn.Module, plans: list[TPPlan], layers: set[str]) -> dic
         for n in names:
             layer = model.get_submodule(n)
             handles += [layer.register_forward_pre_hook(enter(region)), layer.register_forward_hook(leave(region))]
-    try:
-        with eval_mode(model), torch.no_grad(), _Readers(inputs, running, bad):
-            probe_call(model)
-    except Exception:
+    if not watched_probe(model, _Readers(inputs, running, bad), handles):
         return {}
-    finally:
-        for h in handles:
-            h.remove()
     seen = set(inputs.values())
     return {region: names[0] for region, names in candidates.items() if region in seen and region not in bad}
 
